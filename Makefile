@@ -1,0 +1,39 @@
+# Two commands on a fresh machine (CPU is enough):
+#   make demo   # GRPO on GSM8K with the embedded SmolLM2-135M-Instruct, FP8 emulated on CPU
+#   make test   # the test suite
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+DEMO_ARGS ?=
+
+.PHONY: demo test test-gpu lint clean-venv
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+$(VENV)/.run-deps: pyproject.toml constraints.txt | $(BIN)/python
+	$(BIN)/python -m pip install -q -c constraints.txt -e .
+	touch $@
+
+# JetStream 0.2.2 without its dependencies: its seqio/TensorFlow tokenizer stack is never used here
+$(VENV)/.dev-deps: $(VENV)/.run-deps
+	$(BIN)/python -m pip install -q -c constraints.txt -e ".[dev,serve]"
+	$(BIN)/python -m pip install -q --no-deps google-jetstream==0.2.2
+	touch $@
+
+demo: $(VENV)/.run-deps
+	$(BIN)/python -m fp8rl_jax.main --config=configs/smollm2_gsm8k.py $(DEMO_ARGS)
+
+test: $(VENV)/.dev-deps
+	$(BIN)/python -m pytest -q -m "not gpu" tests
+
+# on a GPU host (Transformer Engine installed): the GPU-marked tests
+test-gpu:
+	python3 -m pytest -q -m gpu tests
+
+lint: $(VENV)/.dev-deps
+	$(BIN)/ruff check fp8rl_jax tests configs benchmarks
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,30 @@
+"""Llama-3.2-1B(-Instruct) GRPO on GSM8K, one GPU.
+
+    python -m fp8rl_jax.main --config=configs/llama1b.py:/path/to/Llama-3.2-1B-Instruct
+"""
+
+from fp8rl_jax.config import base_config
+
+
+def get_config(arg=None):
+    c = base_config()
+    c.steps = 200
+    c.workdir = "runs/llama1b_gsm8k"
+    c.model.source = arg or ""  # a Hugging Face folder (config.json + safetensors + tokenizer.json)
+    c.precision.mode = "fp8_e2e"
+    c.precision.backend = "auto"
+    c.precision.kv_cache_dtype = "float8_e4m3fn"
+    c.data.dataset = "gsm8k"
+    c.data.system_prompt = "Solve the problem step by step and end with '#### <answer>'."
+    c.reward.fns = "gsm8k_answer,gsm8k_format"
+    c.reward.weights = "1.0,0.1"
+    c.rollout.prompts_per_step = 64
+    c.rollout.samples_per_prompt = 8
+    c.rollout.max_new_tokens = 1024
+    c.rollout.decode_slots = 256
+    c.rl.minibatches = 4
+    c.rl.microbatch_sequences = 32
+    c.optim.lr = 1e-6
+    c.optim.warmup_steps = 10
+    c.checkpoint.every = 20
+    return c

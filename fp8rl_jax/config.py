@@ -1,0 +1,247 @@
+"""The run configuration: one ``ml_collections.ConfigDict`` with every key the trainer reads.
+
+Config files (``configs/*.py``) start from ``base_config()`` and change what they need; the command line
+overrides any key (``--config.rollout.temperature=0.7``). The dict is locked, so a misspelt key fails at once,
+and ``validate`` checks values before anything is built, naming the key, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+
+import ml_collections
+
+PRECISION_MODES = ("bf16", "fp8_rollout", "fp8_e2e")
+ADVANTAGES = ("grpo", "drgrpo", "rloo")
+LOSS_AGGS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
+KL_ESTIMATORS = ("k1", "k3")
+IS_CORRECTIONS = ("none", "tis", "seq_tis", "mis", "icepop")
+SCHEDULES = ("constant", "cosine", "linear")
+
+
+def base_config() -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.seed = 0
+    c.steps = 100  # RL steps (one rollout batch each)
+    c.workdir = "runs/default"  # checkpoints, metrics.jsonl, TensorBoard events, plots
+
+    c.model = ml_collections.ConfigDict()
+    c.model.source = "smollm2"  # "smollm2" (embedded GGUF) | "preset" (random init) | HF folder | .gguf file
+    c.model.preset = ""  # with source="preset": a name from fp8rl_jax.model.config.PRESETS
+    c.model.tokenizer = ""  # "" = from the model source; "char" = the synthetic tasks' character tokenizer
+    c.model.param_dtype = "float32"  # master weights
+    c.model.init_std = 0.02  # random init only
+
+    c.precision = ml_collections.ConfigDict()
+    c.precision.mode = "fp8_e2e"  # bf16 | fp8_rollout (BF16 train, FP8 rollout) | fp8_e2e
+    c.precision.backend = "auto"  # auto (te on a GPU with Transformer Engine, else xla) | xla | te
+    c.precision.compute_dtype = "bfloat16"
+    c.precision.margin = 0
+    c.precision.amax_history_len = 16
+    c.precision.amax_compute_algo = "max"  # max | most_recent
+    c.precision.fp8_format = "hybrid"  # hybrid (E4M3 fwd, E5M2 grads) | e4m3
+    c.precision.bf16_first_layers = 0
+    c.precision.bf16_last_layers = 0
+    c.precision.lm_head_fp8 = False
+    c.precision.kv_cache_dtype = "bfloat16"  # bfloat16 | float8_e4m3fn
+    c.precision.kv_margin = 0
+    c.precision.kv_calibration_sequences = 8  # sequences of the last rollout used to recalibrate KV scales
+
+    c.data = ml_collections.ConfigDict()
+    c.data.dataset = "gsm8k"  # gsm8k | arithmetic | pattern
+    c.data.train_path = ""  # "" = the dataset's default location
+    c.data.eval_path = ""
+    c.data.prompt_format = "chat"  # chat (the tokenizer's template) | plain
+    c.data.system_prompt = ""
+    c.data.max_prompt_tokens = 256  # longer prompts are dropped (and counted)
+    c.data.shuffle = True
+    c.data.num_eval = 0  # eval problems per evaluation (0 = no eval)
+    c.data.eval_every = 0
+
+    c.reward = ml_collections.ConfigDict()
+    c.reward.fns = "gsm8k_answer"  # comma-separated names from the reward registry
+    c.reward.weights = ""  # comma-separated floats, "" = all 1
+
+    c.rollout = ml_collections.ConfigDict()
+    c.rollout.prompts_per_step = 8
+    c.rollout.samples_per_prompt = 4  # the GRPO group size
+    c.rollout.max_new_tokens = 256
+    c.rollout.temperature = 1.0
+    c.rollout.top_p = 1.0
+    c.rollout.top_k = 0  # 0 = off
+    c.rollout.decode_slots = 32  # concurrent sequences in the decode batch
+
+    c.rl = ml_collections.ConfigDict()
+    c.rl.advantage = "grpo"  # grpo (std-normalised) | drgrpo (mean only) | rloo
+    c.rl.clip_low = 0.2
+    c.rl.clip_high = 0.2  # > clip_low = DAPO's clip-higher
+    c.rl.loss_agg = "token_mean"
+    c.rl.kl_coef = 0.0
+    c.rl.kl_estimator = "k3"
+    c.rl.is_correction = "tis"  # none | tis | seq_tis | mis | icepop
+    c.rl.is_cap = 2.0  # TIS / sequence-TIS cap C
+    c.rl.is_low = 0.5  # MIS / IcePop lower bound
+    c.rl.is_high = 2.0  # MIS / IcePop upper bound
+    c.rl.minibatches = 1  # optimizer updates per RL step
+    c.rl.microbatch_sequences = 0  # gradient accumulation: sequences per microbatch (0 = whole minibatch)
+
+    c.optim = ml_collections.ConfigDict()
+    c.optim.lr = 1e-6
+    c.optim.schedule = "constant"
+    c.optim.warmup_steps = 0
+    c.optim.weight_decay = 0.0
+    c.optim.b1 = 0.9
+    c.optim.b2 = 0.999
+    c.optim.eps = 1e-8
+    c.optim.clip_norm = 1.0
+
+    c.checkpoint = ml_collections.ConfigDict()
+    c.checkpoint.every = 0  # steps between saves (0 = only at the end)
+    c.checkpoint.keep = 3
+    c.checkpoint.resume = "auto"  # auto (latest in workdir, if any) | never
+    c.checkpoint.async_save = True
+
+    c.logging = ml_collections.ConfigDict()
+    c.logging.tensorboard = True
+    c.logging.plots = True
+    c.logging.progress = True
+
+    c.faults = ml_collections.ConfigDict()
+    c.faults.max_consecutive_bad_steps = 3  # NaN/inf losses in a row before the run aborts
+
+    c.mesh = ml_collections.ConfigDict()
+    c.mesh.data = 1
+    c.mesh.fsdp = -1  # -1: all remaining devices
+    c.mesh.tensor = 1
+    return c
+
+
+# ----------------------------------------------------------------------------------------------------------
+# validation
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def _check(cond: bool, key: str, value, allowed: str) -> None:
+    if not cond:
+        raise ConfigError(f"config.{key}={value!r} is invalid; allowed: {allowed}")
+
+
+def _one_of(c, key: str, options: Sequence[str]) -> None:
+    value = _get(c, key)
+    _check(value in options, key, value, " | ".join(options))
+
+
+def _get(c, key: str):
+    node = c
+    for part in key.split("."):
+        node = node[part]
+    return node
+
+
+def _positive(c, key: str, allow_zero: bool = False) -> None:
+    value = _get(c, key)
+    ok = isinstance(value, (int, float)) and (value >= 0 if allow_zero else value > 0)
+    _check(ok, key, value, ">= 0" if allow_zero else "> 0")
+
+
+def _float_list(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x.strip()]
+
+
+def validate(c: ml_collections.ConfigDict, known_rewards: Callable[[], Sequence[str]] | None = None) -> None:
+    """Raise ``ConfigError`` naming the first bad key."""
+    from fp8rl_jax.model.config import PRESETS
+
+    _one_of(c, "precision.mode", PRECISION_MODES)
+    _one_of(c, "precision.backend", ("auto", "xla", "te"))
+    _one_of(c, "precision.compute_dtype", ("bfloat16", "float32"))
+    _one_of(c, "precision.amax_compute_algo", ("max", "most_recent"))
+    _one_of(c, "precision.fp8_format", ("hybrid", "e4m3"))
+    _one_of(c, "precision.kv_cache_dtype", ("bfloat16", "float8_e4m3fn"))
+    _positive(c, "precision.amax_history_len")
+    for key in ("precision.margin", "precision.kv_margin", "precision.bf16_first_layers",
+                "precision.bf16_last_layers"):
+        _positive(c, key, allow_zero=True)
+    _one_of(c, "model.param_dtype", ("float32", "bfloat16"))
+
+    src = c.model.source
+    if src == "preset":
+        _check(c.model.preset in PRESETS, "model.preset", c.model.preset, ", ".join(sorted(PRESETS)))
+    elif src != "smollm2":
+        _check(os.path.exists(src), "model.source", src,
+               "smollm2 | preset | an existing Hugging Face folder or .gguf file")
+
+    _one_of(c, "data.dataset", ("gsm8k", "arithmetic", "pattern"))
+    _one_of(c, "data.prompt_format", ("chat", "plain"))
+    for key in ("data.train_path", "data.eval_path"):
+        path = _get(c, key)
+        _check(not path or os.path.exists(path), key, path, "an existing file, or '' for the default")
+    _positive(c, "data.max_prompt_tokens")
+
+    names = [n.strip() for n in c.reward.fns.split(",") if n.strip()]
+    _check(bool(names), "reward.fns", c.reward.fns, "at least one reward name")
+    if known_rewards is not None:
+        known = set(known_rewards())
+        for n in names:
+            _check(n in known, "reward.fns", n, ", ".join(sorted(known)))
+    try:
+        weights = _float_list(c.reward.weights)
+    except ValueError:
+        raise ConfigError(f"config.reward.weights={c.reward.weights!r} is invalid; allowed: comma-separated "
+                          "floats") from None
+    _check(not weights or len(weights) == len(names), "reward.weights", c.reward.weights,
+           f"{len(names)} comma-separated floats (one per reward fn) or ''")
+
+    for key in ("rollout.prompts_per_step", "rollout.samples_per_prompt", "rollout.max_new_tokens",
+                "rollout.decode_slots", "steps", "rl.minibatches", "optim.clip_norm"):
+        _positive(c, key)
+    _positive(c, "rollout.temperature")
+    _check(0 < c.rollout.top_p <= 1, "rollout.top_p", c.rollout.top_p, "0 < top_p <= 1")
+    _positive(c, "rollout.top_k", allow_zero=True)
+
+    _one_of(c, "rl.advantage", ADVANTAGES)
+    _one_of(c, "rl.loss_agg", LOSS_AGGS)
+    _one_of(c, "rl.kl_estimator", KL_ESTIMATORS)
+    _one_of(c, "rl.is_correction", IS_CORRECTIONS)
+    for key in ("rl.clip_low", "rl.clip_high", "rl.kl_coef", "rl.microbatch_sequences"):
+        _positive(c, key, allow_zero=True)
+    _positive(c, "rl.is_cap")
+    _check(0 <= c.rl.is_low < 1 < c.rl.is_high, "rl.is_low/rl.is_high", (c.rl.is_low, c.rl.is_high),
+           "0 <= is_low < 1 < is_high")
+    seqs = c.rollout.prompts_per_step * c.rollout.samples_per_prompt
+    _check(seqs % c.rl.minibatches == 0, "rl.minibatches", c.rl.minibatches,
+           f"a divisor of prompts_per_step * samples_per_prompt = {seqs}")
+    mb = c.rl.microbatch_sequences
+    _check(mb == 0 or (seqs // c.rl.minibatches) % mb == 0, "rl.microbatch_sequences", mb,
+           f"0 or a divisor of the minibatch size {seqs // c.rl.minibatches}")
+
+    _one_of(c, "optim.schedule", SCHEDULES)
+    _positive(c, "optim.lr", allow_zero=True)
+    _positive(c, "optim.warmup_steps", allow_zero=True)
+    _one_of(c, "checkpoint.resume", ("auto", "never"))
+    _positive(c, "checkpoint.keep")
+    _positive(c, "checkpoint.every", allow_zero=True)
+    _positive(c, "faults.max_consecutive_bad_steps")
+    for key in ("mesh.data", "mesh.fsdp", "mesh.tensor"):
+        value = _get(c, key)
+        _check(isinstance(value, int) and (value >= 1 or value == -1), key, value, "a positive int or -1")
+
+
+def load_config_file(path: str, arg: str | None = None) -> ml_collections.ConfigDict:
+    """Load ``get_config(arg)`` from a config file (what ``--config=path.py:arg`` does), for notebooks."""
+    import importlib.util
+
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"config file {path} not found")
+    spec = importlib.util.spec_from_file_location("fp8rl_user_config", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not hasattr(module, "get_config"):
+        raise ConfigError(f"{path} defines no get_config(arg=None)")
+    config = module.get_config(arg) if arg is not None else module.get_config()
+    config.lock()
+    return config

@@ -1,0 +1,57 @@
+"""``linear``: the one entry point every matmul of the model goes through."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from fp8rl_jax.fp8 import xla
+from fp8rl_jax.fp8.policy import Precision
+from fp8rl_jax.fp8.recipe import Fp8LinearState
+from fp8rl_jax.fp8.xla import QuantizedKernel
+
+
+def _te():
+    from fp8rl_jax.fp8 import te  # lazy: Transformer Engine is optional and GPU-only
+
+    return te
+
+
+def linear(
+    x: jax.Array,
+    kernel: jax.Array | QuantizedKernel,
+    fp8_state: Fp8LinearState | None,
+    precision: Precision,
+    out_dtype=None,
+) -> jax.Array:
+    """``x [..., K] @ kernel [K, N]`` -> [..., N] in ``out_dtype`` (default: the compute dtype).
+
+    ``fp8_state`` None means this matmul is outside FP8 (a BF16 block, the lm_head, or the ``bf16`` backend).
+    A ``QuantizedKernel`` (rollout weights quantized once per RL step) needs only the input's scale.
+    """
+    dtype = precision.dtype
+    out_dtype = jnp.dtype(out_dtype or dtype)
+    x = x.astype(dtype)
+    if fp8_state is None or not precision.fp8:
+        if isinstance(kernel, QuantizedKernel):
+            raise TypeError("a pre-quantized kernel needs its FP8 state (the input scale)")
+        return lax.dot_general(
+            x, kernel.astype(dtype), (((x.ndim - 1,), (0,)), ((), ())), preferred_element_type=out_dtype
+        )
+    k, n = kernel.shape
+    # [..., K] -> [M, K]: the FP8 GEMMs take 2-D operands
+    x2 = x.reshape(-1, k)
+    backend = _te() if precision.backend == "te" else xla
+    if isinstance(kernel, QuantizedKernel):
+        y = backend.prequantized_matmul(x2, kernel, fp8_state["x"]["scale"], precision.recipe)
+        y = y.astype(out_dtype)
+    else:
+        y = backend.fp8_matmul(x2, kernel, fp8_state, precision.recipe, out_dtype)
+    # [M, N] -> [..., N]
+    return y.reshape(*x.shape[:-1], n)
+
+
+def quantize_kernel(kernel: jax.Array, fp8_state: Fp8LinearState, precision: Precision) -> QuantizedKernel:
+    backend = _te() if precision.backend == "te" else xla
+    return backend.quantize_kernel(kernel, fp8_state["kernel"], precision.recipe)

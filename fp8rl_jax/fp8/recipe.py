@@ -1,0 +1,173 @@
+"""Delayed-scaling FP8: the recipe, the state pytree, quantization and the scale update.
+
+Design note
+-----------
+Formats. E4M3 (max 448, 3 mantissa bits) has the precision that weights and activations need; E5M2 (max 57344,
+2 mantissa bits) has the range that gradients need. ``hybrid`` uses E4M3 forward and E5M2 backward; ``e4m3`` uses
+E4M3 everywhere. Both are the OCP "fn" variants that XLA, ml_dtypes and Transformer Engine share.
+
+Delayed scaling. Every FP8 linear has three tensors to quantize, its *roles*: the input ``x``, the ``kernel`` and
+the output gradient ``grad``. Each role keeps a per-tensor ``scale`` and an ``amax_history`` (newest first). A
+tensor is quantized with the scale computed from amaxes seen in *earlier* steps, so quantizing needs no reduction
+over the tensor before the GEMM:
+
+    q = saturate(x * scale)            # then cast to FP8, round to nearest even
+    x ~= q / scale                     # the GEMM rescales its f32 accumulator by 1/(scale_a * scale_b)
+
+After a train step, each role's amax is pushed to the front of its history and
+
+    scale = fp8_max / amax / 2**margin,   amax = max(history)  (or history[0] for ``most_recent``)
+
+A role whose amax is 0 or not finite keeps its old scale. This follows Transformer Engine's DelayedScaling
+(same formula, same meaning of margin and of the two algorithms), so the ``te`` and ``xla`` backends read one
+state and quantize alike.
+
+One state, two consumers. The state is a pytree of plain arrays beside the params, checkpointed with them.
+Only the train step changes it; rollout reads it. Rollout and the training forward therefore quantize every
+kernel with the same scale and get bit-identical FP8 operands, which is what keeps importance weights near 1.
+
+How the amaxes leave a jitted step. The amaxes of ``x`` and ``kernel`` are known in the forward pass, the amax
+of ``grad`` only in the backward pass. The FP8 linears are ``custom_vjp`` functions whose cotangent for the
+state is not a gradient: row 0 of each ``amax_history`` cotangent carries the amax observed in this call, the
+rest is zero. ``jax.grad`` with respect to ``(params, fp8_state)`` therefore returns the observations;
+``update_state`` rolls them in. Observations from several microbatches combine with ``max`` (they are
+non-negative), never with a sum.
+
+Left out: per-channel or block scaling (MXFP8), current (just-in-time) scaling, and FP8 for attention
+softmax; the KV cache has its own per-layer scales (``kv.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+
+E4M3 = jnp.float8_e4m3fn
+E5M2 = jnp.float8_e5m2
+ROLES = ("x", "kernel", "grad")
+FORMATS = ("hybrid", "e4m3")
+AMAX_ALGOS = ("max", "most_recent")
+
+Fp8Meta = dict[str, jax.Array]  # {"scale": f32[], "amax_history": f32[H]}
+Fp8LinearState = dict[str, Fp8Meta]  # {"x": Fp8Meta, "kernel": Fp8Meta, "grad": Fp8Meta}
+
+
+def fp8_max(dtype: Any) -> float:
+    """Largest finite value of an FP8 dtype (448 for E4M3, 57344 for E5M2)."""
+    return float(ml_dtypes.finfo(dtype).max)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Recipe:
+    """Delayed-scaling recipe. Hashable, so it can be a static argument of jitted functions."""
+
+    margin: int = 0
+    amax_history_len: int = 16
+    amax_compute_algo: str = "max"
+    fp8_format: str = "hybrid"
+
+    def __post_init__(self):
+        if self.fp8_format not in FORMATS:
+            raise ValueError(f"fp8_format={self.fp8_format!r}; allowed: {FORMATS}")
+        if self.amax_compute_algo not in AMAX_ALGOS:
+            raise ValueError(f"amax_compute_algo={self.amax_compute_algo!r}; allowed: {AMAX_ALGOS}")
+        if self.amax_history_len < 1:
+            raise ValueError(f"amax_history_len={self.amax_history_len}; must be >= 1")
+        if self.margin < 0:
+            raise ValueError(f"margin={self.margin}; must be >= 0")
+
+    @property
+    def fwd_dtype(self):
+        return E4M3
+
+    @property
+    def bwd_dtype(self):
+        return E5M2 if self.fp8_format == "hybrid" else E4M3
+
+    def dtype_of(self, role: str):
+        return self.bwd_dtype if role == "grad" else self.fwd_dtype
+
+
+def init_meta(history_len: int, stack: tuple[int, ...] = ()) -> Fp8Meta:
+    """Scale 1 and an empty history, optionally stacked (e.g. ``stack=(num_layers,)``)."""
+    return {
+        "scale": jnp.ones(stack, jnp.float32),
+        "amax_history": jnp.zeros((*stack, history_len), jnp.float32),
+    }
+
+
+def init_linear_state(recipe: Fp8Recipe, stack: tuple[int, ...] = ()) -> Fp8LinearState:
+    return {role: init_meta(recipe.amax_history_len, stack) for role in ROLES}
+
+
+def quantize(x: jax.Array, scale: jax.Array, dtype) -> jax.Array:
+    """Saturating cast of ``x * scale`` to FP8. The multiply is in f32, so the cast rounds once."""
+    limit = fp8_max(dtype)
+    y = x.astype(jnp.float32) * scale.astype(jnp.float32)
+    return jnp.clip(y, -limit, limit).astype(dtype)
+
+
+def amax(x: jax.Array) -> jax.Array:
+    return jnp.max(jnp.abs(x)).astype(jnp.float32)
+
+
+def scale_from_history(history: jax.Array, old_scale: jax.Array, dtype, recipe: Fp8Recipe) -> jax.Array:
+    """``fp8_max / amax / 2**margin`` over the last axis of ``history``; keeps ``old_scale`` where amax is 0/NaN."""
+    if recipe.amax_compute_algo == "max":
+        a = jnp.max(history, axis=-1)
+    else:
+        a = history[..., 0]
+    fresh = fp8_max(dtype) / a / (2.0**recipe.margin)
+    ok = (a > 0) & jnp.isfinite(a)
+    return jnp.where(ok, fresh, old_scale).astype(jnp.float32)
+
+
+def update_meta(meta: Fp8Meta, observed: jax.Array, dtype, recipe: Fp8Recipe) -> Fp8Meta:
+    """Push ``observed`` (shape = scale's shape) to the front of the history and recompute the scale.
+
+    A non-finite observation (a NaN step) is recorded as 0, so it neither poisons the window nor moves the scale.
+    """
+    observed = jnp.where(jnp.isfinite(observed), observed, 0.0).astype(jnp.float32)
+    hist = jnp.roll(meta["amax_history"], 1, axis=-1)
+    hist = hist.at[..., 0].set(observed)
+    return {"scale": scale_from_history(hist, meta["scale"], dtype, recipe), "amax_history": hist}
+
+
+def _is_meta(node) -> bool:
+    return isinstance(node, dict) and set(node) == {"scale", "amax_history"}
+
+
+def _is_linear_state(node) -> bool:
+    return isinstance(node, dict) and set(node) == set(ROLES) and all(_is_meta(node[r]) for r in ROLES)
+
+
+def update_state(state, observations, recipe: Fp8Recipe):
+    """Roll observed amaxes into every linear's state.
+
+    ``observations`` has the structure of ``state`` (it is what ``jax.grad`` returns for it): row 0 of each
+    ``amax_history`` holds the amax observed in the step.
+    """
+
+    def update_linear(lin, obs):
+        return {
+            role: update_meta(lin[role], obs[role]["amax_history"][..., 0], recipe.dtype_of(role), recipe)
+            for role in ROLES
+        }
+
+    return jax.tree.map(update_linear, state, observations, is_leaf=_is_linear_state)
+
+
+def combine_observations(a, b):
+    """Merge observations of two microbatches: elementwise max (amaxes are >= 0)."""
+    return jax.tree.map(jnp.maximum, a, b)
+
+
+def observation_cotangent(meta: Fp8Meta, observed: jax.Array) -> Fp8Meta:
+    """The cotangent the FP8 linears return for one role: ``observed`` in history row 0, zeros elsewhere."""
+    hist = jnp.zeros_like(meta["amax_history"]).at[..., 0].set(observed.astype(jnp.float32))
+    return {"scale": jnp.zeros_like(meta["scale"]), "amax_history": hist}
+

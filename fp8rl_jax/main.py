@@ -1,0 +1,102 @@
+"""GRPO with end-to-end FP8: ``python -m fp8rl_jax.main --config=configs/llama8b.py:/path/to/model``.
+
+A thin shell over ``fp8rl_jax.trainer.Trainer``: parse and validate the config, build the trainer, run.
+Config keys are overridden as ``--config.rollout.temperature=0.7``; ``--config=file.py:arg`` passes ``arg`` to
+the file's ``get_config``.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from absl import app, flags
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config",
+    "configs/smollm2_gsm8k.py",
+    "Run configuration: a Python file with get_config(arg=None); --config=path.py:arg passes arg. "
+    "Override any key with --config.section.key=value.",
+    lock_config=True,
+)
+_STEPS = flags.DEFINE_integer("steps", None, "Run this many RL steps (default: config.steps minus steps done).")
+_DRY_RUN = flags.DEFINE_bool("dry_run", False, "Validate the config, print it and exit.")
+
+
+def main(argv) -> int:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    from fp8rl_jax.config import ConfigError, validate
+
+    try:
+        config = _CONFIG.value
+        config.get("seed")  # a config file that failed to load raises its error on first access
+        from fp8rl_jax.rl.rewards import reward_names
+
+        validate(config, known_rewards=reward_names)
+    except (ConfigError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if _DRY_RUN.value:
+        print(config)
+        return 0
+    from fp8rl_jax.trainer import Trainer
+
+    trainer = Trainer(config)
+    trainer.run(_STEPS.value)
+    trainer.close()
+    return 0
+
+
+def _config_path(argv: list[str]) -> str:
+    path = _CONFIG.default
+    for i, a in enumerate(argv):
+        if a.startswith("--config="):
+            path = a.split("=", 1)[1]
+        elif a == "--config" and i + 1 < len(argv):
+            path = argv[i + 1]
+    return path
+
+
+def _unknown_override(argv: list[str]) -> str | None:
+    """Name the first ``--config.a.b=...`` override whose key the config file does not define."""
+    from fp8rl_jax.config import load_config_file
+
+    path, _, arg = _config_path(argv).partition(":")
+    try:
+        config = load_config_file(path, arg or None)
+    except Exception as e:  # the file itself is broken: report that
+        return f"{path}: {e}"
+    for a in argv:
+        if not a.startswith("--config."):
+            continue
+        key = a[len("--config."):].split("=", 1)[0]
+        node, walked = config, []
+        for part in key.split("."):
+            if not hasattr(node, "keys") or part not in node:
+                where = "config" + "".join("." + w for w in walked)
+                known = ", ".join(sorted(node.keys())) if hasattr(node, "keys") else "(not a section)"
+                return f"--config.{key}: unknown key {part!r} in {where}; known: {known}"
+            node, walked = node[part], [*walked, part]
+    return None
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+    if any(a in ("-h", "--help", "--helpshort", "-?") for a in argv[1:]):
+        print(__doc__)
+        print(flags.FLAGS.main_module_help())
+        sys.exit(0)
+    try:
+        return flags.FLAGS(argv)
+    except flags.Error as e:
+        sys.exit(f"error: {e}\nPass --help for usage.")
+    except (KeyError, AttributeError, ValueError, TypeError) as e:
+        sys.exit(f"error: {_unknown_override(argv) or e}")
+
+
+def run() -> None:
+    app.run(main, flags_parser=_parse_flags)
+
+
+if __name__ == "__main__":
+    run()

@@ -1,0 +1,294 @@
+"""A Llama-family decoder as pure functions over a params pytree.
+
+One forward serves every caller: scoring and training (full sequences, no cache), prefill (a prompt written
+into a cache) and decode (one token per sequence against the cache). Only the cache and the weight format
+differ. Every matmul of the blocks goes through ``fp8rl_jax.fp8.linear.linear``.
+
+Params (master weights, f32 by default)::
+
+    embed        [V, D]
+    blocks       stacked over layers (leading axis L):
+      attn_norm  [L, D]
+      wqkv       [L, D, (N + 2K) H]     q, k, v projections fused: one GEMM, one FP8 scale
+      bqkv       [L, (N + 2K) H]        only with ``qkv_bias`` (Qwen2)
+      wo         [L, N H, D]
+      mlp_norm   [L, D]
+      w_gate_up  [L, D, 2F]             gate then up, fused
+      w_down     [L, F, D]
+    final_norm   [D]
+    lm_head      [D, V]                 only when embeddings are untied
+
+Rollout params may carry ``blocks`` already split into precision segments (a tuple of stacks) with FP8
+kernels pre-quantized; see ``fp8rl_jax.fp8.prequant``.
+
+Letters: B batch, T query tokens, S key positions (cache length), D model, N query heads, K kv heads,
+G = N / K, H head dim, F mlp hidden, V vocab, L layers.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from fp8rl_jax.fp8 import kv as kvq
+from fp8rl_jax.fp8.linear import linear
+from fp8rl_jax.fp8.policy import Precision
+from fp8rl_jax.fp8.recipe import init_linear_state
+from fp8rl_jax.model.config import LlamaConfig
+
+LINEARS = ("wqkv", "wo", "w_gate_up", "w_down")
+NEG_INF = -1e30
+
+Params = dict
+Cache = dict  # {"k": [L, B, S, K, H], "v": [L, B, S, K, H]}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# init
+
+
+def init_params(config: LlamaConfig, key: jax.Array, dtype=jnp.float32, std: float = 0.02) -> Params:
+    """Random weights (normal, ``std``; output projections scaled by 1/sqrt(2L)); norms at 1."""
+    c = config
+    d, f, L = c.hidden_size, c.intermediate_size, c.num_layers
+    qkv = c.q_size + 2 * c.kv_size
+    keys = jax.random.split(key, 7)
+    out_std = std / math.sqrt(2 * L)
+
+    def normal(k, shape, s):
+        return (s * jax.random.normal(k, shape, jnp.float32)).astype(dtype)
+
+    blocks = {
+        "attn_norm": jnp.ones((L, d), dtype),
+        "wqkv": normal(keys[0], (L, d, qkv), std),
+        "wo": normal(keys[1], (L, c.q_size, d), out_std),
+        "mlp_norm": jnp.ones((L, d), dtype),
+        "w_gate_up": normal(keys[2], (L, d, 2 * f), std),
+        "w_down": normal(keys[3], (L, f, d), out_std),
+    }
+    if c.qkv_bias:
+        blocks["bqkv"] = normal(keys[4], (L, qkv), std)
+    params = {"embed": normal(keys[5], (c.vocab_size, d), std), "blocks": blocks, "final_norm": jnp.ones((d,), dtype)}
+    if not c.tie_embeddings:
+        params["lm_head"] = normal(keys[6], (d, c.vocab_size), std)
+    return params
+
+
+def init_fp8_state(config: LlamaConfig, precision: Precision) -> dict:
+    """FP8 state for every linear of every block (used or not, so the layout never depends on the knobs)."""
+    L = config.num_layers
+    state = {"blocks": {name: init_linear_state(precision.recipe, (L,)) for name in LINEARS}}
+    if precision.lm_head_fp8:
+        state["lm_head"] = init_linear_state(precision.recipe)
+    return state
+
+
+def init_cache(config: LlamaConfig, batch: int, max_len: int, dtype) -> Cache:
+    shape = (config.num_layers, batch, max_len, config.num_kv_heads, config.head_dim)
+    return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+
+
+def cache_dtype(precision: Precision):
+    return jnp.dtype(precision.kv_cache_dtype if precision.kv_fp8 else precision.compute_dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# pieces
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    y = x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (weight.astype(jnp.float32) * y).astype(x.dtype)
+
+
+def rope_inv_freq(config: LlamaConfig) -> np.ndarray:
+    """Inverse frequencies [H/2], with Llama-3.1 scaling when the config has it (computed once, in numpy)."""
+    h = config.head_dim
+    inv = 1.0 / (config.rope_theta ** (np.arange(0, h, 2, dtype=np.float64) / h))
+    s = config.rope_scaling
+    if s is None:
+        return inv.astype(np.float32)
+    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    wavelen = 2 * math.pi / inv
+    scaled = np.where(wavelen > low_wavelen, inv / s.factor, inv)
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Rotate-half RoPE (the Hugging Face layout). x [B, T, heads, H], positions [B, T]."""
+    # [B, T, H/2]
+    freqs = positions[..., None].astype(jnp.float32) * jnp.asarray(inv_freq)
+    cos, sin = jnp.cos(freqs)[:, :, None, :], jnp.sin(freqs)[:, :, None, :]
+    x32 = x.astype(jnp.float32)
+    x1, x2 = jnp.split(x32, 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def attention(q, k, v, q_pos, k_pos) -> jax.Array:
+    """Causal GQA attention, softmax in f32. Key s is visible to query t iff 0 <= k_pos[s] <= q_pos[t].
+
+    q [B, T, N, H]; k, v [B, S, K, H]; q_pos [B, T]; k_pos [B, S]  ->  [B, T, N, H]
+    """
+    b, t, n, h = q.shape
+    kh = k.shape[2]
+    # [B, T, N, H] -> [B, T, K, G, H]
+    q = q.reshape(b, t, kh, n // kh, h)
+    # [B, K, G, T, S]
+    scores = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32) / math.sqrt(h)
+    # [B, T, S]
+    visible = (k_pos[:, None, :] <= q_pos[:, :, None]) & (k_pos[:, None, :] >= 0)
+    scores = jnp.where(visible[:, None, None], scores, NEG_INF)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    # [B, K, G, T, S] x [B, S, K, H] -> [B, T, K, G, H]
+    out = jnp.einsum("bkgts,bskh->btkgh", probs, v, preferred_element_type=jnp.float32)
+    return out.reshape(b, t, n, h).astype(q.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# blocks
+
+
+def _slice_layers(tree, start: int, end: int, total: int):
+    if start == 0 and end == total:
+        return tree
+    return jax.tree.map(lambda a: a[start:end], tree)
+
+
+def block_segments(params: Params, precision: Precision, num_layers: int):
+    """``blocks`` as one stack per precision segment (rollout params arrive already split)."""
+    segs = precision.segments(num_layers)
+    blocks = params["blocks"]
+    if isinstance(blocks, (tuple, list)):
+        if len(blocks) != len(segs):
+            raise ValueError(f"params hold {len(blocks)} block segments, precision wants {len(segs)}: {segs}")
+        return segs, tuple(blocks)
+    return segs, tuple(_slice_layers(blocks, s, e, num_layers) for s, e, _ in segs)
+
+
+def _block(x, layer, fp8, idx, positions, cache, kv_scales, config: LlamaConfig, precision: Precision, inv_freq):
+    """One transformer block. Returns the new residual stream, the updated cache and this layer's K/V amax."""
+    c = config
+    b, t, _ = x.shape
+    eps = c.rms_norm_eps
+    fp8 = fp8 or {}
+
+    h = rms_norm(x, layer["attn_norm"], eps)
+    # [B, T, D] -> [B, T, (N + 2K) H]
+    qkv = linear(h, layer["wqkv"], fp8.get("wqkv"), precision)
+    if "bqkv" in layer:
+        qkv = qkv + layer["bqkv"].astype(qkv.dtype)
+    q, k, v = jnp.split(qkv, [c.q_size, c.q_size + c.kv_size], axis=-1)
+    # [B, T, N H] -> [B, T, N, H];  [B, T, K H] -> [B, T, K, H]
+    q = apply_rope(q.reshape(b, t, c.num_heads, c.head_dim), positions, inv_freq)
+    k = apply_rope(k.reshape(b, t, c.num_kv_heads, c.head_dim), positions, inv_freq)
+    v = v.reshape(b, t, c.num_kv_heads, c.head_dim)
+    kv_amax = (jnp.max(jnp.abs(k)).astype(jnp.float32), jnp.max(jnp.abs(v)).astype(jnp.float32))
+
+    if precision.kv_fp8:
+        k_scale, v_scale = kv_scales["k"][idx], kv_scales["v"][idx]
+    if cache is None:
+        keys, values, k_pos = k, v, positions
+        if precision.kv_fp8:
+            keys, values = kvq.round_trip(k, k_scale), kvq.round_trip(v, v_scale)
+    else:
+        ck, cv = cache["k"], cache["v"]
+        if precision.kv_fp8:
+            k_store, v_store = kvq.quantize_kv(k, k_scale), kvq.quantize_kv(v, v_scale)
+        else:
+            k_store, v_store = k.astype(ck.dtype), v.astype(cv.dtype)
+        rows = jnp.broadcast_to(jnp.arange(b)[:, None], positions.shape)
+        # scatter [B, T, K, H] into layer idx of [L, B, S, K, H] at (row, position)
+        ck = ck.at[idx, rows, positions].set(k_store, mode="drop")
+        cv = cv.at[idx, rows, positions].set(v_store, mode="drop")
+        cache = {"k": ck, "v": cv}
+        keys, values = ck[idx], cv[idx]
+        if precision.kv_fp8:
+            keys = kvq.dequantize_kv(keys, k_scale, precision.dtype)
+            values = kvq.dequantize_kv(values, v_scale, precision.dtype)
+        s = ck.shape[2]
+        k_pos = jnp.broadcast_to(jnp.arange(s, dtype=positions.dtype)[None], (b, s))
+
+    attn = attention(q, keys.astype(q.dtype), values.astype(q.dtype), positions, k_pos)
+    # [B, T, N, H] -> [B, T, N H]
+    x = x + linear(attn.reshape(b, t, c.q_size), layer["wo"], fp8.get("wo"), precision)
+
+    h = rms_norm(x, layer["mlp_norm"], eps)
+    # [B, T, D] -> [B, T, 2F]
+    gate, up = jnp.split(linear(h, layer["w_gate_up"], fp8.get("w_gate_up"), precision), 2, axis=-1)
+    x = x + linear(jax.nn.silu(gate) * up, layer["w_down"], fp8.get("w_down"), precision)
+    return x, cache, kv_amax
+
+
+def forward_hidden(
+    params: Params,
+    tokens: jax.Array,
+    positions: jax.Array,
+    *,
+    config: LlamaConfig,
+    precision: Precision,
+    fp8_state: dict | None = None,
+    kv_scales: dict | None = None,
+    cache: Cache | None = None,
+):
+    """Run the blocks and the final norm.
+
+    tokens, positions: [B, T] int32. Sequences are right-padded; positions count from 0 at each sequence's
+    first token. With ``cache`` the new K/V are written at ``positions`` and attention reads the whole cache.
+
+    Returns ``(hidden [B, T, D], cache, kv_amax)``; ``kv_amax = {"k": [L], "v": [L]}`` feeds KV calibration.
+    """
+    if precision.fp8 and fp8_state is None:
+        raise ValueError(f"precision backend {precision.backend!r} needs fp8_state")
+    if precision.kv_fp8 and kv_scales is None:
+        raise ValueError("an FP8 KV cache needs kv_scales")
+    c = config
+    inv_freq = rope_inv_freq(c)
+    x = params["embed"][tokens].astype(precision.dtype)
+    segs, seg_blocks = block_segments(params, precision, c.num_layers)
+    amax_k, amax_v = [], []
+    for (start, end, is_fp8), blocks in zip(segs, seg_blocks, strict=True):
+        fp8 = _slice_layers(fp8_state["blocks"], start, end, c.num_layers) if is_fp8 else None
+
+        def body(carry, xs, is_fp8=is_fp8):
+            x, cache = carry
+            layer, fp8_layer, idx = xs
+            x, cache, amax = _block(x, layer, fp8_layer, idx, positions, cache, kv_scales, c, precision, inv_freq)
+            return (x, cache), amax
+
+        xs = (blocks, fp8, jnp.arange(start, end))
+        (x, cache), (ak, av) = lax.scan(body, (x, cache), xs)
+        amax_k.append(ak)
+        amax_v.append(av)
+    x = rms_norm(x, params["final_norm"], c.rms_norm_eps)
+    return x, cache, {"k": jnp.concatenate(amax_k), "v": jnp.concatenate(amax_v)}
+
+
+def lm_head_kernel(params: Params):
+    """[D, V]: the untied head, or the embedding table transposed."""
+    return params["lm_head"] if "lm_head" in params else params["embed"].T
+
+
+def logits_from_hidden(params: Params, hidden: jax.Array, *, precision: Precision, fp8_state=None) -> jax.Array:
+    """f32 logits [..., V] (the head runs in BF16 unless ``precision.lm_head_fp8``)."""
+    state = fp8_state.get("lm_head") if (fp8_state is not None and precision.lm_head_fp8) else None
+    return linear(hidden, lm_head_kernel(params), state, precision, out_dtype=jnp.float32)
+
+
+def forward(params: Params, tokens: jax.Array, positions: jax.Array | None = None, **kw):
+    """``forward_hidden`` then the head: ``(logits [B, T, V] f32, cache, kv_amax)``."""
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    hidden, cache, kv_amax = forward_hidden(params, tokens, positions, **kw)
+    logits = logits_from_hidden(params, hidden, precision=kw["precision"], fp8_state=kw.get("fp8_state"))
+    return logits, cache, kv_amax

@@ -1,0 +1,168 @@
+"""Tokenizer: a Hugging Face ``tokenizers`` object plus special ids and the model's chat template.
+
+Loaded from ``tokenizer.json`` (+ ``tokenizer_config.json``) of a model folder, or from a GGUF file's metadata.
+A GGUF tokenizer is converted once with ``transformers`` and cached as ``tokenizer.json`` beside a small JSON of
+its special tokens, so later loads need only ``tokenizers`` (fast, no ``transformers`` import).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+
+def _raise(message: str):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _token_text(value) -> str | None:
+    if isinstance(value, dict):  # tokenizer_config.json may hold AddedToken dicts
+        return value.get("content")
+    return value
+
+
+class Tokenizer:
+    def __init__(
+        self,
+        backend,
+        *,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        pad_token: str | None = None,
+        add_bos: bool = False,
+        chat_template: str | None = None,
+        extra_eos_tokens: Sequence[str] = (),
+    ):
+        self.backend = backend
+        self.bos_token, self.eos_token = bos_token, eos_token
+        self.add_bos = add_bos
+        self.chat_template = chat_template
+        self.bos_id = self._id(bos_token)
+        self.eos_id = self._id(eos_token)
+        self.pad_id = self._id(pad_token) if pad_token else self.eos_id
+        self.stop_ids = tuple(i for i in [self.eos_id, *map(self._id, extra_eos_tokens)] if i is not None)
+        self._template = None
+
+    def _id(self, token: str | None) -> int | None:
+        if token is None:
+            return None
+        i = self.backend.token_to_id(token)
+        if i is None:
+            raise ValueError(f"special token {token!r} is not in the vocabulary")
+        return i
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size()
+
+    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
+            if not ids or ids[0] != self.bos_id:
+                ids = [self.bos_id, *ids]
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(map(int, ids)), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """Render ``messages`` with the model's own chat template (Jinja, sandboxed, as transformers does)."""
+        if self.chat_template is None:
+            raise ValueError("this tokenizer has no chat template; use a plain-text prompt template")
+        if self._template is None:
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = _raise
+            env.filters["tojson"] = lambda x, **kw: json.dumps(x, ensure_ascii=False, **kw)
+            self._template = env.from_string(self.chat_template)
+        return self._template.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+        )
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        # the template writes any BOS itself
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_bos=False)
+
+    # ------------------------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_folder(cls, folder: str | os.PathLike) -> Tokenizer:
+        """``tokenizer.json`` and, when present, ``tokenizer_config.json`` of a Hugging Face model folder."""
+        from tokenizers import Tokenizer as Backend
+
+        folder = Path(folder)
+        path = folder / "tokenizer.json"
+        if not path.exists():
+            raise FileNotFoundError(f"{path} not found")
+        backend = Backend.from_file(str(path))
+        meta = {}
+        cfg_path = folder / "tokenizer_config.json"
+        if cfg_path.exists():
+            try:
+                meta = json.loads(cfg_path.read_text())
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{cfg_path}: invalid JSON ({e})") from e
+        template = meta.get("chat_template")
+        if template is None and (folder / "chat_template.jinja").exists():
+            template = (folder / "chat_template.jinja").read_text()
+        return cls(
+            backend,
+            bos_token=_token_text(meta.get("bos_token")),
+            eos_token=_token_text(meta.get("eos_token")),
+            pad_token=_token_text(meta.get("pad_token")),
+            add_bos=bool(meta.get("add_bos_token", False)),
+            chat_template=template,
+        )
+
+    @classmethod
+    def from_gguf(cls, path: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> Tokenizer:
+        """The tokenizer stored in a GGUF file's metadata (converted once, then cached)."""
+        path = Path(path)
+        cache = Path(cache_dir) if cache_dir else path.with_suffix(".tokenizer")
+        if not (cache / "tokenizer.json").exists():
+            _convert_gguf_tokenizer(path, cache)
+        return cls.from_folder(cache)
+
+    def save(self, folder: str | os.PathLike) -> None:
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        self.backend.save(str(folder / "tokenizer.json"))
+        meta = {"bos_token": self.bos_token, "eos_token": self.eos_token, "add_bos_token": self.add_bos}
+        if self.chat_template:
+            meta["chat_template"] = self.chat_template
+        (folder / "tokenizer_config.json").write_text(json.dumps(meta, indent=2))
+
+
+def _convert_gguf_tokenizer(path: Path, out: Path) -> None:
+    import gguf
+    from transformers import AutoTokenizer
+
+    if not path.exists():
+        raise FileNotFoundError(f"GGUF file {path} not found")
+    hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    reader = gguf.GGUFReader(str(path))
+
+    def field(key):
+        f = reader.fields.get(key)
+        return None if f is None else f.contents()
+
+    tokens = reader.fields["tokenizer.ggml.tokens"]
+    bos, eos = field("tokenizer.ggml.bos_token_id"), field("tokenizer.ggml.eos_token_id")
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    hf.backend_tokenizer.save(str(tmp / "tokenizer.json"))
+    meta = {
+        "bos_token": None if bos is None else tokens.contents(bos),
+        "eos_token": None if eos is None else tokens.contents(eos),
+        "add_bos_token": bool(field("tokenizer.ggml.add_bos_token")),
+        "chat_template": field("tokenizer.chat_template"),
+    }
+    (tmp / "tokenizer_config.json").write_text(json.dumps(meta, indent=2))
+    os.replace(tmp, out)  # atomic: a half-written cache never looks complete

@@ -1,0 +1,30 @@
+"""Test setup: CPU only, 8 virtual CPU devices for sharding tests, shared fixtures."""
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+
+import pytest  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    """GPU-marked tests run only where a GPU backend exists (the GPU host), never in CPU CI."""
+    import jax
+
+    on_gpu = any(d.platform == "gpu" for d in jax.devices()) if os.environ.get("JAX_PLATFORMS") != "cpu" else False
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run with JAX_PLATFORMS=cuda on the GPU host)")
+    for item in items:
+        if "gpu" in item.keywords and not on_gpu:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The embedded SmolLM2-135M-Instruct: (config, params f32, tokenizer). Downloaded once into the cache."""
+    from fp8rl_jax.model import assets, weights
+    from fp8rl_jax.model.tokenizer import Tokenizer
+
+    path = assets.smollm2_gguf()
+    config, params = weights.load_gguf(path)
+    return config, params, Tokenizer.from_gguf(path)

@@ -1,0 +1,156 @@
+"""The model against the Hugging Face PyTorch implementation (float32, CPU), and the KV-cache decode path."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from fp8rl_jax.fp8.policy import Precision
+from fp8rl_jax.model import llama, weights
+from fp8rl_jax.model.config import RopeScaling, preset
+
+F32 = Precision(compute_dtype="float32")
+
+
+def _hf_model(kind: str):
+    """A randomly initialised Hugging Face model (their code, their init), weights scaled up to make logits peaky."""
+    common = dict(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    if kind == "llama":
+        cfg = transformers.LlamaConfig(
+            **common, rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+            rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                          "original_max_position_embeddings": 32},
+        )
+        model = transformers.LlamaForCausalLM(cfg)
+    elif kind == "llama_tied":
+        cfg = transformers.LlamaConfig(**common, rope_theta=100000.0, tie_word_embeddings=True)
+        model = transformers.LlamaForCausalLM(cfg)
+    else:
+        cfg = transformers.Qwen2Config(**common, rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False)
+        model = transformers.Qwen2ForCausalLM(cfg)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            else:
+                p.copy_(0.08 * torch.randn_like(p))
+    return model.eval().float()
+
+
+@pytest.mark.parametrize("kind", ["llama", "llama_tied", "qwen2"])
+def test_logits_match_hugging_face(kind, tmp_path):
+    model = _hf_model(kind)
+    model.save_pretrained(tmp_path, safe_serialization=True)  # their writer, our loader
+    config, params = weights.load_hf(tmp_path)
+    assert config.qkv_bias == (kind == "qwen2")
+    assert config.tie_embeddings == (kind == "llama_tied")
+    assert (config.rope_scaling is not None) == (kind == "llama")
+
+    tokens = np.random.RandomState(1).randint(0, config.vocab_size, (2, 45))
+    with torch.no_grad():
+        ref = model(torch.tensor(tokens)).logits.numpy()
+    ours, _, _ = jax.jit(lambda p, t: llama.forward(p, t, config=config, precision=F32))(params, jnp.asarray(tokens))
+    rel = np.linalg.norm(np.asarray(ours) - ref) / np.linalg.norm(ref)
+    print(f"{kind}: relative error vs transformers = {rel:.2e}")
+    assert rel < 1e-4
+
+
+def test_saved_weights_load_in_transformers(tmp_path):
+    """Our writer, their loader: params -> save_hf -> transformers gives the same logits."""
+    config = preset("tiny_qwen2")
+    params = llama.init_params(config, jax.random.PRNGKey(3), std=0.1)
+    weights.save_hf(tmp_path, params, config)
+    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "qwen2"
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    tokens = np.random.RandomState(2).randint(0, config.vocab_size, (1, 30))
+    with torch.no_grad():
+        ref = model(torch.tensor(tokens)).logits.numpy()
+    ours, _, _ = llama.forward(params, jnp.asarray(tokens), config=config, precision=F32)
+    assert np.linalg.norm(np.asarray(ours) - ref) / np.linalg.norm(ref) < 1e-4
+
+
+def test_sharded_safetensors_index(tmp_path):
+    model = _hf_model("llama")
+    model.save_pretrained(tmp_path, safe_serialization=True, max_shard_size="100KB")
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    _, params = weights.load_hf(tmp_path)
+    ref = model.model.layers[2].mlp.down_proj.weight.detach().numpy().T
+    np.testing.assert_array_equal(np.asarray(params["blocks"]["w_down"][2]), ref)
+
+
+def test_missing_tensor_is_named(tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    model = _hf_model("llama")
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    tensors = load_file(tmp_path / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(KeyError, match="model.layers.1.mlp.up_proj.weight"):
+        weights.load_hf(tmp_path)
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny_qwen2"])
+def test_kv_cache_decode_equals_full_forward(name):
+    config = preset(name).replace(rope_scaling=RopeScaling(factor=4.0, original_max_position_embeddings=16))
+    params = llama.init_params(config, jax.random.PRNGKey(0), std=0.1)
+    batch, total, prompt = 3, 24, 7
+    tokens = jnp.asarray(np.random.RandomState(0).randint(0, config.vocab_size, (batch, total)))
+    full, _, _ = llama.forward(params, tokens, config=config, precision=F32)
+
+    step = jax.jit(lambda p, t, pos, c: llama.forward(p, t, pos, config=config, precision=F32, cache=c)[:2])
+    cache = llama.init_cache(config, batch, 32, jnp.float32)
+    logits, cache = step(params, tokens[:, :prompt], jnp.broadcast_to(jnp.arange(prompt), (batch, prompt)), cache)
+    pieces = [logits]
+    for i in range(prompt, total):
+        logits, cache = step(params, tokens[:, i : i + 1], jnp.full((batch, 1), i), cache)
+        pieces.append(logits)
+    decoded = jnp.concatenate(pieces, axis=1)
+    np.testing.assert_allclose(np.asarray(decoded), np.asarray(full), rtol=1e-5, atol=1e-5)
+
+
+def test_decode_with_ragged_positions():
+    """Sequences at different lengths in one decode batch (what continuous batching does)."""
+    config = preset("tiny")
+    params = llama.init_params(config, jax.random.PRNGKey(1), std=0.1)
+    rng = np.random.RandomState(5)
+    seqs = [rng.randint(0, config.vocab_size, n) for n in (5, 9, 12)]
+    cache = llama.init_cache(config, 3, 16, jnp.float32)
+    for row, seq in enumerate(seqs):  # prefill each row alone, up to its last token
+        toks = np.zeros((3, len(seq) - 1), np.int32)
+        toks[row] = seq[:-1]
+        pos = np.tile(np.arange(len(seq) - 1), (3, 1))
+        pos[np.arange(3) != row] = 15  # other rows write into a scratch position nobody reads yet
+        _, cache, _ = llama.forward(params, jnp.asarray(toks), jnp.asarray(pos), config=config, precision=F32,
+                                    cache=cache)
+    last = jnp.asarray([[s[-1]] for s in seqs])
+    pos = jnp.asarray([[len(s) - 1] for s in seqs])
+    logits, _, _ = llama.forward(params, last, pos, config=config, precision=F32, cache=cache)
+    for row, seq in enumerate(seqs):
+        full, _, _ = llama.forward(params, jnp.asarray(seq)[None], config=config, precision=F32)
+        np.testing.assert_allclose(np.asarray(logits[row, 0]), np.asarray(full[0, -1]), rtol=1e-5, atol=1e-5)
+
+
+def test_gguf_smollm2_greedy_answer(smollm2):
+    config, params, tok = smollm2
+    assert (config.num_layers, config.hidden_size, config.vocab_size) == (30, 576, 49152)
+    prompt = tok.encode_chat([{"role": "user", "content": "What is 2+3?"}])
+    cache = llama.init_cache(config, 1, len(prompt) + 24, jnp.float32)
+    step = jax.jit(lambda p, t, pos, c: llama.forward(p, t, pos, config=config, precision=F32, cache=c)[:2])
+    logits, cache = step(params, jnp.asarray([prompt]), jnp.arange(len(prompt))[None], cache)
+    out = []
+    for i in range(24):
+        nxt = int(jnp.argmax(logits[0, -1]))
+        if nxt in tok.stop_ids:
+            break
+        out.append(nxt)
+        logits, cache = step(params, jnp.asarray([[nxt]]), jnp.asarray([[len(prompt) + i]]), cache)
+    answer = tok.decode(out)
+    print(f"SmolLM2-135M-Instruct, greedy: 'What is 2+3?' -> {answer!r}")
+    assert "5" in answer

@@ -1,0 +1,64 @@
+"""Every config file loads and validates; bad values, keys and paths fail naming them."""
+
+import glob
+import os
+import subprocess
+import sys
+
+import pytest
+
+from fp8rl_jax.config import ConfigError, base_config, load_config_file, validate
+
+CONFIGS = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "configs", "*.py")))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
+def test_every_config_loads_and_validates(path, tmp_path):
+    arg = str(tmp_path) if os.path.basename(path).startswith("llama") else None  # the model folder
+    config = load_config_file(path, arg)
+    validate(config)
+    assert config.precision.mode in ("bf16", "fp8_rollout", "fp8_e2e")
+
+
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("precision.mode", "fp16", "config.precision.mode='fp16'"),
+        ("rollout.top_p", 1.5, "config.rollout.top_p=1.5"),
+        ("rl.advantage", "ppo", "grpo | drgrpo | rloo"),
+        ("data.train_path", "/nope.jsonl", "config.data.train_path='/nope.jsonl'"),
+        ("rl.minibatches", 3, "a divisor of prompts_per_step * samples_per_prompt = 32"),
+    ],
+)
+def test_bad_values_are_named(key, value, message):
+    config = base_config()
+    section, name = key.split(".")
+    config[section][name] = value
+    with pytest.raises(ConfigError, match=message.replace("*", r"\*").replace("|", r"\|")):
+        validate(config)
+
+
+def _main(*args):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    return subprocess.run([sys.executable, "-m", "fp8rl_jax.main", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_main_help_lists_flags():
+    result = _main("--help")
+    assert result.returncode == 0
+    for flag in ("--config", "--steps", "dry_run", "--config.section.key=value"):
+        assert flag in result.stdout
+
+
+def test_main_bad_config_path_is_named():
+    result = _main("--config=configs/does_not_exist.py")
+    assert result.returncode != 0
+    assert "does_not_exist.py" in result.stderr
+
+
+def test_main_unknown_key_is_named():
+    result = _main("--config=configs/tiny.py", "--config.rollout.temprature=0.5")
+    assert result.returncode != 0
+    assert "unknown key 'temprature' in config.rollout" in result.stderr
