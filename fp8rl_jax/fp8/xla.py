@@ -26,19 +26,27 @@ from fp8rl_jax.fp8.recipe import Fp8LinearState, Fp8Recipe, amax, observation_co
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class QuantizedKernel:
-    """A kernel quantized once with its delayed scale: FP8 ``data`` [..., K, N] and ``scale_inv`` (f32)."""
+    """A kernel quantized once with its delayed scale: FP8 ``data`` [..., N, K] and ``scale_inv`` (f32).
+
+    Stored transposed (K-major): Hopper's FP8 GEMMs read both operands K-major ("TN"), so a kernel kept in this
+    layout is streamed as is, with no transpose per call.
+    """
 
     data: jax.Array
     scale_inv: jax.Array
 
     @property
-    def shape(self):
-        return self.data.shape
+    def shape(self) -> tuple[int, ...]:
+        """The logical [..., K, N] shape of the kernel this stands for."""
+        *lead, n, k = self.data.shape
+        return (*lead, k, n)
 
 
 def quantize_kernel(kernel: jax.Array, kernel_meta, recipe: Fp8Recipe) -> QuantizedKernel:
+    """[K, N] kernel -> FP8 [N, K] with its delayed scale."""
     scale = kernel_meta["scale"]
-    return QuantizedKernel(quantize(kernel, scale, recipe.fwd_dtype), 1.0 / scale.astype(jnp.float32))
+    data = jnp.swapaxes(quantize(kernel, scale, recipe.fwd_dtype), -1, -2)
+    return QuantizedKernel(data, 1.0 / scale.astype(jnp.float32))
 
 
 def _mm(a: jax.Array, b: jax.Array, a_contract: int, b_contract: int) -> jax.Array:
@@ -55,7 +63,8 @@ def prequantized_matmul(x: jax.Array, kernel: QuantizedKernel, x_scale: jax.Arra
     training forward run the same arithmetic on the same FP8 operands.
     """
     qx = quantize(x, x_scale, recipe.fwd_dtype)
-    return _mm(qx, kernel.data, 1, 0) * ((1.0 / x_scale.astype(jnp.float32)) * kernel.scale_inv)
+    # [M, K] . [N, K] -> [M, N]
+    return _mm(qx, kernel.data, 1, 1) * ((1.0 / x_scale.astype(jnp.float32)) * kernel.scale_inv)
 
 
 @functools.cache
@@ -77,8 +86,8 @@ def _fp8_matmul_fn(x_dtype, w_dtype, out_dtype, recipe: Fp8Recipe):
         qx, qw, state, amax_x, amax_w = residuals
         s_x, s_w, s_g = (state[r]["scale"].astype(jnp.float32) for r in ("x", "kernel", "grad"))
         qg = quantize(g, s_g, recipe.bwd_dtype)
-        # dx [M, K] = g [M, N] . w [K, N]^T
-        dx = _mm(qg, qw, 1, 1) * ((1.0 / s_g) * (1.0 / s_w))
+        # dx [M, K] = g [M, N] . w^T [N, K]
+        dx = _mm(qg, qw, 1, 0) * ((1.0 / s_g) * (1.0 / s_w))
         # dw [K, N] = x [M, K]^T . g [M, N]
         dw = _mm(qx, qg, 0, 0) * ((1.0 / s_x) * (1.0 / s_g))
         observed = {
