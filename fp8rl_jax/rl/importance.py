@@ -1,0 +1,84 @@
+"""Importance-sampling correction between the rollout engine and the trainer's old policy.
+
+The completions were sampled by the rollout engine (FP8 linears, FP8 KV cache, its own kernels), not by the
+trainer's forward with the same weights; the two disagree a little per token. With the per-token ratio
+r_t = exp(old_logp - rollout_logp), the clipped surrogate is reweighted by a constant w_t (stop_gradient):
+
+- ``none``: w_t = 1.
+- ``tis``: token-level truncated IS, w_t = min(r_t, cap) (Yao et al., "Your efficient RL framework secretly
+  brings you off-policy RL training", 2025; the recipe NeMo RL's FP8 results use with cap 2).
+- ``seq_tis``: sequence-level truncated IS, w = min(prod_t r_t, cap) on every token of the sequence. The product
+  is formed as exp(sum of log-ratios), clamped before the exp, so long sequences cannot overflow.
+- ``mis``: sequence-level masked IS. rho = exp(mean_t log r_t), the geometric mean of the ratios; a sequence with
+  rho outside [low, high] is rejected (all its weights 0), a kept one gets the token-level TIS weight
+  min(r_t, cap). Departure: sequence-level masking is often stated with the product of the ratios; the geometric
+  mean is used so that one band fits every completion length.
+- ``icepop``: token-level masking (IcePop, inclusionAI's Ring-1T work): w_t = r_t when low <= r_t <= high,
+  else 0; the band is the config's ``rl.is_low`` / ``rl.is_high``, not a value fixed by the paper.
+
+Truncation bounds the variance that a few large ratios would add; masking drops tokens or sequences whose
+mismatch is too large to correct at all. Weights are 0 on masked (padding) tokens whatever their logprobs hold.
+
+Metrics (over the mask): ``is_weight_mean``, ``is_weight_max``, ``is_clipped_fraction`` (tokens whose weight the
+cap lowered) and ``is_masked_fraction`` (tokens zeroed by ``mis`` / ``icepop``).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from fp8rl_jax.rl.metrics import masked_max, masked_mean
+
+KINDS = ("none", "tis", "seq_tis", "mis", "icepop")
+
+
+def _truncate(log_r: jax.Array, cap: float) -> tuple[jax.Array, jax.Array]:
+    """(min(exp(log_r), cap), whether the cap applied); exactly ``cap`` when it applies, never inf."""
+    log_cap = jnp.log(jnp.float32(cap))
+    clipped = log_r > log_cap
+    # clamp before the exp so that exp never sees e.g. 2000 * 0.05; the min then gives exactly `cap`
+    return jnp.minimum(jnp.exp(jnp.minimum(log_r, log_cap + 1.0)), cap), clipped
+
+
+def is_weights(old_logp: jax.Array, rollout_logp: jax.Array, mask: jax.Array, kind: str, *, cap: float = 2.0,
+               low: float = 0.5, high: float = 2.0) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Constant IS weights ``[B, T]`` (0 on masked tokens) and their metrics, for ``[B, T]`` logprobs and mask."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown IS correction {kind!r}; allowed: {' | '.join(KINDS)}")
+    m = mask.astype(bool)
+    old = jnp.where(m, old_logp.astype(jnp.float32), 0.0)
+    rollout = jnp.where(m, rollout_logp.astype(jnp.float32), 0.0)
+    log_r = old - rollout  # [B, T], 0 on masked tokens
+    no = jnp.zeros(m.shape, bool)
+
+    if kind == "none":
+        w, clipped, dropped = jnp.ones(m.shape, jnp.float32), no, no
+    elif kind == "tis":
+        w, clipped = _truncate(log_r, cap)
+        dropped = no
+    elif kind == "seq_tis":
+        w_seq, clipped_seq = _truncate(jnp.sum(log_r, axis=1), cap)  # [B]
+        w = jnp.broadcast_to(w_seq[:, None], m.shape)
+        clipped, dropped = jnp.broadcast_to(clipped_seq[:, None], m.shape), no
+    elif kind == "mis":
+        n_tok = jnp.maximum(jnp.sum(m, axis=1), 1).astype(jnp.float32)
+        rho = jnp.exp(jnp.sum(log_r, axis=1) / n_tok)  # [B]; inf/0 on overflow/underflow is still rejected
+        keep = (rho >= low) & (rho <= high)
+        w_tok, clipped_tok = _truncate(log_r, cap)
+        w = jnp.where(keep[:, None], w_tok, 0.0)
+        clipped = clipped_tok & keep[:, None]
+        dropped = jnp.broadcast_to(~keep[:, None], m.shape)
+    else:  # icepop
+        r = jnp.exp(log_r)
+        inside = (r >= low) & (r <= high)
+        w, clipped, dropped = jnp.where(inside, r, 0.0), no, ~inside
+
+    w = jax.lax.stop_gradient(jnp.where(m, w, 0.0))
+    metrics = {
+        "is_weight_mean": masked_mean(w, m),
+        "is_weight_max": masked_max(w, m),
+        "is_clipped_fraction": masked_mean(clipped, m),
+        "is_masked_fraction": masked_mean(dropped, m),
+    }
+    return w, metrics

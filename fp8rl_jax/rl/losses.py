@@ -1,0 +1,126 @@
+"""The clipped policy-gradient loss, its KL term, loss aggregation and entropy.
+
+Per token, with ratio = exp(logp - old_logp) and the sequence's advantage A (PPO, arXiv 1707.06347; GRPO uses it
+with group advantages):
+
+    pg_t = -min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A) * w_t      (w_t: IS weight, a constant)
+    loss_t = pg_t + kl_coef * KL_t(pi || ref)                                          (KL only with ref_logp)
+
+Departures from the papers:
+- ``clip_low != clip_high`` is DAPO's clip-higher (arXiv 2503.14476); PPO and GRPO use one epsilon.
+- GRPO puts the KL in the loss with the k3 estimator, as here; PPO-RLHF puts k1 in the reward instead.
+- The IS weight (``importance.py``) multiplies only the policy-gradient term, not the KL term: it corrects for
+  the tokens having been sampled by the rollout engine rather than by the trainer's old policy.
+- Aggregation is a choice (``aggregate``): GRPO's paper averages tokens within a sequence, then sequences
+  (``seq_mean_token_mean``); DAPO averages over all tokens (``token_mean``); Dr. GRPO sums tokens and divides by a
+  constant (``seq_mean_token_sum`` divides by the sequence count; Dr. GRPO's extra constant, the generation budget,
+  only rescales the learning rate).
+
+Masked positions may hold anything (inf, NaN, 1e9): inputs are replaced with ``jnp.where`` before any arithmetic,
+so neither the loss nor its gradient sees them (``x * 0`` would turn inf into NaN, forward or backward).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from fp8rl_jax.rl.metrics import masked_max, masked_mean
+
+AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
+KL_ESTIMATORS = ("k1", "k3")
+
+
+def aggregate(per_token: jax.Array, mask: jax.Array, kind: str, *, num_tokens: jax.Array | float | None = None,
+              num_sequences: jax.Array | float | None = None) -> jax.Array:
+    """Reduce a per-token loss ``[B, T]`` to a scalar.
+
+    ``token_mean``: sum(l * m) / num_tokens. ``seq_mean_token_mean``: sum_b(sum_t l*m / max(1, sum_t m)) /
+    num_sequences. ``seq_mean_token_sum``: sum_b sum_t l*m / num_sequences.
+
+    ``num_tokens`` / ``num_sequences`` default to this batch's mask sum / B. Gradient accumulation passes the
+    totals of the whole (mini)batch instead: every aggregation is then a sum over sequences divided by a global
+    constant, so the sum of the microbatch losses (split along B) equals the full-batch loss exactly. The
+    per-sequence token count of ``seq_mean_token_mean`` is local to each sequence and needs no global value.
+    """
+    if kind not in AGGREGATIONS:
+        raise ValueError(f"unknown loss aggregation {kind!r}; allowed: {' | '.join(AGGREGATIONS)}")
+    m = mask.astype(bool)
+    masked = jnp.where(m, per_token.astype(jnp.float32), 0.0)
+    if kind == "token_mean":
+        if num_tokens is None:
+            num_tokens = jnp.maximum(jnp.sum(m), 1)  # an all-padding batch gives 0, not NaN
+        return jnp.sum(masked) / jnp.asarray(num_tokens, jnp.float32)
+    if num_sequences is None:
+        num_sequences = per_token.shape[0]
+    per_sequence = jnp.sum(masked, axis=1)  # [B]
+    if kind == "seq_mean_token_mean":
+        per_sequence = per_sequence / jnp.maximum(jnp.sum(m, axis=1), 1).astype(jnp.float32)
+    return jnp.sum(per_sequence) / jnp.asarray(num_sequences, jnp.float32)
+
+
+def kl_penalty(logp: jax.Array, ref_logp: jax.Array, estimator: str) -> jax.Array:
+    """Per-token estimate of KL(pi || ref) from tokens sampled by pi (Schulman, "Approximating KL divergence").
+
+    ``k1`` = logp - ref_logp (unbiased, can be negative); ``k3`` = exp(ref - logp) - (ref - logp) - 1 (unbiased,
+    never negative, lower variance when pi and ref are close).
+    """
+    if estimator not in KL_ESTIMATORS:
+        raise ValueError(f"unknown KL estimator {estimator!r}; allowed: {' | '.join(KL_ESTIMATORS)}")
+    log_ratio = ref_logp.astype(jnp.float32) - logp.astype(jnp.float32)
+    if estimator == "k1":
+        return -log_ratio
+    return jnp.expm1(log_ratio) - log_ratio
+
+
+def policy_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array, mask: jax.Array, *, clip_low: float,
+                clip_high: float, loss_agg: str, is_weights: jax.Array | None = None,
+                ref_logp: jax.Array | None = None, kl_coef: float = 0.0, kl_estimator: str = "k3",
+                num_tokens: jax.Array | float | None = None,
+                num_sequences: jax.Array | float | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The clipped surrogate loss (scalar) and its metrics; ``logp``/``old_logp``/``mask`` are ``[B, T]``,
+    ``advantages`` is ``[B]``. ``clip_*``, ``loss_agg``, ``kl_coef`` and ``kl_estimator`` are static Python values
+    (``kl_coef`` decides at trace time whether the KL term exists).
+
+    Metrics are masked means over the tokens of this batch (not the ``loss_agg`` aggregation), without gradient:
+    ``pg_loss`` (the IS-weighted policy-gradient term), ``clip_fraction`` (tokens whose min picks the clipped term
+    and it is strictly smaller, i.e. whose gradient the clip removes), ``ratio_mean``, ``ratio_max``, and ``kl``
+    (only when the KL term is on).
+    """
+    if kl_estimator not in KL_ESTIMATORS:  # checked even with KL off, so a bad config fails on the first step
+        raise ValueError(f"unknown KL estimator {kl_estimator!r}; allowed: {' | '.join(KL_ESTIMATORS)}")
+    m = mask.astype(bool)
+    logp = jnp.where(m, logp.astype(jnp.float32), 0.0)
+    old_logp = jnp.where(m, old_logp.astype(jnp.float32), 0.0)
+    adv = jnp.where(m, advantages.astype(jnp.float32)[:, None], 0.0)  # [B] -> [B, T]
+
+    ratio = jnp.exp(logp - old_logp)
+    unclipped = ratio * adv
+    clipped = jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high) * adv
+    pg = -jnp.minimum(unclipped, clipped)
+    if is_weights is not None:
+        pg = pg * jax.lax.stop_gradient(jnp.where(m, is_weights.astype(jnp.float32), 0.0))
+    per_token = pg
+
+    metrics = {
+        "pg_loss": masked_mean(pg, m),
+        "clip_fraction": masked_mean(clipped < unclipped, m),
+        "ratio_mean": masked_mean(ratio, m),
+        "ratio_max": masked_max(ratio, m),
+    }
+    if ref_logp is not None and kl_coef > 0:
+        kl = kl_penalty(logp, jnp.where(m, ref_logp.astype(jnp.float32), 0.0), kl_estimator)
+        per_token = per_token + kl_coef * kl
+        metrics["kl"] = masked_mean(kl, m)
+
+    loss = aggregate(per_token, m, loss_agg, num_tokens=num_tokens, num_sequences=num_sequences)
+    return loss, jax.tree.map(jax.lax.stop_gradient, metrics)
+
+
+def entropy_from_logits(logits: jax.Array) -> jax.Array:
+    """Entropy (nats, f32) of softmax(logits) over the last axis; -inf logits (banned tokens) are allowed."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    p = jnp.exp(logp)
+    # 0 * log 0 = 0; the where is on logp itself so the backward pass never multiplies by -inf either
+    safe_logp = jnp.where(p > 0, logp, 0.0)
+    return -jnp.sum(p * safe_logp, axis=-1)

@@ -1,0 +1,53 @@
+"""Training/rollout mismatch metrics, and the masked reductions the rest of ``rl/`` shares.
+
+The inputs are per-token logprobs of the *sampled* tokens: ``rollout_logp`` from the sampler (FP8 rollout),
+``train_logp`` from the trainer's forward on the same tokens. With d = train_logp - rollout_logp on valid tokens:
+
+- ``mismatch_kl_k1``  mean(-d): KL(rollout || train) estimated with samples from the rollout policy (k1).
+- ``mismatch_kl_k3``  mean(exp(d) - d - 1): the same KL with Schulman's non-negative, lower-variance k3.
+- ``mean_abs_dprob``  mean |p_rollout - p_train| of the sampled token.
+- ``token_mult_prob_error``  mean exp(|d|): NeMo RL's name; 1.0 when the two agree exactly.
+- ``ppl_ratio``  train perplexity / rollout perplexity = exp(mean(-train) - mean(-rollout)) = exp(k1).
+- ``chi2``  mean(exp(d)^2) - 1: the chi-square divergence chi2(train || rollout), which is the variance of the
+  importance weights exp(d) under the rollout policy (how noisy IS correction will be).
+
+Every mean is over the tokens where ``mask`` is set. Values at masked positions may be anything (padding can hold
+-inf or 1e9): they are replaced with ``jnp.where`` before any arithmetic, so neither they nor NaN gradients leak.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def masked_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
+    """Mean of ``x`` over the positions where ``mask`` is set (f32); 0 for an empty mask."""
+    m = mask.astype(bool)
+    total = jnp.sum(jnp.where(m, x.astype(jnp.float32), 0.0))
+    return total / jnp.maximum(jnp.sum(m), 1).astype(jnp.float32)
+
+
+def masked_max(x: jax.Array, mask: jax.Array) -> jax.Array:
+    """Max of ``x`` over the positions where ``mask`` is set (f32); 0 for an empty mask (a metric, not -inf)."""
+    m = mask.astype(bool)
+    biggest = jnp.max(jnp.where(m, x.astype(jnp.float32), -jnp.inf))
+    return jnp.where(jnp.any(m), biggest, 0.0)
+
+
+def mismatch_metrics(rollout_logp: jax.Array, train_logp: jax.Array, mask: jax.Array) -> dict[str, jax.Array]:
+    """The mismatch metrics above as a dict of f32 scalars, over ``[B, T]`` logprobs and mask."""
+    m = mask.astype(bool)
+    rollout = jnp.where(m, rollout_logp.astype(jnp.float32), 0.0)
+    train = jnp.where(m, train_logp.astype(jnp.float32), 0.0)
+    d = train - rollout  # log(p_train / p_rollout) of the sampled token
+    k1 = masked_mean(-d, m)
+    return {
+        "mismatch_kl_k1": k1,
+        "mismatch_kl_k3": masked_mean(jnp.expm1(d) - d, m),
+        "mean_abs_dprob": masked_mean(jnp.abs(jnp.exp(rollout) - jnp.exp(train)), m),
+        "token_mult_prob_error": masked_mean(jnp.exp(jnp.abs(d)), m),
+        # in log space: the two perplexities themselves overflow for long, unlikely completions
+        "ppl_ratio": jnp.exp(k1),
+        "chi2": masked_mean(jnp.exp(2.0 * d), m) - 1.0,
+    }
