@@ -1,0 +1,157 @@
+"""The ``te`` FP8 backend: Transformer Engine's fused cast kernels and cuBLASLt FP8 GEMMs (GPU only).
+
+Same contract as ``xla``: the scales come from our FP8 state (``recipe.py``), and the state's cotangent carries
+the amaxes observed in the call. TE's own ``dense`` returns its *updated quantizer state* as the cotangent,
+which adds up wrongly across microbatches and re-implements the scale update; so this module builds its own
+``custom_vjp`` from TE's primitives (``tex.quantize``, ``tex.gemm``), following ``transformer_engine.jax.dense``:
+
+    forward   y  = gemm(q(x) [M, K],      q(w) as [N, K])          both K-major: Hopper's FP8 GEMMs need "TN"
+    dgrad     dx = gemm(q(g) [M, N],      q(w) as [K, N])
+    wgrad     dw = gemm(q(x) as [K, M],   q(g) as [N, M])
+
+TE quantizes with ``saturate(x * scale)`` and round-to-nearest-even, exactly as ``recipe.quantize`` does, so a
+kernel pre-quantized by the pure-JAX code (``xla.quantize_kernel``) is bit-identical to the one TE makes inside
+the training forward.
+
+Transformer Engine is imported lazily; ``pip install "transformer-engine[jax]"`` on a CUDA host provides it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from fp8rl_jax.fp8 import xla
+from fp8rl_jax.fp8.recipe import Fp8LinearState, Fp8Recipe, observation_cotangent
+from fp8rl_jax.fp8.xla import QuantizedKernel
+
+quantize_kernel = xla.quantize_kernel  # same bits as TE's cast kernel; one place to get them from
+
+
+@functools.cache
+def _te():
+    try:
+        from transformer_engine.jax import cpp_extensions as tex
+        from transformer_engine.jax.quantize import (
+            DelayedScaleQuantizer,
+            QuantizeLayout,
+            ScaledTensorFactory,
+            ScalingMode,
+            TensorUsage,
+        )
+        from transformer_engine.jax.quantize.helper import AmaxComputeAlgo
+    except ImportError as e:
+        raise ImportError(
+            "precision.backend='te' needs Transformer Engine for JAX on a CUDA GPU "
+            "(pip install 'transformer-engine[jax]'); use precision.backend='xla' elsewhere. "
+            f"Import failed with: {e}"
+        ) from e
+    return {
+        "tex": tex,
+        "Quantizer": DelayedScaleQuantizer,
+        "Layout": QuantizeLayout,
+        "Factory": ScaledTensorFactory,
+        "Mode": ScalingMode,
+        "Usage": TensorUsage,
+        "Algo": AmaxComputeAlgo,
+    }
+
+
+def is_available() -> bool:
+    """Transformer Engine imports and a GPU is visible."""
+    try:
+        _te()
+    except ImportError:
+        return False
+    return any(d.platform == "gpu" for d in jax.devices())
+
+
+def _quantizer(dtype, scale: jax.Array, both_layouts: bool):
+    """A TE delayed-scaling quantizer that uses our scale. Its own history update is never read."""
+    t = _te()
+    return t["Quantizer"](
+        q_dtype=jnp.dtype(dtype),
+        scaling_mode=t["Mode"].DELAYED_TENSOR_SCALING,  # the inherited default would be current scaling
+        q_layout=t["Layout"].ROWWISE_COLWISE if both_layouts else t["Layout"].ROWWISE,
+        data_layout="NT",
+        margin=0.0,
+        amax_compute_algo=t["Algo"].MAX,
+        scale=scale.astype(jnp.float32).reshape(1),
+        amax_history=jnp.zeros((2,), jnp.float32),
+    )
+
+
+def _observed_amax(scaled) -> jax.Array:
+    """The amax TE's cast kernel computed while quantizing (read from the row-wise tensor)."""
+    t = _te()
+    rowwise = scaled.get_tensor(usage=t["Usage"].LHS) if hasattr(scaled, "get_tensor") else scaled
+    return rowwise.amax.reshape(()).astype(jnp.float32)
+
+
+def prequantized_matmul(x: jax.Array, kernel: QuantizedKernel, x_scale: jax.Array, recipe: Fp8Recipe) -> jax.Array:
+    """``x [M, K] @ kernel`` with the kernel already FP8 [N, K]; returns [M, N] in ``x.dtype``."""
+    t = _te()
+    qx = t["tex"].quantize(x, quantizer=_quantizer(recipe.fwd_dtype, x_scale, both_layouts=False), flatten_axis=-1)
+    qw = t["Factory"].create_1x(
+        kernel.data,
+        kernel.scale_inv.astype(jnp.float32).reshape(1),
+        scaling_mode=t["Mode"].DELAYED_TENSOR_SCALING,
+        dq_dtype=x.dtype,
+    )
+    # [M, K] . [N, K] -> [M, N]
+    return t["tex"].gemm(qx, qw, contracting_dims=((1,), (1,)))
+
+
+@functools.cache
+def _fp8_matmul_fn(x_dtype, w_dtype, out_dtype, recipe: Fp8Recipe):
+    # TE's GEMM writes in the input's dtype: quantize an f32 copy of x when f32 output is wanted (same FP8 bits)
+    gemm_dtype = jnp.dtype(jnp.float32) if out_dtype == jnp.dtype(jnp.float32) else x_dtype
+
+    @jax.custom_vjp
+    def f(x, kernel, state):
+        return fwd(x, kernel, state)[0]
+
+    def fwd(x, kernel, state):
+        t = _te()
+        tex, usage = t["tex"], t["Usage"]
+        qx = tex.quantize(x.astype(gemm_dtype), quantizer=_quantizer(recipe.fwd_dtype, state["x"]["scale"], True))
+        qw = tex.quantize(kernel, quantizer=_quantizer(recipe.fwd_dtype, state["kernel"]["scale"], True))
+        # [M, K] . [K, N] -> [M, N]; on Hopper TE hands the GEMM the K-major copy of w
+        y = tex.gemm(qx.get_tensor(usage=usage.LHS), qw.get_tensor(usage=usage.RHS), contracting_dims=((1,), (0,)))
+        residuals = (
+            qx.get_tensor(usage=usage.LHS_TRANS),
+            qw.get_tensor(usage=usage.RHS_TRANS),
+            state,
+            _observed_amax(qx),
+            _observed_amax(qw),
+        )
+        return y.astype(out_dtype), residuals
+
+    def bwd(residuals, g):
+        t = _te()
+        tex, usage = t["tex"], t["Usage"]
+        qx_t, qw_t, state, amax_x, amax_w = residuals
+        qg = tex.quantize(g.astype(gemm_dtype), quantizer=_quantizer(recipe.bwd_dtype, state["grad"]["scale"], True))
+        # dx [M, K] = g [M, N] . w [K, N]^T
+        dx = tex.gemm(qg.get_tensor(usage=usage.LHS), qw_t, contracting_dims=((1,), (1,)))
+        # dw [K, N] = x [M, K]^T . g [M, N]
+        dw = tex.gemm(qx_t, qg.get_tensor(usage=usage.RHS), contracting_dims=((0,), (0,)))
+        observed = {
+            "x": observation_cotangent(state["x"], amax_x),
+            "kernel": observation_cotangent(state["kernel"], amax_w),
+            "grad": observation_cotangent(state["grad"], _observed_amax(qg)),
+        }
+        return dx.astype(x_dtype), dw.astype(w_dtype), observed
+
+    f.defvjp(fwd, bwd)
+    return f
+
+
+def fp8_matmul(
+    x: jax.Array, kernel: jax.Array, state: Fp8LinearState, recipe: Fp8Recipe, out_dtype=None
+) -> jax.Array:
+    """Differentiable FP8 ``x [M, K] @ kernel [K, N]`` through Transformer Engine (see module docstring)."""
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    return _fp8_matmul_fn(jnp.dtype(x.dtype), jnp.dtype(kernel.dtype), out_dtype, recipe)(x, kernel, state)

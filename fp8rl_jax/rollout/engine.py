@@ -1,0 +1,245 @@
+"""The rollout engine: prefill, insert, generate, with the shape of JetStream's Engine API.
+
+One engine serves two drivers: the offline continuous-batching driver of the RL loop (``driver.py``) and the
+JetStream server (``fp8rl_jax.serve``). It runs the model's one forward (``llama.forward_hidden``) with the
+rollout weights (FP8 kernels quantized once per RL step, ``fp8.prequant``) and a BF16 or FP8 KV cache.
+
+    prefill(params, padded_tokens, true_length, rng)  -> Prefix (the prompt's KV cache + its first token)
+    insert(prefix, decode_state, slot[, rng])         -> decode_state with the prefix in ``slot``
+    generate(params, decode_state)                    -> (decode_state, ResultTokens): one token for every slot
+    generate_steps(params, decode_state, n)           -> n steps in one compiled loop (the RL driver's path)
+
+Slots. The decode state holds ``max_concurrent_decodes`` slots, each a sequence at its own position. A slot is
+``done`` once it sampled a stop token, reached ``max_new_tokens``, or filled the cache; done slots keep running
+in the batch (it is one dense step) but emit invalid tokens and stop advancing, until ``insert`` reuses them.
+
+Several samples of one prompt share one prefill: ``insert(prefix, state, slot, rng)`` re-draws the first token
+from the prefix's last-position logits with the sample's own key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fp8rl_jax.fp8 import kv as kvq
+from fp8rl_jax.fp8.policy import Precision
+from fp8rl_jax.fp8.prequant import rollout_params
+from fp8rl_jax.model import llama
+from fp8rl_jax.model.config import LlamaConfig
+from fp8rl_jax.rollout.sampling import SamplingParams, sample
+
+PREFILL_BUCKETS = tuple(2**i for i in range(4, 16))  # 16 .. 32768, JetStream's convention
+
+
+def prefill_bucket(length: int, max_prefill_length: int) -> int:
+    """Smallest power-of-two bucket (>= 16) holding ``length`` tokens, capped at ``max_prefill_length``."""
+    if length > max_prefill_length:
+        raise ValueError(f"prompt of {length} tokens exceeds max_prefill_length={max_prefill_length}")
+    return min(next(b for b in PREFILL_BUCKETS if b >= length), max_prefill_length)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Prefix:
+    """A prefilled prompt: its KV cache [L, 1, P, K, H], last-position logits and first sampled token."""
+
+    cache: dict
+    logits: jax.Array  # [V] f32
+    token: jax.Array  # [] int32
+    logprob: jax.Array  # [] f32
+    length: jax.Array  # [] int32, the true prompt length
+    key: jax.Array  # the sequence's key after drawing ``token``
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class DecodeState:
+    cache: dict  # {"k", "v"}: [L, B, S, K, H]
+    tokens: jax.Array  # [B] int32: the last sampled token, the next step's input
+    logprobs: jax.Array  # [B] f32: its logprob under pi_T
+    positions: jax.Array  # [B] int32: where ``tokens`` goes in the cache
+    generated: jax.Array  # [B] int32: tokens sampled so far (the first one included)
+    done: jax.Array  # [B] bool: finished, or never filled
+    keys: jax.Array  # [B, 2] uint32: per-sequence keys
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class ResultTokens:
+    """JetStream's layout: ``data`` [B, 3] = (token, valid, length) per slot; plus the tokens' logprobs."""
+
+    data: jax.Array
+    logprobs: jax.Array
+    tokens_idx: tuple[int, int] = dataclasses.field(default=(0, 1), metadata={"static": True})
+    valid_idx: tuple[int, int] = dataclasses.field(default=(1, 2), metadata={"static": True})
+    length_idx: tuple[int, int] = dataclasses.field(default=(2, 3), metadata={"static": True})
+    samples_per_slot: int = dataclasses.field(default=1, metadata={"static": True})
+
+    def convert_to_numpy(self) -> ResultTokens:
+        return dataclasses.replace(self, data=np.asarray(self.data), logprobs=np.asarray(self.logprobs))
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    max_concurrent_decodes: int = 32
+    max_prefill_length: int = 512
+    max_new_tokens: int = 256
+    sampling: SamplingParams = SamplingParams()
+    stop_ids: tuple[int, ...] = ()
+
+    @property
+    def max_cache_length(self) -> int:
+        return self.max_prefill_length + self.max_new_tokens
+
+
+class Engine:
+    """Prefill / insert / generate over the model forward, jitted, with the decode state donated."""
+
+    def __init__(self, model: LlamaConfig, precision: Precision, config: EngineConfig, tokenizer: Any = None):
+        self.model, self.precision, self.config = model, precision, config
+        self.tokenizer = tokenizer
+        self._prefill = jax.jit(self._prefill_impl)
+        self._insert = jax.jit(self._insert_impl, donate_argnums=(1,))
+        self._generate = jax.jit(self._generate_impl, donate_argnums=(1,))
+        self._generate_steps = jax.jit(self._generate_steps_impl, donate_argnums=(1,), static_argnums=(2,))
+        self._load = jax.jit(functools.partial(rollout_params, precision=precision, num_layers=model.num_layers))
+
+    # -- sizes ----------------------------------------------------------------------------------------------
+
+    @property
+    def max_concurrent_decodes(self) -> int:
+        return self.config.max_concurrent_decodes
+
+    @property
+    def max_prefill_length(self) -> int:
+        return self.config.max_prefill_length
+
+    @property
+    def samples_per_slot(self) -> int:
+        return 1
+
+    @property
+    def cache_dtype(self):
+        return llama.cache_dtype(self.precision)
+
+    # -- params and state -----------------------------------------------------------------------------------
+
+    def load_params(self, params: dict, fp8_state: dict | None = None, kv_scales: dict | None = None) -> dict:
+        """Rollout params from training params: FP8 kernels quantized once with the current scales."""
+        if self.precision.fp8 and fp8_state is None:
+            raise ValueError(f"precision backend {self.precision.backend!r} needs the FP8 state")
+        if self.precision.kv_fp8 and kv_scales is None:
+            kv_scales = kvq.init_kv_scales(self.model.num_layers)
+        return {"weights": self._load(params, fp8_state), "fp8_state": fp8_state, "kv_scales": kv_scales}
+
+    def init_decode_state(self) -> DecodeState:
+        b = self.config.max_concurrent_decodes
+        return DecodeState(
+            cache=llama.init_cache(self.model, b, self.config.max_cache_length, self.cache_dtype),
+            tokens=jnp.zeros((b,), jnp.int32),
+            logprobs=jnp.zeros((b,), jnp.float32),
+            positions=jnp.zeros((b,), jnp.int32),
+            generated=jnp.zeros((b,), jnp.int32),
+            done=jnp.ones((b,), bool),
+            keys=jnp.zeros((b, 2), jnp.uint32),
+        )
+
+    # -- the three calls ----------------------------------------------------------------------------------
+
+    def prefill(self, params: dict, padded_tokens: jax.Array, true_length: int, rng: jax.Array) -> Prefix:
+        """Run the prompt (right-padded to a bucket) and draw its first token with ``rng``."""
+        return self._prefill(params, jnp.asarray(padded_tokens, jnp.int32), jnp.int32(true_length), rng)
+
+    def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int, rng: jax.Array | None = None):
+        """Put ``prefix`` into ``slot``; with ``rng``, re-draw the first token (another sample of the prompt)."""
+        return self._insert(prefix, decode_state, jnp.int32(slot), rng)
+
+    def generate(self, params: dict, decode_state: DecodeState) -> tuple[DecodeState, ResultTokens]:
+        return self._generate(params, decode_state)
+
+    def generate_steps(self, params: dict, decode_state: DecodeState, num_steps: int):
+        """``num_steps`` decode steps in one compiled loop: (state, tokens, logprobs, valid), each [n, B]."""
+        return self._generate_steps(params, decode_state, num_steps)
+
+    # -- implementations ------------------------------------------------------------------------------------
+
+    def _forward(self, params, tokens, positions, cache):
+        return llama.forward_hidden(
+            params["weights"], tokens, positions, config=self.model, precision=self.precision,
+            fp8_state=params["fp8_state"], kv_scales=params["kv_scales"], cache=cache,
+        )
+
+    def _logits(self, params, hidden):
+        return llama.logits_from_hidden(
+            params["weights"], hidden, precision=self.precision, fp8_state=params["fp8_state"]
+        )
+
+    def _draw(self, logits, keys):
+        """Split each key, draw with one half, keep the other: logits [B, V], keys [B, 2]."""
+        split = jax.vmap(jax.random.split)(keys)  # [B, 2, 2]
+        tokens, logprobs = sample(logits, split[:, 1], self.config.sampling)
+        return tokens, logprobs, split[:, 0]
+
+    def _prefill_impl(self, params, padded_tokens, true_length, rng):
+        p = padded_tokens.shape[0]
+        cache = llama.init_cache(self.model, 1, p, self.cache_dtype)
+        positions = jnp.arange(p, dtype=jnp.int32)[None]
+        hidden, cache, _ = self._forward(params, padded_tokens[None], positions, cache)
+        # [1, P, D] -> [1, D]: only the last real position needs logits
+        last = jax.lax.dynamic_index_in_dim(hidden[0], true_length - 1, axis=0, keepdims=True)
+        logits = self._logits(params, last)  # [1, V]
+        token, logprob, key = self._draw(logits, rng[None])
+        return Prefix(cache, logits[0], token[0], logprob[0], true_length, key[0])
+
+    def _is_done(self, tokens, generated, positions):
+        stop = jnp.isin(tokens, jnp.asarray(self.config.stop_ids or (-1,), jnp.int32))
+        return stop | (generated >= self.config.max_new_tokens) | (positions >= self.config.max_cache_length)
+
+    def _insert_impl(self, prefix: Prefix, state: DecodeState, slot, rng):
+        if rng is None:
+            token, logprob, key = prefix.token, prefix.logprob, prefix.key
+        else:
+            t, lp, k = self._draw(prefix.logits[None], rng[None])
+            token, logprob, key = t[0], lp[0], k[0]
+        cache = {
+            name: jax.lax.dynamic_update_slice(state.cache[name], prefix.cache[name].astype(state.cache[name].dtype),
+                                               (0, slot, 0, 0, 0))
+            for name in ("k", "v")
+        }
+        set_ = lambda arr, value: arr.at[slot].set(value)
+        return DecodeState(
+            cache=cache,
+            tokens=set_(state.tokens, token),
+            logprobs=set_(state.logprobs, logprob),
+            positions=set_(state.positions, prefix.length),
+            generated=set_(state.generated, 1),
+            done=set_(state.done, self._is_done(token, 1, prefix.length)),
+            keys=set_(state.keys, key),
+        )
+
+    def _step(self, params, state: DecodeState):
+        hidden, cache, _ = self._forward(params, state.tokens[:, None], state.positions[:, None], state.cache)
+        logits = self._logits(params, hidden[:, 0])  # [B, V]
+        tokens, logprobs, keys = self._draw(logits, state.keys)
+        valid = ~state.done
+        generated = state.generated + valid
+        positions = jnp.where(valid, state.positions + 1, state.positions)
+        done = state.done | self._is_done(tokens, generated, positions)
+        new = DecodeState(cache, tokens, logprobs, positions, generated, done, keys)
+        return new, (tokens, logprobs, valid)
+
+    def _generate_impl(self, params, state):
+        state, (tokens, logprobs, valid) = self._step(params, state)
+        data = jnp.stack([tokens, valid.astype(jnp.int32), state.generated], axis=1)
+        return state, ResultTokens(data=data, logprobs=logprobs)
+
+    def _generate_steps_impl(self, params, state, num_steps):
+        state, (tokens, logprobs, valid) = jax.lax.scan(lambda s, _: self._step(params, s), state, None,
+                                                        length=num_steps)
+        return state, tokens, logprobs, valid

@@ -1,0 +1,145 @@
+"""The rollout engine and driver against the full forward, and their batching and stopping behaviour."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fp8rl_jax.fp8 import kv as kvq
+from fp8rl_jax.fp8.policy import Precision
+from fp8rl_jax.fp8.recipe import update_state
+from fp8rl_jax.model import llama
+from fp8rl_jax.model.config import preset
+from fp8rl_jax.rl.scoring import token_logprobs
+from fp8rl_jax.rollout import driver
+from fp8rl_jax.rollout.engine import Engine, EngineConfig, prefill_bucket
+from fp8rl_jax.rollout.sampling import SamplingParams
+
+CONFIG = preset("tiny")
+PROMPTS = [list(np.random.RandomState(i).randint(3, CONFIG.vocab_size, size=n)) for i, n in enumerate((5, 9, 3, 12))]
+
+
+@pytest.fixture(scope="module")
+def params():
+    return llama.init_params(CONFIG, jax.random.PRNGKey(0), std=0.1)
+
+
+@functools.cache
+def _engine(precision, slots, sampling, max_new, stop_ids):
+    """One engine (and so one set of compiled steps) per configuration, shared by the tests."""
+    return Engine(CONFIG, precision, EngineConfig(max_concurrent_decodes=slots, max_prefill_length=16,
+                                                  max_new_tokens=max_new, sampling=sampling, stop_ids=stop_ids))
+
+
+def _run(params, precision, *, slots=16, n=2, greedy=False, temperature=1.0, max_new=10, stop_ids=(), fp8_state=None,
+         kv_scales=None, top_k=0, top_p=1.0, seed=1):
+    sampling = SamplingParams(greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p)
+    engine = _engine(precision, slots, sampling, max_new, stop_ids)
+    engine_params = engine.load_params(params, fp8_state, kv_scales)
+    return driver.generate(engine, engine_params, PROMPTS, n, jax.random.PRNGKey(seed), steps_per_sync=4)
+
+
+def _sequences(batch):
+    """prompt + completion per row, right-padded: [N, T]."""
+    rows = [PROMPTS[p] + list(batch.completion(i)) for i, p in enumerate(batch.prompt_index)]
+    t = max(map(len, rows))
+    return jnp.asarray([r + [0] * (t - len(r)) for r in rows], jnp.int32)
+
+
+def test_greedy_equals_stepwise_argmax_of_full_forward(params):
+    f32 = Precision(compute_dtype="float32")
+    batch = _run(params, f32, greedy=True, n=1)
+    seqs = _sequences(batch)
+    logits, _, _ = llama.forward(params, seqs, config=CONFIG, precision=f32)
+    for i, p in enumerate(batch.prompt_index):
+        start = len(PROMPTS[p])
+        predicted = np.asarray(jnp.argmax(logits[i, start - 1 : start - 1 + batch.lengths[i]], -1))
+        np.testing.assert_array_equal(predicted, batch.completion(i))
+
+
+PRECISIONS = {
+    "f32": (Precision(compute_dtype="float32"), 1e-5),
+    "bf16": (Precision(), 1e-3),
+    "fp8": (Precision(backend="xla"), 1e-3),
+    "fp8_kv": (Precision(backend="xla", kv_cache_dtype="float8_e4m3fn"), 1e-3),
+}
+
+
+@pytest.mark.parametrize("name", list(PRECISIONS))
+def test_rollout_logprobs_match_scoring_forward(params, name):
+    """Stated tolerance (max over tokens): |rollout - scoring logprob| <= 1e-5 in f32 and <= 1e-3 in BF16, FP8 and
+    FP8 + FP8-KV: the decode step and the full-sequence forward run the same FP8 operands; only accumulation
+    order and BF16 rounding of activations may differ (measured here on CPU: ~5e-7)."""
+    precision, tol = PRECISIONS[name]
+    fp8_state = kv_scales = None
+    if precision.fp8:
+        fp8_state = llama.init_fp8_state(CONFIG, precision)
+        loss = lambda s: llama.forward(params, _sequences(_run(params, Precision(), n=1)), config=CONFIG,
+                                       precision=precision, fp8_state=s,
+                                       kv_scales=kvq.init_kv_scales(CONFIG.num_layers))[0].sum()
+        fp8_state = update_state(fp8_state, jax.grad(loss)(fp8_state), precision.recipe)
+    if precision.kv_fp8:
+        probe = _sequences(_run(params, Precision(), n=1))
+        kv_scales = kvq.scales_from_amax(llama.forward(params, probe, config=CONFIG, precision=Precision())[2])
+    batch = _run(params, precision, temperature=0.8, fp8_state=fp8_state, kv_scales=kv_scales)
+    seqs = _sequences(batch)
+    scored, _, _ = token_logprobs(params, seqs, config=CONFIG, precision=precision, temperature=0.8,
+                                  fp8_state=fp8_state, kv_scales=kv_scales, chunk=8)
+    worst = 0.0
+    for i, p in enumerate(batch.prompt_index):
+        start, length = len(PROMPTS[p]), batch.lengths[i]
+        diff = np.abs(np.asarray(scored[i, start : start + length]) - batch.logprobs[i, :length])
+        worst = max(worst, float(diff.max()))
+    print(f"{name}: max |rollout - scoring logprob| = {worst:.2e}")
+    assert worst <= tol
+
+
+def test_continuous_and_static_batching_agree(params):
+    f32 = Precision(compute_dtype="float32")
+    for greedy in (True, False):
+        static = _run(params, f32, slots=16, greedy=greedy)
+        continuous = _run(params, f32, slots=3, greedy=greedy)  # 8 samples through 3 slots: refills
+        np.testing.assert_array_equal(static.tokens, continuous.tokens)
+        np.testing.assert_array_equal(static.lengths, continuous.lengths)
+
+
+def test_samples_of_one_prompt_differ_when_sampling_and_agree_when_greedy(params):
+    f32 = Precision(compute_dtype="float32")
+    sampled = _run(params, f32, n=4)
+    greedy = _run(params, f32, n=4, greedy=True)
+    for p in range(len(PROMPTS)):
+        rows = np.flatnonzero(sampled.prompt_index == p)
+        assert len({tuple(sampled.completion(r)) for r in rows}) > 1
+        assert len({tuple(greedy.completion(r)) for r in rows}) == 1
+
+
+def test_stop_tokens_and_max_new_tokens(params):
+    f32 = Precision(compute_dtype="float32")
+    free = _run(params, f32, greedy=True, n=1, max_new=10)
+    assert all(r == "length" for r in free.finish_reasons) and (free.lengths == 10).all()
+    stop = int(free.completion(0)[3])  # the 4th token of prompt 0's greedy completion
+    stopped = _run(params, f32, greedy=True, n=1, max_new=10, stop_ids=(stop,))
+    assert stopped.finish_reasons[0] == "stop" and stopped.lengths[0] == 4
+    np.testing.assert_array_equal(stopped.completion(0), free.completion(0)[:4])  # the stop token is kept
+    for i in range(len(PROMPTS)):
+        completion = list(stopped.completion(i))
+        assert stop not in completion[:-1]
+        assert (stopped.finish_reasons[i] == "stop") == (completion[-1] == stop)
+    short = _run(params, f32, greedy=True, n=1, max_new=3)
+    assert (short.lengths == 3).all()
+
+
+def test_top_k_one_is_greedy_and_top_p_keeps_the_nucleus(params):
+    f32 = Precision(compute_dtype="float32")
+    greedy = _run(params, f32, greedy=True, n=1)
+    np.testing.assert_array_equal(_run(params, f32, n=1, top_k=1).tokens, greedy.tokens)
+    np.testing.assert_array_equal(_run(params, f32, n=1, top_p=1e-6).tokens, greedy.tokens)
+
+
+def test_prefill_buckets():
+    assert [prefill_bucket(n, 512) for n in (1, 16, 17, 300)] == [16, 16, 32, 512]
+    assert prefill_bucket(40, 48) == 48
+    with pytest.raises(ValueError, match="max_prefill_length=48"):
+        prefill_bucket(49, 48)
