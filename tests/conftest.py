@@ -10,6 +10,10 @@ import pytest  # noqa: E402
 
 def pytest_collection_modifyitems(config, items):
     """GPU-marked tests run only where a GPU backend exists (the GPU host), never in CPU CI."""
+    if os.environ.get("JAX_PLATFORMS") != "cpu":
+        from fp8rl_jax.fp8 import te
+
+        te.preload()  # before JAX's GPU backend starts (cuDNN clash otherwise)
     import jax
 
     on_gpu = any(d.platform == "gpu" for d in jax.devices()) if os.environ.get("JAX_PLATFORMS") != "cpu" else False

@@ -14,6 +14,9 @@ kernel pre-quantized by the pure-JAX code (``xla.quantize_kernel``) is bit-ident
 the training forward.
 
 Transformer Engine is imported lazily; ``pip install "transformer-engine[jax]"`` on a CUDA host provides it.
+Import it (``preload()``) before JAX initialises its GPU backend: JAX loads its own cuDNN, and a TE core library
+linked against another cuDNN then fails to load ("undefined symbol ... libcudnn_graph.so.9", seen on the H100
+image). ``main`` and the benchmarks call ``preload()`` first.
 """
 
 from __future__ import annotations
@@ -42,11 +45,12 @@ def _te():
             TensorUsage,
         )
         from transformer_engine.jax.quantize.helper import AmaxComputeAlgo
-    except ImportError as e:
+    except (ImportError, OSError) as e:
         raise ImportError(
             "precision.backend='te' needs Transformer Engine for JAX on a CUDA GPU "
             "(pip install 'transformer-engine[jax]'); use precision.backend='xla' elsewhere. "
-            f"Import failed with: {e}"
+            "If a cuDNN symbol is missing, import Transformer Engine before JAX starts its GPU backend "
+            f"(fp8rl_jax.fp8.te.preload()). Import failed with: {e}"
         ) from e
     return {
         "tex": tex,
@@ -57,6 +61,15 @@ def _te():
         "Usage": TensorUsage,
         "Algo": AmaxComputeAlgo,
     }
+
+
+def preload() -> bool:
+    """Import Transformer Engine now, if it is installed (see the module docstring); True on success."""
+    try:
+        _te()
+    except ImportError:
+        return False
+    return True
 
 
 def is_available() -> bool:
@@ -72,7 +85,7 @@ def _quantizer(dtype, scale: jax.Array, both_layouts: bool):
     """A TE delayed-scaling quantizer that uses our scale. Its own history update is never read."""
     t = _te()
     return t["Quantizer"](
-        q_dtype=jnp.dtype(dtype),
+        q_dtype=dtype,  # TE compares against the jnp scalar types, not np.dtype instances
         scaling_mode=t["Mode"].DELAYED_TENSOR_SCALING,  # the inherited default would be current scaling
         q_layout=t["Layout"].ROWWISE_COLWISE if both_layouts else t["Layout"].ROWWISE,
         data_layout="NT",

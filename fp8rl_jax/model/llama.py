@@ -44,7 +44,7 @@ LINEARS = ("wqkv", "wo", "w_gate_up", "w_down")
 NEG_INF = -1e30
 
 Params = dict
-Cache = dict  # {"k": [L, B, S, K, H], "v": [L, B, S, K, H]}
+Cache = dict  # {"k": [L, B, K, S, H], "v": [L, B, K, S, H]}: (B, K) lead, as the attention dots batch them
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -88,7 +88,9 @@ def init_fp8_state(config: LlamaConfig, precision: Precision) -> dict:
 
 
 def init_cache(config: LlamaConfig, batch: int, max_len: int, dtype) -> Cache:
-    shape = (config.num_layers, batch, max_len, config.num_kv_heads, config.head_dim)
+    """Zeroed K/V cache [L, B, K, S, H]: per (sequence, kv head) a contiguous [S, H] matrix, so the decode
+    step's attention dots read it in place (no transpose of the cache inside the loop)."""
+    shape = (config.num_layers, batch, config.num_kv_heads, max_len, config.head_dim)
     return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
 
 
@@ -138,20 +140,21 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
 def attention(q, k, v, q_pos, k_pos) -> jax.Array:
     """Causal GQA attention, softmax in f32. Key s is visible to query t iff 0 <= k_pos[s] <= q_pos[t].
 
-    q [B, T, N, H]; k, v [B, S, K, H]; q_pos [B, T]; k_pos [B, S]  ->  [B, T, N, H]
+    q [B, T, N, H]; k, v [B, K, S, H]; q_pos [B, T]; k_pos [B, S]  ->  [B, T, N, H]
     """
     b, t, n, h = q.shape
-    kh = k.shape[2]
+    kh = k.shape[1]
     # [B, T, N, H] -> [B, T, K, G, H]
     q = q.reshape(b, t, kh, n // kh, h)
     # [B, K, G, T, S]
-    scores = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32) / math.sqrt(h)
+    scores = jnp.einsum("btkgh,bksh->bkgts", q, k, preferred_element_type=jnp.float32) / math.sqrt(h)
     # [B, T, S]
     visible = (k_pos[:, None, :] <= q_pos[:, :, None]) & (k_pos[:, None, :] >= 0)
     scores = jnp.where(visible[:, None, None], scores, NEG_INF)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    # [B, K, G, T, S] x [B, S, K, H] -> [B, T, K, G, H]
-    out = jnp.einsum("bkgts,bskh->btkgh", probs, v, preferred_element_type=jnp.float32)
+    # [B, K, G, T, S] x [B, K, S, H] -> [B, T, K, G, H]; accumulated in f32, rounded once to the compute dtype
+    # (an f32 output here would be rounded right after anyway, and XLA:CPU has no bf16 x bf16 -> f32 form of it)
+    out = jnp.einsum("bkgts,bksh->btkgh", probs, v, preferred_element_type=v.dtype)
     return out.reshape(b, t, n, h).astype(q.dtype)
 
 
@@ -198,9 +201,10 @@ def _block(x, layer, fp8, idx, positions, cache, kv_scales, config: LlamaConfig,
     if precision.kv_fp8:
         k_scale, v_scale = kv_scales["k"][idx], kv_scales["v"][idx]
     if cache is None:
-        keys, values, k_pos = k, v, positions
+        # [B, T, K, H] -> [B, K, T, H]
+        keys, values, k_pos = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), positions
         if precision.kv_fp8:
-            keys, values = kvq.round_trip(k, k_scale), kvq.round_trip(v, v_scale)
+            keys, values = kvq.round_trip(keys, k_scale), kvq.round_trip(values, v_scale)
     else:
         ck, cv = cache["k"], cache["v"]
         if precision.kv_fp8:
@@ -208,15 +212,16 @@ def _block(x, layer, fp8, idx, positions, cache, kv_scales, config: LlamaConfig,
         else:
             k_store, v_store = k.astype(ck.dtype), v.astype(cv.dtype)
         rows = jnp.broadcast_to(jnp.arange(b)[:, None], positions.shape)
-        # scatter [B, T, K, H] into layer idx of [L, B, S, K, H] at (row, position)
-        ck = ck.at[idx, rows, positions].set(k_store, mode="drop")
-        cv = cv.at[idx, rows, positions].set(v_store, mode="drop")
+        # scatter [B, T, K, H] into layer idx of [L, B, K, S, H] at (row, :, position): the index arrays are
+        # split by a slice, so (numpy rules) the indexed view is [B, T, K, H], the layout of k_store
+        ck = ck.at[idx, rows, :, positions].set(k_store, mode="drop")
+        cv = cv.at[idx, rows, :, positions].set(v_store, mode="drop")
         cache = {"k": ck, "v": cv}
         keys, values = ck[idx], cv[idx]
         if precision.kv_fp8:
             keys = kvq.dequantize_kv(keys, k_scale, precision.dtype)
             values = kvq.dequantize_kv(values, v_scale, precision.dtype)
-        s = ck.shape[2]
+        s = ck.shape[3]
         k_pos = jnp.broadcast_to(jnp.arange(s, dtype=positions.dtype)[None], (b, s))
 
     attn = attention(q, keys.astype(q.dtype), values.astype(q.dtype), positions, k_pos)

@@ -47,7 +47,7 @@ def prefill_bucket(length: int, max_prefill_length: int) -> int:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class Prefix:
-    """A prefilled prompt: its KV cache [L, 1, P, K, H], last-position logits and first sampled token."""
+    """A prefilled prompt: its KV cache [L, 1, K, P, H], last-position logits and first sampled token."""
 
     cache: dict
     logits: jax.Array  # [V] f32
@@ -60,7 +60,7 @@ class Prefix:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class DecodeState:
-    cache: dict  # {"k", "v"}: [L, B, S, K, H]
+    cache: dict  # {"k", "v"}: [L, B, K, S, H]
     tokens: jax.Array  # [B] int32: the last sampled token, the next step's input
     logprobs: jax.Array  # [B] f32: its logprob under pi_T
     positions: jax.Array  # [B] int32: where ``tokens`` goes in the cache

@@ -1,0 +1,120 @@
+"""Synthetic tasks for runs with no model download: ``arithmetic`` and ``pattern``, plus their character tokenizer.
+
+Problems come from ``numpy.random.default_rng([seed, split])``, one after another, forever: the same seed and
+split give the same problems; train and test are different streams.
+
+``arithmetic``: "37+48=" -> "85", operands below ``10**digits``, ``+`` or ``-`` (answers may be negative).
+
+``pattern`` (the CPU smoke task, ``configs/tiny.py``): the prompt is ``PATTERN_LETTERS`` = 4 distinct letters
+drawn from the pool ``PATTERN_POOL`` = "abcdefgh", then ':' — e.g. "bfca:". A completion char *scores* when it
+is one of the prompt's letters, and the reward is the fraction of scoring chars among the first
+``PATTERN_WINDOW`` = 8 completion chars (a completion that stops early has fewer chances, so stopping is
+never rewarded). Perfect: "bfcabfca" -> 1.0.
+
+Why a 2-layer d=64 model learns it from reward alone in ~30 GRPO steps (8 prompts x 8 samples, lr 3e-3):
+- The reward is dense: it counts chars, so the 8 samples of a group almost always score differently and GRPO's
+  group-relative advantage is non-zero from step one. A uniform policy over the 50-char vocabulary scores
+  ~4/50 per char: measured 0.077 (EOS, 1 in 50, ends some completions early; tests/data/test_synthetic.py).
+- It is a ladder with no cliff. A *unigram* shift — raise the logits of "abcdefgh" in every context, one fixed
+  direction of the output layer that every rewarded sample pushes the same way — already lifts the score to
+  4/8 = 0.5. A *copy* shift (attend from the completion to the prompt's letters) takes it to 1.0. Each rung is
+  a smooth move of probability mass, not a discrete discovery the policy must stumble on.
+- Caveat: the model's vocabulary (512 in the ``tiny`` preset) is larger than the tokenizer's (50); ids past 50
+  decode to nothing, so a sampler that does not mask them starts near 0.011 instead (still learnable, slower).
+"""
+
+from __future__ import annotations
+
+import itertools
+import string
+from collections.abc import Iterator
+
+import numpy as np
+
+from fp8rl_jax.data.gsm8k import Problem
+from fp8rl_jax.model.tokenizer import Tokenizer
+
+TASKS = ("arithmetic", "pattern")
+SPLITS = ("train", "test")
+PATTERN_POOL = "abcdefgh"
+PATTERN_LETTERS = 4
+PATTERN_WINDOW = 8
+
+SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>")
+CHARS = string.digits + string.ascii_lowercase + "+-=*: ?.,#\n"
+_KNOWN_CHARS = frozenset(CHARS)
+
+
+def arithmetic_problem(rng: np.random.Generator, digits: int = 2) -> tuple[str, str]:
+    """(question, answer), e.g. ("37+48=", "85")."""
+    a, b = (int(x) for x in rng.integers(0, 10**digits, size=2))
+    if rng.integers(2):
+        return f"{a}+{b}=", str(a + b)
+    return f"{a}-{b}=", str(a - b)
+
+
+def pattern_problem(rng: np.random.Generator, pool: str = PATTERN_POOL, letters: int = PATTERN_LETTERS
+                    ) -> tuple[str, str]:
+    """(question, answer): "bfca:" and the allowed letters "bfca" (what ``pattern_score`` checks against)."""
+    picked = "".join(pool[i] for i in rng.permutation(len(pool))[:letters])
+    return f"{picked}:", picked
+
+
+def pattern_score(allowed: str, completion: str, window: int = PATTERN_WINDOW) -> float:
+    """The pattern task's dense reward: the fraction of the first ``window`` chars that are in ``allowed``."""
+    # range: [0, 1]
+    allowed_set = set(allowed)
+    return sum(c in allowed_set for c in completion[:window]) / window
+
+
+def iter_problems(task: str, seed: int, split: str = "train", **kw) -> Iterator[Problem]:
+    """Endless, deterministic stream of ``task`` problems; ``kw`` goes to the task's generator."""
+    if task not in TASKS:
+        raise ValueError(f"synthetic task {task!r} is invalid; allowed: {' | '.join(TASKS)}")
+    if split not in SPLITS:
+        raise ValueError(f"split {split!r} is invalid; allowed: {' | '.join(SPLITS)}")
+    make = arithmetic_problem if task == "arithmetic" else pattern_problem
+    rng = np.random.default_rng([seed, SPLITS.index(split)])  # split in the seed: test never replays train
+    for i in itertools.count():
+        question, answer = make(rng, **kw)
+        yield Problem(f"{task}/{split}/{seed}/{i}", question, answer)
+
+
+def synthetic_problems(task: str, seed: int, count: int, split: str = "train", **kw) -> list[Problem]:
+    """The first ``count`` problems of ``iter_problems(task, seed, split)``."""
+    return list(itertools.islice(iter_problems(task, seed, split, **kw), count))
+
+
+def char_tokenizer() -> Tokenizer:
+    """One token per character over ``<pad> <bos> <eos>``, digits, lowercase letters and ``+-=*: ?.,#\\n``.
+
+    A real ``tokenizers`` WordLevel model (so it saves, loads and batch-encodes like any other). A character
+    outside the vocabulary raises ValueError naming it (there is no ``<unk>``: the synthetic tasks never produce
+    one, and a silent unknown token would hide a prompt bug). Prompts start with ``<bos>``, an attention sink for
+    the tiny model. Ids past the vocabulary (a model head wider than 50) decode to nothing.
+    """
+    from tokenizers import Regex, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as Backend
+
+    vocab = {token: i for i, token in enumerate([*SPECIAL_TOKENS, *CHARS])}
+    backend = Backend(models.WordLevel(vocab))
+    # every character its own word, newlines included ("[\s\S]", not "."); Fuse joins them back with no spaces
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    backend.add_special_tokens(list(SPECIAL_TOKENS))
+    return CharTokenizer(backend, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", add_bos=True)
+
+
+class CharTokenizer(Tokenizer):
+    """``Tokenizer`` whose ``encode`` names any character outside the vocabulary (the backend's own error,
+    "Missing [UNK] token", does not say which)."""
+
+    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+        if not set(text) <= _KNOWN_CHARS:
+            plain = text
+            for token in SPECIAL_TOKENS:
+                plain = plain.replace(token, "")
+            unknown = sorted(set(plain) - _KNOWN_CHARS)
+            if unknown:
+                raise ValueError(f"characters {unknown} are not in the char tokenizer's vocabulary {CHARS!r}")
+        return super().encode(text, add_bos)

@@ -1,0 +1,220 @@
+"""Reward functions by name: ``fn(prompts, completions, **kw) -> list[float]``, one float per completion.
+
+``prompts[i]`` is the ``PromptRecord`` that ``completions[i]`` answers (the trainer repeats each record once per
+sample of its group). Rewards run on the host, in pure Python, and never eval/exec model text: answers are read
+with regular expressions and compared as exact fractions. ``math_verify`` reaches SymPy's ``parse_expr``, which
+calls Python's ``eval``, and can spin forever on "9^9^9^9"; so it only ever sees a short answer span that has
+passed a whitelist of digits, + - * / ( ) and a few LaTeX commands (see ``_math_verify_equal``).
+
+Add a reward with ``@register("name")``; select them with ``config.reward.fns`` / ``config.reward.weights``.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable, Sequence
+from fractions import Fraction
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from fp8rl_jax.data import synthetic
+
+if TYPE_CHECKING:
+    from fp8rl_jax.data.prompts import PromptRecord
+
+RewardFn = Callable[..., list[float]]
+_REGISTRY: dict[str, RewardFn] = {}
+
+
+def register(name: str) -> Callable[[RewardFn], RewardFn]:
+    """Decorator: make ``fn`` available as ``config.reward.fns`` entry ``name``."""
+
+    def add(fn: RewardFn) -> RewardFn:
+        if name in _REGISTRY:
+            raise ValueError(f"reward {name!r} is already registered (by {_REGISTRY[name].__module__})")
+        _REGISTRY[name] = fn
+        return fn
+
+    return add
+
+
+def get_reward_fn(name: str) -> RewardFn:
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown reward {name!r}; allowed: {', '.join(reward_names())}")
+    return _REGISTRY[name]
+
+
+def reward_names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def combined_rewards(names: Sequence[str] | str, weights: Sequence[float] | str | None,
+                     prompts: Sequence[PromptRecord], completions: Sequence[str]
+                     ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """(weighted sum ``[N]``, each fn's raw rewards ``[N]``) over ``N`` completions; weights default to 1.
+
+    ``names`` and ``weights`` may be the config's comma-separated strings.
+    """
+    if isinstance(names, str):
+        names = [n.strip() for n in names.split(",") if n.strip()]
+    if isinstance(weights, str):
+        weights = [float(w) for w in weights.split(",") if w.strip()]
+    weights = list(weights) if weights else [1.0] * len(names)
+    if len(weights) != len(names):
+        raise ValueError(f"{len(weights)} reward weights for {len(names)} reward fns {list(names)}")
+    if len(prompts) != len(completions):
+        raise ValueError(f"{len(prompts)} prompts for {len(completions)} completions; need one each")
+    total = np.zeros(len(completions), np.float32)
+    per_fn = {}
+    for name, weight in zip(names, weights, strict=True):
+        values = np.asarray(get_reward_fn(name)(list(prompts), list(completions)), np.float32)
+        if values.shape != total.shape or not np.all(np.isfinite(values)):
+            raise ValueError(f"reward {name!r} returned {values.shape} values (finite: "
+                             f"{bool(np.all(np.isfinite(values)))}); need {total.shape}, all finite")
+        per_fn[name] = values
+        total += np.float32(weight) * values
+    return total, per_fn
+
+
+# ----------------------------------------------------------------------------------------------------------
+# reading numbers
+
+# A number as written in a solution: an optional sign (not the minus of "5-3", hence the look-behind), an
+# optional "$", digits with optional thousands commas ("1,234" but not the list "1,2,3"), optional decimals.
+_NUMBER = re.compile(r"(?<![\w.)])(-)?[ \t]?\$?[ \t]?((?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|\.\d+)")
+_MAX_DIGITS = 40  # longer digit strings are not answers, and int() refuses past 4300 digits anyway
+
+
+def _value(match: re.Match) -> Fraction | None:
+    sign, digits = match.groups()
+    digits = digits.replace(",", "")
+    return Fraction((sign or "") + digits) if len(digits) <= _MAX_DIGITS else None
+
+
+def numbers(text: str) -> list[Fraction]:
+    """Every number in ``text``, in order, as an exact fraction ("1,234" -> 1234, "$18.00" -> 18, "-3" -> -3)."""
+    return [v for v in map(_value, _NUMBER.finditer(text)) if v is not None]
+
+
+def _as_number(text: str) -> Fraction | None:
+    found = numbers(text.strip())
+    return found[0] if len(found) == 1 else None
+
+
+def final_answer_span(completion: str) -> str | None:
+    """The first non-empty line after the last ``####``, and of that the part after its last "=" ("#### 3*6 = 18"
+    -> "18"); None when the completion has no ``####``."""
+    if "####" not in completion:
+        return None
+    line = completion.rsplit("####", 1)[1].strip().split("\n", 1)[0]
+    parts = [part.strip() for part in line.split("=") if part.strip()]
+    return parts[-1] if parts else ""
+
+
+# math_verify is let in only on spans of arithmetic it cannot blow up: no "^"/"**" (9^9^9 never returns), no "!",
+# no letters, at most 64 chars and 18-digit numbers. Then it runs with its timeouts off.
+_MV_LATEX = re.compile(r"\\(?:[dt]?frac|boxed|left|right|cdot|times|div)(?![a-zA-Z])|\\[,$ ]")
+_MV_CHARS = re.compile(r"[\d\s+\-*/().,${}]*")
+# an answer span is an expression when its first number is a LaTeX fraction's or is followed by an operator
+# and an operand ("36/2", "3 * 6"); then that first number is not the answer
+_FRACTION = re.compile(r"\\[dt]?frac")
+_OPERATOR_NEXT = re.compile(r"\s*[-+*/^\u00d7\u00f7][\s*^]*[\d(.$\\]")
+
+
+def _math_verify_safe(span: str) -> bool:
+    return (len(span) <= 64 and "**" not in span.replace(" ", "") and not re.search(r"\d{19}", span)
+            and _MV_CHARS.fullmatch(_MV_LATEX.sub(" ", span)) is not None)
+
+
+class _DropTimeoutWarning(logging.Filter):
+    # with timeouts off math_verify warns "you must provide the logic for timeout interruption yourself": the
+    # whitelist above is that logic, so the warning is noise in every run's log
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Timeout is disabled")
+
+
+_math_verify_ready = False
+
+
+def _math_verify_equal(span: str, gold: str) -> bool:
+    """Whether math_verify finds ``span`` (e.g. "\\frac{36}{2}", "3*6") equal to ``gold``; False if not safe.
+
+    math_verify's timeouts use ``signal.alarm``, which raises ValueError outside the main thread (the reward may
+    run in a worker thread). ``parsing_timeout=None`` / ``timeout_seconds=None`` turn that machinery off — it
+    becomes a plain call in any thread — and ``_math_verify_safe`` keeps out the inputs that would need it.
+    """
+    global _math_verify_ready
+    if not _math_verify_safe(span):
+        return False
+    from math_verify import parse, verify  # imports SymPy (~0.5 s): only once a span needs it
+
+    if not _math_verify_ready:
+        for name in ("math_verify.parser", "math_verify.grader"):
+            logging.getLogger(name).addFilter(_DropTimeoutWarning())
+        _math_verify_ready = True
+    try:
+        target = parse(span, parsing_timeout=None)
+        return bool(target) and bool(verify(parse(gold, parsing_timeout=None), target, timeout_seconds=None))
+    except Exception:  # a parser failure on model text is a wrong answer, not a crashed step
+        return False
+
+
+def gsm8k_correct(completion: str, gold: str) -> bool:
+    """Whether ``completion``'s final answer equals ``gold`` (a number, as GSM8K's gold answers all are).
+
+    The answer is the first number on the line after the last ``####``; with no ``####`` it falls back to the
+    *last* number anywhere in the completion (a model that has not learned the format yet still gets credit for
+    the right result, which is what gets it started). Numbers compare exactly ("18.00" == "18", "$1,234" ==
+    "1234"); an answer that is an expression ("36/2", "\\frac{36}{2}") is left to math_verify.
+    """
+    gold_value = _as_number(gold)
+    if gold_value is None:
+        raise ValueError(f"gsm8k_answer needs a numeric gold answer, got {gold!r}")
+    span = final_answer_span(completion)
+    if span is None:
+        found = numbers(completion)
+        return bool(found) and found[-1] == gold_value
+    first = _NUMBER.search(span)
+    if first is None or _FRACTION.search(span[: first.start()]) or _OPERATOR_NEXT.match(span, first.end()):
+        return _math_verify_equal(span, gold)
+    return _value(first) == gold_value
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the rewards
+
+
+@register("gsm8k_answer")
+def gsm8k_answer(prompts: Sequence[PromptRecord], completions: Sequence[str], **kw) -> list[float]:
+    # range: [0, 1] — 1 when the final answer (after "####", else the last number) equals the gold answer
+    return [float(gsm8k_correct(c, p.answer)) for p, c in zip(prompts, completions, strict=True)]
+
+
+_FORMAT = re.compile(r"####[ \t]*-?[ \t]*\$?[ \t]*\d")
+
+
+@register("gsm8k_format")
+def gsm8k_format(prompts: Sequence[PromptRecord], completions: Sequence[str], **kw) -> list[float]:
+    # range: [0, 1] — 1 when a line holds "#### <number>", right or wrong
+    return [float(_FORMAT.search(c) is not None) for c in completions]
+
+
+_INTEGER = re.compile(r"-?\d+")
+
+
+@register("arithmetic")
+def arithmetic(prompts: Sequence[PromptRecord], completions: Sequence[str], **kw) -> list[float]:
+    # range: [0, 1] — 1 when the first integer of the completion equals the answer ("85", "-36")
+    out = []
+    for p, c in zip(prompts, completions, strict=True):
+        m = _INTEGER.search(c)
+        out.append(float(m is not None and int(m.group()) == int(p.answer)))
+    return out
+
+
+@register("pattern")
+def pattern(prompts: Sequence[PromptRecord], completions: Sequence[str], **kw) -> list[float]:
+    # range: [0, 1] — the fraction of the first 8 completion chars that are letters of the prompt
+    return [synthetic.pattern_score(p.answer, c) for p, c in zip(prompts, completions, strict=True)]

@@ -1,0 +1,106 @@
+"""GPU only (run on the GPU host): the ``te`` backend against ``xla``, and XLA's own FP8 GEMM lowering.
+
+    JAX_PLATFORMS=cuda python -m pytest -m gpu tests
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fp8rl_jax.fp8 import xla
+from fp8rl_jax.fp8.policy import Precision
+from fp8rl_jax.fp8.recipe import Fp8Recipe, init_linear_state, update_state
+from fp8rl_jax.model import llama
+from fp8rl_jax.model.config import preset
+
+pytestmark = pytest.mark.gpu
+RECIPE = Fp8Recipe()
+
+
+def _inputs(m=256, k=512, n=384, seed=0):
+    rng = np.random.RandomState(seed)
+    x = jnp.asarray(rng.randn(m, k), jnp.bfloat16)
+    w = jnp.asarray(rng.randn(k, n) * 0.05, jnp.float32)
+    g = jnp.asarray(rng.randn(m, n) * 1e-2, jnp.bfloat16)
+    st = init_linear_state(RECIPE)
+    st["x"]["scale"] = jnp.float32(448 / 4.0)
+    st["kernel"]["scale"] = jnp.float32(448 / 0.25)
+    st["grad"]["scale"] = jnp.float32(57344 / 0.05)
+    return x, w, g, st
+
+
+def _rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return np.linalg.norm(a - b) / np.linalg.norm(b)
+
+
+def test_te_and_xla_agree_forward_backward_and_observations():
+    from fp8rl_jax.fp8 import te
+
+    x, w, g, st = _inputs()
+    outs = {}
+    for name, backend in (("xla", xla), ("te", te)):
+        y, vjp = jax.vjp(lambda a, b, s, backend=backend: backend.fp8_matmul(a, b, s, RECIPE), x, w, st)
+        outs[name] = (y, *vjp(g))
+    (y_x, dx_x, dw_x, obs_x), (y_t, dx_t, dw_t, obs_t) = outs["xla"], outs["te"]
+    print(f"te vs xla: y {_rel(y_t, y_x):.2e} dx {_rel(dx_t, dx_x):.2e} dw {_rel(dw_t, dw_x):.2e}")
+    # same FP8 operands; only accumulation order and the output rounding (bf16) differ
+    assert _rel(y_t, y_x) < 1e-2 and _rel(dx_t, dx_x) < 1e-2 and _rel(dw_t, dw_x) < 1e-2
+    for role in ("x", "kernel", "grad"):
+        np.testing.assert_array_equal(obs_t[role]["amax_history"], obs_x[role]["amax_history"])
+
+
+def test_te_prequantized_equals_te_training_forward():
+    from fp8rl_jax.fp8 import te
+
+    x, w, _, st = _inputs(m=64)
+    train = jax.jit(lambda x, w: te.fp8_matmul(x, w, st, RECIPE))(x, w)
+    qw = jax.jit(lambda w: te.quantize_kernel(w, st["kernel"], RECIPE))(w)
+    roll = jax.jit(lambda x, qw: te.prequantized_matmul(x, qw, st["x"]["scale"], RECIPE))(x, qw)
+    np.testing.assert_array_equal(np.asarray(roll.astype(jnp.float32)), np.asarray(train.astype(jnp.float32)))
+
+
+def _fp8_gemms(hlo: str) -> list[str]:
+    """GEMMs of a compiled HLO module that read FP8 operands: cuBLAS FP8 custom calls, or dots (e.g. in a Triton
+    GEMM fusion) whose two operands are f8 values."""
+    import re
+
+    types = dict(re.findall(r"%([\w.\-]+) = (\w+)\[", hlo))
+    found = []
+    for line in hlo.splitlines():
+        if "custom_call_target" in line and "$f8" in line:
+            found.append(line.strip())
+        elif " dot(" in line:
+            operands = re.findall(r"%([\w.\-]+)", line.split(" dot(", 1)[1])[:2]
+            if len(operands) == 2 and all(types.get(o, "").startswith("f8") for o in operands):
+                found.append(line.strip())
+    return found
+
+
+def test_xla_gpu_lowers_fp8_dot_to_an_fp8_gemm():
+    for m in (64, 4096):  # decode-sized and training-sized
+        x, w, _, st = _inputs(m=m, k=1024, n=2048)
+        hlo = jax.jit(lambda x, w, st: xla.fp8_matmul(x, w, st, RECIPE)).lower(x, w, st).compile().as_text()
+        gemms = _fp8_gemms(hlo)
+        print(f"M={m}:", *gemms[:3], sep="\n  ")
+        assert gemms, "no GEMM with FP8 operands in the compiled HLO:\n" + hlo[:4000]
+
+
+def test_model_forward_and_rollout_with_te_match_xla():
+    config = preset("tiny").replace(hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2, head_dim=32)
+    params = llama.init_params(config, jax.random.PRNGKey(0), std=0.05)
+    tokens = jnp.asarray(np.random.RandomState(0).randint(0, config.vocab_size, (4, 32)))
+    # one FP8 state for both backends (calibrated once): the same scales, so the same FP8 operands
+    ref = Precision(backend="xla")
+    state = llama.init_fp8_state(config, ref)
+    loss = lambda s: llama.forward(params, tokens, config=config, precision=ref, fp8_state=s)[0].sum()
+    state = update_state(state, jax.grad(loss)(state), ref.recipe)
+    out = {}
+    for backend in ("xla", "te"):
+        precision = Precision(backend=backend)
+        out[backend] = jax.nn.log_softmax(llama.forward(params, tokens, config=config, precision=precision,
+                                                        fp8_state=state)[0], -1)
+    d = float(jnp.abs(out["te"] - out["xla"]).max())
+    print(f"model logprobs te vs xla (same FP8 state): max |d| = {d:.2e}")
+    assert d < 2e-2

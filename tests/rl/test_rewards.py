@@ -1,0 +1,166 @@
+"""Reward functions on hand-written completions, the registry, and the thread/hang safety of gsm8k_answer."""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from fp8rl_jax.data.prompts import PromptRecord
+from fp8rl_jax.rl import rewards
+
+
+def _records(answer, n=1, task="gsm8k"):
+    return [PromptRecord(f"p{i}", (), "", answer, task) for i in range(n)]
+
+
+def _score(name, answer, completion):
+    return rewards.get_reward_fn(name)(_records(answer), [completion])[0]
+
+
+@pytest.mark.parametrize("completion, gold, expected", [
+    ("48 / 2 = 24 clips in May.\n48 + 24 = 72 in total.\n#### 72", "72", 1.0),
+    ("48 + 24 = 72\n#### 71", "72", 0.0),
+    ("#### 72\nThen I kept talking about 5 apples.", "72", 1.0),  # the #### line decides, not the last number
+    ("She sold 48 + 24 = 72 clips.", "72", 1.0),  # no ####: the last number
+    ("She sold 72 clips, 3 more than 69", "72", 0.0),  # no ####: the last number, 69, is wrong
+    ("#### 1,234", "1234", 1.0),
+    ("The total is 1,234.", "1234", 1.0),
+    ("#### $18", "18", 1.0),
+    ("She makes $18.00 every day.", "18", 1.0),
+    ("#### 18.00", "18", 1.0),
+    ("#### 18.5", "18", 0.0),
+    ("#### -3", "-3", 1.0),
+    ("#### 3", "-3", 0.0),
+    ("The temperature drops 5-3 degrees", "-3", 0.0),  # a minus between numbers is not a sign
+    ("#### 3*6 = 18", "18", 1.0),  # after the last "=" on the answer line
+    ("#### 36/2", "18", 1.0),  # an expression: math_verify
+    ("#### \\frac{36}{2}", "18", 1.0),
+    ("#### 36/2", "36", 0.0),  # its first number is not the answer
+    ("#### \\boxed{18}", "18", 1.0),
+    ("#### eighteen", "18", 0.0),
+    ("####", "18", 0.0),
+    ("", "18", 0.0),
+    ("no numbers here", "18", 0.0),
+    ("__import__('os').system('x')", "0", 0.0),
+    ("#### __import__('os').system('x')", "18", 0.0),
+    ("#### __import__('os').system('echo 18')", "18", 1.0),  # text, never run: its first number is 18
+    ("#### 9^9^9^9", "18", 0.0),  # would never return without the whitelist
+    ("#### 9**9**9**9", "18", 0.0),
+    ("#### 18" + "9" * 10_000, "18", 0.0),
+])
+def test_gsm8k_answer(completion, gold, expected):
+    assert _score("gsm8k_answer", gold, completion) == expected
+
+
+def test_gsm8k_answer_never_executes_model_text(tmp_path):
+    marker = tmp_path / "pwned"
+    attacks = [f"#### __import__('os').system('touch {marker}')", f"#### eval(\"open('{marker}', 'w')\")",
+               f"#### (lambda: open('{marker}', 'w'))()"]
+    assert rewards.get_reward_fn("gsm8k_answer")(_records("0", 3), attacks) == [0.0, 0.0, 0.0]
+    assert not marker.exists()
+
+
+def test_gsm8k_answer_in_a_worker_thread():
+    """math_verify's default timeouts use signal.alarm, which fails outside the main thread; ours must not."""
+    from math_verify import parse
+
+    def library_default():
+        parse("$\\frac{36}{2}$")
+
+    errors = []
+    t = threading.Thread(target=lambda: _catch(library_default, errors))
+    t.start()
+    t.join()
+    assert errors and "thread" in str(errors[0])  # the hazard this reward is written around is real
+
+    completions = ["#### \\frac{36}{2}", "#### 36/2", "#### 18", "#### 17", "so 18", "#### 9^9^9^9"]
+    results = []
+    t = threading.Thread(target=lambda: results.append(
+        rewards.get_reward_fn("gsm8k_answer")(_records("18", len(completions)), completions)))
+    t.start()
+    t.join(timeout=60)
+    assert not t.is_alive() and results == [[1.0, 1.0, 1.0, 0.0, 1.0, 0.0]]
+
+
+def _catch(fn, errors):
+    try:
+        fn()
+    except Exception as e:
+        errors.append(e)
+
+
+def test_hostile_answers_return_quickly():
+    hostile = ["#### " + "(" * 30 + "1" + ")" * 30, "#### " + "9" * 18 + "*" + "9" * 18, "#### 99!" * 3,
+               "#### 1/0", "#### " + "1," * 5000, "####" * 5000 + " 7"]
+    start = time.perf_counter()
+    for c in hostile:
+        assert _score("gsm8k_answer", "18", c) == 0.0
+    assert time.perf_counter() - start < 10
+
+
+@pytest.mark.parametrize("completion, expected", [
+    ("so the answer is\n#### 42", 1.0),
+    ("#### -3", 1.0),
+    ("####$1,234", 1.0),
+    ("#### 7 wrong but well formed", 1.0),
+    ("The answer is 42", 0.0),
+    ("####\n42", 0.0),  # the number must be on the #### line
+    ("#### forty-two", 0.0),
+    ("", 0.0),
+])
+def test_gsm8k_format(completion, expected):
+    assert _score("gsm8k_format", "42", completion) == expected
+
+
+@pytest.mark.parametrize("completion, answer, expected", [
+    ("85", "85", 1.0),
+    ("85<eos>junk", "85", 1.0),
+    (" 85 because", "85", 1.0),
+    ("86", "85", 0.0),
+    ("850", "85", 0.0),
+    ("-36", "-36", 1.0),
+    ("36", "-36", 0.0),
+    ("1 then 85", "85", 0.0),  # the first integer counts
+    ("", "85", 0.0),
+    ("__import__('os')", "0", 0.0),
+])
+def test_arithmetic(completion, answer, expected):
+    assert _score("arithmetic", answer, completion) == expected
+
+
+def test_pattern():
+    fn = rewards.get_reward_fn("pattern")
+    records = _records("bfca", 4, task="pattern")
+    assert fn(records, ["bfcabfca", "bbbbzzzz", "", "zzzzzzzzbfca"]) == [1.0, 0.5, 0.0, 0.0]
+
+
+def test_registry():
+    assert {"gsm8k_answer", "gsm8k_format", "arithmetic", "pattern"} <= set(rewards.reward_names())
+    with pytest.raises(ValueError, match="unknown reward 'nope'; allowed: .*gsm8k_answer"):
+        rewards.get_reward_fn("nope")
+    with pytest.raises(ValueError, match="already registered"):
+        rewards.register("pattern")(lambda prompts, completions, **kw: [])
+
+
+def test_combined_rewards():
+    records = _records("18", 3)
+    completions = ["#### 18", "18", "#### 17"]
+    total, per_fn = rewards.combined_rewards(["gsm8k_answer", "gsm8k_format"], [1.0, 0.1], records, completions)
+    np.testing.assert_allclose(per_fn["gsm8k_answer"], [1, 1, 0])
+    np.testing.assert_allclose(per_fn["gsm8k_format"], [1, 0, 1])
+    np.testing.assert_allclose(total, [1.1, 1.0, 0.1], rtol=1e-6)
+    total2, _ = rewards.combined_rewards("gsm8k_answer, gsm8k_format", "", records, completions)
+    np.testing.assert_allclose(total2, [2, 1, 1])
+    with pytest.raises(ValueError, match="1 reward weights for 2"):
+        rewards.combined_rewards("gsm8k_answer,gsm8k_format", "1.0", records, completions)
+    with pytest.raises(ValueError, match="3 prompts for 2 completions"):
+        rewards.combined_rewards("gsm8k_answer", None, records, completions[:2])
+
+
+def test_combined_rewards_rejects_bad_fn_output():
+    name = "test_only_nan_reward"
+    if name not in rewards.reward_names():
+        rewards.register(name)(lambda prompts, completions, **kw: [float("nan")] * len(completions))
+    with pytest.raises(ValueError, match=f"reward '{name}'.*finite"):
+        rewards.combined_rewards([name], None, _records("1", 2), ["a", "b"])
