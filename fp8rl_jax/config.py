@@ -43,6 +43,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.precision.fp8_format = "hybrid"  # hybrid (E4M3 fwd, E5M2 grads) | e4m3
     c.precision.bf16_first_layers = 0
     c.precision.bf16_last_layers = 0
+    c.precision.bf16_layers = ""  # more blocks kept in BF16, by index: "11,28,29"
+    c.precision.bf16_linears = ""  # linears kept in BF16 in every block: "w_down"
     c.precision.lm_head_fp8 = False
     c.precision.kv_cache_dtype = "bfloat16"  # bfloat16 | float8_e4m3fn
     c.precision.kv_margin = 0
@@ -166,6 +168,11 @@ def validate(c: ml_collections.ConfigDict, known_rewards: Callable[[], Sequence[
     for key in ("precision.margin", "precision.kv_margin", "precision.bf16_first_layers",
                 "precision.bf16_last_layers"):
         _positive(c, key, allow_zero=True)
+    _check(all(i.strip().isdigit() for i in c.precision.bf16_layers.split(",") if i.strip()),
+           "precision.bf16_layers", c.precision.bf16_layers, "comma-separated block indices, e.g. '11,28,29'")
+    for name in (n.strip() for n in c.precision.bf16_linears.split(",") if n.strip()):
+        _check(name in ("wqkv", "wo", "w_gate_up", "w_down"), "precision.bf16_linears", name,
+               "comma-separated names from wqkv, wo, w_gate_up, w_down")
     _one_of(c, "model.param_dtype", ("float32", "bfloat16"))
 
     src = c.model.source

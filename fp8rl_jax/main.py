@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 
-from absl import app, flags
+from absl import app, flags, logging
 from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -26,6 +26,7 @@ _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Validate the config, print it an
 def main(argv) -> int:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    logging.set_verbosity(logging.WARNING)  # Orbax logs every file it writes at INFO
     from fp8rl_jax.config import ConfigError, validate
 
     try:
@@ -40,6 +41,10 @@ def main(argv) -> int:
     if _DRY_RUN.value:
         print(config)
         return 0
+    if config.precision.backend in ("te", "auto"):
+        from fp8rl_jax.fp8 import te
+
+        te.preload()  # before JAX starts its GPU backend (see fp8rl_jax.fp8.te)
     from fp8rl_jax.trainer import Trainer
 
     trainer = Trainer(config)

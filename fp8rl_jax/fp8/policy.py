@@ -20,6 +20,10 @@ class Precision:
     backend: ``bf16`` (no FP8; matmuls in ``compute_dtype``), ``xla`` (pure-JAX FP8) or ``te`` (Transformer
       Engine FP8, GPU). Both FP8 backends read the same FP8 state.
     bf16_first_layers / bf16_last_layers: transformer blocks kept out of FP8 at either end of the stack.
+    bf16_layers: more blocks kept out of FP8, by index (e.g. blocks whose activations carry massive outliers,
+      which per-tensor scales cannot represent: the rest of the tensor falls into E4M3's subnormals).
+    bf16_linears: linears kept out of FP8 in every block, by name (``w_down``: the input that carries the
+      massive activations of many LLMs).
     lm_head_fp8: run the output projection in FP8 too (off by default: logits are precision-sensitive).
     kv_cache_dtype: ``float8_e4m3fn`` stores K/V in FP8 with per-layer scales; the full-sequence forward then
       rounds K/V through the same FP8 values, so scoring sees what rollout saw.
@@ -30,6 +34,8 @@ class Precision:
     compute_dtype: str = "bfloat16"
     bf16_first_layers: int = 0
     bf16_last_layers: int = 0
+    bf16_layers: tuple[int, ...] = ()
+    bf16_linears: tuple[str, ...] = ()
     lm_head_fp8: bool = False
     kv_cache_dtype: str = "bfloat16"
 
@@ -56,13 +62,51 @@ class Precision:
         return self.kv_cache_dtype == "float8_e4m3fn"
 
     def segments(self, num_layers: int) -> tuple[tuple[int, int, bool], ...]:
-        """Runs of consecutive blocks with one precision: ``(start, end, fp8)``, empty runs dropped."""
-        if not self.fp8:
-            return ((0, num_layers, False),)
-        first = min(self.bf16_first_layers, num_layers)
-        last = max(first, num_layers - self.bf16_last_layers)
-        runs = ((0, first, False), (first, last, True), (last, num_layers, False))
-        return tuple(r for r in runs if r[1] > r[0])
+        """Runs of consecutive blocks with one precision: ``(start, end, fp8)``."""
+        if any(not 0 <= i < num_layers for i in self.bf16_layers):
+            raise ValueError(f"bf16_layers={self.bf16_layers} has an index outside 0..{num_layers - 1}")
+        fp8 = [self.fp8 and self.bf16_first_layers <= i < num_layers - self.bf16_last_layers
+               and i not in self.bf16_layers for i in range(num_layers)]
+        runs, start = [], 0
+        for i in range(1, num_layers + 1):
+            if i == num_layers or fp8[i] != fp8[start]:
+                runs.append((start, i, fp8[start]))
+                start = i
+        return tuple(runs)
 
     def replace(self, **kw) -> Precision:
         return dataclasses.replace(self, **kw)
+
+
+def resolve_backend(name: str) -> str:
+    """``auto`` -> ``te`` where Transformer Engine and a GPU are there, else ``xla``."""
+    if name != "auto":
+        return name
+    from fp8rl_jax.fp8 import te
+
+    return "te" if te.is_available() else "xla"
+
+
+def from_config(config, role: str) -> Precision:
+    """The precision of the ``train`` (scoring and gradient) or ``rollout`` (sampling) forward.
+
+    ``precision.mode``: ``bf16`` -> BF16 both; ``fp8_rollout`` -> BF16 train, FP8 rollout (the common practice,
+    kept for comparison); ``fp8_e2e`` -> the same FP8 linears and scales, and the same KV-cache format, in both.
+    """
+    if role not in ("train", "rollout"):
+        raise ValueError(f"role={role!r}; allowed: train | rollout")
+    p = config.precision
+    fp8 = p.mode == "fp8_e2e" or (p.mode == "fp8_rollout" and role == "rollout")
+    recipe = Fp8Recipe(margin=p.margin, amax_history_len=p.amax_history_len,
+                       amax_compute_algo=p.amax_compute_algo, fp8_format=p.fp8_format)
+    return Precision(
+        backend=resolve_backend(p.backend) if fp8 else "bf16",
+        recipe=recipe,
+        compute_dtype=p.compute_dtype,
+        bf16_first_layers=p.bf16_first_layers,
+        bf16_last_layers=p.bf16_last_layers,
+        bf16_layers=tuple(int(i) for i in str(p.bf16_layers).replace(" ", "").split(",") if i),
+        bf16_linears=tuple(n for n in str(p.bf16_linears).replace(" ", "").split(",") if n),
+        lm_head_fp8=p.lm_head_fp8 and fp8,
+        kv_cache_dtype=p.kv_cache_dtype if fp8 else p.compute_dtype,
+    )

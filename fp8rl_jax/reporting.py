@@ -1,0 +1,111 @@
+"""Where a run's metrics go: ``metrics.jsonl``, TensorBoard, a progress bar, and PNG plots at the end.
+
+One record per RL step (a flat dict of floats). The JSONL file is the source of truth; on resume, records past
+the restored step are dropped so the file reads as one uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+PLOTS = {
+    "reward.png": ("reward_mean", "accuracy"),
+    "mismatch.png": ("mismatch_kl_k3", "token_mult_prob_error", "is_weight_mean"),
+    "training.png": ("loss", "grad_norm", "entropy", "clip_fraction"),
+    "length.png": ("response_length_mean",),
+}
+
+
+class Reporter:
+    def __init__(self, workdir: str | os.PathLike, *, tensorboard: bool = True, progress: bool = True,
+                 total_steps: int | None = None, resume_step: int = 0):
+        self.dir = Path(workdir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.dir / "metrics.jsonl"
+        self.records = [r for r in self._read() if r.get("step", 0) <= resume_step]
+        with open(self.path, "w") as f:  # rewrite: drop records of steps a resumed run will redo
+            for r in self.records:
+                f.write(json.dumps(r) + "\n")
+        self._tb = None
+        if tensorboard:
+            from tensorboardX import SummaryWriter
+
+            self._tb = SummaryWriter(str(self.dir / "tensorboard"))
+        self._bar = None
+        if progress:
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=total_steps, initial=resume_step, desc="GRPO", unit="step", dynamic_ncols=True)
+
+    def _read(self) -> list[dict]:
+        if not self.path.exists():
+            return []
+        out = []
+        for n, line in enumerate(self.path.read_text().splitlines(), 1):
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                print(f"{self.path}:{n}: unreadable metrics line dropped (an interrupted write?)")
+        return out
+
+    def log(self, record: dict) -> None:
+        record = {k: (float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v)
+                  for k, v in record.items()}
+        self.records.append(record)
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        step = int(record["step"])
+        if self._tb is not None:
+            for k, v in record.items():
+                if isinstance(v, float) and math.isfinite(v):
+                    self._tb.add_scalar(k, v, step)
+            self._tb.flush()
+        if self._bar is not None:
+            self._bar.update(1)
+            self._bar.set_postfix(reward=f"{record.get('reward_mean', float('nan')):.3f}",
+                                  acc=f"{record.get('accuracy', float('nan')):.3f}",
+                                  tok_s=f"{record.get('rollout_tokens_per_s', 0):.0f}")
+
+    def message(self, text: str) -> None:
+        if self._bar is not None:
+            self._bar.write(text)
+        else:
+            print(text, flush=True)
+
+    def plot(self) -> list[Path]:
+        """One PNG per group of metrics over steps (files in ``workdir/plots``)."""
+        if not self.records:
+            return []
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        out_dir = self.dir / "plots"
+        out_dir.mkdir(exist_ok=True)
+        written = []
+        steps = [r["step"] for r in self.records]
+        for name, keys in PLOTS.items():
+            keys = [k for k in keys if any(k in r for r in self.records)]
+            if not keys:
+                continue
+            fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.2), squeeze=False)
+            for ax, key in zip(axes[0], keys, strict=True):
+                ax.plot(steps, [r.get(key, float("nan")) for r in self.records], marker=".")
+                ax.set_title(key)
+                ax.set_xlabel("step")
+                ax.grid(alpha=0.3)
+            fig.tight_layout()
+            fig.savefig(out_dir / name, dpi=100)
+            plt.close(fig)
+            written.append(out_dir / name)
+        return written
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        if self._tb is not None:
+            self._tb.close()

@@ -1,0 +1,168 @@
+"""The jitted pieces of one RL step, each a pure function of explicit state.
+
+    calibrate   FP8 amaxes and K/V amaxes of a forward pass (no update): the scales before the first rollout,
+                the rollout's scales in ``fp8_rollout`` mode, and the FP8 KV-cache scales after every update
+    score       per-token logprobs under pi_T: old-policy and reference logprobs (the loss calls the same
+                ``token_logprobs`` under ``jax.grad``)
+    train_step  one optimizer update over a minibatch: gradient accumulation over microbatches (parameter
+                gradients summed against global normalisers, FP8 observations combined with max), the
+                IS-corrected clipped surrogate, a non-finite loss or gradient skips the update (parameters,
+                optimizer and FP8 state all stay), FP8 histories rolled on success
+
+The train state is a dict: ``params``, ``opt_state``, ``fp8_state``, ``kv_scales``, ``rng`` (the run's base key:
+step t samples with ``fold_in(rng, t)``) and ``step``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from fp8rl_jax.fp8 import kv as kvq
+from fp8rl_jax.fp8.policy import Precision
+from fp8rl_jax.fp8.recipe import combine_observations, update_state
+from fp8rl_jax.model import llama
+from fp8rl_jax.model.config import LlamaConfig
+from fp8rl_jax.rl.importance import is_weights
+from fp8rl_jax.rl.losses import policy_loss
+from fp8rl_jax.rl.metrics import masked_mean
+from fp8rl_jax.rl.scoring import token_logprobs
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+    """The static options of the loss (from ``config.rl``)."""
+
+    temperature: float = 1.0
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    loss_agg: str = "token_mean"
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    is_correction: str = "tis"
+    is_cap: float = 2.0
+    is_low: float = 0.5
+    is_high: float = 2.0
+
+    @classmethod
+    def from_config(cls, config) -> LossConfig:
+        rl = config.rl
+        return cls(temperature=config.rollout.temperature, clip_low=rl.clip_low, clip_high=rl.clip_high,
+                   loss_agg=rl.loss_agg, kl_coef=rl.kl_coef, kl_estimator=rl.kl_estimator,
+                   is_correction=rl.is_correction, is_cap=rl.is_cap, is_low=rl.is_low, is_high=rl.is_high)
+
+
+def build_optimizer(optim, total_updates: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """AdamW behind global-norm clipping, with linear warmup then constant / cosine / linear decay; also returns
+    the learning-rate schedule (for logging)."""
+    warmup = min(optim.warmup_steps, max(total_updates - 1, 0))
+    decay_steps = max(total_updates - warmup, 1)
+    if optim.schedule == "constant":
+        after = optax.constant_schedule(optim.lr)
+    elif optim.schedule == "cosine":
+        after = optax.cosine_decay_schedule(optim.lr, decay_steps)
+    else:
+        after = optax.linear_schedule(optim.lr, 0.0, decay_steps)
+    schedule = after if warmup == 0 else optax.join_schedules(
+        [optax.linear_schedule(0.0, optim.lr, warmup), after], [warmup])
+    return optax.chain(
+        optax.clip_by_global_norm(optim.clip_norm),
+        optax.adamw(schedule, b1=optim.b1, b2=optim.b2, eps=optim.eps, weight_decay=optim.weight_decay),
+    ), schedule
+
+
+def make_calibrate(model: LlamaConfig, precision: Precision, kv_margin: int = 0):
+    """``(params, fp8_state, kv_scales, tokens) -> (fp8_observations, new_kv_scales)``, jitted.
+
+    The FP8 amaxes come out of the linears' cotangent (``recipe`` design note): the forward is pulled back with
+    a zero cotangent, so the dgrad/wgrad GEMMs are dead code and only the forward's amaxes remain.
+    """
+
+    def calibrate(params, fp8_state, kv_scales, tokens):
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+
+        def forward(state):
+            logits, _, kv_amax = llama.forward(params, tokens, positions, config=model, precision=precision,
+                                               fp8_state=state, kv_scales=kv_scales)
+            return logits, kv_amax
+
+        if precision.fp8:
+            logits, pullback, kv_amax = jax.vjp(forward, fp8_state, has_aux=True)
+            (observations,) = pullback(jnp.zeros_like(logits))
+        else:
+            _, kv_amax = forward(fp8_state)
+            observations = None
+        return observations, kvq.scales_from_amax(kv_amax, kv_margin)
+
+    return jax.jit(calibrate)
+
+
+def make_score(model: LlamaConfig, precision: Precision, temperature: float):
+    """``(params, fp8_state, kv_scales, tokens [B, T]) -> logp [B, T]``, jitted (no gradient)."""
+
+    def score(params, fp8_state, kv_scales, tokens):
+        logp, _, _ = token_logprobs(params, tokens, config=model, precision=precision, temperature=temperature,
+                                    fp8_state=fp8_state, kv_scales=kv_scales)
+        return logp
+
+    return jax.jit(score)
+
+
+def make_train_step(model: LlamaConfig, precision: Precision, optimizer: optax.GradientTransformation,
+                    loss_cfg: LossConfig):
+    """``(state, minibatch) -> (state, metrics)``, jitted, state donated.
+
+    ``minibatch`` arrays are [microbatches, sequences, T] (``advantages`` [microbatches, sequences]):
+    ``tokens``, ``mask`` (completion tokens), ``old_logp``, ``rollout_logp``, optional ``ref_logp``.
+    """
+    c = loss_cfg
+
+    def loss_fn(params, fp8_state, kv_scales, mb, num_tokens, num_sequences):
+        logp, entropy, _ = token_logprobs(params, mb["tokens"], config=model, precision=precision,
+                                          temperature=c.temperature, fp8_state=fp8_state, kv_scales=kv_scales,
+                                          with_entropy=True)
+        weights, is_metrics = is_weights(mb["old_logp"], mb["rollout_logp"], mb["mask"], c.is_correction,
+                                         cap=c.is_cap, low=c.is_low, high=c.is_high)
+        loss, metrics = policy_loss(
+            logp, mb["old_logp"], mb["advantages"], mb["mask"], clip_low=c.clip_low, clip_high=c.clip_high,
+            loss_agg=c.loss_agg, is_weights=weights, ref_logp=mb.get("ref_logp"), kl_coef=c.kl_coef,
+            kl_estimator=c.kl_estimator, num_tokens=num_tokens, num_sequences=num_sequences,
+        )
+        metrics = {**metrics, **is_metrics, "entropy": masked_mean(jax.lax.stop_gradient(entropy), mb["mask"])}
+        return loss, metrics
+
+    grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)
+
+    def train_step(state, minibatch):
+        num_tokens = jnp.maximum(jnp.sum(minibatch["mask"]), 1).astype(jnp.float32)
+        num_sequences = jnp.float32(minibatch["tokens"].shape[0] * minibatch["tokens"].shape[1])
+        params, fp8_state, kv_scales = state["params"], state["fp8_state"], state["kv_scales"]
+
+        def micro(carry, mb):
+            grads, observed, loss = carry
+            (mb_loss, metrics), (g, obs) = grad_fn(params, fp8_state, kv_scales, mb, num_tokens, num_sequences)
+            grads = jax.tree.map(jnp.add, grads, g)
+            observed = combine_observations(observed, obs) if precision.fp8 else observed
+            return (grads, observed, loss + mb_loss), metrics
+
+        zeros = jax.tree.map(jnp.zeros_like, (params, fp8_state))
+        (grads, observed, loss), metrics = jax.lax.scan(micro, (*zeros, jnp.float32(0)), minibatch)
+        grad_norm = optax.tree.norm(grads) if hasattr(optax, "tree") else optax.global_norm(grads)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+
+        updates, opt_state = optimizer.update(grads, state["opt_state"], params)
+        new = dict(state, params=optax.apply_updates(params, updates), opt_state=opt_state)
+        if precision.fp8:
+            new["fp8_state"] = update_state(fp8_state, observed, precision.recipe)
+        # a non-finite step changes nothing (params, optimizer moments, FP8 histories)
+        new = jax.tree.map(functools.partial(jnp.where, finite), new, state)
+        new["step"] = state["step"]
+        metrics = jax.tree.map(jnp.mean, metrics)  # microbatch means (token-weighted values come from the loss)
+        metrics.update(loss=loss, grad_norm=grad_norm, finite=finite)
+        return new, metrics
+
+    return jax.jit(train_step, donate_argnums=(0,))

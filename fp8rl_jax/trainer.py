@@ -1,0 +1,349 @@
+"""The GRPO trainer with end-to-end FP8: a small library API that ``main.py`` wraps and notebooks use directly.
+
+    from fp8rl_jax.trainer import Trainer
+    trainer = Trainer.from_file("configs/tiny.py", steps=10)   # or Trainer(config_dict)
+    records = trainer.run()                 # or trainer.step() -> one metrics record
+    trainer.sample(["What is 2+3?"])        # completions from the current policy
+    trainer.save(); trainer.close()
+
+One RL step: prompts -> rollout (n samples each, FP8 rollout weights quantized once with the current scales,
+continuous batching) -> rewards on the host -> group advantages -> old-policy logprobs from the scoring forward
+-> minibatch updates of the IS-corrected clipped surrogate -> FP8 histories rolled -> KV scales recalibrated.
+
+Where this departs from GRPO as published (DeepSeekMath): the importance ratio of the surrogate is taken against
+the trainer's own old-policy logprobs (recomputed, not the sampler's), and the sampler/trainer mismatch is
+corrected separately by an IS weight (``rl.is_correction``, TIS with cap 2 by default); the KL term is off by
+default (``rl.kl_coef``), and the reference model shares the current FP8 state when it is on.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fp8rl_jax.checkpoint import Checkpointer, latest_complete_step
+from fp8rl_jax.config import validate
+from fp8rl_jax.data.prompts import build_prompt, prompt_iterator
+from fp8rl_jax.fp8 import kv as kvq
+from fp8rl_jax.fp8.policy import from_config
+from fp8rl_jax.fp8.recipe import update_state
+from fp8rl_jax.model import llama
+from fp8rl_jax.model.loading import load_model
+from fp8rl_jax.reporting import Reporter
+from fp8rl_jax.rl.advantages import group_advantages
+from fp8rl_jax.rl.metrics import mismatch_metrics
+from fp8rl_jax.rl.rewards import combined_rewards, reward_names
+from fp8rl_jax.rl.step import LossConfig, build_optimizer, make_calibrate, make_score, make_train_step
+from fp8rl_jax.rollout import driver
+from fp8rl_jax.rollout.engine import Engine, EngineConfig
+from fp8rl_jax.rollout.sampling import SamplingParams
+
+
+def load_policy(config, directory: str | Path | None = None, step: int | None = None):
+    """``(model, params, fp8_state, kv_scales, tokenizer)`` of a trainer checkpoint, for serving or evaluation.
+
+    ``directory`` defaults to ``<config.workdir>/checkpoints``; ``step`` to the latest complete one. The train
+    state is restored whole against an abstract template (no second copy of the model is built first).
+    """
+    directory = Path(directory) if directory else Path(config.workdir) / "checkpoints"
+    model, params, tokenizer = load_model(config)
+    optimizer, _ = build_optimizer(config.optim, max(config.steps * config.rl.minibatches, 1))
+    rollout = from_config(config, "rollout")
+    like = {
+        "params": params,
+        "opt_state": jax.eval_shape(optimizer.init, params),
+        "fp8_state": llama.init_fp8_state(model, rollout.replace(lm_head_fp8=config.precision.lm_head_fp8)),
+        "kv_scales": kvq.init_kv_scales(model.num_layers),
+        "rng": jax.random.PRNGKey(0),
+        "step": jnp.int32(0),
+    }
+    checkpointer = Checkpointer(directory, async_save=False)
+    try:
+        state, _ = checkpointer.restore(step, like=like)
+    finally:
+        checkpointer.close()
+    return model, state["params"], state["fp8_state"], state["kv_scales"], tokenizer
+
+
+class Trainer:
+    def __init__(self, config, *, report: bool = True):
+        validate(config, known_rewards=reward_names)
+        self.config = config
+        c = config
+        self.workdir = Path(c.workdir)
+        self.train_precision = from_config(c, "train")
+        self.rollout_precision = from_config(c, "rollout")
+        self.model, params, self.tokenizer = load_model(c)
+        self.prompts = prompt_iterator(c, self.tokenizer, "train")
+        self.group = c.rollout.samples_per_prompt
+        self.sequences = c.rollout.prompts_per_step * self.group
+        self.minibatch = self.sequences // c.rl.minibatches
+        self.microbatch = c.rl.microbatch_sequences or self.minibatch
+        self.reward_fns = [n.strip() for n in c.reward.fns.split(",") if n.strip()]
+
+        self.optimizer, self.schedule = build_optimizer(c.optim, c.steps * c.rl.minibatches)
+        self.state = {
+            "params": params,
+            "opt_state": self.optimizer.init(params),
+            "fp8_state": llama.init_fp8_state(self.model, self.rollout_precision.replace(
+                lm_head_fp8=c.precision.lm_head_fp8)),
+            "kv_scales": kvq.init_kv_scales(self.model.num_layers),
+            "rng": jax.random.PRNGKey(c.seed),
+            "step": jnp.int32(0),
+        }
+        self.ref_params = jax.tree.map(jnp.copy, params) if c.rl.kl_coef > 0 else None
+        loss_cfg = LossConfig.from_config(c)
+        self._score = make_score(self.model, self.train_precision, loss_cfg.temperature)
+        self._train_step = make_train_step(self.model, self.train_precision, self.optimizer, loss_cfg)
+        self._calibrate = make_calibrate(self.model, self.rollout_precision, c.precision.kv_margin)
+        self.engine = self._engine(SamplingParams(temperature=c.rollout.temperature, top_k=c.rollout.top_k,
+                                                  top_p=c.rollout.top_p), c.rollout.max_new_tokens)
+        self._engines = {}
+        self.bad_steps = 0
+
+        self.checkpointer = Checkpointer(self.workdir / "checkpoints", keep=c.checkpoint.keep,
+                                         async_save=c.checkpoint.async_save, save_every=c.checkpoint.every)
+        resumed = c.checkpoint.resume == "auto" and latest_complete_step(self.workdir / "checkpoints") is not None
+        if resumed:
+            self.restore()
+        else:
+            self._initial_calibration()
+        self.reporter = Reporter(self.workdir, tensorboard=c.logging.tensorboard and report,
+                                 progress=c.logging.progress and report, total_steps=c.steps,
+                                 resume_step=self.step_count)
+        if resumed:
+            self.reporter.message(f"resumed from {self.workdir / 'checkpoints'} at step {self.step_count}")
+        if self.prompts.dropped:
+            self.reporter.message(f"{self.prompts.dropped} of {self.prompts.total} prompts are longer than "
+                                  f"data.max_prompt_tokens={c.data.max_prompt_tokens} and were dropped")
+
+    @classmethod
+    def from_file(cls, path: str, arg: str | None = None, **overrides) -> Trainer:
+        """Build from a config file; ``overrides`` set top-level or dotted keys (``**{"rl.kl_coef": 0.01}``)."""
+        from fp8rl_jax.config import load_config_file
+
+        config = load_config_file(path, arg)
+        with config.unlocked():
+            for key, value in overrides.items():
+                node, *rest = key.split(".")
+                target = config
+                for part in [node, *rest][:-1]:
+                    target = target[part]
+                target[key.split(".")[-1]] = value
+        return cls(config)
+
+    @property
+    def step_count(self) -> int:
+        return int(self.state["step"])
+
+    # -- the RL step ----------------------------------------------------------------------------------------
+
+    def step(self) -> dict:
+        """One RL step; returns its metrics record (also logged)."""
+        c, t_start, times = self.config, time.perf_counter(), {}
+        step = self.step_count
+        records = self.prompts.take(c.rollout.prompts_per_step)
+        key = jax.random.fold_in(self.state["rng"], step)
+
+        t = time.perf_counter()
+        batch = self._rollout(self.engine, [r.prompt_ids for r in records], self.group, key)
+        times["rollout"] = time.perf_counter() - t
+
+        t = time.perf_counter()
+        texts = [self.tokenizer.decode(batch.completion(i)) for i in range(self.sequences)]
+        per_row = [records[p] for p in batch.prompt_index]
+        rewards, per_fn = combined_rewards(self.reward_fns, c.reward.weights, per_row, texts)
+        advantages = np.asarray(group_advantages(jnp.asarray(rewards).reshape(-1, self.group), c.rl.advantage))
+        times["reward"] = time.perf_counter() - t
+
+        t = time.perf_counter()
+        arrays = self._pack(records, batch, advantages.reshape(-1))
+        arrays["old_logp"] = self._score_all(self.state["params"], arrays["tokens"])
+        if self.ref_params is not None:
+            arrays["ref_logp"] = self._score_all(self.ref_params, arrays["tokens"])
+        mask = jnp.asarray(arrays["mask"])
+        mismatch = mismatch_metrics(jnp.asarray(arrays["rollout_logp"]), jnp.asarray(arrays["old_logp"]), mask)
+        times["score"] = time.perf_counter() - t
+
+        t = time.perf_counter()
+        train_metrics = []
+        order = np.random.default_rng([c.seed, step]).permutation(self.sequences)
+        for mb in range(c.rl.minibatches):
+            rows = order[mb * self.minibatch : (mb + 1) * self.minibatch]
+            minibatch = {k: jnp.asarray(v[rows].reshape(-1, self.microbatch, *v.shape[1:])) for k, v in arrays.items()}
+            self.state, metrics = self._train_step(self.state, minibatch)
+            train_metrics.append(jax.device_get(metrics))
+        times["train"] = time.perf_counter() - t
+        skipped = sum(not bool(m["finite"]) for m in train_metrics)
+        self.bad_steps = self.bad_steps + 1 if skipped else 0
+
+        t = time.perf_counter()
+        self._recalibrate(arrays["tokens"][: c.precision.kv_calibration_sequences])
+        times["calibrate"] = time.perf_counter() - t
+        self.state["step"] = jnp.int32(step + 1)
+
+        lengths = batch.lengths
+        record = {
+            "step": step + 1,
+            "reward_mean": float(rewards.mean()),
+            "reward_std": float(rewards.std()),
+            "accuracy": float(per_fn[self.reward_fns[0]].mean()),
+            **{f"reward/{k}": float(v.mean()) for k, v in per_fn.items()},
+            "response_length_mean": float(lengths.mean()),
+            "response_length_max": float(lengths.max()),
+            "stop_fraction": float(np.mean([r == "stop" for r in batch.finish_reasons])),
+            **{k: float(np.mean([m[k] for m in train_metrics])) for k in train_metrics[0] if k != "finite"},
+            **{k: float(v) for k, v in jax.device_get(mismatch).items()},
+            "skipped_updates": float(skipped),
+            "lr": float(self.schedule(step * c.rl.minibatches)),
+            "rollout_tokens_per_s": batch.stats["tokens_per_second"],
+            "train_tokens_per_s": float(arrays["mask"].sum() + sum(len(r.prompt_ids) for r in per_row))
+            / max(times["train"], 1e-9),
+            **{f"time/{k}": v for k, v in times.items()},
+        }
+        record["time/step"] = time.perf_counter() - t_start
+        self.reporter.log(record)
+        if skipped:
+            self.reporter.message(f"step {step + 1}: {skipped} update(s) skipped: non-finite loss or gradient "
+                                  f"({self.bad_steps} bad step(s) in a row)")
+            if self.bad_steps >= c.faults.max_consecutive_bad_steps:
+                raise FloatingPointError(
+                    f"{self.bad_steps} consecutive RL steps had non-finite losses or gradients "
+                    f"(faults.max_consecutive_bad_steps={c.faults.max_consecutive_bad_steps}); aborting. "
+                    f"The last good state is in {self.workdir / 'checkpoints'}: lower optim.lr, or check the data")
+        if self.checkpointer.should_save(step + 1):
+            self.save()
+        if c.data.num_eval and c.data.eval_every and (step + 1) % c.data.eval_every == 0:
+            record.update(self.evaluate())
+        return record
+
+    def run(self, steps: int | None = None) -> list[dict]:
+        """``steps`` RL steps (default: up to ``config.steps``), then a final checkpoint and the plots."""
+        target = self.config.steps if steps is None else self.step_count + steps
+        out = [self.step() for _ in range(max(target - self.step_count, 0))]
+        self.save(force=True)
+        if self.config.logging.plots:
+            self.reporter.plot()
+        return out
+
+    # -- pieces ---------------------------------------------------------------------------------------------
+
+    def _engine(self, sampling: SamplingParams, max_new_tokens: int) -> Engine:
+        c = self.config
+        return Engine(self.model, self.rollout_precision, EngineConfig(
+            max_concurrent_decodes=c.rollout.decode_slots, max_prefill_length=c.data.max_prompt_tokens,
+            max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=tuple(self.tokenizer.stop_ids)))
+
+    def _rollout(self, engine: Engine, prompts: list, n: int, key) -> driver.RolloutBatch:
+        s = self.state
+        params = engine.load_params(s["params"], s["fp8_state"] if self.rollout_precision.fp8 else None,
+                                    s["kv_scales"] if self.rollout_precision.kv_fp8 else None)
+        return driver.generate(engine, params, [list(p) for p in prompts], n, key)
+
+    def _pack(self, records, batch, advantages) -> dict:
+        """Right-padded prompt + completion rows and their per-token masks and rollout logprobs (numpy)."""
+        n = self.sequences
+        lengths = [len(records[p].prompt_ids) + int(batch.lengths[i]) for i, p in enumerate(batch.prompt_index)]
+        t = -(-max(lengths) // 32) * 32  # a multiple of 32: few distinct shapes to compile
+        tokens = np.full((n, t), self.tokenizer.pad_id or 0, np.int32)
+        mask = np.zeros((n, t), np.float32)
+        rollout_logp = np.zeros((n, t), np.float32)
+        for i, p in enumerate(batch.prompt_index):
+            prompt, done = records[p].prompt_ids, int(batch.lengths[i])
+            tokens[i, : len(prompt)] = prompt
+            tokens[i, len(prompt) : len(prompt) + done] = batch.completion(i)
+            mask[i, len(prompt) : len(prompt) + done] = 1.0
+            rollout_logp[i, len(prompt) : len(prompt) + done] = batch.logprobs[i, :done]
+        return {"tokens": tokens, "mask": mask, "rollout_logp": rollout_logp,
+                "advantages": np.asarray(advantages, np.float32)}
+
+    def _score_all(self, params, tokens: np.ndarray) -> np.ndarray:
+        s = self.state
+        parts = [self._score(params, s["fp8_state"], s["kv_scales"], jnp.asarray(tokens[i : i + self.microbatch]))
+                 for i in range(0, len(tokens), self.microbatch)]
+        return np.concatenate([np.asarray(p) for p in parts])
+
+    def _recalibrate(self, tokens: np.ndarray) -> None:
+        """KV scales from the updated policy; in ``fp8_rollout`` mode also the rollout's FP8 scales (BF16
+        training observes no FP8 amaxes)."""
+        rollout, s = self.rollout_precision, self.state
+        needs_fp8 = rollout.fp8 and not self.train_precision.fp8
+        if not (rollout.kv_fp8 or needs_fp8):
+            return
+        observed, kv_scales = self._calibrate(s["params"], s["fp8_state"], s["kv_scales"], jnp.asarray(tokens))
+        if rollout.kv_fp8:
+            s["kv_scales"] = kv_scales
+        if needs_fp8:
+            s["fp8_state"] = update_state(s["fp8_state"], observed, rollout.recipe)
+
+    def _initial_calibration(self) -> None:
+        """Scales before the first rollout: one FP8 forward over the first prompts (the iterator is rewound)."""
+        rollout = self.rollout_precision
+        if not (rollout.fp8 or rollout.kv_fp8):
+            return
+        position = self.prompts.get_state()
+        records = self.prompts.take(self.config.rollout.prompts_per_step)
+        self.prompts.set_state(position)
+        t = max(len(r.prompt_ids) for r in records)
+        tokens = np.full((len(records), -(-t // 32) * 32), self.tokenizer.pad_id or 0, np.int32)
+        for i, r in enumerate(records):
+            tokens[i, : len(r.prompt_ids)] = r.prompt_ids
+        s = self.state
+        observed, kv_scales = self._calibrate(s["params"], s["fp8_state"], s["kv_scales"], jnp.asarray(tokens))
+        if rollout.fp8:
+            s["fp8_state"] = update_state(s["fp8_state"], observed, rollout.recipe)
+        if rollout.kv_fp8:
+            s["kv_scales"] = kv_scales
+
+    # -- sampling and evaluation ----------------------------------------------------------------------------
+
+    def sample(self, prompts: list[str] | str, n: int = 1, *, greedy: bool = False,
+               max_new_tokens: int | None = None) -> list[list[str]]:
+        """``n`` completions per prompt (questions, formatted like the training prompts) from the current policy."""
+        c = self.config
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        ids = [build_prompt(self.tokenizer, q, prompt_format=c.data.prompt_format,
+                            system_prompt=c.data.system_prompt)[1] for q in prompts]
+        sampling = SamplingParams(temperature=c.rollout.temperature, top_k=c.rollout.top_k, top_p=c.rollout.top_p,
+                                  greedy=greedy)
+        key = (sampling, max_new_tokens or c.rollout.max_new_tokens)
+        if key not in self._engines:
+            self._engines[key] = self._engine(*key)
+        rng = jax.random.fold_in(self.state["rng"], 2**31 - 1 - self.step_count)
+        batch = self._rollout(self._engines[key], ids, n, rng)
+        texts = [self.tokenizer.decode(batch.completion(i)) for i in range(len(ids) * n)]
+        return [texts[i * n : (i + 1) * n] for i in range(len(ids))]
+
+    def evaluate(self, num: int | None = None) -> dict:
+        """Greedy accuracy (the first reward fn) on the first ``num`` problems of the test split."""
+        c = self.config
+        records = prompt_iterator(c, self.tokenizer, "test").take(num or c.data.num_eval or 100)
+        sampling = SamplingParams(temperature=c.rollout.temperature, greedy=True)
+        key = (sampling, c.rollout.max_new_tokens)
+        if key not in self._engines:
+            self._engines[key] = self._engine(*key)
+        batch = self._rollout(self._engines[key], [r.prompt_ids for r in records], 1, self.state["rng"])
+        texts = [self.tokenizer.decode(batch.completion(i)) for i in range(len(records))]
+        _, per_fn = combined_rewards(self.reward_fns[:1], "", records, texts)
+        return {"eval_accuracy": float(per_fn[self.reward_fns[0]].mean()), "eval_problems": float(len(records))}
+
+    # -- checkpoints ----------------------------------------------------------------------------------------
+
+    def save(self, force: bool = True) -> bool:
+        meta = {"step": self.step_count, "data_state": json.dumps(self.prompts.get_state()),
+                "config": self.config.to_json(), "bad_steps": self.bad_steps}
+        return self.checkpointer.save(self.step_count, self.state, meta, force=force)
+
+    def restore(self, step: int | None = None) -> None:
+        self.state, meta = self.checkpointer.restore(step, like=self.state)
+        self.prompts.set_state(json.loads(meta["data_state"]))
+        self.bad_steps = int(meta.get("bad_steps", 0))
+
+    def close(self) -> None:
+        self.checkpointer.close()
+        self.reporter.close()

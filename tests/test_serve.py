@@ -1,0 +1,236 @@
+"""The JetStream server around the tiny model, driven with JetStream's own gRPC client stub.
+
+Precision: configs/tiny.py as it is, ``fp8_e2e`` on the ``xla`` FP8 backend (so the server's own FP8-state init
+path runs), greedy sampling so outputs are deterministic. The reference is the offline continuous-batching
+driver (``rollout.driver.generate``) on an engine with the same settings: what the server streams must be
+exactly its completions, the first token (drawn at prefill) included, a final stop token excluded (JetStream
+ends a stream on a stop token without sending it).
+"""
+
+import concurrent.futures
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import grpc
+import jax
+import numpy as np
+import portpicker
+import pytest
+
+from fp8rl_jax import serve
+from fp8rl_jax.config import load_config_file
+from fp8rl_jax.rollout import driver
+from fp8rl_jax.serve import jetstream_pb2, jetstream_pb2_grpc
+
+ROOT = Path(__file__).resolve().parents[1]
+SLOTS, MAX_NEW = 4, 12
+PROMPTS = ["bfca:", "ab:", "hgfedcba:", "dc:", "gaeh:", "fb:"]  # more prompts than slots: slots are reused
+DRIVER_THREADS = ("prefill-", "transfer-", "generate-", "detokenize-", "serve-grpc")
+
+
+@pytest.fixture(scope="module")
+def server():
+    config = load_config_file(str(ROOT / "configs/tiny.py"))
+    assert config.precision.mode == "fp8_e2e" and config.precision.backend == "xla"
+    before = set(threading.enumerate())
+    handle = serve.build_server(config, port=portpicker.pick_unused_port(), greedy=True,
+                                max_concurrent_decodes=SLOTS, max_new_tokens=MAX_NEW)
+    channel = grpc.insecure_channel(f"127.0.0.1:{handle.port}")
+    yield handle, jetstream_pb2_grpc.OrchestratorStub(channel), before
+    channel.close()
+    handle.stop()
+
+
+def _text(text, max_tokens=MAX_NEW):
+    return jetstream_pb2.DecodeRequest(max_tokens=max_tokens,
+                                       text_content=jetstream_pb2.DecodeRequest.TextContent(text=text))
+
+
+def _tokens(ids, max_tokens=MAX_NEW):
+    return jetstream_pb2.DecodeRequest(max_tokens=max_tokens,
+                                       token_content=jetstream_pb2.DecodeRequest.TokenContent(token_ids=ids))
+
+
+def _decode(stub, request) -> tuple[list[int], str]:
+    ids, text = [], ""
+    for response in stub.Decode(request, timeout=120):
+        (sample,) = response.stream_content.samples
+        ids += sample.token_ids
+        text += sample.text
+    return ids, text
+
+
+def _expected(handle, prompt_ids, max_tokens=MAX_NEW) -> list[int]:
+    batch = driver.generate(handle.engine, handle.params, prompt_ids, 1, jax.random.PRNGKey(7))
+    out = []
+    for i in range(len(prompt_ids)):
+        tokens = [int(t) for t in batch.completion(i)]
+        if batch.finish_reasons[i] == "stop":
+            tokens = tokens[:-1]
+        out.append(tokens[:max_tokens])
+    return out
+
+
+def test_shims_and_protos():
+    import seqio
+
+    assert jax.tree_map(lambda x: x + 1, {"a": 1}) == {"a": 2}  # what the orchestrator calls to free prefixes
+    if not hasattr(seqio, "__file__"):  # our stand-in: usable by JetStream's imports, loud if actually used
+        with pytest.raises(RuntimeError, match="seqio is not installed"):
+            seqio.vocabularies.SentencePieceVocabulary("spm.model")
+    request = _tokens([1, 2, 3], max_tokens=5)
+    assert jetstream_pb2.DecodeRequest.FromString(request.SerializeToString()) == request
+
+
+def test_tokenizer_pads_to_buckets(server):
+    handle, _, _ = server
+    tokenizer = handle.adapter.build_tokenizer(handle.adapter.get_tokenizer())
+    ids = handle.tokenizer.encode("bfca:")
+    assert ids[0] == handle.tokenizer.bos_id and len(ids) == 6
+    padded, true_length = tokenizer.encode("bfca:")
+    assert true_length == 6 and padded.shape == (16,)
+    np.testing.assert_array_equal(padded, ids + [0] * 10)
+    assert tokenizer.encode("bfca:", is_bos=False)[1] == 5
+    assert tokenizer.stop_tokens == {handle.tokenizer.eos_id}
+    assert tokenizer.decode(ids[1:]) == "bfca:"
+    with pytest.raises(ValueError, match="max_prefill_length=16"):
+        tokenizer.encode("a" * 16)
+
+
+def test_binds_localhost_only(server):
+    handle, stub, _ = server
+    assert stub.HealthCheck(jetstream_pb2.HealthCheckRequest(), timeout=30).is_live
+    tables = [Path("/proc/net/tcp"), Path("/proc/net/tcp6")]
+    if not tables[0].exists():
+        pytest.skip("needs Linux /proc/net/tcp")
+    listening = [line.split()[1].split(":")[0] for table in tables if table.exists()
+                 for line in table.read_text().splitlines()[1:]
+                 if line.split()[3] == "0A" and int(line.split()[1].split(":")[1], 16) == handle.port]
+    # 127.0.0.1 (hex, little-endian), maybe as the IPv4-mapped ::ffff:127.0.0.1 of a dual-stack socket;
+    # server_lib's "[::]" would show up as all zeros
+    assert listening and set(listening) <= {"0100007F", "0000000000000000FFFF00000100007F"}, listening
+
+
+def test_streams_match_offline_driver(server):
+    handle, stub, _ = server
+    prompt_ids = [handle.tokenizer.encode(p) for p in PROMPTS]
+    expected = _expected(handle, prompt_ids)
+    assert len({t for e in expected for t in e}) > 5, "degenerate outputs would make this test vacuous"
+    requests = [_text(p) for p in PROMPTS[:3]] + [_tokens(ids) for ids in prompt_ids[3:]]
+    requests[1].max_tokens = 5  # a request may ask for fewer tokens than the engine's cap
+    expected[1] = expected[1][:5]
+    with concurrent.futures.ThreadPoolExecutor(len(requests)) as pool:
+        results = list(pool.map(lambda r: _decode(stub, r), requests))
+    for i, (ids, text) in enumerate(results):
+        assert ids == expected[i], PROMPTS[i]
+        if i < 3:  # text content is detokenized server-side
+            assert text == handle.tokenizer.decode(expected[i]), PROMPTS[i]
+
+
+@pytest.mark.parametrize("request_, detail", [
+    (_text("abcd" * 10), "exceeds max_prefill_length=16"),
+    (_text("ABC"), "not in the char tokenizer's vocabulary"),
+    (_tokens([]), "1 or more token ids"),
+    (_tokens([5, 10_000]), "token ids in [0, 50)"),
+    (jetstream_pb2.DecodeRequest(max_tokens=4), "no content"),
+    (_text("ab:", max_tokens=0), "max_tokens=0"),
+], ids=["too_long", "unknown_char", "empty", "out_of_vocab", "no_content", "max_tokens_0"])
+def test_malformed_request_is_rejected_and_server_keeps_serving(server, request_, detail):
+    handle, stub, _ = server
+    with pytest.raises(grpc.RpcError) as error:
+        _decode(stub, request_)
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert detail in error.value.details()
+    assert _decode(stub, _text("bfca:"))[0] == _expected(handle, [handle.tokenizer.encode("bfca:")])[0]
+
+
+@pytest.mark.parametrize("method", ["prefill", "insert", "generate"])
+def test_engine_failure_is_internal_and_server_recovers(server, method, monkeypatch):
+    handle, stub, _ = server
+    real, calls = getattr(handle.engine, method), []
+
+    def fails_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("injected failure")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(handle.engine, method, fails_once)
+    with pytest.raises(grpc.RpcError) as error:
+        _decode(stub, _text("gaeh:"))
+    assert error.value.code() == grpc.StatusCode.INTERNAL
+    assert f"{method} failed: RuntimeError: injected failure" in error.value.details()
+    assert _decode(stub, _text("gaeh:"))[0] == _expected(handle, [handle.tokenizer.encode("gaeh:")])[0]
+
+
+def test_stop_leaves_no_threads(server):
+    handle, stub, before = server
+    handle.stop()
+    handle.stop()  # idempotent
+    ours = [t.name for t in threading.enumerate() if t.name.startswith(DRIVER_THREADS)]
+    assert ours == []
+    assert [t.name for t in set(threading.enumerate()) - before if not t.daemon] == []
+    with pytest.raises(grpc.RpcError) as error:
+        stub.HealthCheck(jetstream_pb2.HealthCheckRequest(), timeout=2)
+    assert error.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+def test_cli_rejects_unknown_key():
+    result = subprocess.run([sys.executable, "-m", "fp8rl_jax.serve", "--config=configs/tiny.py",
+                             "--config.rollout.nope=1"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert "unknown key 'nope' in config.rollout" in result.stderr
+
+
+def test_cli_serves_and_exits_on_sigterm():
+    port = portpicker.pick_unused_port()
+    env = {**os.environ, "XLA_FLAGS": ""}
+    process = subprocess.Popen([sys.executable, "-m", "fp8rl_jax.serve", "--config=configs/tiny.py:bf16",
+                                f"--port={port}", "--max_concurrent_decodes=2", "--max_new_tokens=4", "--greedy"],
+                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    watchdog = threading.Timer(120, process.kill)  # a hung start must fail the test, not hang it
+    watchdog.start()
+    try:
+        lines = []
+        for line in process.stdout:
+            lines.append(line)
+            if line.startswith("serving"):
+                break
+        assert f"127.0.0.1:{port}" in lines[-1], "".join(lines)
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            ids, _ = _decode(jetstream_pb2_grpc.OrchestratorStub(channel), _text("bfca:", max_tokens=4))
+        assert 0 < len(ids) <= 4
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0, process.stdout.read()
+    finally:
+        watchdog.cancel()
+        process.kill()
+
+
+def test_serves_a_trainer_checkpoint(tmp_path):
+    """--checkpoint: the server streams what the trained policy (its params, FP8 state, KV scales) decodes."""
+    from fp8rl_jax.trainer import Trainer, load_policy
+
+    config = load_config_file(str(ROOT / "configs/tiny.py"))
+    with config.unlocked():
+        config.workdir = str(tmp_path)
+        config.steps = 2
+        config.logging.progress = config.logging.tensorboard = config.logging.plots = False
+    trainer = Trainer(config)
+    trainer.run()
+    want = trainer.sample(["bfca:"], greedy=True)[0][0]
+    state = jax.device_get(trainer.state)
+    trainer.close()
+    _, params, fp8_state, _, _ = load_policy(config)
+    for a, b in zip(jax.tree.leaves((params, fp8_state)), jax.tree.leaves((state["params"], state["fp8_state"])),
+                    strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with serve.build_server(config, port=0, greedy=True, checkpoint=str(tmp_path / "checkpoints")) as handle:
+        channel = grpc.insecure_channel(f"127.0.0.1:{handle.port}")
+        _, text = _decode(jetstream_pb2_grpc.OrchestratorStub(channel), _text("bfca:"))
+        channel.close()
+    assert text == want.removesuffix("<eos>") and text
