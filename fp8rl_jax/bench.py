@@ -16,6 +16,7 @@ cache effects stay out), after a warm-up, median of repeats, ``block_until_ready
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -290,12 +291,149 @@ def _weight_bytes(cfg, precision) -> float:
 
 
 # ----------------------------------------------------------------------------------------------------------
+# agreement: how far the sampler's logprobs are from the trainer's, and each precision from f32
+
+
+def bench_agreement(num: int, completion_tokens: int, precisions: list[str]) -> list[dict]:
+    """Teacher-forced on GSM8K test problems with their reference solutions, SmolLM2-135M-Instruct:
+
+    - ``decode_vs_full``: |log p| of each solution token from the rollout path (bucketed prefill, then one
+      token per step against the KV cache, pre-quantized FP8 weights) against the scoring forward (full
+      sequence): the sampler/trainer mismatch that the IS correction has to absorb;
+    - ``vs_f32``: |log p| of the scoring forward in this precision against the f32 model.
+    FP8 scales come from one calibration pass over the same sequences.
+    """
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from fp8rl_jax.data.gsm8k import default_gsm8k_path, load_gsm8k
+    from fp8rl_jax.fp8.policy import Precision
+    from fp8rl_jax.fp8.prequant import rollout_params
+    from fp8rl_jax.fp8.recipe import update_state
+    from fp8rl_jax.model import assets, llama, weights
+    from fp8rl_jax.model.tokenizer import Tokenizer
+    from fp8rl_jax.rl.scoring import token_logprobs
+    from fp8rl_jax.rollout.engine import prefill_bucket
+
+    path = assets.smollm2_gguf()
+    cfg, params = weights.load_gguf(path)
+    tok = Tokenizer.from_gguf(path)
+    problems = load_gsm8k(default_gsm8k_path("test"))[:num]
+    seqs = [(tok.encode_chat([{"role": "user", "content": p.question}]), tok.encode(p.solution)[:completion_tokens])
+            for p in problems]
+    width = max(len(a) + len(b) for a, b in seqs)
+    batch = jnp.asarray([a + b + [0] * (width - len(a) - len(b)) for a, b in seqs], jnp.int32)
+    f32 = Precision(compute_dtype="float32")
+    ref = np.asarray(token_logprobs(params, batch, config=cfg, precision=f32)[0])
+    kinds = {
+        "bf16": Precision(),
+        "fp8": Precision(backend="xla"),
+        "fp8_bf16_down": Precision(backend="xla", bf16_linears=("w_down",)),
+        "fp8_kv": Precision(backend="xla", kv_cache_dtype="float8_e4m3fn"),
+    }
+    rows = []
+    for name in precisions:
+        prec = kinds[name]
+        state = llama.init_fp8_state(cfg, prec) if prec.fp8 else None
+        kv_scales = None
+        if prec.fp8:
+            grad = jax.grad(lambda s, p: llama.forward(params, batch, config=cfg, precision=p, fp8_state=s)[0].sum())
+            state = update_state(state, grad(state, prec), prec.recipe)
+        if prec.kv_fp8:
+            from fp8rl_jax.fp8 import kv as kvq
+
+            kv_scales = kvq.scales_from_amax(llama.forward(params, batch, config=cfg, precision=prec,
+                                                           fp8_state=state, kv_scales=kvq.init_kv_scales(
+                                                               cfg.num_layers))[2])
+        full = np.asarray(token_logprobs(params, batch, config=cfg, precision=prec, fp8_state=state,
+                                         kv_scales=kv_scales)[0])
+        rp = jax.jit(lambda p, s, prec=prec: rollout_params(p, s, prec, cfg.num_layers))(params, state)
+
+        @functools.partial(jax.jit, static_argnums=0)
+        def step(prec, rp, state, kv_scales, t, pos, cache):
+            return llama.forward(rp, t, pos, config=cfg, precision=prec, fp8_state=state, kv_scales=kv_scales,
+                                 cache=cache)[:2]
+
+        decode_d, f32_d = [], []
+        for i, (prompt, sol) in enumerate(seqs):
+            bucket = prefill_bucket(len(prompt), 1024)
+            cache = llama.init_cache(cfg, 1, bucket + len(sol), llama.cache_dtype(prec))
+            padded = np.zeros((1, bucket), np.int32)
+            padded[0, : len(prompt)] = prompt
+            logits, cache = step(prec, rp, state, kv_scales, jnp.asarray(padded), jnp.arange(bucket)[None], cache)
+            got = [jax.nn.log_softmax(logits[0, len(prompt) - 1])[sol[0]]]
+            for j in range(len(sol) - 1):
+                logits, cache = step(prec, rp, state, kv_scales, jnp.asarray([[sol[j]]]),
+                                     jnp.asarray([[len(prompt) + j]]), cache)
+                got.append(jax.nn.log_softmax(logits[0, 0])[sol[j + 1]])
+            span = slice(len(prompt), len(prompt) + len(sol))
+            decode_d.append(np.abs(full[i, span] - np.asarray(got)))
+            f32_d.append(np.abs(full[i, span] - ref[i, span]))
+        d, e = np.concatenate(decode_d), np.concatenate(f32_d)
+        rows.append({"precision": name, "tokens": int(d.size), "decode_vs_full_mean": float(d.mean()),
+                     "decode_vs_full_p99": float(np.quantile(d, 0.99)), "decode_vs_full_max": float(d.max()),
+                     "vs_f32_mean": float(e.mean()), "vs_f32_p99": float(np.quantile(e, 0.99))})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------------------
+# tables for benchmarks/RESULTS.md
+
+
+def gemm_table(rows: list[dict]) -> str:
+    """Markdown: per shape and M, best BF16 against each FP8 path (time, and weight TB/s or TFLOP/s)."""
+    by = {}
+    for r in rows:
+        by.setdefault((r["M"], r["K"], r["N"]), {})[r["path"]] = r
+    names = {(4096, 6144): "qkv", (4096, 4096): "o", (4096, 28672): "gate_up", (14336, 4096): "down"}
+    paths = ["xla_fp8", "te_fp8", "xla_fp8_prequant", "te_fp8_prequant"]
+    out = ["| M | linear (K x N) | best BF16 us | " + " | ".join(f"{p} us (x)" for p in paths) + " |",
+           "|---|---|---|" + "---|" * len(paths)]
+    for (m, k, n), d in sorted(by.items()):
+        bf = [d[p] for p in ("bf16", "bf16_cublas") if p in d]
+        if not bf:
+            continue
+        best = min(bf, key=lambda r: r["us"])
+        unit = (lambda r: f"{r['weight_tbps']:.2f} TB/s") if m <= 1024 else (lambda r: f"{r['tflops']:.0f} TF/s")
+        cells = [f"{d[p]['us']:.1f} ({best['us'] / d[p]['us']:.2f}x)" if p in d else "-" for p in paths]
+        out.append(f"| {m} | {names.get((k, n), '')} {k}x{n} | {best['us']:.1f} ({best['path']}, {unit(best)}) | "
+                   + " | ".join(cells) + " |")
+    out += ["", "| M | linear | best BF16 fwd+bwd us | xla_fp8 fwd+bwd us (x) | te_fp8 fwd+bwd us (x) |",
+            "|---|---|---|---|---|"]
+    for (m, k, n), d in sorted(by.items()):
+        fb = [d[p] for p in ("bf16_fwd_bwd", "bf16_cublas_fwd_bwd") if p in d]
+        if not fb:
+            continue
+        best = min(fb, key=lambda r: r["us"])
+        cells = [f"{d[p]['us']:.0f} ({best['us'] / d[p]['us']:.2f}x)" if p in d else "-"
+                 for p in ("xla_fp8_fwd_bwd", "te_fp8_fwd_bwd")]
+        out.append(f"| {m} | {names.get((k, n), '')} {k}x{n} | {best['us']:.0f} ({best['path']}) | " + " | ".join(cells)
+                   + " |")
+    return "\n".join(out)
+
+
+def rollout_table(rows: list[dict]) -> str:
+    out = ["| batch | new tokens | mode | tokens/s | ms/step | HBM-bound tokens/s | fraction of bound |",
+           "|---|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (r["new_tokens"], r["batch"])):
+        out.append(f"| {r['batch']} | {r['new_tokens']} | {r['mode']} | {r['tokens_per_s']:.0f} "
+                   f"| {r['ms_per_step']:.2f} | {r['hbm_bound_tokens_per_s']:.0f} | {r['hbm_bound_fraction']:.2f} |")
+    return "\n".join(out)
+
+
+def agreement_table(rows: list[dict]) -> str:
+    out = ["| precision | tokens | rollout vs scoring: mean / p99 / max abs dlogp | vs f32: mean / p99 abs dlogp |",
+           "|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['precision']} | {r['tokens']} | {r['decode_vs_full_mean']:.4f} / "
+                   f"{r['decode_vs_full_p99']:.3f} / {r['decode_vs_full_max']:.3f} | {r['vs_f32_mean']:.4f} / "
+                   f"{r['vs_f32_p99']:.3f} |")
+    return "\n".join(out)
 
 
 def main(argv=None) -> None:
-    from fp8rl_jax.fp8 import te
-
-    te.preload()  # before JAX starts its GPU backend (see fp8rl_jax.fp8.te)
     ap = argparse.ArgumentParser(prog="python -m fp8rl_jax.bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -315,11 +453,35 @@ def main(argv=None) -> None:
     r.add_argument("--chunk", type=int, default=64)
     r.add_argument("--smoke", action="store_true")
     r.add_argument("--out", default="")
+    a = sub.add_parser("agreement", help="rollout-vs-scoring logprob agreement and error vs f32 (SmolLM2, GSM8K)")
+    a.add_argument("--num", type=int, default=6)
+    a.add_argument("--completion_tokens", type=int, default=64)
+    a.add_argument("--precisions", default="bf16,fp8,fp8_bf16_down,fp8_kv")
+    a.add_argument("--out", default="")
+    t = sub.add_parser("table", help="markdown tables of result files (gemm_*.json, rollout_*.json)")
+    t.add_argument("files", nargs="+")
     args = ap.parse_args(argv)
+    from fp8rl_jax.fp8 import te
+
+    te.preload()  # before JAX starts its GPU backend (see fp8rl_jax.fp8.te)
+    if args.cmd == "table":
+        for path in args.files:
+            with open(path) as f:
+                rows = json.load(f)
+            if "M" in rows[0]:
+                print(gemm_table(rows), end="\n\n")
+            elif "batch" in rows[0]:
+                print(rollout_table(rows), end="\n\n")
+            else:
+                print(agreement_table(rows), end="\n\n")
+        return
 
     if args.cmd == "gemm":
         args.out = args.out or f"gemm_{int(time.time())}.json"
         rows = run_gemm(args)
+    elif args.cmd == "agreement":
+        rows = bench_agreement(args.num, args.completion_tokens, args.precisions.split(","))
+        args.out = args.out or f"agreement_{int(time.time())}.json"
     else:
         if args.smoke:
             args.model, args.batches, args.new_tokens, args.prompt_len, args.chunk = "tiny", "4", "9", 16, 4

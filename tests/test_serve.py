@@ -15,16 +15,19 @@ import sys
 import threading
 from pathlib import Path
 
-import grpc
-import jax
-import numpy as np
-import portpicker
 import pytest
 
-from fp8rl_jax import serve
-from fp8rl_jax.config import load_config_file
-from fp8rl_jax.rollout import driver
-from fp8rl_jax.serve import jetstream_pb2, jetstream_pb2_grpc
+pytest.importorskip("jetstream", reason="google-jetstream is not installed (make test installs it)")
+
+import grpc  # noqa: E402
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import portpicker  # noqa: E402
+
+from fp8rl_jax import serve  # noqa: E402
+from fp8rl_jax.config import load_config_file  # noqa: E402
+from fp8rl_jax.rollout import driver  # noqa: E402
+from fp8rl_jax.serve import jetstream_pb2, jetstream_pb2_grpc  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SLOTS, MAX_NEW = 4, 12
