@@ -308,6 +308,7 @@ def bench_agreement(num: int, completion_tokens: int, precisions: list[str]) -> 
     import numpy as np
 
     from fp8rl_jax.data.gsm8k import default_gsm8k_path, load_gsm8k
+    from fp8rl_jax.fp8 import kv as kvq
     from fp8rl_jax.fp8.policy import Precision
     from fp8rl_jax.fp8.prequant import rollout_params
     from fp8rl_jax.fp8.recipe import update_state
@@ -336,16 +337,14 @@ def bench_agreement(num: int, completion_tokens: int, precisions: list[str]) -> 
     for name in precisions:
         prec = kinds[name]
         state = llama.init_fp8_state(cfg, prec) if prec.fp8 else None
-        kv_scales = None
+        kv_scales = kvq.init_kv_scales(cfg.num_layers) if prec.kv_fp8 else None
         if prec.fp8:
-            grad = jax.grad(lambda s, p: llama.forward(params, batch, config=cfg, precision=p, fp8_state=s)[0].sum())
-            state = update_state(state, grad(state, prec), prec.recipe)
+            grad = jax.grad(lambda s, p, kv: llama.forward(params, batch, config=cfg, precision=p, fp8_state=s,
+                                                           kv_scales=kv)[0].sum())
+            state = update_state(state, grad(state, prec, kv_scales), prec.recipe)
         if prec.kv_fp8:
-            from fp8rl_jax.fp8 import kv as kvq
-
-            kv_scales = kvq.scales_from_amax(llama.forward(params, batch, config=cfg, precision=prec,
-                                                           fp8_state=state, kv_scales=kvq.init_kv_scales(
-                                                               cfg.num_layers))[2])
+            kv_amax = llama.forward(params, batch, config=cfg, precision=prec, fp8_state=state, kv_scales=kv_scales)[2]
+            kv_scales = kvq.scales_from_amax(kv_amax)
         full = np.asarray(token_logprobs(params, batch, config=cfg, precision=prec, fp8_state=state,
                                          kv_scales=kv_scales)[0])
         rp = jax.jit(lambda p, s, prec=prec: rollout_params(p, s, prec, cfg.num_layers))(params, state)
