@@ -171,3 +171,10 @@ def observation_cotangent(meta: Fp8Meta, observed: jax.Array) -> Fp8Meta:
     hist = jnp.zeros_like(meta["amax_history"]).at[..., 0].set(observed.astype(jnp.float32))
     return {"scale": jnp.zeros_like(meta["scale"]), "amax_history": hist}
 
+
+def observations(state: Fp8LinearState, amax_x: jax.Array, amax_kernel: jax.Array,
+                 amax_grad: jax.Array) -> Fp8LinearState:
+    """A linear's state cotangent: the three amaxes observed in one forward + backward call."""
+    amaxes = {"x": amax_x, "kernel": amax_kernel, "grad": amax_grad}
+    return {role: observation_cotangent(state[role], amaxes[role]) for role in ROLES}
+

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from fp8rl_jax.fp8 import xla
-from fp8rl_jax.fp8.recipe import Fp8LinearState, Fp8Recipe, observation_cotangent
+from fp8rl_jax.fp8.recipe import Fp8LinearState, Fp8Recipe, observations
 from fp8rl_jax.fp8.xla import QuantizedKernel
 
 quantize_kernel = xla.quantize_kernel  # same bits as TE's cast kernel; one place to get them from
@@ -151,12 +151,7 @@ def _fp8_matmul_fn(x_dtype, w_dtype, out_dtype, recipe: Fp8Recipe):
         dx = tex.gemm(qg.get_tensor(usage=usage.LHS), qw_t, contracting_dims=((1,), (1,)))
         # dw [K, N] = x [M, K]^T . g [M, N]
         dw = tex.gemm(qx_t, qg.get_tensor(usage=usage.RHS), contracting_dims=((0,), (0,)))
-        observed = {
-            "x": observation_cotangent(state["x"], amax_x),
-            "kernel": observation_cotangent(state["kernel"], amax_w),
-            "grad": observation_cotangent(state["grad"], _observed_amax(qg)),
-        }
-        return dx.astype(x_dtype), dw.astype(w_dtype), observed
+        return dx.astype(x_dtype), dw.astype(w_dtype), observations(state, amax_x, amax_w, _observed_amax(qg))
 
     f.defvjp(fwd, bwd)
     return f

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fp8rl_jax.fp8.recipe import Fp8LinearState, Fp8Recipe, amax, observation_cotangent, quantize
+from fp8rl_jax.fp8.recipe import Fp8LinearState, Fp8Recipe, amax, observations, quantize
 
 
 @jax.tree_util.register_dataclass
@@ -90,12 +90,7 @@ def _fp8_matmul_fn(x_dtype, w_dtype, out_dtype, recipe: Fp8Recipe):
         dx = _mm(qg, qw, 1, 0) * ((1.0 / s_g) * (1.0 / s_w))
         # dw [K, N] = x [M, K]^T . g [M, N]
         dw = _mm(qx, qg, 0, 0) * ((1.0 / s_x) * (1.0 / s_g))
-        observed = {
-            "x": observation_cotangent(state["x"], amax_x),
-            "kernel": observation_cotangent(state["kernel"], amax_w),
-            "grad": observation_cotangent(state["grad"], amax(g)),
-        }
-        return dx.astype(x_dtype), dw.astype(w_dtype), observed
+        return dx.astype(x_dtype), dw.astype(w_dtype), observations(state, amax_x, amax_w, amax(g))
 
     f.defvjp(fwd, bwd)
     return f
