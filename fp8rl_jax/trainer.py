@@ -70,6 +70,15 @@ def load_policy(config, directory: str | Path | None = None, step: int | None = 
     return model, state["params"], state["fp8_state"], state["kv_scales"], tokenizer
 
 
+def right_pad(rows: list, pad_id: int, multiple: int = 32) -> np.ndarray:
+    """Token rows right-padded into [len(rows), T], T a multiple of ``multiple`` (few shapes to compile)."""
+    t = -(-max(len(r) for r in rows) // multiple) * multiple
+    out = np.full((len(rows), t), pad_id, np.int32)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = r
+    return out
+
+
 class Trainer:
     def __init__(self, config, *, report: bool = True):
         validate(config, known_rewards=reward_names)
@@ -239,6 +248,13 @@ class Trainer:
             max_concurrent_decodes=c.rollout.decode_slots, max_prefill_length=c.data.max_prompt_tokens,
             max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=tuple(self.tokenizer.stop_ids)))
 
+    def _cached_engine(self, sampling: SamplingParams, max_new_tokens: int) -> Engine:
+        """An engine per sampling setup for ``sample`` / ``evaluate`` (each compiles its own steps once)."""
+        key = (sampling, max_new_tokens)
+        if key not in self._engines:
+            self._engines[key] = self._engine(sampling, max_new_tokens)
+        return self._engines[key]
+
     def _rollout(self, engine: Engine, prompts: list, n: int, key) -> driver.RolloutBatch:
         s = self.state
         params = engine.load_params(s["params"], s["fp8_state"] if self.rollout_precision.fp8 else None,
@@ -247,16 +263,12 @@ class Trainer:
 
     def _pack(self, records, batch, advantages) -> dict:
         """Right-padded prompt + completion rows and their per-token masks and rollout logprobs (numpy)."""
-        n = self.sequences
-        lengths = [len(records[p].prompt_ids) + int(batch.lengths[i]) for i, p in enumerate(batch.prompt_index)]
-        t = -(-max(lengths) // 32) * 32  # a multiple of 32: few distinct shapes to compile
-        tokens = np.full((n, t), self.tokenizer.pad_id or 0, np.int32)
-        mask = np.zeros((n, t), np.float32)
-        rollout_logp = np.zeros((n, t), np.float32)
+        rows = [[*records[p].prompt_ids, *batch.completion(i)] for i, p in enumerate(batch.prompt_index)]
+        tokens = right_pad(rows, self.tokenizer.pad_id or 0)
+        mask = np.zeros(tokens.shape, np.float32)
+        rollout_logp = np.zeros(tokens.shape, np.float32)
         for i, p in enumerate(batch.prompt_index):
             prompt, done = records[p].prompt_ids, int(batch.lengths[i])
-            tokens[i, : len(prompt)] = prompt
-            tokens[i, len(prompt) : len(prompt) + done] = batch.completion(i)
             mask[i, len(prompt) : len(prompt) + done] = 1.0
             rollout_logp[i, len(prompt) : len(prompt) + done] = batch.logprobs[i, :done]
         return {"tokens": tokens, "mask": mask, "rollout_logp": rollout_logp,
@@ -268,37 +280,30 @@ class Trainer:
                  for i in range(0, len(tokens), self.microbatch)]
         return np.concatenate([np.asarray(p) for p in parts])
 
-    def _recalibrate(self, tokens: np.ndarray) -> None:
-        """KV scales from the updated policy; in ``fp8_rollout`` mode also the rollout's FP8 scales (BF16
-        training observes no FP8 amaxes)."""
+    def _calibrate_on(self, tokens: np.ndarray, fp8: bool) -> None:
+        """One calibration forward of the current policy over ``tokens``: new KV scales (FP8 KV cache) and, with
+        ``fp8``, the rollout's FP8 observations rolled into the state."""
         rollout, s = self.rollout_precision, self.state
-        needs_fp8 = rollout.fp8 and not self.train_precision.fp8
-        if not (rollout.kv_fp8 or needs_fp8):
+        if not (rollout.kv_fp8 or fp8):
             return
         observed, kv_scales = self._calibrate(s["params"], s["fp8_state"], s["kv_scales"], jnp.asarray(tokens))
         if rollout.kv_fp8:
             s["kv_scales"] = kv_scales
-        if needs_fp8:
+        if fp8:
             s["fp8_state"] = update_state(s["fp8_state"], observed, rollout.recipe)
 
+    def _recalibrate(self, tokens: np.ndarray) -> None:
+        """After an update: KV scales; in ``fp8_rollout`` mode also the rollout's FP8 scales (BF16 training observes
+        no FP8 amaxes)."""
+        self._calibrate_on(tokens, fp8=self.rollout_precision.fp8 and not self.train_precision.fp8)
+
     def _initial_calibration(self) -> None:
-        """Scales before the first rollout: one FP8 forward over the first prompts (the iterator is rewound)."""
-        rollout = self.rollout_precision
-        if not (rollout.fp8 or rollout.kv_fp8):
-            return
+        """Scales before the first rollout: one forward over the first prompts (the iterator is rewound)."""
         position = self.prompts.get_state()
         records = self.prompts.take(self.config.rollout.prompts_per_step)
         self.prompts.set_state(position)
-        t = max(len(r.prompt_ids) for r in records)
-        tokens = np.full((len(records), -(-t // 32) * 32), self.tokenizer.pad_id or 0, np.int32)
-        for i, r in enumerate(records):
-            tokens[i, : len(r.prompt_ids)] = r.prompt_ids
-        s = self.state
-        observed, kv_scales = self._calibrate(s["params"], s["fp8_state"], s["kv_scales"], jnp.asarray(tokens))
-        if rollout.fp8:
-            s["fp8_state"] = update_state(s["fp8_state"], observed, rollout.recipe)
-        if rollout.kv_fp8:
-            s["kv_scales"] = kv_scales
+        tokens = right_pad([r.prompt_ids for r in records], self.tokenizer.pad_id or 0)
+        self._calibrate_on(tokens, fp8=self.rollout_precision.fp8)
 
     # -- sampling and evaluation ----------------------------------------------------------------------------
 
@@ -311,11 +316,9 @@ class Trainer:
                             system_prompt=c.data.system_prompt)[1] for q in prompts]
         sampling = SamplingParams(temperature=c.rollout.temperature, top_k=c.rollout.top_k, top_p=c.rollout.top_p,
                                   greedy=greedy)
-        key = (sampling, max_new_tokens or c.rollout.max_new_tokens)
-        if key not in self._engines:
-            self._engines[key] = self._engine(*key)
+        engine = self._cached_engine(sampling, max_new_tokens or c.rollout.max_new_tokens)
         rng = jax.random.fold_in(self.state["rng"], 2**31 - 1 - self.step_count)
-        batch = self._rollout(self._engines[key], ids, n, rng)
+        batch = self._rollout(engine, ids, n, rng)
         texts = [self.tokenizer.decode(batch.completion(i)) for i in range(len(ids) * n)]
         return [texts[i * n : (i + 1) * n] for i in range(len(ids))]
 
@@ -323,11 +326,9 @@ class Trainer:
         """Greedy accuracy (the first reward fn) on the first ``num`` problems of the test split."""
         c = self.config
         records = prompt_iterator(c, self.tokenizer, "test").take(num or c.data.num_eval or 100)
-        sampling = SamplingParams(temperature=c.rollout.temperature, greedy=True)
-        key = (sampling, c.rollout.max_new_tokens)
-        if key not in self._engines:
-            self._engines[key] = self._engine(*key)
-        batch = self._rollout(self._engines[key], [r.prompt_ids for r in records], 1, self.state["rng"])
+        engine = self._cached_engine(SamplingParams(temperature=c.rollout.temperature, greedy=True),
+                                     c.rollout.max_new_tokens)
+        batch = self._rollout(engine, [r.prompt_ids for r in records], 1, self.state["rng"])
         texts = [self.tokenizer.decode(batch.completion(i)) for i in range(len(records))]
         _, per_fn = combined_rewards(self.reward_fns[:1], "", records, texts)
         return {"eval_accuracy": float(per_fn[self.reward_fns[0]].mean()), "eval_problems": float(len(records))}

@@ -17,7 +17,7 @@ import jax
 
 from fp8rl_jax.fp8.linear import quantize_kernel
 from fp8rl_jax.fp8.policy import Precision
-from fp8rl_jax.model.llama import LINEARS, block_segments
+from fp8rl_jax.model.llama import LINEARS, block_segments, slice_layers
 
 
 def rollout_params(params: dict, fp8_state: dict | None, precision: Precision, num_layers: int) -> dict:
@@ -32,7 +32,7 @@ def rollout_params(params: dict, fp8_state: dict | None, precision: Precision, n
         seg = {}
         for name, value in blocks.items():
             if is_fp8 and name in LINEARS and name not in precision.bf16_linears:
-                meta = jax.tree.map(lambda a, s=start, e=end: a[s:e], fp8_state["blocks"][name])
+                meta = slice_layers(fp8_state["blocks"][name], start, end, num_layers)
                 # one layer's [K, N] kernel and scalar scale, mapped over the segment's layers
                 seg[name] = jax.vmap(lambda k, m: quantize_kernel(k, m, precision))(value, meta)
             elif name in LINEARS:

@@ -163,7 +163,8 @@ def attention(q, k, v, q_pos, k_pos) -> jax.Array:
 # blocks
 
 
-def _slice_layers(tree, start: int, end: int, total: int):
+def slice_layers(tree, start: int, end: int, total: int):
+    """Layers ``start:end`` of a stacked tree (the tree itself when that is all of it: no copy)."""
     if start == 0 and end == total:
         return tree
     return jax.tree.map(lambda a: a[start:end], tree)
@@ -177,7 +178,7 @@ def block_segments(params: Params, precision: Precision, num_layers: int):
         if len(blocks) != len(segs):
             raise ValueError(f"params hold {len(blocks)} block segments, precision wants {len(segs)}: {segs}")
         return segs, tuple(blocks)
-    return segs, tuple(_slice_layers(blocks, s, e, num_layers) for s, e, _ in segs)
+    return segs, tuple(slice_layers(blocks, s, e, num_layers) for s, e, _ in segs)
 
 
 def _block(x, layer, fp8, idx, positions, cache, kv_scales, config: LlamaConfig, precision: Precision, inv_freq):
@@ -267,7 +268,7 @@ def forward_hidden(
     segs, seg_blocks = block_segments(params, precision, c.num_layers)
     amax_k, amax_v = [], []
     for (start, end, is_fp8), blocks in zip(segs, seg_blocks, strict=True):
-        fp8 = _slice_layers(fp8_state["blocks"], start, end, c.num_layers) if is_fp8 else None
+        fp8 = slice_layers(fp8_state["blocks"], start, end, c.num_layers) if is_fp8 else None
 
         def body(carry, xs, is_fp8=is_fp8):
             x, cache = carry
