@@ -7,13 +7,16 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_
 
 import pytest  # noqa: E402
 
+if os.environ["JAX_PLATFORMS"] != "cpu":
+    # Transformer Engine must load before JAX starts its GPU backend (a cuDNN symbol clash otherwise), and
+    # collecting the test modules can start it (module-level arrays): so import TE here, before collection
+    from fp8rl_jax.fp8 import te  # noqa: E402
+
+    te.preload()
+
 
 def pytest_collection_modifyitems(config, items):
     """GPU-marked tests run only where a GPU backend exists (the GPU host), never in CPU CI."""
-    if os.environ.get("JAX_PLATFORMS") != "cpu":
-        from fp8rl_jax.fp8 import te
-
-        te.preload()  # before JAX's GPU backend starts (cuDNN clash otherwise)
     import jax
 
     on_gpu = any(d.platform == "gpu" for d in jax.devices()) if os.environ.get("JAX_PLATFORMS") != "cpu" else False
