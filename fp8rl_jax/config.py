@@ -239,16 +239,32 @@ def validate(c: ml_collections.ConfigDict, known_rewards: Callable[[], Sequence[
 
 
 def load_config_file(path: str, arg: str | None = None) -> ml_collections.ConfigDict:
-    """Load ``get_config(arg)`` from a config file (what ``--config=path.py:arg`` does), for notebooks."""
+    """Load ``get_config(arg)`` from a config file (what ``--config=path.py:arg`` does), for notebooks.
+
+    Whatever the file raises comes back as one ``ConfigError`` line naming the file (the original is chained).
+    """
     import importlib.util
+
+    def one_line(e: BaseException) -> str:
+        return f"{type(e).__name__}: {' '.join(str(e).split())}"
 
     if not os.path.exists(path):
         raise FileNotFoundError(f"config file {path} not found")
     spec = importlib.util.spec_from_file_location("fp8rl_user_config", path)
+    if spec is None:
+        raise ConfigError(f"{path}: not a Python file (a config is a .py file with get_config(arg=None))")
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:
+        raise ConfigError(f"{path}: importing it raised {one_line(e)}") from e
     if not hasattr(module, "get_config"):
         raise ConfigError(f"{path} defines no get_config(arg=None)")
-    config = module.get_config(arg) if arg is not None else module.get_config()
+    try:
+        config = module.get_config(arg) if arg is not None else module.get_config()
+    except Exception as e:
+        raise ConfigError(f"{path}: get_config raised {one_line(e)}") from e
+    if not isinstance(config, ml_collections.ConfigDict):
+        raise ConfigError(f"{path}: get_config returned {type(config).__name__}, not an ml_collections.ConfigDict")
     config.lock()
     return config

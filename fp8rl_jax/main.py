@@ -86,11 +86,28 @@ def _unknown_override(argv: list[str]) -> str | None:
     return None
 
 
+def _config_file_error(argv: list[str]) -> str | None:
+    """One line saying what is wrong with the ``--config`` file itself (missing, raising, no get_config), or None."""
+    from fp8rl_jax.config import ConfigError, load_config_file
+
+    path, _, arg = _config_path(argv).partition(":")
+    try:
+        load_config_file(path, arg or None)
+    except (ConfigError, OSError) as e:
+        return str(e)
+    return None
+
+
 def _parse_flags(argv: list[str]) -> list[str]:
     if any(a in ("-h", "--help", "--helpshort", "-?") for a in argv[1:]):
         print(__doc__)
         print(flags.FLAGS.main_module_help())
         sys.exit(0)
+    # checked before absl loads the file: it would print the file's traceback, or defer an OSError to first use
+    problem = _config_file_error(argv)
+    if problem is not None:
+        print(f"error: {problem}", file=sys.stderr)
+        sys.exit(2)
     try:
         return flags.FLAGS(argv)
     except flags.Error as e:

@@ -84,6 +84,8 @@ def load_problems(config, split: str) -> tuple[list[gsm8k.Problem], str]:
 def load_prompts(config, tokenizer, split: str = "train") -> PromptSet:
     """Every prompt of ``split``, tokenized, those over ``data.max_prompt_tokens`` dropped and counted."""
     problems, template = load_problems(config, split)
+    if not problems:  # nothing to filter: not a max_prompt_tokens problem
+        raise ValueError(f"config.data.dataset={config.data.dataset!r}: the {split} split holds no problems")
     limit = config.data.max_prompt_tokens
     records = []
     for p in problems:

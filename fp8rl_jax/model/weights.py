@@ -205,13 +205,20 @@ def load_hf(folder: str | os.PathLike, dtype=jnp.float32) -> tuple[LlamaConfig, 
     cfg_path = folder / "config.json"
     if not cfg_path.exists():
         raise FileNotFoundError(f"{cfg_path} not found (a Hugging Face model folder needs config.json)")
-    config = config_from_hf(json.loads(cfg_path.read_text()), str(cfg_path))
+    try:
+        hf_config = json.loads(cfg_path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{cfg_path}: not a JSON config ({type(e).__name__}: {e})") from None
+    config = config_from_hf(hf_config, str(cfg_path))
     handles = {}
     where: dict[str, Path] = {}
     for f in _safetensors_files(folder):
         if not f.exists():
             raise FileNotFoundError(f"{f} is listed in the index but missing")
-        h = safe_open(str(f), framework="numpy")
+        try:
+            h = safe_open(str(f), framework="numpy")
+        except Exception as e:  # safetensors' own errors name no file: "header too large", "invalid JSON"...
+            raise ValueError(f"{f}: not a readable safetensors file ({type(e).__name__}: {e})") from None
         handles[f] = h
         for k in h.keys():
             where[k] = f
@@ -325,7 +332,10 @@ def load_gguf(path: str | os.PathLike, dtype=jnp.float32) -> tuple[LlamaConfig, 
     path = str(path)
     if not os.path.exists(path):
         raise FileNotFoundError(f"GGUF file {path} not found")
-    reader = gguf.GGUFReader(path)
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as e:  # gguf's own errors name no file: "GGUF magic invalid", an IndexError on a cut file...
+        raise ValueError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
     config = config_from_gguf(reader, path)
     arch = _gguf_field(reader, "general.architecture")
     tensors = {t.name: t for t in reader.tensors}

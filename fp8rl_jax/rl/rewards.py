@@ -161,22 +161,59 @@ def _math_verify_equal(span: str, gold: str) -> bool:
         return False
 
 
+# What only code or a path holds, so an answer line (or a number) showing it is not an answer:
+# - on the line: a double quote or backtick; a single quote that is not an apostrophe ("Janet's", "James'" are
+#   prose: a quote after a letter, followed by a letter, a space or the end); an underscore; a call "name(" (not
+#   LaTeX's "\left(")
+# - right before the number: a letter ("x18", "a$5"), or "/" ("/tmp/18"), or a "-" / "." / "$" glued to a letter or "/"
+#   ("pytest-0", "v.2"); around it, in its run of non-space characters, two "/" and a letter ("18/tmp/x")
+_CODE_ON_LINE = re.compile(r"[\"`_]|(?<![A-Za-z])'|'(?=[^A-Za-z\s])|(?<![\\\w])[A-Za-z][\w.]*\(")
+_GLUED_BEFORE = re.compile(r"(?:[A-Za-z/]|[A-Za-z/][-.$])\Z")
+_NON_SPACE = re.compile(r"\S*")
+_LETTER = re.compile(r"[A-Za-z]")
+
+
+def _glued(text: str, number: re.Match) -> bool:
+    """Whether ``number`` (a ``_NUMBER`` match in ``text``) is part of an identifier or a path, not a number."""
+    start, end = number.span()
+    if _GLUED_BEFORE.search(text[max(0, start - 2):start]):
+        return True
+    token_start = max(text.rfind(" ", 0, start), text.rfind("\t", 0, start), text.rfind("\n", 0, start)) + 1
+    token = text[token_start:_NON_SPACE.match(text, end).end()]
+    return token.count("/") >= 2 and _LETTER.search(token) is not None
+
+
 def gsm8k_correct(completion: str, gold: str) -> bool:
     """Whether ``completion``'s final answer equals ``gold`` (a number, as GSM8K's gold answers all are).
 
-    The answer is the first number on the line after the last ``####``; with no ``####`` it falls back to the
-    *last* number anywhere in the completion (a model that has not learned the format yet still gets credit for
-    the right result, which is what gets it started). Numbers compare exactly ("18.00" == "18", "$1,234" ==
-    "1234"); an answer that is an expression ("36/2", "\\frac{36}{2}") is left to math_verify.
+    The answer line is the first non-empty line after the last ``####``; the answer is the first number of its
+    part after the last "=" ("#### 3*6 = 18" -> 18, "#### $18.00" -> 18, "#### 18 dollars" -> 18). With no
+    ``####`` it is the *last* number anywhere in the completion (a model that has not learned the format yet still
+    gets credit for the right result, which is what gets it started). Numbers compare exactly ("18.00" == "18",
+    "$1,234" == "1234"); an answer that is an expression ("36/2", "\\frac{36}{2}") is left to math_verify.
+
+    Code and paths are not answers, and earn 0 even when they hold the gold number: an answer line holding what
+    only code holds (a quote other than an apostrophe, a backtick, an underscore, a call ``name(``), or whose
+    first number is glued into an identifier or a path ("x18", "/tmp/18", "pytest-0", "18/a/b"), has no answer.
+    Without ``####``, such glued numbers are skipped when looking for the last one. Model text is only ever read
+    with regular expressions, never run.
     """
     gold_value = _as_number(gold)
     if gold_value is None:
         raise ValueError(f"gsm8k_answer needs a numeric gold answer, got {gold!r}")
     span = final_answer_span(completion)
     if span is None:
-        found = numbers(completion)
-        return bool(found) and found[-1] == gold_value
+        for number in reversed(list(_NUMBER.finditer(completion))):
+            if not _glued(completion, number):
+                return _value(number) == gold_value
+        return False
+    line = completion.rsplit("####", 1)[1].strip().split("\n", 1)[0]
+    if _CODE_ON_LINE.search(line):
+        return False
     first = _NUMBER.search(span)
+    first_digit = re.search(r"\d", span)
+    if first_digit is not None and (first is None or first_digit.start() >= first.end() or _glued(span, first)):
+        return False  # the first digit is not a number's (_NUMBER refuses "x18"), or its number is glued
     if first is None or _FRACTION.search(span[: first.start()]) or _OPERATOR_NEXT.match(span, first.end()):
         return _math_verify_equal(span, gold)
     return _value(first) == gold_value

@@ -44,7 +44,7 @@ def _score(name, answer, completion):
     ("no numbers here", "18", 0.0),
     ("__import__('os').system('x')", "0", 0.0),
     ("#### __import__('os').system('x')", "18", 0.0),
-    ("#### __import__('os').system('echo 18')", "18", 1.0),  # text, never run: its first number is 18
+    ("#### __import__('os').system('echo 18')", "18", 0.0),  # code holding the gold number: not an answer
     ("#### 9^9^9^9", "18", 0.0),  # would never return without the whitelist
     ("#### 9**9**9**9", "18", 0.0),
     ("#### 18" + "9" * 10_000, "18", 0.0),
@@ -53,12 +53,61 @@ def test_gsm8k_answer(completion, gold, expected):
     assert _score("gsm8k_answer", gold, completion) == expected
 
 
-def test_gsm8k_answer_never_executes_model_text(tmp_path):
-    marker = tmp_path / "pwned"
-    attacks = [f"#### __import__('os').system('touch {marker}')", f"#### eval(\"open('{marker}', 'w')\")",
-               f"#### (lambda: open('{marker}', 'w'))()"]
-    assert rewards.get_reward_fn("gsm8k_answer")(_records("0", 3), attacks) == [0.0, 0.0, 0.0]
-    assert not marker.exists()
+# Code and paths are not answers (the rule in gsm8k_correct's docstring): hand-written cases, both directions.
+@pytest.mark.parametrize("completion, gold, expected", [
+    # still answers: money, units, rates, prose, markdown / LaTeX wrappers, apostrophes of prose
+    ("#### 18", "18", 1.0),
+    ("#### $18.00", "18", 1.0),
+    ("#### 18 dollars", "18", 1.0),
+    ("#### 3*6 = 18", "18", 1.0),
+    ("#### 18km", "18", 1.0),
+    ("#### 18 km/h", "18", 1.0),
+    ("#### $18/hour", "18", 1.0),
+    ("#### **18**", "18", 1.0),
+    ("#### (18)", "18", 1.0),
+    ("#### \\$18", "18", 1.0),
+    ("#### \\left(18\\right)", "18", 1.0),
+    ("#### Janet's total is 18.", "18", 1.0),
+    ("#### The twins' total: 18", "18", 1.0),
+    ("#### - 3", "-3", 1.0),
+    # not answers: the number glued into an identifier or a path, or a line of code around it
+    ("#### x18", "18", 0.0),
+    ("#### a$18", "18", 0.0),
+    ("#### /tmp/18", "18", 0.0),
+    ("#### /tmp/run/pytest-18/pwned", "18", 0.0),
+    ("#### pytest-18", "18", 0.0),
+    ("#### v.18", "18", 0.0),
+    ("#### 18/tmp/pwned", "18", 0.0),
+    ("#### print(18)", "18", 0.0),
+    ("#### '18'", "18", 0.0),
+    ('#### "18"', "18", 0.0),
+    ("#### `18`", "18", 0.0),
+    ("#### 18_000", "18", 0.0),
+    ("#### open('pwned') or x == 18", "18", 0.0),  # the "=" split must not let code through
+    ("#### 18');import os;os.system('x", "18", 0.0),
+    # without ####: the last number that is not glued into a path or identifier
+    ("open('/tmp/run/pytest-18/pwned')", "18", 0.0),
+    ("The log is in /tmp/run/pytest-7/out, and the answer is 18", "18", 1.0),
+    ("The answer is 18, see /tmp/run/pytest-7/out", "18", 1.0),
+])
+def test_gsm8k_answer_code_and_paths(completion, gold, expected):
+    assert _score("gsm8k_answer", gold, completion) == expected
+
+
+def test_gsm8k_answer_never_executes_model_text(tmp_path, monkeypatch):
+    """Code in the answer neither runs nor earns. The attacks name their marker by a relative path from a
+    working directory of our own, so no digit of the machine's tmp path (pytest-0, pytest-1, ...) is in them."""
+    monkeypatch.chdir(tmp_path)
+    attacks = ["#### __import__('os').system('touch pwned')", "#### eval(\"open('pwned', 'w')\")",
+               "#### (lambda: open('pwned', 'w'))()", "#### exec(\"open('pwned', 'w')\")",
+               "__import__('os').system('touch pwned')"]
+    # no digit in the attacks: whatever the rule for code, they can never form the gold 7
+    assert not any(ch.isdigit() for attack in attacks for ch in attack)
+    assert rewards.get_reward_fn("gsm8k_answer")(_records("7", len(attacks)), attacks) == [0.0] * len(attacks)
+    # the same attacks holding the gold's digits: code is not an answer, so they earn 0 all the same
+    with_gold = [a.replace("pwned", "pwned7") for a in attacks] + ["#### __import__('os').system('echo 7 > pwned')"]
+    assert rewards.get_reward_fn("gsm8k_answer")(_records("7", len(with_gold)), with_gold) == [0.0] * len(with_gold)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_gsm8k_answer_in_a_worker_thread():

@@ -1,0 +1,129 @@
+"""Broken input files fail in one line that names the file: config files that raise (through the CLI, with
+``--dry_run``, and through ``load_config_file``) and weight files that are not what their name says."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from fp8rl_jax.config import ConfigError, load_config_file
+from fp8rl_jax.model import weights
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# get_config bodies, and the one line each must give (after "error: <file>: ")
+RAISING_CONFIGS = [
+    ('raise RuntimeError("boom")', "get_config raised RuntimeError: boom"),  # was a 39-line traceback
+    ('raise ValueError("bad\\n  value")', "get_config raised ValueError: bad value"),  # was ml_collections' 11
+    ('raise OSError("disk")', "get_config raised OSError: disk"),  # was deferred, and named no file
+    ('return {}["steps"]', "get_config raised KeyError: 'steps'"),
+    ("import no_such_module_here", "get_config raised ModuleNotFoundError: No module named 'no_such_module_here'"),
+]
+
+
+def _config_file(tmp_path, body, name="bad.py"):
+    path = tmp_path / name
+    path.write_text(f"def get_config(arg=None):\n    {body}\n")
+    return str(path)
+
+
+def _main(*args):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    return subprocess.run([sys.executable, "-m", "fp8rl_jax.main", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("body, message", RAISING_CONFIGS, ids=[m.split(":")[0] for _, m in RAISING_CONFIGS])
+def test_cli_config_whose_get_config_raises(tmp_path, body, message):
+    path = _config_file(tmp_path, body)
+    result = _main(f"--config={path}", "--dry_run")
+    assert (result.returncode, result.stdout, result.stderr) == (2, "", f"error: {path}: {message}\n")
+
+
+def test_cli_config_that_fails_to_import_or_has_no_get_config(tmp_path):
+    broken = tmp_path / "syntax.py"
+    broken.write_text("def get_config(arg=None):\n    return 1 +\n")
+    result = _main(f"--config={broken}", "--dry_run")
+    assert result.returncode == 2
+    assert result.stderr == f"error: {broken}: importing it raised SyntaxError: invalid syntax (syntax.py, line 2)\n"
+
+    empty = tmp_path / "empty.py"
+    empty.write_text("x = 1\n")
+    result = _main(f"--config={empty}:arg", "--dry_run")
+    assert (result.returncode, result.stderr) == (2, f"error: {empty} defines no get_config(arg=None)\n")
+
+
+def test_cli_config_arg_reaches_get_config(tmp_path):
+    path = _config_file(tmp_path, "raise ValueError(f'no variant {arg!r}')")
+    result = _main(f"--config={path}:big", "--dry_run")
+    assert (result.returncode, result.stderr) == (2, f"error: {path}: get_config raised ValueError: no variant 'big'\n")
+
+
+def test_cli_good_config_still_runs(tmp_path):
+    result = _main("--config=configs/tiny.py:bf16", "--dry_run")
+    assert result.returncode == 0, result.stderr
+    assert "mode: bf16" in result.stdout
+
+
+@pytest.mark.parametrize("body, message", RAISING_CONFIGS[:3])
+def test_load_config_file_names_the_file(tmp_path, body, message):
+    path = _config_file(tmp_path, body)
+    with pytest.raises(ConfigError) as err:
+        load_config_file(path)
+    assert str(err.value) == f"{path}: {message}"
+    with pytest.raises(ConfigError, match="get_config returned NoneType, not an ml_collections.ConfigDict"):
+        load_config_file(_config_file(tmp_path, "return None", "none.py"))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# weight files
+
+
+def _hf_folder(tmp_path, safetensors_bytes):
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"vocab_size": 16, "hidden_size": 8, "intermediate_size": 16,
+                                                    "num_hidden_layers": 1, "num_attention_heads": 2}))
+    (folder / "model.safetensors").write_bytes(safetensors_bytes)
+    return folder
+
+
+def test_corrupt_safetensors_is_named(tmp_path):
+    folder = _hf_folder(tmp_path, np.random.default_rng(0).bytes(4096))
+    with pytest.raises(ValueError) as err:
+        weights.load_hf(folder)
+    assert str(err.value) == (f"{folder / 'model.safetensors'}: not a readable safetensors file (SafetensorError: "
+                              "Error while deserializing header: header too large)")
+
+
+def test_cut_safetensors_is_named(tmp_path):
+    from safetensors.numpy import save
+
+    whole = save({"model.embed_tokens.weight": np.ones((16, 8), np.float32)})
+    folder = _hf_folder(tmp_path, whole[: len(whole) // 2])
+    with pytest.raises(ValueError, match=r"hf/model\.safetensors: not a readable safetensors file \(SafetensorError"):
+        weights.load_hf(folder)
+
+
+def test_hf_config_that_is_not_json_is_named(tmp_path):
+    folder = _hf_folder(tmp_path, b"")
+    (folder / "config.json").write_bytes(b"\x00\xff binary")
+    with pytest.raises(ValueError, match=r"hf/config\.json: not a JSON config \(UnicodeDecodeError"):
+        weights.load_hf(folder)
+
+
+@pytest.mark.parametrize("content, cause", [
+    (np.random.default_rng(0).bytes(4096), "ValueError: GGUF magic invalid"),
+    (b"GGUF\x03\x00\x00\x00" + np.random.default_rng(1).bytes(100), "IndexError: "),  # right magic, then noise
+    (b"", "ValueError: cannot mmap an empty file"),
+], ids=["random", "magic_then_noise", "empty"])
+def test_bad_gguf_is_named(tmp_path, content, cause):
+    path = tmp_path / "model.gguf"
+    path.write_bytes(content)
+    with pytest.raises(ValueError) as err:
+        weights.load_gguf(path)
+    assert str(err.value).startswith(f"{path}: not a readable GGUF file ({cause}")
+    assert "\n" not in str(err.value)
