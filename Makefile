@@ -18,7 +18,7 @@ $(VENV)/.run-deps: pyproject.toml constraints.txt | $(BIN)/python
 
 # JetStream 0.2.2 without its dependencies: its seqio/TensorFlow tokenizer stack is never used here
 $(VENV)/.dev-deps: $(VENV)/.run-deps
-	$(BIN)/python -m pip install -q -c constraints.txt -e ".[dev,serve]"
+	$(BIN)/python -m pip install -q -c constraints.txt -e ".[dev,serve,notebook]"
 	$(BIN)/python -m pip install -q --no-deps google-jetstream==0.2.2
 	touch $@
 
