@@ -1,0 +1,249 @@
+"""Length-aware decode attention: the Pallas kernel (through Pallas' interpreter on CPU) and the XLA path against
+a float64 numpy reference, garbage past the lengths, the engine's greedy tokens, and the kernel's GPU lowering.
+
+Tolerances (max |got - reference| <= atol + rtol |reference|):
+- f32 query and f32 or FP8 K/V: 1e-5 / 1e-5. The FP8 values are exact in f32 and the scales are applied in f32.
+- BF16 query with BF16 or FP8 K/V: 1e-2 / 1e-2. The reference is computed from the very BF16 / E4M3 values the
+  kernel reads (dequantized in float64), so what is left is the BF16 rounding of the probabilities before the
+  P.V dot and of the output (2**-9 relative each).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from fp8rl_jax.kernels import decode_attention as da
+
+B, K, H, S = 4, 2, 16, 40
+LENGTHS = np.array([1, 16, 23, S], np.int32)  # one token, a block multiple, a ragged block, the full cache
+TOL = {"f32": 1e-5, "bf16": 1e-2, "fp8": 1e-2, "fp8_f32q": 1e-5}
+
+
+def _inputs(kind: str, g: int, seed: int = 0, layers: int | None = None):
+    """q [B, K, G, H]; k, v [(L,) B, K, S, H] in the cache dtype; scales; and float64 copies of what the kernel
+    reads: q, and K / V after dequantization."""
+    rng = np.random.default_rng(seed)
+    lead = (layers,) if layers else ()
+    q = rng.standard_normal((B, K, g, H))
+    k = 2.0 * rng.standard_normal((*lead, B, K, S, H))
+    v = rng.standard_normal((*lead, B, K, S, H))
+    q_dtype = jnp.float32 if kind in ("f32", "fp8_f32q") else jnp.bfloat16
+    q = np.asarray(jnp.asarray(q, q_dtype))
+    if kind.startswith("fp8"):
+        k_scale, v_scale = np.float32(448 / 12.0), np.float32(448 / 6.0)  # |k| < 12, |v| < 6 here
+        k8 = (k * k_scale).astype(ml_dtypes.float8_e4m3fn)
+        v8 = (v * v_scale).astype(ml_dtypes.float8_e4m3fn)
+        k64, v64 = k8.astype(np.float64) / np.float64(k_scale), v8.astype(np.float64) / np.float64(v_scale)
+        return q, k8, v8, k_scale, v_scale, q.astype(np.float64), k64, v64
+    cache_dtype = jnp.float32 if kind == "f32" else jnp.bfloat16
+    k, v = np.asarray(jnp.asarray(k, cache_dtype)), np.asarray(jnp.asarray(v, cache_dtype))
+    return q, k, v, None, None, q.astype(np.float64), k.astype(np.float64), v.astype(np.float64)
+
+
+def _reference(q, k, v, lengths):
+    """Softmax attention over positions 0..length-1 of each sequence, float64. q [B, K, G, H]; k, v [B, K, S, H]."""
+    out = np.zeros(q.shape)
+    for b, n in enumerate(lengths):
+        # [K, G, H] x [K, n, H] -> [K, G, n]
+        scores = np.einsum("kgh,ksh->kgs", q[b], k[b, :, :n]) / np.sqrt(q.shape[-1])
+        p = np.exp(scores - scores.max(-1, keepdims=True))
+        out[b] = np.einsum("kgs,ksh->kgh", p / p.sum(-1, keepdims=True), v[b, :, :n])
+    return out
+
+
+@functools.cache
+def _jitted(impl: str, block_k: int | None, k_splits: int | None, stacked: bool):
+    tuning = {} if impl == "xla" else {"block_k": block_k, "k_splits": k_splits}
+
+    def run(q, k, v, lengths, k_scale, v_scale, layer):
+        return da.decode_attention(q, k, v, lengths, layer=layer if stacked else None, k_scale=k_scale,
+                                   v_scale=v_scale, impl=impl, **tuning)
+
+    return jax.jit(run)
+
+
+def _attend(impl, q, k, v, lengths, k_scale, v_scale, *, block_k=16, k_splits=2, layer=None):
+    f = _jitted(impl, block_k, k_splits, layer is not None)
+    return np.asarray(f(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(lengths), k_scale, v_scale,
+                        layer), np.float64)
+
+
+CASES = [  # kind, G, block_k, k_splits
+    ("f32", 1, 16, 3),
+    ("f32", 3, 16, 2),
+    ("f32", 4, 16, 1),
+    ("f32", 8, 32, 2),
+    ("bf16", 4, 16, 3),
+    ("bf16", 3, 16, 1),
+    ("fp8", 4, 16, 2),
+    ("fp8", 8, 16, 3),
+    ("fp8_f32q", 4, 16, 2),
+]
+
+
+@pytest.mark.parametrize("kind,g,block_k,k_splits", CASES)
+def test_kernel_matches_float64_reference(kind, g, block_k, k_splits):
+    q, k, v, k_scale, v_scale, q64, k64, v64 = _inputs(kind, g)
+    want = _reference(q64, k64, v64, LENGTHS)
+    got = _attend("pallas_interpret", q, k, v, LENGTHS, k_scale, v_scale, block_k=block_k, k_splits=k_splits)
+    tol = TOL[kind]
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("kind", ["f32", "bf16", "fp8"])
+def test_xla_path_matches_float64_reference(kind):
+    q, k, v, k_scale, v_scale, q64, k64, v64 = _inputs(kind, 4)
+    want = _reference(q64, k64, v64, LENGTHS)
+    got = _attend("xla", q, k, v, LENGTHS, k_scale, v_scale)
+    tol = TOL[kind]
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("impl", ["pallas_interpret", "xla"])
+@pytest.mark.parametrize("kind", ["bf16", "fp8"])
+def test_garbage_past_the_length_does_not_leak(impl, kind):
+    """NaN and huge values at positions >= length (and in another layer) change nothing, bit for bit."""
+    q, k, v, k_scale, v_scale, *_ = _inputs(kind, 4, layers=2)
+    clean = _attend(impl, q, k, v, LENGTHS, k_scale, v_scale, layer=1)
+    big = 448.0 if kind == "fp8" else 1e30
+    k_bad, v_bad = k.astype(np.float32), v.astype(np.float32)
+    for b, n in enumerate(LENGTHS):
+        k_bad[1, b, :, n:], v_bad[1, b, :, n:] = np.nan, np.nan
+        k_bad[1, b, :, n::3], v_bad[1, b, :, n + 1 :: 3] = big, -big
+    k_bad[0], v_bad[0] = np.nan, np.nan
+    k_bad, v_bad = k_bad.astype(k.dtype), v_bad.astype(v.dtype)
+    assert np.isnan(k_bad.astype(np.float32)).any()
+    dirty = _attend(impl, q, k_bad, v_bad, LENGTHS, k_scale, v_scale, layer=1)
+    assert np.isfinite(dirty).all()
+    np.testing.assert_array_equal(dirty, clean)
+
+
+def test_stacked_cache_reads_the_given_layer():
+    """A [L, B, K, S, H] cache with a traced layer index equals the reference on that layer."""
+    q, k, v, k_scale, v_scale, q64, k64, v64 = _inputs("fp8", 4, layers=3)
+    for layer in (0, 2):
+        got = _attend("pallas_interpret", q, k, v, LENGTHS, k_scale, v_scale, layer=jnp.int32(layer))
+        np.testing.assert_allclose(got, _reference(q64, k64[layer], v64[layer], LENGTHS), rtol=1e-2, atol=1e-2)
+
+
+def test_defaults_hand_derived():
+    # 16 KiB of K per block: 16384 / (128 * 2) = 64; FP8 and H=64 give 128 or more, capped at 128
+    assert da.default_block_k(128, 2, 1088) == 64
+    assert da.default_block_k(128, 1, 1088) == 128
+    assert da.default_block_k(64, 2, 4160) == 128
+    assert da.default_block_k(64, 1, 4160) == 128
+    assert da.default_block_k(16, 4, 26) == 32  # no bigger than the cache rounded up to a power of two
+    # ~1024 programs: 2048 rows need 1 split, 512 rows 2, 8 rows 16 (the cap), unless the cache has fewer blocks
+    assert da.default_k_splits(2048, 1088, 64) == 1
+    assert da.default_k_splits(512, 1088, 128) == 2
+    assert da.default_k_splits(8, 1088, 64) == 16
+    assert da.default_k_splits(8, 40, 16) == 3
+
+
+def test_bad_options_name_the_key():
+    from fp8rl_jax.rollout.engine import EngineConfig
+
+    with pytest.raises(ValueError, match="decode_attention='cuda'"):
+        EngineConfig(decode_attention="cuda")
+    with pytest.raises(ValueError, match="decode_attention='fast'"):
+        da.resolve_impl("fast")
+    assert da.resolve_impl("auto") == "xla"  # CPU
+    q, k, v, *_ = _inputs("bf16", 4)
+    with pytest.raises(ValueError, match="needs a GPU backend"):
+        da.decode_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(LENGTHS), impl="pallas")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the engine
+
+
+def test_greedy_rollout_same_tokens_with_kernel_and_xla():
+    """The tiny preset, greedy: the engine's tokens with the kernel (interpreted) equal those of the XLA path, in
+    f32 and with BF16 compute + FP8 KV cache; the logprobs agree to the stated tolerances."""
+    from fp8rl_jax.fp8 import kv as kvq
+    from fp8rl_jax.fp8.policy import Precision
+    from fp8rl_jax.model import llama
+    from fp8rl_jax.model.config import preset
+    from fp8rl_jax.rollout import driver
+    from fp8rl_jax.rollout.engine import Engine, EngineConfig
+    from fp8rl_jax.rollout.sampling import SamplingParams
+
+    config = preset("tiny")
+    params = llama.init_params(config, jax.random.PRNGKey(0), std=0.1)
+    prompts = [list(np.random.RandomState(i).randint(3, config.vocab_size, size=n)) for i, n in enumerate((5, 9, 3))]
+    for precision, tol in ((Precision(compute_dtype="float32"), 1e-5),
+                           (Precision(kv_cache_dtype="float8_e4m3fn"), 2e-2)):
+        kv_scales = None
+        if precision.kv_fp8:
+            probe = jnp.asarray([p[:3] for p in prompts], jnp.int32)
+            kv_scales = kvq.scales_from_amax(llama.forward(params, probe, config=config, precision=Precision())[2])
+        batches = {}
+        for impl in ("xla", "pallas_interpret"):
+            engine = Engine(config, precision, EngineConfig(
+                max_concurrent_decodes=4, max_prefill_length=16, max_new_tokens=8,
+                sampling=SamplingParams(greedy=True), decode_attention=impl))
+            engine_params = engine.load_params(params, None, kv_scales)
+            batches[impl] = driver.generate(engine, engine_params, prompts, 1, jax.random.PRNGKey(1), steps_per_sync=4)
+        xla, kernel = batches["xla"], batches["pallas_interpret"]
+        np.testing.assert_array_equal(kernel.lengths, xla.lengths)
+        np.testing.assert_array_equal(kernel.tokens, xla.tokens)
+        for i in range(len(prompts)):
+            n = xla.lengths[i]
+            np.testing.assert_allclose(kernel.logprobs[i, :n], xla.logprobs[i, :n], rtol=0, atol=tol)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the GPU lowering, checked on CPU: Pallas lowers the kernel to Triton IR without a GPU
+
+
+def _triton_ir(fn, *args) -> list[str]:
+    """Lower ``fn`` for CUDA (on this CPU host) and return the Triton IR text of each pallas_call in it."""
+    from jax._src.lib.mlir import ir
+    from jax._src.pallas.triton import lowering as triton_lowering
+
+    module = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).compiler_ir("stablehlo")
+    found = []
+
+    def walk(op):
+        for region in op.regions:
+            for block in region.blocks:
+                for inner in block.operations:
+                    if inner.operation.name == "stablehlo.custom_call":
+                        blob = ir.StringAttr(ir.DictAttr(inner.attributes["mhlo.backend_config"])["ir"]).value_bytes
+                        with triton_lowering._new_ir_context():
+                            found.append(str(ir.Module.parse(blob)))
+                    walk(inner.operation)
+
+    walk(module.operation)
+    return found
+
+
+@pytest.mark.parametrize("cache_dtype,q_dtype", [("float8_e4m3fn", "bfloat16"), ("bfloat16", "bfloat16"),
+                                                 ("float32", "float32")])
+def test_kernel_lowers_to_triton(cache_dtype, q_dtype):
+    """Llama-3.2-1B shapes (K=8, G=4, H=64): the kernel lowers; FP8 is converted in-kernel (no BF16 cache)."""
+    q = jax.ShapeDtypeStruct((8, 8, 4, 64), jnp.dtype(q_dtype))
+    cache = jax.ShapeDtypeStruct((16, 8, 8, 1088, 64), jnp.dtype(cache_dtype))
+    fn = functools.partial(da.decode_attention_pallas, k_scale=jnp.float32(2.0), v_scale=jnp.float32(3.0))
+    [ttir] = _triton_ir(lambda q, k, v, n, i: fn(q, k, v, n, layer=i), q, cache, cache,
+                        jax.ShapeDtypeStruct((8,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32))
+    assert "tt.dot" in ttir and "scf.for" in ttir
+    if cache_dtype == "float8_e4m3fn":
+        assert "tt.fp_to_fp" in ttir and "f8E4M3FN" in ttir
+
+
+def test_large_fp8_cache_gets_64_bit_offsets():
+    """Llama-3.2-1B, batch 256, 1088 positions: one FP8 K cache of 2.3e9 bytes (> 2**31 elements, < 4 GiB), for
+    which Pallas would compute 32-bit element offsets that wrap; its pointer offsets must be 64-bit."""
+    q = jax.ShapeDtypeStruct((256, 8, 4, 64), jnp.bfloat16)
+    cache = jax.ShapeDtypeStruct((16, 256, 8, 1088, 64), jnp.float8_e4m3fn)
+    assert 2**31 < np.prod(cache.shape) <= 2**32
+    fn = functools.partial(da.decode_attention_pallas, k_scale=jnp.float32(2.0), v_scale=jnp.float32(3.0))
+    [ttir] = _triton_ir(lambda q, k, v, n, i: fn(q, k, v, n, layer=i), q, cache, cache,
+                        jax.ShapeDtypeStruct((256,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32))
+    cache_offsets = [line for line in ttir.splitlines() if "tt.addptr" in line and "f8E4M3FN" in line]
+    assert cache_offsets and all("xi64>" in line for line in cache_offsets), cache_offsets
