@@ -161,39 +161,103 @@ def test_bad_options_name_the_key():
 # the engine
 
 
-def test_greedy_rollout_same_tokens_with_kernel_and_xla():
-    """The tiny preset, greedy: the engine's tokens with the kernel (interpreted) equal those of the XLA path, in
-    f32 and with BF16 compute + FP8 KV cache; the logprobs agree to the stated tolerances."""
+def _tiny():
+    from fp8rl_jax.model import llama
+    from fp8rl_jax.model.config import preset
+
+    config = preset("tiny")
+    return config, llama.init_params(config, jax.random.PRNGKey(0), std=0.1)
+
+
+def _kv_scales(config, params, tokens):
     from fp8rl_jax.fp8 import kv as kvq
     from fp8rl_jax.fp8.policy import Precision
     from fp8rl_jax.model import llama
-    from fp8rl_jax.model.config import preset
+
+    return kvq.scales_from_amax(llama.forward(params, tokens, config=config, precision=Precision())[2])
+
+
+def test_greedy_rollout_same_tokens_with_kernel_and_xla():
+    """The engine on the tiny preset, greedy, f32 compute with an FP8 KV cache: the kernel (interpreted) gives
+    the XLA path's tokens, and logprobs within 1e-5. (In BF16 the two paths round differently and this random
+    model's near-flat logits have near-ties, so tokens may flip: see the teacher-forced test below.)"""
+    from fp8rl_jax.fp8.policy import Precision
     from fp8rl_jax.rollout import driver
     from fp8rl_jax.rollout.engine import Engine, EngineConfig
     from fp8rl_jax.rollout.sampling import SamplingParams
 
-    config = preset("tiny")
-    params = llama.init_params(config, jax.random.PRNGKey(0), std=0.1)
+    config, params = _tiny()
     prompts = [list(np.random.RandomState(i).randint(3, config.vocab_size, size=n)) for i, n in enumerate((5, 9, 3))]
-    for precision, tol in ((Precision(compute_dtype="float32"), 1e-5),
-                           (Precision(kv_cache_dtype="float8_e4m3fn"), 2e-2)):
-        kv_scales = None
-        if precision.kv_fp8:
-            probe = jnp.asarray([p[:3] for p in prompts], jnp.int32)
-            kv_scales = kvq.scales_from_amax(llama.forward(params, probe, config=config, precision=Precision())[2])
-        batches = {}
-        for impl in ("xla", "pallas_interpret"):
-            engine = Engine(config, precision, EngineConfig(
-                max_concurrent_decodes=4, max_prefill_length=16, max_new_tokens=8,
-                sampling=SamplingParams(greedy=True), decode_attention=impl))
-            engine_params = engine.load_params(params, None, kv_scales)
-            batches[impl] = driver.generate(engine, engine_params, prompts, 1, jax.random.PRNGKey(1), steps_per_sync=4)
-        xla, kernel = batches["xla"], batches["pallas_interpret"]
-        np.testing.assert_array_equal(kernel.lengths, xla.lengths)
-        np.testing.assert_array_equal(kernel.tokens, xla.tokens)
-        for i in range(len(prompts)):
-            n = xla.lengths[i]
-            np.testing.assert_allclose(kernel.logprobs[i, :n], xla.logprobs[i, :n], rtol=0, atol=tol)
+    precision = Precision(compute_dtype="float32", kv_cache_dtype="float8_e4m3fn")
+    kv_scales = _kv_scales(config, params, jnp.asarray([p[:3] for p in prompts], jnp.int32))
+    batches = {}
+    for impl in ("xla", "pallas_interpret"):
+        engine = Engine(config, precision, EngineConfig(
+            max_concurrent_decodes=4, max_prefill_length=16, max_new_tokens=8, sampling=SamplingParams(greedy=True),
+            decode_attention=impl))
+        engine_params = engine.load_params(params, None, kv_scales)
+        batches[impl] = driver.generate(engine, engine_params, prompts, 1, jax.random.PRNGKey(1), steps_per_sync=4)
+    xla, kernel = batches["xla"], batches["pallas_interpret"]
+    np.testing.assert_array_equal(kernel.lengths, xla.lengths)
+    np.testing.assert_array_equal(kernel.tokens, xla.tokens)
+    for i in range(len(prompts)):
+        n = xla.lengths[i]
+        np.testing.assert_allclose(kernel.logprobs[i, :n], xla.logprobs[i, :n], rtol=0, atol=1e-5)
+
+
+def _decode_logprobs(config, params, precision, seqs, prompt_len, impl, kv_scales=None):
+    """Prefill ``prompt_len`` tokens, then decode the rest of ``seqs`` one token a step (teacher forced):
+    log-softmax of the logits that predict tokens prompt_len..T-1, [B, T - prompt_len, V]."""
+    from fp8rl_jax.model import llama
+
+    b, t = seqs.shape
+    kw = dict(config=config, precision=precision, kv_scales=kv_scales, decode_attention=impl)
+
+    @jax.jit
+    def run(seqs):
+        cache = llama.init_cache(config, b, t, llama.cache_dtype(precision))
+        positions = jnp.broadcast_to(jnp.arange(prompt_len, dtype=jnp.int32), (b, prompt_len))
+        logits, cache, _ = llama.forward(params, seqs[:, :prompt_len], positions, cache=cache, **kw)
+        steps = [logits[:, -1]]
+        for pos in range(prompt_len, t - 1):
+            logits, cache, _ = llama.forward(params, seqs[:, pos : pos + 1], jnp.full((b, 1), pos, jnp.int32),
+                                             cache=cache, **kw)
+            steps.append(logits[:, 0])
+        return jax.nn.log_softmax(jnp.stack(steps, axis=1), axis=-1)
+
+    return np.asarray(run(seqs))
+
+
+def test_teacher_forced_decode_against_full_forward():
+    """Decode steps through the kernel against the full-sequence forward (the scoring path).
+
+    f32 compute (BF16 or FP8 cache): max |decode - full| <= 1e-5 in every logprob. BF16 compute: both decode
+    paths are compared with the f32 forward; the kernel's mean error may not exceed the XLA path's by more
+    than 10%, its max by more than 50% (measured: mean 5.2e-3 vs 5.3e-3, max 3.0e-2 vs 3.1e-2).
+    """
+    from fp8rl_jax.fp8.policy import Precision
+    from fp8rl_jax.model import llama
+
+    config, params = _tiny()
+    prompt_len, seqs = 7, jnp.asarray(np.random.default_rng(0).integers(3, config.vocab_size, (3, 13)), jnp.int32)
+    kv_scales = _kv_scales(config, params, seqs)
+
+    def full(precision):
+        logits = llama.forward(params, seqs, config=config, precision=precision, kv_scales=kv_scales)[0]
+        return np.asarray(jax.nn.log_softmax(logits, axis=-1))[:, prompt_len - 1 : -1]
+
+    for kv_dtype in ("float32", "float8_e4m3fn"):
+        precision = Precision(compute_dtype="float32", kv_cache_dtype=kv_dtype)
+        got = _decode_logprobs(config, params, precision, seqs, prompt_len, "pallas_interpret", kv_scales)
+        np.testing.assert_allclose(got, full(precision), rtol=0, atol=1e-5)
+
+    truth = full(Precision(compute_dtype="float32"))
+    bf16 = Precision()
+    kernel = np.abs(_decode_logprobs(config, params, bf16, seqs, prompt_len, "pallas_interpret") - truth)
+    xla = np.abs(_decode_logprobs(config, params, bf16, seqs, prompt_len, "xla") - truth)
+    print(f"BF16 decode vs f32 forward: kernel mean {kernel.mean():.2e} max {kernel.max():.2e}; "
+          f"xla mean {xla.mean():.2e} max {xla.max():.2e}")
+    assert kernel.mean() <= 1.1 * xla.mean() and kernel.max() <= 1.5 * xla.max()
 
 
 # ----------------------------------------------------------------------------------------------------------
