@@ -151,10 +151,12 @@ def test_bad_options_name_the_key():
         EngineConfig(decode_attention="cuda")
     with pytest.raises(ValueError, match="decode_attention='fast'"):
         da.resolve_impl("fast")
-    assert da.resolve_impl("auto") == "xla"  # CPU
-    q, k, v, *_ = _inputs("bf16", 4)
-    with pytest.raises(ValueError, match="needs a GPU backend"):
-        da.decode_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(LENGTHS), impl="pallas")
+    on_gpu = jax.default_backend() == "gpu"
+    assert da.resolve_impl("auto") == ("pallas" if on_gpu else "xla")
+    if not on_gpu:
+        q, k, v, *_ = _inputs("bf16", 4)
+        with pytest.raises(ValueError, match="needs a GPU backend"):
+            da.decode_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(LENGTHS), impl="pallas")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -277,7 +279,10 @@ def _triton_ir(fn, *args) -> list[str]:
             for block in region.blocks:
                 for inner in block.operations:
                     if inner.operation.name == "stablehlo.custom_call":
-                        blob = ir.StringAttr(ir.DictAttr(inner.attributes["mhlo.backend_config"])["ir"]).value_bytes
+                        config = ir.DictAttr(inner.attributes["mhlo.backend_config"])
+                        if "ir" not in config:
+                            pytest.skip("this jaxlib compiles Pallas Triton calls at lowering time (no IR to read)")
+                        blob = ir.StringAttr(config["ir"]).value_bytes
                         with triton_lowering._new_ir_context():
                             found.append(str(ir.Module.parse(blob)))
                     walk(inner.operation)
@@ -311,3 +316,37 @@ def test_large_fp8_cache_gets_64_bit_offsets():
                         jax.ShapeDtypeStruct((256,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32))
     cache_offsets = [line for line in ttir.splitlines() if "tt.addptr" in line and "f8E4M3FN" in line]
     assert cache_offsets and all("xi64>" in line for line in cache_offsets), cache_offsets
+
+
+# ----------------------------------------------------------------------------------------------------------
+# on the GPU host: the compiled kernel
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind,g,block_k,k_splits", CASES)
+def test_gpu_kernel_matches_float64_reference(kind, g, block_k, k_splits):
+    q, k, v, k_scale, v_scale, q64, k64, v64 = _inputs(kind, g)
+    got = _attend("pallas", q, k, v, LENGTHS, k_scale, v_scale, block_k=block_k, k_splits=k_splits)
+    np.testing.assert_allclose(got, _reference(q64, k64, v64, LENGTHS), rtol=TOL[kind], atol=TOL[kind])
+
+
+@pytest.mark.gpu
+def test_gpu_large_fp8_cache_last_layer():
+    """Llama-3.2-1B, batch 256, 1088 positions, FP8: a K cache of 2.3 GB (the 64-bit offset case); the last
+    layer's rows at the end of the buffer against the XLA path, default tuning."""
+    shape = (16, 256, 8, 1088, 64)
+    key_k, key_v, key_q = jax.random.split(jax.random.PRNGKey(0), 3)
+    scale = jnp.float32(448.0 / 5.0)
+
+    def cache(key):  # one random layer, repeated; the last layer differs
+        one = (jax.random.normal(key, shape[1:], jnp.bfloat16) * scale).astype(jnp.float8_e4m3fn)
+        stack = jnp.broadcast_to(one[None], shape)
+        return stack.at[-1].set((-stack[-1].astype(jnp.float32)).astype(jnp.float8_e4m3fn))
+
+    k_cache, v_cache = jax.jit(cache)(key_k), jax.jit(cache)(key_v)
+    q = jax.random.normal(key_q, (256, 8, 4, 64), jnp.bfloat16)
+    lengths = jnp.asarray(np.random.default_rng(0).integers(1, 1089, 256), jnp.int32)
+    args = dict(layer=jnp.int32(15), k_scale=scale, v_scale=scale)
+    got = jax.jit(functools.partial(da.decode_attention, impl="pallas", **args))(q, k_cache, v_cache, lengths)
+    want = jax.jit(functools.partial(da.decode_attention, impl="xla", **args))(q, k_cache, v_cache, lengths)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2e-2, atol=2e-2)
