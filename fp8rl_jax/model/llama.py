@@ -204,7 +204,6 @@ def _block(x, layer, fp8, idx, positions, cache, kv_scales, config: LlamaConfig,
 
     if precision.kv_fp8:
         k_scale, v_scale = kv_scales["k"][idx], kv_scales["v"][idx]
-    attn = None
     if cache is None:
         # [B, T, K, H] -> [B, K, T, H]
         keys, values, k_pos = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), positions
@@ -222,24 +221,24 @@ def _block(x, layer, fp8, idx, positions, cache, kv_scales, config: LlamaConfig,
         ck = ck.at[idx, rows, :, positions].set(k_store, mode="drop")
         cv = cv.at[idx, rows, :, positions].set(v_store, mode="drop")
         cache = {"k": ck, "v": cv}
-        if t == 1 and decode_impl != "xla":
-            # decode: read each sequence's filled positions 0..position only, from the (FP8) cache in place
-            scales = {"k_scale": k_scale, "v_scale": v_scale} if precision.kv_fp8 else {}
-            # [B, 1, N, H] -> [B, K, G, H]
-            q_heads = q.reshape(b, c.num_kv_heads, c.num_heads // c.num_kv_heads, c.head_dim)
-            attn = decode_kernel.decode_attention(q_heads, ck, cv, positions[:, 0] + 1, layer=idx, impl=decode_impl,
-                                                  **scales)
-            # [B, K, G, H] -> [B, 1, N, H]
-            attn = attn.reshape(b, 1, c.num_heads, c.head_dim)
-        else:
-            keys, values = ck[idx], cv[idx]
-            if precision.kv_fp8:
-                keys = kvq.dequantize_kv(keys, k_scale, precision.dtype)
-                values = kvq.dequantize_kv(values, v_scale, precision.dtype)
-            s = ck.shape[3]
-            k_pos = jnp.broadcast_to(jnp.arange(s, dtype=positions.dtype)[None], (b, s))
+        keys, values = ck[idx], cv[idx]
+        if precision.kv_fp8:
+            keys = kvq.dequantize_kv(keys, k_scale, precision.dtype)
+            values = kvq.dequantize_kv(values, v_scale, precision.dtype)
+        s = ck.shape[3]
+        k_pos = jnp.broadcast_to(jnp.arange(s, dtype=positions.dtype)[None], (b, s))
 
-    if attn is None:
+    if cache is not None and t == 1 and decode_impl != "xla":
+        # decode: read each sequence's filled positions 0..position only, from the (FP8) cache in place (the
+        # whole-cache keys / values above are then dead code, dropped by XLA)
+        scales = {"k_scale": k_scale, "v_scale": v_scale} if precision.kv_fp8 else {}
+        # [B, 1, N, H] -> [B, K, G, H]
+        q_heads = q.reshape(b, c.num_kv_heads, c.num_heads // c.num_kv_heads, c.head_dim)
+        attn = decode_kernel.decode_attention(q_heads, cache["k"], cache["v"], positions[:, 0] + 1, layer=idx,
+                                              impl=decode_impl, **scales)
+        # [B, K, G, H] -> [B, 1, N, H]
+        attn = attn.reshape(b, 1, c.num_heads, c.head_dim)
+    else:
         attn = attention(q, keys.astype(q.dtype), values.astype(q.dtype), positions, k_pos)
     # [B, T, N, H] -> [B, T, N H]
     x = x + linear(attn.reshape(b, t, c.q_size), layer["wo"], fp8.get("wo"), precision, out_dtype=x.dtype)
