@@ -38,6 +38,7 @@ from fp8rl_jax.fp8 import kv as kvq
 from fp8rl_jax.fp8.linear import linear
 from fp8rl_jax.fp8.policy import Precision
 from fp8rl_jax.fp8.recipe import init_linear_state
+from fp8rl_jax.kernels import decode_attention as decode_kernel
 from fp8rl_jax.model.config import LlamaConfig
 
 LINEARS = ("wqkv", "wo", "w_gate_up", "w_down")
@@ -181,7 +182,8 @@ def block_segments(params: Params, precision: Precision, num_layers: int):
     return segs, tuple(slice_layers(blocks, s, e, num_layers) for s, e, _ in segs)
 
 
-def _block(x, layer, fp8, idx, positions, cache, kv_scales, config: LlamaConfig, precision: Precision, inv_freq):
+def _block(x, layer, fp8, idx, positions, cache, kv_scales, config: LlamaConfig, precision: Precision, inv_freq,
+           decode_impl: str = "xla"):
     """One transformer block. Returns the new residual stream, the updated cache and this layer's K/V amax."""
     c = config
     b, t, _ = x.shape
@@ -226,7 +228,18 @@ def _block(x, layer, fp8, idx, positions, cache, kv_scales, config: LlamaConfig,
         s = ck.shape[3]
         k_pos = jnp.broadcast_to(jnp.arange(s, dtype=positions.dtype)[None], (b, s))
 
-    attn = attention(q, keys.astype(q.dtype), values.astype(q.dtype), positions, k_pos)
+    if cache is not None and t == 1 and decode_impl != "xla":
+        # decode: read each sequence's filled positions 0..position only, from the (FP8) cache in place (the
+        # whole-cache keys / values above are then dead code, dropped by XLA)
+        scales = {"k_scale": k_scale, "v_scale": v_scale} if precision.kv_fp8 else {}
+        # [B, 1, N, H] -> [B, K, G, H]
+        q_heads = q.reshape(b, c.num_kv_heads, c.num_heads // c.num_kv_heads, c.head_dim)
+        attn = decode_kernel.decode_attention(q_heads, cache["k"], cache["v"], positions[:, 0] + 1, layer=idx,
+                                              impl=decode_impl, **scales)
+        # [B, K, G, H] -> [B, 1, N, H]
+        attn = attn.reshape(b, 1, c.num_heads, c.head_dim)
+    else:
+        attn = attention(q, keys.astype(q.dtype), values.astype(q.dtype), positions, k_pos)
     # [B, T, N, H] -> [B, T, N H]
     x = x + linear(attn.reshape(b, t, c.q_size), layer["wo"], fp8.get("wo"), precision, out_dtype=x.dtype)
 
@@ -247,11 +260,14 @@ def forward_hidden(
     fp8_state: dict | None = None,
     kv_scales: dict | None = None,
     cache: Cache | None = None,
+    decode_attention: str = "auto",
 ):
     """Run the blocks and the final norm.
 
     tokens, positions: [B, T] int32. Sequences are right-padded; positions count from 0 at each sequence's
-    first token. With ``cache`` the new K/V are written at ``positions`` and attention reads the whole cache.
+    first token. With ``cache`` the new K/V are written at ``positions`` and attention reads the whole cache,
+    except in decode (T == 1) with ``decode_attention`` ``pallas`` / ``pallas_interpret`` (``auto``: pallas on a
+    GPU backend), which reads positions 0..position of each sequence only (``fp8rl_jax.kernels.decode_attention``).
 
     Returns ``(hidden [B, T, D], cache, kv_amax)``; ``kv_amax = {"k": [L], "v": [L]}`` feeds KV calibration.
     """
@@ -260,6 +276,7 @@ def forward_hidden(
     if precision.kv_fp8 and kv_scales is None:
         raise ValueError("an FP8 KV cache needs kv_scales")
     c = config
+    decode_impl = decode_kernel.resolve_impl(decode_attention)
     inv_freq = rope_inv_freq(c)
     # the residual stream stays in f32: only the GEMM inputs are rounded to the compute dtype, so the rounding
     # is the same whatever the batch and sequence shapes (decode vs full sequence) and errors do not pile up
@@ -273,7 +290,8 @@ def forward_hidden(
         def body(carry, xs, is_fp8=is_fp8):
             x, cache = carry
             layer, fp8_layer, idx = xs
-            x, cache, amax = _block(x, layer, fp8_layer, idx, positions, cache, kv_scales, c, precision, inv_freq)
+            x, cache, amax = _block(x, layer, fp8_layer, idx, positions, cache, kv_scales, c, precision, inv_freq,
+                                    decode_impl)
             return (x, cache), amax
 
         xs = (blocks, fp8, jnp.arange(start, end))

@@ -30,6 +30,7 @@ import numpy as np
 from fp8rl_jax.fp8 import kv as kvq
 from fp8rl_jax.fp8.policy import Precision
 from fp8rl_jax.fp8.prequant import rollout_params
+from fp8rl_jax.kernels.decode_attention import IMPLS as DECODE_ATTENTION_IMPLS
 from fp8rl_jax.model import llama
 from fp8rl_jax.model.config import LlamaConfig
 from fp8rl_jax.rollout.sampling import SamplingParams, sample
@@ -92,6 +93,14 @@ class EngineConfig:
     max_new_tokens: int = 256
     sampling: SamplingParams = SamplingParams()
     stop_ids: tuple[int, ...] = ()
+    # attention of the decode step: "pallas" reads each sequence's filled cache only (a Triton kernel, GPU),
+    # "xla" scores the whole cache (masked), "auto" = pallas on GPU, xla elsewhere; "pallas_interpret" (tests)
+    decode_attention: str = "auto"
+
+    def __post_init__(self):
+        if self.decode_attention not in DECODE_ATTENTION_IMPLS:
+            raise ValueError(f"EngineConfig.decode_attention={self.decode_attention!r}; "
+                             f"allowed: {DECODE_ATTENTION_IMPLS}")
 
     @property
     def max_cache_length(self) -> int:
@@ -173,6 +182,7 @@ class Engine:
         return llama.forward_hidden(
             params["weights"], tokens, positions, config=self.model, precision=self.precision,
             fp8_state=params["fp8_state"], kv_scales=params["kv_scales"], cache=cache,
+            decode_attention=self.config.decode_attention,
         )
 
     def _logits(self, params, hidden):

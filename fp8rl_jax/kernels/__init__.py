@@ -1,0 +1,1 @@
+"""Hand-written accelerator kernels (Pallas), each beside a pure-JAX path with the same signature."""

@@ -1,0 +1,354 @@
+"""Decode attention: one query token per sequence against the filled part of that sequence's KV cache.
+
+Design note
+-----------
+Why. The model's cached attention scores every position of the preallocated cache [B, K, S, H] and masks the
+unfilled ones, so each decode step reads all S positions of every layer whatever the sequences' lengths. This
+module reads positions ``0 .. length - 1`` of each sequence only, straight from the BF16 or FP8 cache.
+
+The kernel (Pallas, Triton backend). Grid ``(B*K, k_splits)``: one program per (sequence, kv head) and split.
+A program loads the G query heads that share its kv head once (rows padded to 16, the smallest dot Triton
+emits; the padding rows are masked out of loads and stores), then walks blocks of ``block_k`` positions with an
+online softmax in f32 (scale 1/sqrt(H)). The splits divide each sequence's *filled* length (its number of
+blocks), not the cache length, so every split has work at any fill level; a split that gets no block (a short
+sequence) runs no iteration. Each split writes its unnormalised partial row max, row sum and
+accumulator (f32, the G real rows only); four XLA ops combine the splits.
+
+FP8 K/V. E4M3 values convert to BF16 exactly, so the kernel casts the stored E4M3 values to the query dtype for
+the dots and applies the per-layer scales in f32 where they cost least: ``1/k_scale`` joins the softmax scale on
+the [G, block_k] scores and ``1/v_scale`` multiplies the combined [G, H] output. That is the dequantization
+``q8 * (1/scale)`` in exact arithmetic, with one BF16 rounding fewer than the XLA path (which rounds the
+dequantized K/V to BF16 before its dots). No BF16 copy of the cache is made.
+
+The cache is read in place. The kernel takes the whole stacked cache [L, B, K, S, H] and the layer index (a
+traced scalar inside the layer scan) and indexes the layer itself: slicing one layer out of the scan's carried
+cache would make XLA copy that layer into a fresh buffer for the custom call, a full-cache read and write per
+layer, more traffic than the einsum it replaces. A per-layer [B, K, S, H] cache is accepted too (as L = 1).
+
+Pointer offsets. Pallas' Triton lowering computes element offsets in 32 bits for arrays of at most 4 GiB. For
+1-byte dtypes (the FP8 cache) of 2 to 4 GiB the offsets pass 2**31 and would wrap negative (Triton adds them
+sign-extended); Llama-3.2-1B at batch 256 with 1088 cache positions is such a cache (2.3 GB per K or V).
+``_widen_byte_array_offsets`` makes the lowering use 64-bit offsets for 1-byte arrays of more than 2**31
+elements (a wrapper around one private lowering function, applied when such a cache is seen); where that
+function is missing the layer is sliced out instead (correct, at the cost of the copy above).
+
+Defaults (H100; ``benchmarks/decode_attention.py`` sweeps them):
+- ``block_k``: 16 KiB of K (and of V) per iteration: 64 positions at H=128 BF16, 128 at H=128 FP8 or H=64
+  (capped at 128: the f32 scores and the converted tile stay in registers). ``num_stages=2`` stages the next
+  block's K/V in shared memory while this one computes: 32 KiB in flight per program, 3 to 5 programs per SM,
+  several times the ~25 KiB per SM that 3.35 TB/s at ~1 us of latency needs. (Compiled on CPU with Triton
+  3.9 for sm_90: 39 KiB of shared memory and 72 registers a thread at H=64 FP8; 55 KiB and 142 at H=128 BF16,
+  72 KiB and 86 at H=128 FP8; no spills.)
+- ``k_splits``: enough programs for ~8 per SM (132 SMs): 1024 / (B*K) rounded up, between 1 and 16. Batch 256
+  at K=8 already gives 2048 programs (1 split, no combine traffic); batch 64 gives 512 (2 splits).
+- ``num_warps=4``: 128 threads for a [16, block_k] score tile and one [block_k, H] load per tensor; the
+  benchmark tries 8.
+
+Left out: paged caches, sliding windows, soft-capping, query lengths above 1 (prefill keeps the einsum path),
+an FP8 x FP8 dot (the query would need its own scale), and sharding: under a multi-device mesh the call would
+need a ``shard_map`` over the batch.
+
+Letters: B batch, K kv heads, G query heads per kv head, H head dim, S cache positions, L layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import warnings
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+IMPLS = ("auto", "pallas", "pallas_interpret", "xla")
+NEG_INF = -1e30  # the XLA path's mask value (as in ``llama.attention``)
+MIN_DOT_ROWS = 16  # Triton's smallest dot tile: the query rows (G) are padded up to it
+
+
+# ----------------------------------------------------------------------------------------------------------
+# choices
+
+
+def resolve_impl(impl: str) -> str:
+    """``auto`` -> ``pallas`` on a GPU backend, ``xla`` elsewhere; the others pass through (validated)."""
+    if impl not in IMPLS:
+        raise ValueError(f"decode_attention={impl!r}; allowed: {IMPLS}")
+    if impl == "auto":
+        return "pallas" if jax.default_backend() == "gpu" else "xla"
+    return impl
+
+
+def _pow2_ceil(n: int) -> int:
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def _pow2_floor(n: int) -> int:
+    return 1 << (max(int(n), 1).bit_length() - 1)
+
+
+def default_block_k(head_dim: int, cache_itemsize: int, cache_len: int) -> int:
+    """16 KiB of K per iteration, a power of two in [16, 128], no larger than the cache (rounded up)."""
+    block_k = min(max(_pow2_floor(16 * 1024 // (head_dim * cache_itemsize)), 16), 128)
+    return min(block_k, max(_pow2_ceil(cache_len), 16))
+
+
+def default_k_splits(rows: int, cache_len: int, block_k: int) -> int:
+    """About 1024 programs in all (~8 per H100 SM), 1..16 splits, no more splits than cache blocks."""
+    splits = min(max(-(-1024 // rows), 1), 16)
+    return max(min(splits, -(-cache_len // block_k)), 1)
+
+
+def pallas_unsupported(head_dim: int) -> str | None:
+    """Why the kernel cannot take this head dim (Triton tiles are powers of two, dots at least 16 wide), or None."""
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        return f"head_dim={head_dim} is not a power of two >= 16"
+    return None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# shared input handling
+
+
+def _stacked(cache: jax.Array, layer) -> tuple[jax.Array, jax.Array]:
+    """[B, K, S, H] (layer 0 of a one-layer stack) or [L, B, K, S, H] with ``layer`` -> ([L, B, K, S, H], layer)."""
+    if cache.ndim == 4:
+        if layer is not None:
+            raise ValueError("a per-layer [B, K, S, H] cache takes no layer index")
+        return cache[None], jnp.int32(0)
+    if cache.ndim == 5:
+        if layer is None:
+            raise ValueError("a stacked [L, B, K, S, H] cache needs the layer index")
+        return cache, jnp.asarray(layer, jnp.int32)
+    raise ValueError(f"K/V cache must be [B, K, S, H] or [L, B, K, S, H], got shape {cache.shape}")
+
+
+def _check(q, k_cache, v_cache, lengths, k_scale, v_scale):
+    b, kh, _, h = q.shape
+    if k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"K cache {k_cache.shape} {k_cache.dtype} and V cache {v_cache.shape} {v_cache.dtype} differ")
+    if k_cache.shape[1] != b or k_cache.shape[2] != kh or k_cache.shape[4] != h:
+        raise ValueError(f"query [B, K, G, H] = {q.shape} does not match the cache [L, B, K, S, H] = {k_cache.shape}")
+    if lengths.shape != (b,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
+        raise ValueError(f"lengths must be int [B={b}], got {lengths.dtype} {lengths.shape}")
+    if jnp.dtype(k_cache.dtype).itemsize == 1 and (k_scale is None or v_scale is None):
+        raise ValueError(f"a {k_cache.dtype} K/V cache needs k_scale and v_scale")
+
+
+def _inverse_scale(scale) -> jax.Array:
+    return jnp.float32(1.0) if scale is None else 1.0 / jnp.asarray(scale, jnp.float32)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the XLA path
+
+
+def decode_attention_xla(q, k_cache, v_cache, lengths, *, layer=None, k_scale=None, v_scale=None) -> jax.Array:
+    """The model's masked einsum over all S positions (FP8 K/V dequantized to the query dtype first).
+
+    Positions at or past a sequence's length are masked out of the scores and zeroed in V, so whatever they
+    hold (NaN included) cannot reach the output. Same signature as ``decode_attention``.
+    """
+    (k_cache, _), (v_cache, layer) = _stacked(k_cache, layer), _stacked(v_cache, layer)
+    _check(q, k_cache, v_cache, lengths, k_scale, v_scale)
+    s, h = k_cache.shape[3], q.shape[-1]
+    # [L, B, K, S, H] -> [B, K, S, H]
+    k, v = k_cache[layer], v_cache[layer]
+    k = (k.astype(jnp.float32) * _inverse_scale(k_scale)).astype(q.dtype) if k_scale is not None else k.astype(q.dtype)
+    v = (v.astype(jnp.float32) * _inverse_scale(v_scale)).astype(q.dtype) if v_scale is not None else v.astype(q.dtype)
+    # [B, S]
+    visible = jnp.arange(s)[None, :] < jnp.clip(lengths, 0, s)[:, None]
+    # [B, K, G, H] x [B, K, S, H] -> [B, K, G, S]
+    scores = jnp.einsum("bkgh,bksh->bkgs", q, k, preferred_element_type=jnp.float32) / math.sqrt(h)
+    scores = jnp.where(visible[:, None, None, :], scores, NEG_INF)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    v = jnp.where(visible[:, None, :, None], v, 0)
+    # [B, K, G, S] x [B, K, S, H] -> [B, K, G, H]
+    return jnp.einsum("bkgs,bksh->bkgh", probs, v, preferred_element_type=v.dtype).astype(q.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the Pallas kernel
+
+
+def _kernel(layer_ref, lengths_ref, score_scale_ref, q_ref, k_ref, v_ref, acc_ref, row_max_ref, row_sum_ref, *,
+            kv_heads: int, groups: int, rows_padded: int, rows_per_layer: int, cache_len: int, block_k: int,
+            k_splits: int, compute_dtype, precision):
+    """One (sequence, kv head) row and one split. Refs (whole arrays, indexed here):
+
+    layer [1] i32; lengths [B] i32; score_scale [1] f32 (1/sqrt(H) / k_scale); q [B*K*G, H];
+    k, v [L*B*K, S, H]; out: acc [k_splits, B*K*G, H] f32, row_max and row_sum [k_splits, B*K*G] f32.
+    """
+    row, split = pl.program_id(0), pl.program_id(1)
+    length = jnp.clip(lengths_ref[lax.div(row, kv_heads)], 0, cache_len)
+    num_blocks = pl.cdiv(length, block_k)
+    blocks_per_split = pl.cdiv(num_blocks, k_splits)
+    first = split * blocks_per_split
+    last = jnp.minimum(first + blocks_per_split, num_blocks)
+    cache_row = layer_ref[0] * rows_per_layer + row
+
+    # the G query heads of this kv head, padded with zero rows up to the dot's minimum
+    head_ok = jnp.arange(rows_padded) < groups
+    heads = pl.ds(row * groups, rows_padded)
+    q = plgpu.load(q_ref.at[heads, :], mask=head_ok[:, None])
+    q = jnp.where(head_ok[:, None], q, 0).astype(compute_dtype)
+    score_scale = score_scale_ref[0]
+    block_offsets = jnp.arange(block_k)
+
+    def body(block, carry):
+        acc, row_max, row_sum = carry
+        start = block * block_k
+        in_seq = start + block_offsets < length  # [block_k]
+        positions = pl.ds(start, block_k)
+        # masked loads never touch positions past the length (nor past the cache end)
+        k = plgpu.load(k_ref.at[cache_row, positions, :], mask=in_seq[:, None]).astype(compute_dtype)
+        # [Gp, H] x [block_k, H]^T -> [Gp, block_k]; masked columns may hold anything: replaced by -inf
+        s = plgpu.dot(q, k, trans_b=True, precision=precision) * score_scale
+        s = jnp.where(in_seq[None, :], s, -jnp.inf)
+        new_max = jnp.maximum(row_max, jnp.max(s, axis=1))  # finite: a visited block has a position
+        correction = jnp.exp(row_max - new_max)
+        p = jnp.exp(s - new_max[:, None])
+        row_sum = correction * row_sum + jnp.sum(p, axis=1)
+        v = plgpu.load(v_ref.at[cache_row, positions, :], mask=in_seq[:, None]).astype(compute_dtype)
+        v = jnp.where(in_seq[:, None], v, 0)  # 0 * NaN would leak: masked rows of V must be zeros
+        # [Gp, block_k] x [block_k, H] -> [Gp, H]
+        acc = correction[:, None] * acc + plgpu.dot(p.astype(compute_dtype), v, precision=precision)
+        return acc, new_max, row_sum
+
+    h = q_ref.shape[-1]
+    init = (jnp.zeros((rows_padded, h), jnp.float32), jnp.full((rows_padded,), -jnp.inf, jnp.float32),
+            jnp.zeros((rows_padded,), jnp.float32))
+    acc, row_max, row_sum = lax.fori_loop(first, last, body, init)
+    plgpu.store(acc_ref.at[split, heads, :], acc, mask=head_ok[:, None])
+    plgpu.store(row_max_ref.at[split, heads], row_max, mask=head_ok)
+    plgpu.store(row_sum_ref.at[split, heads], row_sum, mask=head_ok)
+
+
+def _widen_byte_array_offsets() -> bool:
+    """Make Pallas' Triton lowering use 64-bit offsets for 1-byte arrays of more than 2**31 elements.
+
+    The lowering picks 64-bit offsets only for arrays over 4 GiB; a 1-byte array of 2 to 4 GiB has element
+    offsets past 2**31 that wrap in 32 bits. Presenting such an array as a 2-byte one to the width decision
+    (offsets are computed from its shape, in elements, so nothing else changes) gives exactly the right rule:
+    64-bit once the element count passes 2**31. Returns False where the private function is not there.
+    """
+    try:
+        from jax._src.pallas.triton import lowering as triton_lowering
+    except ImportError:
+        return False
+    original = getattr(triton_lowering, "_compute_offsets_from_indices", None)
+    if original is None or not dataclasses.is_dataclass(getattr(triton_lowering, "BlockInfo", None)):
+        return False
+    if getattr(original, "widened_for_byte_arrays", False):
+        return True
+
+    @functools.wraps(original)
+    def compute_offsets(block_info, nd_indexer):
+        aval = block_info.full_shape_dtype
+        if jnp.dtype(aval.dtype).itemsize == 1 and math.prod(aval.shape) > 2**31:
+            wide = type(aval)(aval.shape, jnp.dtype(jnp.int16))
+            block_info = dataclasses.replace(block_info, full_shape_dtype=wide)
+        return original(block_info, nd_indexer)
+
+    compute_offsets.widened_for_byte_arrays = True
+    triton_lowering._compute_offsets_from_indices = compute_offsets
+    return True
+
+
+def decode_attention_pallas(q, k_cache, v_cache, lengths, *, layer=None, k_scale=None, v_scale=None,
+                            block_k: int | None = None, k_splits: int | None = None, num_warps: int = 4,
+                            num_stages: int = 2, interpret: bool = False) -> jax.Array:
+    """The Pallas kernel (see the module note); ``interpret=True`` runs it on any backend through Pallas'
+    interpreter (tests). ``block_k`` / ``k_splits`` default from the shapes (``default_block_k`` /
+    ``default_k_splits``)."""
+    (k_cache, _), (v_cache, layer) = _stacked(k_cache, layer), _stacked(v_cache, layer)
+    _check(q, k_cache, v_cache, lengths, k_scale, v_scale)
+    reason = pallas_unsupported(q.shape[-1])
+    if reason:
+        raise ValueError(f"decode attention kernel: {reason}; use decode_attention='xla'")
+    b, kh, g, h = q.shape
+    n_layers, s = k_cache.shape[0], k_cache.shape[3]
+    rows = b * kh
+    itemsize = jnp.dtype(k_cache.dtype).itemsize
+    block_k = block_k or default_block_k(h, itemsize, s)
+    k_splits = k_splits or default_k_splits(rows, s, block_k)
+    if block_k < 16 or block_k & (block_k - 1):
+        raise ValueError(f"block_k={block_k} must be a power of two >= 16")
+    if itemsize == 1 and k_cache.size > 2**31 and not interpret and not _widen_byte_array_offsets():
+        warnings.warn("decode attention: Pallas offsets are 32-bit for this FP8 cache; slicing the layer (a copy)",
+                      stacklevel=2)
+        k_cache, v_cache, layer = k_cache[layer][None], v_cache[layer][None], jnp.int32(0)
+        n_layers = 1
+    compute_dtype = q.dtype
+    precision = lax.Precision.HIGHEST if compute_dtype == jnp.float32 else None
+    score_scale = (1.0 / math.sqrt(h)) * _inverse_scale(k_scale)
+
+    kernel = functools.partial(
+        _kernel, kv_heads=kh, groups=g, rows_padded=_pow2_ceil(max(g, MIN_DOT_ROWS)), rows_per_layer=rows,
+        cache_len=s, block_k=block_k, k_splits=k_splits, compute_dtype=compute_dtype, precision=precision,
+    )
+    out_shape = (
+        jax.ShapeDtypeStruct((k_splits, rows * g, h), jnp.float32),  # acc
+        jax.ShapeDtypeStruct((k_splits, rows * g), jnp.float32),  # row_max
+        jax.ShapeDtypeStruct((k_splits, rows * g), jnp.float32),  # row_sum
+    )
+    acc, row_max, row_sum = pl.pallas_call(
+        kernel,
+        grid=(rows, k_splits),
+        out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="decode_attention",
+    )(
+        jnp.reshape(layer, (1,)),
+        lengths.astype(jnp.int32),
+        jnp.reshape(score_scale, (1,)).astype(jnp.float32),
+        # [B, K, G, H] -> [B*K*G, H]
+        q.reshape(rows * g, h),
+        # [L, B, K, S, H] -> [L*B*K, S, H]: contiguous, a free reshape
+        k_cache.reshape(n_layers * rows, s, h),
+        v_cache.reshape(n_layers * rows, s, h),
+    )
+    # combine the splits, each weighted by exp(its row max - the overall max); an empty split's max is -inf
+    overall_max = jnp.max(row_max, axis=0)
+    overall_max = jnp.where(jnp.isfinite(overall_max), overall_max, 0.0)
+    weight = jnp.exp(row_max - overall_max)  # [k_splits, B*K*G]
+    total = jnp.sum(weight * row_sum, axis=0)
+    acc = jnp.sum(weight[..., None] * acc, axis=0)  # [B*K*G, H]
+    # a length-0 sequence (total 0) gets zeros; 1/v_scale is the V dequantization
+    out = acc * (_inverse_scale(v_scale) / jnp.where(total > 0, total, 1.0))[:, None]
+    # [B*K*G, H] -> [B, K, G, H]
+    return out.reshape(b, kh, g, h).astype(q.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# dispatch
+
+
+def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengths: jax.Array, *, layer=None,
+                     k_scale=None, v_scale=None, impl: str = "auto", **tuning) -> jax.Array:
+    """Attention of one query token per sequence over cache positions ``0 .. lengths[b] - 1``.
+
+    q [B, K, G, H] (bf16 or f32); k_cache, v_cache [B, K, S, H], or [L, B, K, S, H] with ``layer`` (an int or
+    a traced scalar), in bf16 / f32, or float8_e4m3fn with that layer's scalar ``k_scale`` / ``v_scale``
+    (stored value = value * scale); lengths [B] int (clipped to [0, S]; a length-0 row returns zeros from the
+    kernel). Returns [B, K, G, H] in q's dtype.
+
+    impl: ``pallas`` (the Triton kernel, GPU), ``pallas_interpret`` (the same kernel through Pallas'
+    interpreter: any backend, slow, for tests), ``xla`` (the masked einsum), ``auto`` (pallas on a GPU backend
+    when the shapes allow it, else xla). ``tuning``: ``block_k``, ``k_splits``, ``num_warps``, ``num_stages``
+    for the kernel.
+    """
+    requested, impl = impl, resolve_impl(impl)
+    if requested == "auto" and impl == "pallas" and pallas_unsupported(q.shape[-1]):
+        impl = "xla"
+    if impl == "pallas" and jax.default_backend() != "gpu":
+        raise ValueError(f"decode_attention='pallas' needs a GPU backend (this one is {jax.default_backend()!r}); "
+                         "use 'pallas_interpret' or 'xla'")
+    if impl == "xla":
+        return decode_attention_xla(q, k_cache, v_cache, lengths, layer=layer, k_scale=k_scale, v_scale=v_scale)
+    return decode_attention_pallas(q, k_cache, v_cache, lengths, layer=layer, k_scale=k_scale, v_scale=v_scale,
+                                   interpret=impl == "pallas_interpret", **tuning)

@@ -1,0 +1,371 @@
+"""Length-aware decode attention: the Pallas kernel (through Pallas' interpreter on CPU) and the XLA path against
+a float64 numpy reference, garbage past the lengths, the engine's greedy tokens, and the kernel's GPU lowering.
+
+Tolerances (max |got - reference| <= atol + rtol |reference|):
+- f32 query and f32 or FP8 K/V: 1e-5 / 1e-5. The FP8 values are exact in f32 and the scales are applied in f32.
+- BF16 query with BF16 or FP8 K/V: 1e-2 / 1e-2. The reference is computed from the very BF16 / E4M3 values the
+  kernel reads (dequantized in float64), so what is left is the BF16 rounding of the probabilities before the
+  P.V dot and of the output (2**-9 relative each).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from fp8rl_jax.kernels import decode_attention as da
+
+B, K, H, S = 4, 2, 16, 40
+LENGTHS = np.array([1, 16, 23, S], np.int32)  # one token, a block multiple, a ragged block, the full cache
+TOL = {"f32": 1e-5, "bf16": 1e-2, "fp8": 1e-2, "fp8_f32q": 1e-5}
+
+
+def _inputs(kind: str, g: int, seed: int = 0, layers: int | None = None):
+    """q [B, K, G, H]; k, v [(L,) B, K, S, H] in the cache dtype; scales; and float64 copies of what the kernel
+    reads: q, and K / V after dequantization."""
+    rng = np.random.default_rng(seed)
+    lead = (layers,) if layers else ()
+    q = rng.standard_normal((B, K, g, H))
+    k = 2.0 * rng.standard_normal((*lead, B, K, S, H))
+    v = rng.standard_normal((*lead, B, K, S, H))
+    q_dtype = jnp.float32 if kind in ("f32", "fp8_f32q") else jnp.bfloat16
+    q = np.asarray(jnp.asarray(q, q_dtype))
+    if kind.startswith("fp8"):
+        k_scale, v_scale = np.float32(448 / 12.0), np.float32(448 / 6.0)  # |k| < 12, |v| < 6 here
+        k8 = (k * k_scale).astype(ml_dtypes.float8_e4m3fn)
+        v8 = (v * v_scale).astype(ml_dtypes.float8_e4m3fn)
+        k64, v64 = k8.astype(np.float64) / np.float64(k_scale), v8.astype(np.float64) / np.float64(v_scale)
+        return q, k8, v8, k_scale, v_scale, q.astype(np.float64), k64, v64
+    cache_dtype = jnp.float32 if kind == "f32" else jnp.bfloat16
+    k, v = np.asarray(jnp.asarray(k, cache_dtype)), np.asarray(jnp.asarray(v, cache_dtype))
+    return q, k, v, None, None, q.astype(np.float64), k.astype(np.float64), v.astype(np.float64)
+
+
+def _reference(q, k, v, lengths):
+    """Softmax attention over positions 0..length-1 of each sequence, float64. q [B, K, G, H]; k, v [B, K, S, H]."""
+    out = np.zeros(q.shape)
+    for b, n in enumerate(lengths):
+        # [K, G, H] x [K, n, H] -> [K, G, n]
+        scores = np.einsum("kgh,ksh->kgs", q[b], k[b, :, :n]) / np.sqrt(q.shape[-1])
+        p = np.exp(scores - scores.max(-1, keepdims=True))
+        out[b] = np.einsum("kgs,ksh->kgh", p / p.sum(-1, keepdims=True), v[b, :, :n])
+    return out
+
+
+@functools.cache
+def _jitted(impl: str, block_k: int | None, k_splits: int | None, stacked: bool):
+    tuning = {} if impl == "xla" else {"block_k": block_k, "k_splits": k_splits}
+
+    def run(q, k, v, lengths, k_scale, v_scale, layer):
+        return da.decode_attention(q, k, v, lengths, layer=layer if stacked else None, k_scale=k_scale,
+                                   v_scale=v_scale, impl=impl, **tuning)
+
+    return jax.jit(run)
+
+
+def _attend(impl, q, k, v, lengths, k_scale, v_scale, *, block_k=16, k_splits=2, layer=None):
+    f = _jitted(impl, block_k, k_splits, layer is not None)
+    return np.asarray(f(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(lengths), k_scale, v_scale,
+                        layer), np.float64)
+
+
+CASES = [  # kind, G, block_k, k_splits
+    ("f32", 1, 16, 3),
+    ("f32", 3, 16, 2),
+    ("f32", 4, 16, 1),
+    ("f32", 8, 32, 2),
+    ("bf16", 4, 16, 3),
+    ("bf16", 3, 16, 1),
+    ("fp8", 4, 16, 2),
+    ("fp8", 8, 16, 3),
+    ("fp8_f32q", 4, 16, 2),
+]
+
+
+@pytest.mark.parametrize("kind,g,block_k,k_splits", CASES)
+def test_kernel_matches_float64_reference(kind, g, block_k, k_splits):
+    q, k, v, k_scale, v_scale, q64, k64, v64 = _inputs(kind, g)
+    want = _reference(q64, k64, v64, LENGTHS)
+    got = _attend("pallas_interpret", q, k, v, LENGTHS, k_scale, v_scale, block_k=block_k, k_splits=k_splits)
+    tol = TOL[kind]
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("kind", ["f32", "bf16", "fp8"])
+def test_xla_path_matches_float64_reference(kind):
+    q, k, v, k_scale, v_scale, q64, k64, v64 = _inputs(kind, 4)
+    want = _reference(q64, k64, v64, LENGTHS)
+    got = _attend("xla", q, k, v, LENGTHS, k_scale, v_scale)
+    tol = TOL[kind]
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("impl", ["pallas_interpret", "xla"])
+@pytest.mark.parametrize("kind", ["bf16", "fp8"])
+def test_garbage_past_the_length_does_not_leak(impl, kind):
+    """NaN and huge values at positions >= length (and in another layer) change nothing, bit for bit."""
+    q, k, v, k_scale, v_scale, *_ = _inputs(kind, 4, layers=2)
+    clean = _attend(impl, q, k, v, LENGTHS, k_scale, v_scale, layer=1)
+    big = 448.0 if kind == "fp8" else 1e30
+    k_bad, v_bad = k.astype(np.float32), v.astype(np.float32)
+    for b, n in enumerate(LENGTHS):
+        k_bad[1, b, :, n:], v_bad[1, b, :, n:] = np.nan, np.nan
+        k_bad[1, b, :, n::3], v_bad[1, b, :, n + 1 :: 3] = big, -big
+    k_bad[0], v_bad[0] = np.nan, np.nan
+    k_bad, v_bad = k_bad.astype(k.dtype), v_bad.astype(v.dtype)
+    assert np.isnan(k_bad.astype(np.float32)).any()
+    dirty = _attend(impl, q, k_bad, v_bad, LENGTHS, k_scale, v_scale, layer=1)
+    assert np.isfinite(dirty).all()
+    np.testing.assert_array_equal(dirty, clean)
+
+
+def test_stacked_cache_reads_the_given_layer():
+    """A [L, B, K, S, H] cache with a traced layer index equals the reference on that layer."""
+    q, k, v, k_scale, v_scale, q64, k64, v64 = _inputs("fp8", 4, layers=3)
+    for layer in (0, 2):
+        got = _attend("pallas_interpret", q, k, v, LENGTHS, k_scale, v_scale, layer=jnp.int32(layer))
+        np.testing.assert_allclose(got, _reference(q64, k64[layer], v64[layer], LENGTHS), rtol=1e-2, atol=1e-2)
+
+
+def test_defaults_hand_derived():
+    # 16 KiB of K per block: 16384 / (128 * 2) = 64; FP8 and H=64 give 128 or more, capped at 128
+    assert da.default_block_k(128, 2, 1088) == 64
+    assert da.default_block_k(128, 1, 1088) == 128
+    assert da.default_block_k(64, 2, 4160) == 128
+    assert da.default_block_k(64, 1, 4160) == 128
+    assert da.default_block_k(16, 4, 26) == 32  # no bigger than the cache rounded up to a power of two
+    # ~1024 programs: 2048 rows need 1 split, 512 rows 2, 8 rows 16 (the cap), unless the cache has fewer blocks
+    assert da.default_k_splits(2048, 1088, 64) == 1
+    assert da.default_k_splits(512, 1088, 128) == 2
+    assert da.default_k_splits(8, 1088, 64) == 16
+    assert da.default_k_splits(8, 40, 16) == 3
+
+
+def test_bad_options_name_the_key():
+    from fp8rl_jax.rollout.engine import EngineConfig
+
+    with pytest.raises(ValueError, match="decode_attention='cuda'"):
+        EngineConfig(decode_attention="cuda")
+    with pytest.raises(ValueError, match="decode_attention='fast'"):
+        da.resolve_impl("fast")
+    on_gpu = jax.default_backend() == "gpu"
+    assert da.resolve_impl("auto") == ("pallas" if on_gpu else "xla")
+    if not on_gpu:
+        q, k, v, *_ = _inputs("bf16", 4)
+        with pytest.raises(ValueError, match="needs a GPU backend"):
+            da.decode_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(LENGTHS), impl="pallas")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the engine
+
+
+def _tiny():
+    from fp8rl_jax.model import llama
+    from fp8rl_jax.model.config import preset
+
+    config = preset("tiny")
+    return config, llama.init_params(config, jax.random.PRNGKey(0), std=0.1)
+
+
+def _kv_scales(config, params, tokens):
+    from fp8rl_jax.fp8 import kv as kvq
+    from fp8rl_jax.fp8.policy import Precision
+    from fp8rl_jax.model import llama
+
+    return kvq.scales_from_amax(llama.forward(params, tokens, config=config, precision=Precision())[2])
+
+
+def test_greedy_rollout_same_tokens_with_kernel_and_xla():
+    """The engine on the tiny preset, greedy, f32 compute with an FP8 KV cache: the kernel (interpreted) gives
+    the XLA path's tokens, and logprobs within 1e-5. (In BF16 the two paths round differently and this random
+    model's near-flat logits have near-ties, so tokens may flip: see the teacher-forced test below.)"""
+    from fp8rl_jax.fp8.policy import Precision
+    from fp8rl_jax.rollout import driver
+    from fp8rl_jax.rollout.engine import Engine, EngineConfig
+    from fp8rl_jax.rollout.sampling import SamplingParams
+
+    config, params = _tiny()
+    prompts = [list(np.random.RandomState(i).randint(3, config.vocab_size, size=n)) for i, n in enumerate((5, 9, 3))]
+    precision = Precision(compute_dtype="float32", kv_cache_dtype="float8_e4m3fn")
+    kv_scales = _kv_scales(config, params, jnp.asarray([p[:3] for p in prompts], jnp.int32))
+    batches = {}
+    for impl in ("xla", "pallas_interpret"):
+        engine = Engine(config, precision, EngineConfig(
+            max_concurrent_decodes=4, max_prefill_length=16, max_new_tokens=8, sampling=SamplingParams(greedy=True),
+            decode_attention=impl))
+        engine_params = engine.load_params(params, None, kv_scales)
+        batches[impl] = driver.generate(engine, engine_params, prompts, 1, jax.random.PRNGKey(1), steps_per_sync=4)
+    xla, kernel = batches["xla"], batches["pallas_interpret"]
+    np.testing.assert_array_equal(kernel.lengths, xla.lengths)
+    np.testing.assert_array_equal(kernel.tokens, xla.tokens)
+    for i in range(len(prompts)):
+        n = xla.lengths[i]
+        np.testing.assert_allclose(kernel.logprobs[i, :n], xla.logprobs[i, :n], rtol=0, atol=1e-5)
+
+
+def _decode_logprobs(config, params, precision, seqs, prompt_len, impl, kv_scales=None):
+    """Prefill ``prompt_len`` tokens, then decode the rest of ``seqs`` one token a step (teacher forced):
+    log-softmax of the logits that predict tokens prompt_len..T-1, [B, T - prompt_len, V]."""
+    from fp8rl_jax.model import llama
+
+    b, t = seqs.shape
+    kw = dict(config=config, precision=precision, kv_scales=kv_scales, decode_attention=impl)
+
+    @jax.jit
+    def run(seqs):
+        cache = llama.init_cache(config, b, t, llama.cache_dtype(precision))
+        positions = jnp.broadcast_to(jnp.arange(prompt_len, dtype=jnp.int32), (b, prompt_len))
+        logits, cache, _ = llama.forward(params, seqs[:, :prompt_len], positions, cache=cache, **kw)
+        steps = [logits[:, -1]]
+        for pos in range(prompt_len, t - 1):
+            logits, cache, _ = llama.forward(params, seqs[:, pos : pos + 1], jnp.full((b, 1), pos, jnp.int32),
+                                             cache=cache, **kw)
+            steps.append(logits[:, 0])
+        return jax.nn.log_softmax(jnp.stack(steps, axis=1), axis=-1)
+
+    return np.asarray(run(seqs))
+
+
+def test_teacher_forced_decode_against_full_forward():
+    """Decode steps through the kernel against the full-sequence forward (the scoring path).
+
+    f32 compute (BF16 or FP8 cache): max |decode - full| <= 1e-5 in every logprob. BF16 compute: both decode
+    paths are compared with the f32 forward; the kernel's mean error may not exceed the XLA path's by more
+    than 10%, its max by more than 50% (measured: mean 5.2e-3 vs 5.3e-3, max 3.0e-2 vs 3.1e-2).
+    """
+    from fp8rl_jax.fp8.policy import Precision
+    from fp8rl_jax.model import llama
+
+    config, params = _tiny()
+    prompt_len, seqs = 7, jnp.asarray(np.random.default_rng(0).integers(3, config.vocab_size, (3, 13)), jnp.int32)
+    kv_scales = _kv_scales(config, params, seqs)
+
+    def full(precision):
+        logits = llama.forward(params, seqs, config=config, precision=precision, kv_scales=kv_scales)[0]
+        return np.asarray(jax.nn.log_softmax(logits, axis=-1))[:, prompt_len - 1 : -1]
+
+    for kv_dtype in ("float32", "float8_e4m3fn"):
+        precision = Precision(compute_dtype="float32", kv_cache_dtype=kv_dtype)
+        got = _decode_logprobs(config, params, precision, seqs, prompt_len, "pallas_interpret", kv_scales)
+        np.testing.assert_allclose(got, full(precision), rtol=0, atol=1e-5)
+
+    truth = full(Precision(compute_dtype="float32"))
+    bf16 = Precision()
+    kernel = np.abs(_decode_logprobs(config, params, bf16, seqs, prompt_len, "pallas_interpret") - truth)
+    xla = np.abs(_decode_logprobs(config, params, bf16, seqs, prompt_len, "xla") - truth)
+    print(f"BF16 decode vs f32 forward: kernel mean {kernel.mean():.2e} max {kernel.max():.2e}; "
+          f"xla mean {xla.mean():.2e} max {xla.max():.2e}")
+    assert kernel.mean() <= 1.1 * xla.mean() and kernel.max() <= 1.5 * xla.max()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the GPU lowering, checked on CPU: Pallas lowers the kernel to Triton IR without a GPU
+
+
+def _triton_ir(fn, *args) -> list[str]:
+    """Lower ``fn`` for CUDA (on this CPU host) and return the Triton IR text of each pallas_call in it."""
+    from jax._src.lib.mlir import ir
+    from jax._src.pallas.triton import lowering as triton_lowering
+
+    module = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).compiler_ir("stablehlo")
+    found = []
+
+    def walk(op):
+        for region in op.regions:
+            for block in region.blocks:
+                for inner in block.operations:
+                    if inner.operation.name == "stablehlo.custom_call":
+                        config = ir.DictAttr(inner.attributes["mhlo.backend_config"])
+                        if "ir" not in config:
+                            pytest.skip("this jaxlib compiles Pallas Triton calls at lowering time (no IR to read)")
+                        blob = ir.StringAttr(config["ir"]).value_bytes
+                        with triton_lowering._new_ir_context():
+                            found.append(str(ir.Module.parse(blob)))
+                    walk(inner.operation)
+
+    walk(module.operation)
+    return found
+
+
+@pytest.mark.parametrize("cache_dtype,q_dtype", [("float8_e4m3fn", "bfloat16"), ("bfloat16", "bfloat16"),
+                                                 ("float32", "float32")])
+def test_kernel_lowers_to_triton(cache_dtype, q_dtype):
+    """Llama-3.2-1B shapes (K=8, G=4, H=64): the kernel lowers; FP8 is converted in-kernel (no BF16 cache)."""
+    q = jax.ShapeDtypeStruct((8, 8, 4, 64), jnp.dtype(q_dtype))
+    cache = jax.ShapeDtypeStruct((16, 8, 8, 1088, 64), jnp.dtype(cache_dtype))
+    fn = functools.partial(da.decode_attention_pallas, k_scale=jnp.float32(2.0), v_scale=jnp.float32(3.0))
+    [ttir] = _triton_ir(lambda q, k, v, n, i: fn(q, k, v, n, layer=i), q, cache, cache,
+                        jax.ShapeDtypeStruct((8,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32))
+    assert "tt.dot" in ttir and "scf.for" in ttir
+    if cache_dtype == "float8_e4m3fn":
+        assert "tt.fp_to_fp" in ttir and "f8E4M3FN" in ttir
+
+
+def test_large_fp8_cache_gets_64_bit_offsets():
+    """Llama-3.2-1B, batch 256, 1088 positions: one FP8 K cache of 2.3e9 bytes (> 2**31 elements, < 4 GiB), for
+    which Pallas would compute 32-bit element offsets that wrap; its pointer offsets must be 64-bit."""
+    q = jax.ShapeDtypeStruct((256, 8, 4, 64), jnp.bfloat16)
+    cache = jax.ShapeDtypeStruct((16, 256, 8, 1088, 64), jnp.float8_e4m3fn)
+    assert 2**31 < np.prod(cache.shape) <= 2**32
+    fn = functools.partial(da.decode_attention_pallas, k_scale=jnp.float32(2.0), v_scale=jnp.float32(3.0))
+    [ttir] = _triton_ir(lambda q, k, v, n, i: fn(q, k, v, n, layer=i), q, cache, cache,
+                        jax.ShapeDtypeStruct((256,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32))
+    cache_offsets = [line for line in ttir.splitlines() if "tt.addptr" in line and "f8E4M3FN" in line]
+    assert cache_offsets and all("xi64>" in line for line in cache_offsets), cache_offsets
+
+
+# ----------------------------------------------------------------------------------------------------------
+# on the GPU host: the compiled kernel
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind,g,block_k,k_splits", CASES)
+def test_gpu_kernel_matches_float64_reference(kind, g, block_k, k_splits):
+    q, k, v, k_scale, v_scale, q64, k64, v64 = _inputs(kind, g)
+    got = _attend("pallas", q, k, v, LENGTHS, k_scale, v_scale, block_k=block_k, k_splits=k_splits)
+    np.testing.assert_allclose(got, _reference(q64, k64, v64, LENGTHS), rtol=TOL[kind], atol=TOL[kind])
+
+
+@pytest.mark.gpu
+def test_gpu_large_fp8_cache_last_layer():
+    """Llama-3.2-1B, batch 256, 1088 positions, FP8: a K cache of 2.3 GB (the 64-bit offset case); the last
+    layer's rows at the end of the buffer against the XLA path, default tuning."""
+    shape = (16, 256, 8, 1088, 64)
+    key_k, key_v, key_q = jax.random.split(jax.random.PRNGKey(0), 3)
+    scale = jnp.float32(448.0 / 5.0)
+
+    def cache(key):  # one random layer, repeated; the last layer differs
+        one = (jax.random.normal(key, shape[1:], jnp.bfloat16) * scale).astype(jnp.float8_e4m3fn)
+        stack = jnp.broadcast_to(one[None], shape)
+        return stack.at[-1].set((-stack[-1].astype(jnp.float32)).astype(jnp.float8_e4m3fn))
+
+    k_cache, v_cache = jax.jit(cache)(key_k), jax.jit(cache)(key_v)
+    q = jax.random.normal(key_q, (256, 8, 4, 64), jnp.bfloat16)
+    lengths = jnp.asarray(np.random.default_rng(0).integers(1, 1089, 256), jnp.int32)
+    args = dict(layer=jnp.int32(15), k_scale=scale, v_scale=scale)
+    got = jax.jit(functools.partial(da.decode_attention, impl="pallas", **args))(q, k_cache, v_cache, lengths)
+    want = jax.jit(functools.partial(da.decode_attention, impl="xla", **args))(q, k_cache, v_cache, lengths)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2e-2, atol=2e-2)
+
+
+def test_benchmark_script_runs_interpreted(tmp_path):
+    """benchmarks/decode_attention.py end to end on the tiny shape (kernel interpreted): rows with timings, and the
+    kernel's output on the benchmark's data within BF16 rounding of the model's path."""
+    import importlib.util
+    import json
+    import pathlib
+
+    path = pathlib.Path(__file__).parents[2] / "benchmarks" / "decode_attention.py"
+    spec = importlib.util.spec_from_file_location("decode_attention_benchmark", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "bench.json"
+    bench.main(["--interpret", "--out", str(out), "--fill", "0.5", "--kv", "fp8", "--repeats", "1", "--warmup", "0"])
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["impl"] for r in rows} == {"xla", "pallas", "scatter_only"}
+    assert all(r["us_per_layer"] > 0 for r in rows)
+    assert [r["max_abs_diff_vs_xla"] for r in rows if r["impl"] == "pallas"][0] <= 2e-2
