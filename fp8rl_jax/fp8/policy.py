@@ -92,8 +92,10 @@ def choose_backend(name: str) -> tuple[str, str]:
     reason = te.unavailable_reason()
     if name == "te":
         if reason is not None:
-            raise ConfigError(f"config.precision.backend='te' cannot run here: {reason}. Use precision.backend=xla "
-                              "(pure-JAX FP8, CPU or GPU) or auto")
+            raise ConfigError(
+                f"config.precision.backend='te' cannot run here: {reason}. Install Transformer Engine on a CUDA host "
+                "(pip install 'transformer-engine[jax]'; import it before JAX starts its GPU backend: "
+                "fp8rl_jax.fp8.te.preload()), or use precision.backend=xla (pure-JAX FP8, CPU or GPU) or auto")
         return "te", "precision.backend=te"
     if reason is None:
         return "te", "precision.backend=auto: Transformer Engine imports and a GPU is visible"

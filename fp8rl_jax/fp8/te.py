@@ -82,7 +82,7 @@ def unavailable_reason() -> str | None:
     try:
         _te()
     except ImportError as e:
-        return str(e)
+        return f"Transformer Engine does not import: {e.__cause__ or e}"
     if not any(d.platform == "gpu" for d in jax.devices()):
         platforms = sorted({d.platform for d in jax.devices()})
         return f"Transformer Engine imports, but JAX sees no GPU (devices: {', '.join(platforms)})"
