@@ -20,8 +20,8 @@ def get_config(arg=None):
         "Solve the math problem step by step. Put the final answer after '####', e.g. '#### 42'."
     )
     c.data.max_prompt_tokens = 256
-    c.reward.fns = "gsm8k_answer,gsm8k_format"
-    c.reward.weights = "1.0,0.1"
+    c.reward.fns = ("gsm8k_answer", "gsm8k_format")
+    c.reward.weights = (1.0, 0.1)
     c.rollout.prompts_per_step = 2
     c.rollout.samples_per_prompt = 4
     c.rollout.max_new_tokens = 96

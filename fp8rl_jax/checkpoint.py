@@ -108,7 +108,18 @@ class Checkpointer:
             cleanup_tmp_directories=True,  # unfinished saves of a killed run
             create=True,
         )
-        self._manager = ocp.CheckpointManager(self.directory, options=options)
+        # Name each item's handler up front: a manager that has not saved yet (a resumed run) would otherwise meet
+        # the items first on disk, warn that each "could not be restored" and return no metadata for them.
+        registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+        for item, handler, save, restore in (
+            (_TREE, ocp.StandardCheckpointHandler, ocp.args.StandardSave, ocp.args.StandardRestore),
+            (_META, ocp.JsonCheckpointHandler, ocp.args.JsonSave, ocp.args.JsonRestore),
+            (_KEYS, ocp.JsonCheckpointHandler, ocp.args.JsonSave, ocp.args.JsonRestore),
+        ):
+            handler = handler()  # one instance per item, for its save and its restore
+            registry.add(item, save, handler)
+            registry.add(item, restore, handler)
+        self._manager = ocp.CheckpointManager(self.directory, options=options, handler_registry=registry)
 
     def should_save(self, step: int) -> bool:
         """Whether ``save(step)`` without ``force`` would write."""

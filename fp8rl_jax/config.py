@@ -3,10 +3,15 @@
 Config files (``configs/*.py``) start from ``base_config()`` and change what they need; the command line
 overrides any key (``--config.rollout.temperature=0.7``). The dict is locked, so a misspelt key fails at once,
 and ``validate`` checks values before anything is built, naming the key, the value and what is allowed.
+
+List keys (``reward.fns``, ``reward.weights``, ``precision.bf16_layers``, ``precision.bf16_linears``) are tuples:
+``c.reward.fns = ("gsm8k_answer", "gsm8k_format")`` in a file, ``--config.reward.fns=gsm8k_answer,gsm8k_format``
+on the command line; read them with ``config_list``.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Sequence
 
@@ -43,8 +48,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.precision.fp8_format = "hybrid"  # hybrid (E4M3 fwd, E5M2 grads) | e4m3
     c.precision.bf16_first_layers = 0
     c.precision.bf16_last_layers = 0
-    c.precision.bf16_layers = ""  # more blocks kept in BF16, by index: "11,28,29"
-    c.precision.bf16_linears = ""  # linears kept in BF16 in every block: "w_down"
+    c.precision.bf16_layers = ()  # more blocks kept in BF16, by index: (11, 28, 29)
+    c.precision.bf16_linears = ()  # linears kept in BF16 in every block: ("w_down",)
     c.precision.lm_head_fp8 = False
     c.precision.kv_cache_dtype = "bfloat16"  # bfloat16 | float8_e4m3fn
     c.precision.kv_margin = 0
@@ -62,8 +67,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.data.eval_every = 0
 
     c.reward = ml_collections.ConfigDict()
-    c.reward.fns = "gsm8k_answer"  # comma-separated names from the reward registry
-    c.reward.weights = ""  # comma-separated floats, "" = all 1
+    c.reward.fns = ("gsm8k_answer",)  # names from the reward registry
+    c.reward.weights = ()  # one float per reward fn, () = all 1
 
     c.rollout = ml_collections.ConfigDict()
     c.rollout.prompts_per_step = 8
@@ -101,7 +106,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.checkpoint = ml_collections.ConfigDict()
     c.checkpoint.every = 0  # steps between saves (0 = only at the end)
     c.checkpoint.keep = 3
-    c.checkpoint.resume = "auto"  # auto (latest in workdir, if any) | never
+    # auto: continue the run in workdir, if any | never: start a run, refuse a workdir that holds one |
+    # overwrite: delete the run in workdir (checkpoints, metrics, plots, TensorBoard events), then start one
+    c.checkpoint.resume = "auto"
     c.checkpoint.async_save = True
 
     c.logging = ml_collections.ConfigDict()
@@ -150,14 +157,64 @@ def _positive(c, key: str, allow_zero: bool = False) -> None:
     _check(ok, key, value, ">= 0" if allow_zero else "> 0")
 
 
-def _float_list(text: str) -> list[float]:
-    return [float(x) for x in text.split(",") if x.strip()]
+def config_list(value, kind: type = str) -> tuple:
+    """A list key's value as a tuple of ``kind`` (str, int or float); ValueError on an item that is not one.
+
+    Accepts what config files write (``("gsm8k_answer", "gsm8k_format")``, ``(11, 28)``) and what the command line
+    gives: ml_collections parses ``--config.key=...`` of a tuple field with ``ast.literal_eval``, so
+    ``--config.reward.weights=1,0.5`` arrives as ``(1, 0.5)`` but ``--config.reward.fns=a,b`` (not a Python
+    literal) as ``("a,b",)``. Strings are therefore split on commas; blank items are dropped. A plain string
+    (``"11,28"``) is read the same way.
+    """
+    parts = []
+    for item in value if isinstance(value, (tuple, list)) else (value,):
+        parts.extend(item.split(",") if isinstance(item, str) else [item])
+    out = []
+    for part in parts:
+        if isinstance(part, str):
+            if not part.strip():
+                continue
+            out.append(kind(part.strip()))  # int("1.5"), float("x") raise ValueError
+        elif kind is str or isinstance(part, bool) or not isinstance(part, int if kind is int else (int, float)):
+            raise ValueError(f"{part!r} is not a {kind.__name__}")
+        else:
+            out.append(kind(part))
+    return tuple(out)
+
+
+def _list(c, key: str, kind: type, allowed: str) -> tuple:
+    value = _get(c, key)
+    try:
+        return config_list(value, kind)
+    except ValueError:
+        raise ConfigError(f"config.{key}={value!r} is invalid; allowed: {allowed}") from None
+
+
+def _finite(node: ml_collections.ConfigDict, prefix: str = "") -> None:
+    """Every float in the config (lists included) is finite: no key means inf or NaN."""
+    for name, value in node.items():
+        if isinstance(value, ml_collections.ConfigDict):
+            _finite(value, f"{prefix}{name}.")
+            continue
+        for v in value if isinstance(value, (tuple, list)) else (value,):
+            _check(not isinstance(v, float) or math.isfinite(v), f"{prefix}{name}", value, "finite numbers")
+
+
+def check_fits_model(c: ml_collections.ConfigDict, max_positions: int, model: str) -> None:
+    """A prompt plus its completion must fit the model's positions (the KV cache is sized by the two keys)."""
+    total = c.data.max_prompt_tokens + c.rollout.max_new_tokens
+    if total > max_positions:
+        raise ConfigError(
+            f"config.data.max_prompt_tokens={c.data.max_prompt_tokens} + config.rollout.max_new_tokens="
+            f"{c.rollout.max_new_tokens} = {total} exceeds the {max_positions} positions of the model ({model}); "
+            "lower one of them")
 
 
 def validate(c: ml_collections.ConfigDict, known_rewards: Callable[[], Sequence[str]] | None = None) -> None:
     """Raise ``ConfigError`` naming the first bad key."""
     from fp8rl_jax.model.config import PRESETS
 
+    _finite(c)
     _one_of(c, "precision.mode", PRECISION_MODES)
     _one_of(c, "precision.backend", ("auto", "xla", "te"))
     _one_of(c, "precision.compute_dtype", ("bfloat16", "float32"))
@@ -168,11 +225,11 @@ def validate(c: ml_collections.ConfigDict, known_rewards: Callable[[], Sequence[
     for key in ("precision.margin", "precision.kv_margin", "precision.bf16_first_layers",
                 "precision.bf16_last_layers"):
         _positive(c, key, allow_zero=True)
-    _check(all(i.strip().isdigit() for i in c.precision.bf16_layers.split(",") if i.strip()),
-           "precision.bf16_layers", c.precision.bf16_layers, "comma-separated block indices, e.g. '11,28,29'")
-    for name in (n.strip() for n in c.precision.bf16_linears.split(",") if n.strip()):
-        _check(name in ("wqkv", "wo", "w_gate_up", "w_down"), "precision.bf16_linears", name,
-               "comma-separated names from wqkv, wo, w_gate_up, w_down")
+    layers = _list(c, "precision.bf16_layers", int, "block indices, e.g. 11,28,29")
+    _check(all(i >= 0 for i in layers), "precision.bf16_layers", c.precision.bf16_layers, "block indices >= 0")
+    linears = ("wqkv", "wo", "w_gate_up", "w_down")
+    for name in _list(c, "precision.bf16_linears", str, f"names from {', '.join(linears)}"):
+        _check(name in linears, "precision.bf16_linears", name, f"names from {', '.join(linears)}")
     _one_of(c, "model.param_dtype", ("float32", "bfloat16"))
 
     src = c.model.source
@@ -189,19 +246,16 @@ def validate(c: ml_collections.ConfigDict, known_rewards: Callable[[], Sequence[
         _check(not path or os.path.exists(path), key, path, "an existing file, or '' for the default")
     _positive(c, "data.max_prompt_tokens")
 
-    names = [n.strip() for n in c.reward.fns.split(",") if n.strip()]
+    names = _list(c, "reward.fns", str, "reward names")
     _check(bool(names), "reward.fns", c.reward.fns, "at least one reward name")
     if known_rewards is not None:
         known = set(known_rewards())
         for n in names:
             _check(n in known, "reward.fns", n, ", ".join(sorted(known)))
-    try:
-        weights = _float_list(c.reward.weights)
-    except ValueError:
-        raise ConfigError(f"config.reward.weights={c.reward.weights!r} is invalid; allowed: comma-separated "
-                          "floats") from None
+    weights = _list(c, "reward.weights", float, "floats, one per reward fn")
+    _check(all(math.isfinite(w) for w in weights), "reward.weights", c.reward.weights, "finite numbers")
     _check(not weights or len(weights) == len(names), "reward.weights", c.reward.weights,
-           f"{len(names)} comma-separated floats (one per reward fn) or ''")
+           f"{len(names)} floats (one per reward fn) or () for all 1")
 
     for key in ("rollout.prompts_per_step", "rollout.samples_per_prompt", "rollout.max_new_tokens",
                 "rollout.decode_slots", "steps", "rl.minibatches", "optim.clip_norm"):
@@ -209,6 +263,8 @@ def validate(c: ml_collections.ConfigDict, known_rewards: Callable[[], Sequence[
     _positive(c, "rollout.temperature")
     _check(0 < c.rollout.top_p <= 1, "rollout.top_p", c.rollout.top_p, "0 < top_p <= 1")
     _positive(c, "rollout.top_k", allow_zero=True)
+    if src == "preset":  # a model from a file is checked once its config.json / GGUF header is read
+        check_fits_model(c, PRESETS[c.model.preset].max_position_embeddings, f"preset {c.model.preset!r}")
 
     _one_of(c, "rl.advantage", ADVANTAGES)
     _one_of(c, "rl.loss_agg", LOSS_AGGS)
@@ -229,7 +285,7 @@ def validate(c: ml_collections.ConfigDict, known_rewards: Callable[[], Sequence[
     _one_of(c, "optim.schedule", SCHEDULES)
     _positive(c, "optim.lr", allow_zero=True)
     _positive(c, "optim.warmup_steps", allow_zero=True)
-    _one_of(c, "checkpoint.resume", ("auto", "never"))
+    _one_of(c, "checkpoint.resume", ("auto", "never", "overwrite"))
     _positive(c, "checkpoint.keep")
     _positive(c, "checkpoint.every", allow_zero=True)
     _positive(c, "faults.max_consecutive_bad_steps")

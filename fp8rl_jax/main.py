@@ -19,7 +19,9 @@ _CONFIG = config_flags.DEFINE_config_file(
     "Override any key with --config.section.key=value.",
     lock_config=True,
 )
-_STEPS = flags.DEFINE_integer("steps", None, "Run this many RL steps (default: config.steps minus steps done).")
+_STEPS = flags.DEFINE_integer(
+    "steps", None, "The run's total RL steps (overrides config.steps). A run in the workdir resumes and stops there, "
+    "so rerunning the same command after a crash finishes the same run.")
 _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Validate the config, print it and exit.")
 
 
@@ -38,6 +40,12 @@ def main(argv) -> int:
     except (ConfigError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if _STEPS.value is not None:
+        if _STEPS.value < 1:
+            print(f"error: --steps={_STEPS.value} is invalid; allowed: a positive number, the run's total RL steps "
+                  "(it overrides config.steps)", file=sys.stderr)
+            return 2
+        config.steps = _STEPS.value
     if _DRY_RUN.value:
         print(config)
         return 0
@@ -47,8 +55,12 @@ def main(argv) -> int:
         te.preload()  # before JAX starts its GPU backend (see fp8rl_jax.fp8.te)
     from fp8rl_jax.trainer import Trainer
 
-    trainer = Trainer(config)
-    trainer.run(_STEPS.value)
+    try:
+        trainer = Trainer(config)  # checks what needs the machine or the model: backend, positions, workdir
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    trainer.run()
     trainer.close()
     return 0
 

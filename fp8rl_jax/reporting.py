@@ -1,7 +1,7 @@
 """Where a run's metrics go: ``metrics.jsonl``, TensorBoard, a progress bar, and PNG plots at the end.
 
-One record per RL step (a flat dict of floats). The JSONL file is the source of truth; on resume, records past
-the restored step are dropped so the file reads as one uninterrupted run.
+One record per RL step (a flat dict of floats, and the FP8 backend's name). The JSONL file is the source of truth;
+on resume, records past the restored step are dropped so the file reads as one uninterrupted run.
 """
 
 from __future__ import annotations

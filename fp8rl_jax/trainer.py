@@ -18,8 +18,11 @@ default (``rl.kl_coef``), and the reference model shares the current FP8 state w
 
 from __future__ import annotations
 
+import contextlib
 import json
+import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import jax
@@ -27,10 +30,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from fp8rl_jax.checkpoint import Checkpointer, latest_complete_step
-from fp8rl_jax.config import validate
+from fp8rl_jax.config import ConfigError, check_fits_model, config_list, validate
 from fp8rl_jax.data.prompts import build_prompt, prompt_iterator
 from fp8rl_jax.fp8 import kv as kvq
-from fp8rl_jax.fp8.policy import from_config
+from fp8rl_jax.fp8.policy import choose_backend, from_config
 from fp8rl_jax.fp8.recipe import update_state
 from fp8rl_jax.model import llama
 from fp8rl_jax.model.loading import load_model
@@ -79,21 +82,54 @@ def right_pad(rows: list, pad_id: int, multiple: int = 32) -> np.ndarray:
     return out
 
 
+# What a run writes into its workdir; ``checkpoint.resume=overwrite`` deletes these and nothing else.
+RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "plots", "tensorboard", "run.json")
+
+
+def previous_run(workdir: Path) -> list[str]:
+    """What of an earlier run ``workdir`` holds (checkpoints, metrics records); empty when it holds none."""
+    held = []
+    checkpoints = workdir / "checkpoints"
+    if checkpoints.is_dir() and any(checkpoints.iterdir()):
+        step = latest_complete_step(checkpoints)
+        held.append(f"checkpoints up to step {step}" if step is not None else "unfinished checkpoints")
+    metrics = workdir / "metrics.jsonl"
+    if metrics.is_file() and (lines := sum(1 for line in metrics.read_text().splitlines() if line.strip())):
+        held.append(f"{lines} metrics records")
+    return held
+
+
+@contextlib.contextmanager
+def timed(times: dict[str, float], phase: str) -> Iterator[None]:
+    """Wall seconds of the ``with`` block into ``times[phase]``; the block waits for its device results itself."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        times[phase] = time.perf_counter() - start
+
+
 class Trainer:
     def __init__(self, config, *, report: bool = True):
         validate(config, known_rewards=reward_names)
         self.config = config
         c = config
         self.workdir = Path(c.workdir)
-        self.train_precision = from_config(c, "train")
+        self._prepare_workdir()
+        self.train_precision = from_config(c, "train")  # precision.backend=te where it cannot run fails here
         self.rollout_precision = from_config(c, "rollout")
+        self.backend, self.backend_reason = (choose_backend(c.precision.backend) if self.rollout_precision.fp8
+                                             else ("bf16", "precision.mode=bf16: no FP8"))
         self.model, params, self.tokenizer = load_model(c)
+        check_fits_model(c, self.model.max_position_embeddings,
+                         f"preset {c.model.preset!r}" if c.model.source == "preset" else c.model.source)
         self.prompts = prompt_iterator(c, self.tokenizer, "train")
         self.group = c.rollout.samples_per_prompt
         self.sequences = c.rollout.prompts_per_step * self.group
         self.minibatch = self.sequences // c.rl.minibatches
         self.microbatch = c.rl.microbatch_sequences or self.minibatch
-        self.reward_fns = [n.strip() for n in c.reward.fns.split(",") if n.strip()]
+        self.reward_fns = config_list(c.reward.fns)
+        self.reward_weights = config_list(c.reward.weights, float)
 
         self.optimizer, self.schedule = build_optimizer(c.optim, c.steps * c.rl.minibatches)
         self.state = {
@@ -125,6 +161,8 @@ class Trainer:
         self.reporter = Reporter(self.workdir, tensorboard=c.logging.tensorboard and report,
                                  progress=c.logging.progress and report, total_steps=c.steps,
                                  resume_step=self.step_count)
+        self._write_run_json()
+        self.reporter.message(f"precision: {c.precision.mode}, FP8 backend {self.backend} ({self.backend_reason})")
         if resumed:
             self.reporter.message(f"resumed from {self.workdir / 'checkpoints'} at step {self.step_count}")
         if self.prompts.dropped:
@@ -133,17 +171,16 @@ class Trainer:
 
     @classmethod
     def from_file(cls, path: str, arg: str | None = None, **overrides) -> Trainer:
-        """Build from a config file; ``overrides`` set top-level or dotted keys (``**{"rl.kl_coef": 0.01}``)."""
+        """Build from a config file; ``overrides`` set existing top-level or dotted keys (``steps=10``,
+        ``**{"rl.kl_coef": 0.01}``; list keys take tuples: ``**{"reward.fns": ("gsm8k_answer",)}``)."""
         from fp8rl_jax.config import load_config_file
 
         config = load_config_file(path, arg)
-        with config.unlocked():
-            for key, value in overrides.items():
-                node, *rest = key.split(".")
-                target = config
-                for part in [node, *rest][:-1]:
-                    target = target[part]
-                target[key.split(".")[-1]] = value
+        for key, value in overrides.items():  # one at a time, to name the one that does not fit
+            try:
+                config.update_from_flattened_dict({key: value})
+            except (KeyError, AttributeError, TypeError) as e:
+                raise ConfigError(f"{path}: override {key}={value!r}: {e.args[0] if e.args else e}") from None
         return cls(config)
 
     @property
@@ -153,76 +190,57 @@ class Trainer:
     # -- the RL step ----------------------------------------------------------------------------------------
 
     def step(self) -> dict:
-        """One RL step; returns its metrics record (also logged)."""
-        c, t_start, times = self.config, time.perf_counter(), {}
+        """One RL step; returns its metrics record (also logged). Arrays stay on the device from scoring on."""
+        c, times, t_start = self.config, {}, time.perf_counter()
         step = self.step_count
         records = self.prompts.take(c.rollout.prompts_per_step)
         key = jax.random.fold_in(self.state["rng"], step)
 
-        t = time.perf_counter()
-        batch = self._rollout(self.engine, [r.prompt_ids for r in records], self.group, key)
-        times["rollout"] = time.perf_counter() - t
+        with timed(times, "rollout"):
+            batch = self._rollout(self.engine, [r.prompt_ids for r in records], self.group, key)
 
-        t = time.perf_counter()
-        texts = [self.tokenizer.decode(batch.completion(i)) for i in range(self.sequences)]
-        per_row = [records[p] for p in batch.prompt_index]
-        rewards, per_fn = combined_rewards(self.reward_fns, c.reward.weights, per_row, texts)
-        advantages = np.asarray(group_advantages(jnp.asarray(rewards).reshape(-1, self.group), c.rl.advantage))
-        times["reward"] = time.perf_counter() - t
+        with timed(times, "reward"):
+            texts = [self.tokenizer.decode(batch.completion(i)) for i in range(self.sequences)]
+            per_row = [records[p] for p in batch.prompt_index]
+            rewards, per_fn = combined_rewards(self.reward_fns, self.reward_weights, per_row, texts)
+            # [prompts * group] -> [prompts, group] -> advantages [prompts * group]
+            advantages = group_advantages(jnp.asarray(rewards).reshape(-1, self.group), c.rl.advantage).reshape(-1)
 
-        t = time.perf_counter()
-        arrays = self._pack(records, batch, advantages.reshape(-1))
-        arrays["old_logp"] = self._score_all(self.state["params"], arrays["tokens"])
-        if self.ref_params is not None:
-            arrays["ref_logp"] = self._score_all(self.ref_params, arrays["tokens"])
-        mask = jnp.asarray(arrays["mask"])
-        mismatch = mismatch_metrics(jnp.asarray(arrays["rollout_logp"]), jnp.asarray(arrays["old_logp"]), mask)
-        times["score"] = time.perf_counter() - t
+        with timed(times, "score"):
+            arrays = self._pack(records, batch, advantages)
+            arrays["old_logp"] = self._score_all(self.state["params"], arrays["tokens"])
+            if self.ref_params is not None:
+                arrays["ref_logp"] = self._score_all(self.ref_params, arrays["tokens"])
+            mismatch = jax.device_get(mismatch_metrics(arrays["rollout_logp"], arrays["old_logp"], arrays["mask"]))
 
-        t = time.perf_counter()
-        train_metrics = []
-        order = np.random.default_rng([c.seed, step]).permutation(self.sequences)
-        for mb in range(c.rl.minibatches):
-            rows = order[mb * self.minibatch : (mb + 1) * self.minibatch]
-            minibatch = {k: jnp.asarray(v[rows].reshape(-1, self.microbatch, *v.shape[1:])) for k, v in arrays.items()}
-            self.state, metrics = self._train_step(self.state, minibatch)
-            train_metrics.append(jax.device_get(metrics))
-        times["train"] = time.perf_counter() - t
-        skipped = sum(not bool(m["finite"]) for m in train_metrics)
-        self.bad_steps = self.bad_steps + 1 if skipped else 0
+        with timed(times, "train"):
+            train_metrics = []
+            order = np.random.default_rng([c.seed, step]).permutation(self.sequences)
+            for mb in range(c.rl.minibatches):
+                rows = order[mb * self.minibatch : (mb + 1) * self.minibatch]
+                # [minibatch, ...] -> [microbatches, microbatch, ...]
+                minibatch = {k: v[rows].reshape(-1, self.microbatch, *v.shape[1:]) for k, v in arrays.items()}
+                self.state, metrics = self._train_step(self.state, minibatch)
+                train_metrics.append(metrics)
+            train_metrics = jax.device_get(train_metrics)
 
-        t = time.perf_counter()
-        self._recalibrate(arrays["tokens"][: c.precision.kv_calibration_sequences])
-        times["calibrate"] = time.perf_counter() - t
+        with timed(times, "calibrate"):
+            self._recalibrate(arrays["tokens"][: c.precision.kv_calibration_sequences])
+            jax.block_until_ready((self.state["fp8_state"], self.state["kv_scales"]))
         self.state["step"] = jnp.int32(step + 1)
+        times["step"] = time.perf_counter() - t_start
 
-        lengths = batch.lengths
-        record = {
-            "step": step + 1,
-            "reward_mean": float(rewards.mean()),
-            "reward_std": float(rewards.std()),
-            "accuracy": float(per_fn[self.reward_fns[0]].mean()),
-            **{f"reward/{k}": float(v.mean()) for k, v in per_fn.items()},
-            "response_length_mean": float(lengths.mean()),
-            "response_length_max": float(lengths.max()),
-            "stop_fraction": float(np.mean([r == "stop" for r in batch.finish_reasons])),
-            **{k: float(np.mean([m[k] for m in train_metrics])) for k in train_metrics[0] if k != "finite"},
-            **{k: float(v) for k, v in jax.device_get(mismatch).items()},
-            "skipped_updates": float(skipped),
-            "lr": float(self.schedule(step * c.rl.minibatches)),
-            "rollout_tokens_per_s": batch.stats["tokens_per_second"],
-            "train_tokens_per_s": float(arrays["mask"].sum() + sum(len(r.prompt_ids) for r in per_row))
-            / max(times["train"], 1e-9),
-            **{f"time/{k}": v for k, v in times.items()},
-        }
-        record["time/step"] = time.perf_counter() - t_start
+        record = self._record(step, batch, per_row, rewards, per_fn, train_metrics, mismatch, times)
+        skipped = int(record["skipped_updates"])
+        self.bad_steps = self.bad_steps + 1 if skipped else 0
         self.reporter.log(record)
         if skipped:
-            self.reporter.message(f"step {step + 1}: {skipped} update(s) skipped: non-finite loss or gradient "
+            self.reporter.message(f"step {step + 1}: {skipped} update(s) skipped: non-finite loss or gradient, or an "
+                                  f"update that made params or optimizer state non-finite "
                                   f"({self.bad_steps} bad step(s) in a row)")
             if self.bad_steps >= c.faults.max_consecutive_bad_steps:
                 raise FloatingPointError(
-                    f"{self.bad_steps} consecutive RL steps had non-finite losses or gradients "
+                    f"{self.bad_steps} consecutive RL steps had non-finite losses, gradients or updates "
                     f"(faults.max_consecutive_bad_steps={c.faults.max_consecutive_bad_steps}); aborting. "
                     f"The last good state is in {self.workdir / 'checkpoints'}: lower optim.lr, or check the data")
         if self.checkpointer.should_save(step + 1):
@@ -231,10 +249,53 @@ class Trainer:
             record.update(self.evaluate())
         return record
 
+    def _record(self, step: int, batch: driver.RolloutBatch, per_row: list, rewards: np.ndarray,
+                per_fn: dict[str, np.ndarray], train_metrics: list[dict], mismatch: dict,
+                times: dict[str, float]) -> dict:
+        """The metrics record of RL step ``step`` (0-based): rollout and rewards, the train metrics of its
+        minibatch updates (``train_metrics``, one dict of host values per update) reduced over the updates,
+        the rollout/trainer mismatch, skipped updates, learning rate, throughput and phase times."""
+        c, lengths = self.config, batch.lengths
+        train_tokens = int(lengths.sum()) + sum(len(r.prompt_ids) for r in per_row)
+        return {
+            "step": step + 1,
+            "precision_backend": self.backend,
+            "reward_mean": float(rewards.mean()),
+            "reward_std": float(rewards.std()),
+            "accuracy": float(per_fn[self.reward_fns[0]].mean()),
+            **{f"reward/{k}": float(v.mean()) for k, v in per_fn.items()},
+            "response_length_mean": float(lengths.mean()),
+            "response_length_max": float(lengths.max()),
+            "stop_fraction": float(np.mean([r == "stop" for r in batch.finish_reasons])),
+            **{k: float(np.mean([m[k] for m in train_metrics])) for k in train_metrics[0] if k != "finite"},
+            **{k: float(v) for k, v in mismatch.items()},
+            "skipped_updates": float(sum(not bool(m["finite"]) for m in train_metrics)),
+            "lr": float(self.schedule(step * c.rl.minibatches)),
+            "rollout_tokens_per_s": batch.stats["tokens_per_second"],
+            "train_tokens_per_s": float(train_tokens) / max(times["train"], 1e-9),
+            **{f"time/{k}": v for k, v in times.items()},
+        }
+
     def run(self, steps: int | None = None) -> list[dict]:
-        """``steps`` RL steps (default: up to ``config.steps``), then a final checkpoint and the plots."""
-        target = self.config.steps if steps is None else self.step_count + steps
-        out = [self.step() for _ in range(max(target - self.step_count, 0))]
+        """RL steps, then a final checkpoint and the plots; returns the new steps' records.
+
+        ``run()`` trains to the run's total, ``config.steps`` (after a resume: the steps left, none for a finished
+        run). ``run(n)`` does ``n`` more steps, for notebooks; it may not pass ``config.steps``, where the
+        learning-rate schedule ends (build the Trainer with a larger ``config.steps`` to train longer).
+        """
+        total, done = self.config.steps, self.step_count
+        if steps is None:
+            count = max(total - done, 0)
+        elif steps < 1:
+            raise ValueError(f"run(steps={steps}): steps must be positive (None: to config.steps={total})")
+        elif done + steps > total:
+            raise ValueError(f"run(steps={steps}) at step {done} would pass the run's total config.steps={total} "
+                             "(the learning-rate schedule ends there); build the Trainer with a larger config.steps")
+        else:
+            count = steps
+        if count == 0:
+            self.reporter.message(f"{self.workdir}: the run is at step {done} of {total}; nothing to do")
+        out = [self.step() for _ in range(count)]
         self.save(force=True)
         if self.config.logging.plots:
             self.reporter.plot()
@@ -261,8 +322,9 @@ class Trainer:
                                     s["kv_scales"] if self.rollout_precision.kv_fp8 else None)
         return driver.generate(engine, params, [list(p) for p in prompts], n, key)
 
-    def _pack(self, records, batch, advantages) -> dict:
-        """Right-padded prompt + completion rows and their per-token masks and rollout logprobs (numpy)."""
+    def _pack(self, records, batch, advantages: jax.Array) -> dict:
+        """Right-padded prompt + completion rows and their per-token masks and rollout logprobs, put on the device
+        once (built on the host, where the rollout's tokens are), with the (device) advantages [rows]."""
         rows = [[*records[p].prompt_ids, *batch.completion(i)] for i, p in enumerate(batch.prompt_index)]
         tokens = right_pad(rows, self.tokenizer.pad_id or 0)
         mask = np.zeros(tokens.shape, np.float32)
@@ -271,14 +333,15 @@ class Trainer:
             prompt, done = records[p].prompt_ids, int(batch.lengths[i])
             mask[i, len(prompt) : len(prompt) + done] = 1.0
             rollout_logp[i, len(prompt) : len(prompt) + done] = batch.logprobs[i, :done]
-        return {"tokens": tokens, "mask": mask, "rollout_logp": rollout_logp,
-                "advantages": np.asarray(advantages, np.float32)}
+        arrays = jax.device_put({"tokens": tokens, "mask": mask, "rollout_logp": rollout_logp})
+        return {**arrays, "advantages": advantages.astype(jnp.float32)}
 
-    def _score_all(self, params, tokens: np.ndarray) -> np.ndarray:
+    def _score_all(self, params, tokens: jax.Array) -> jax.Array:
+        """Per-token logprobs [rows, T] of ``tokens`` under ``params``, scored a microbatch at a time."""
         s = self.state
-        parts = [self._score(params, s["fp8_state"], s["kv_scales"], jnp.asarray(tokens[i : i + self.microbatch]))
+        parts = [self._score(params, s["fp8_state"], s["kv_scales"], tokens[i : i + self.microbatch])
                  for i in range(0, len(tokens), self.microbatch)]
-        return np.concatenate([np.asarray(p) for p in parts])
+        return jnp.concatenate(parts)
 
     def _calibrate_on(self, tokens: np.ndarray, fp8: bool) -> None:
         """One calibration forward of the current policy over ``tokens``: new KV scales (FP8 KV cache) and, with
@@ -330,15 +393,51 @@ class Trainer:
                                      c.rollout.max_new_tokens)
         batch = self._rollout(engine, [r.prompt_ids for r in records], 1, self.state["rng"])
         texts = [self.tokenizer.decode(batch.completion(i)) for i in range(len(records))]
-        _, per_fn = combined_rewards(self.reward_fns[:1], "", records, texts)
+        _, per_fn = combined_rewards(self.reward_fns[:1], None, records, texts)
         return {"eval_accuracy": float(per_fn[self.reward_fns[0]].mean()), "eval_problems": float(len(records))}
 
     # -- checkpoints ----------------------------------------------------------------------------------------
 
     def save(self, force: bool = True) -> bool:
         meta = {"step": self.step_count, "data_state": json.dumps(self.prompts.get_state()),
-                "config": self.config.to_json(), "bad_steps": self.bad_steps}
+                "config": self.config.to_json(), "bad_steps": self.bad_steps, "precision_backend": self.backend}
         return self.checkpointer.save(self.step_count, self.state, meta, force=force)
+
+    def _prepare_workdir(self) -> None:
+        """Never destroy a run by accident: ``checkpoint.resume=never`` refuses a workdir that holds one,
+        ``overwrite`` deletes that run's outputs (``RUN_OUTPUTS``, nothing else in the folder) first."""
+        mode, held = self.config.checkpoint.resume, previous_run(self.workdir)
+        if mode == "never" and held:
+            raise ConfigError(
+                f"config.workdir={str(self.workdir)!r} holds a run ({', '.join(held)}) and checkpoint.resume=never; "
+                "continue it with checkpoint.resume=auto, delete it and start over with checkpoint.resume=overwrite, "
+                "or choose another config.workdir")
+        if mode == "overwrite":
+            for name in RUN_OUTPUTS:
+                path = self.workdir / name
+                if path.is_dir() and not path.is_symlink():
+                    shutil.rmtree(path)
+                elif path.exists() or path.is_symlink():
+                    path.unlink()
+
+    def _write_run_json(self) -> None:
+        """``workdir/run.json``: the config and the FP8 backend chosen, with one entry per start of the run (a
+        resumed run may land on another machine, and ``auto`` on another backend)."""
+        path = self.workdir / "run.json"
+        starts = []
+        if self.step_count and path.exists():
+            try:
+                starts = json.loads(path.read_text()).get("starts", [])
+            except (json.JSONDecodeError, AttributeError):
+                starts = []
+        starts.append({"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "step": self.step_count,
+                       "precision_backend": self.backend, "precision_backend_reason": self.backend_reason,
+                       "devices": [str(d) for d in jax.devices()][:8], "jax": jax.__version__})
+        run = {"config": json.loads(self.config.to_json()), "precision_backend": self.backend,
+               "precision_backend_reason": self.backend_reason, "starts": starts}
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(run, indent=1) + "\n")
+        tmp.replace(path)
 
     def restore(self, step: int | None = None) -> None:
         self.state, meta = self.checkpointer.restore(step, like=self.state)

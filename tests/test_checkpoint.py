@@ -1,6 +1,7 @@
 """Checkpointer: bit-exact round trips, keep-N, save_every, a save killed by SIGKILL, helpful errors."""
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -250,3 +251,22 @@ def test_sigkill_during_save_leaves_last_complete_step(tmp_path):
         assert_bit_equal(restored, make_state(2))
         assert meta["step"] == 2
     assert sorted(os.listdir(directory)) == ["1", "2"]
+
+
+def test_restore_in_a_new_process_is_quiet_and_checks_shapes(tmp_path, caplog):
+    """A fresh Checkpointer (a resumed run) restores without Orbax's "could not be restored" warnings for the items
+    it restores, and still names a shape mismatch itself (Orbax knows the items' handlers before the first save)."""
+    with Checkpointer(tmp_path, async_save=False) as ckpt:
+        ckpt.save(2, make_state(2), metadata(2), force=True)
+    caplog.set_level(logging.WARNING)
+    reshaped = make_state(0)
+    reshaped["kv_scales"] = jnp.zeros((3, 2), jnp.float32)
+    with Checkpointer(tmp_path, async_save=False) as ckpt:
+        with pytest.raises(ValueError, match=r"kv_scales: shape \(2, 2\) on disk, \(3, 2\) in `like`"):
+            ckpt.restore(like=reshaped)
+    with Checkpointer(tmp_path, async_save=False) as ckpt:
+        restored, meta = ckpt.restore(like=make_state(0))
+    assert_bit_equal(restored, make_state(2))
+    assert meta == metadata(2)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert not [w for w in warnings if "could not be restored" in w], warnings

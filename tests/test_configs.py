@@ -29,6 +29,16 @@ def test_every_config_loads_and_validates(path, tmp_path):
         ("rl.advantage", "ppo", "grpo | drgrpo | rloo"),
         ("data.train_path", "/nope.jsonl", "config.data.train_path='/nope.jsonl'"),
         ("rl.minibatches", 3, "a divisor of prompts_per_step * samples_per_prompt = 32"),
+        # non-finite floats, wherever they are (issue 10: lr=inf used to pass and train non-finite params)
+        ("optim.lr", float("inf"), "config.optim.lr=inf"),
+        ("rollout.temperature", float("inf"), "config.rollout.temperature=inf"),
+        ("rollout.temperature", float("nan"), "config.rollout.temperature=nan"),
+        ("optim.b2", float("nan"), "config.optim.b2=nan"),
+        ("model.init_std", float("-inf"), "config.model.init_std=-inf"),
+        ("reward.weights", ("inf",), "config.reward.weights"),
+        ("reward.weights", ("1.0,x",), "config.reward.weights"),
+        ("precision.bf16_layers", ("1,a",), "config.precision.bf16_layers"),
+        ("precision.bf16_linears", ("w_down,w_up",), "config.precision.bf16_linears"),
     ],
 )
 def test_bad_values_are_named(key, value, message):
@@ -62,3 +72,12 @@ def test_main_unknown_key_is_named():
     result = _main("--config=configs/tiny.py", "--config.rollout.temprature=0.5")
     assert result.returncode != 0
     assert "unknown key 'temprature' in config.rollout" in result.stderr
+
+
+def test_main_list_keys_from_the_command_line():
+    """``--config.reward.fns=a,b`` stays the way to give a list (config_flags hands a tuple field ("a,b",))."""
+    result = _main("--config=configs/tiny.py", "--config.reward.fns=pattern,pattern", "--config.reward.weights=1,0.5",
+                   "--config.precision.bf16_layers=0,1", "--config.precision.bf16_linears=w_down,wo", "--dry_run")
+    assert result.returncode == 0, result.stderr
+    bad = _main("--config=configs/tiny.py", "--config.reward.fns=pattern,nope", "--dry_run")
+    assert bad.returncode != 0 and "config.reward.fns='nope'" in bad.stderr

@@ -6,6 +6,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from fp8rl_jax.config import ConfigError, config_list
 from fp8rl_jax.fp8.recipe import Fp8Recipe
 
 BACKENDS = ("bf16", "xla", "te")
@@ -78,13 +79,32 @@ class Precision:
         return dataclasses.replace(self, **kw)
 
 
-def resolve_backend(name: str) -> str:
-    """``auto`` -> ``te`` where Transformer Engine and a GPU are there, else ``xla``."""
-    if name != "auto":
-        return name
+def choose_backend(name: str) -> tuple[str, str]:
+    """``(backend, why)`` for ``precision.backend=name``: ``auto`` -> ``te`` where Transformer Engine and a GPU are
+    there, else ``xla`` (``why`` says which was missing); ``te`` where it cannot run raises ``ConfigError`` with the
+    reason, never falls back."""
+    if name not in ("auto", "xla", "te"):
+        raise ConfigError(f"config.precision.backend={name!r} is invalid; allowed: auto | xla | te")
+    if name == "xla":
+        return "xla", "precision.backend=xla"
     from fp8rl_jax.fp8 import te
 
-    return "te" if te.is_available() else "xla"
+    reason = te.unavailable_reason()
+    if name == "te":
+        if reason is not None:
+            raise ConfigError(
+                f"config.precision.backend='te' cannot run here: {reason}. Install Transformer Engine on a CUDA host "
+                "(pip install 'transformer-engine[jax]'; import it before JAX starts its GPU backend: "
+                "fp8rl_jax.fp8.te.preload()), or use precision.backend=xla (pure-JAX FP8, CPU or GPU) or auto")
+        return "te", "precision.backend=te"
+    if reason is None:
+        return "te", "precision.backend=auto: Transformer Engine imports and a GPU is visible"
+    return "xla", f"precision.backend=auto: not te, because {reason}"
+
+
+def resolve_backend(name: str) -> str:
+    """The FP8 backend ``precision.backend=name`` runs on (see ``choose_backend``)."""
+    return choose_backend(name)[0]
 
 
 def from_config(config, role: str) -> Precision:
@@ -105,8 +125,8 @@ def from_config(config, role: str) -> Precision:
         compute_dtype=p.compute_dtype,
         bf16_first_layers=p.bf16_first_layers,
         bf16_last_layers=p.bf16_last_layers,
-        bf16_layers=tuple(int(i) for i in str(p.bf16_layers).replace(" ", "").split(",") if i),
-        bf16_linears=tuple(n for n in str(p.bf16_linears).replace(" ", "").split(",") if n),
+        bf16_layers=config_list(p.bf16_layers, int),
+        bf16_linears=config_list(p.bf16_linears, str),
         lm_head_fp8=p.lm_head_fp8 and fp8,
         kv_cache_dtype=p.kv_cache_dtype if fp8 else p.compute_dtype,
     )

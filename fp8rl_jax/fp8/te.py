@@ -74,11 +74,19 @@ def preload() -> bool:
 
 def is_available() -> bool:
     """Transformer Engine imports and a GPU is visible."""
+    return unavailable_reason() is None
+
+
+def unavailable_reason() -> str | None:
+    """Why the ``te`` backend cannot run here (the import error, or no GPU), or None when it can."""
     try:
         _te()
-    except ImportError:
-        return False
-    return any(d.platform == "gpu" for d in jax.devices())
+    except ImportError as e:
+        return f"Transformer Engine does not import: {e.__cause__ or e}"
+    if not any(d.platform == "gpu" for d in jax.devices()):
+        platforms = sorted({d.platform for d in jax.devices()})
+        return f"Transformer Engine imports, but JAX sees no GPU (devices: {', '.join(platforms)})"
+    return None
 
 
 def _quantizer(dtype, scale: jax.Array, both_layouts: bool):

@@ -152,12 +152,15 @@ def make_train_step(model: LlamaConfig, precision: Precision, optimizer: optax.G
         zeros = jax.tree.map(jnp.zeros_like, (params, fp8_state))
         (grads, observed, loss), metrics = jax.lax.scan(micro, (*zeros, jnp.float32(0)), minibatch)
         grad_norm = optax.tree.norm(grads) if hasattr(optax, "tree") else optax.global_norm(grads)
-        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
 
         updates, opt_state = optimizer.update(grads, state["opt_state"], params)
         new = dict(state, params=optax.apply_updates(params, updates), opt_state=opt_state)
         if precision.fp8:
             new["fp8_state"] = update_state(fp8_state, observed, precision.recipe)
+        # A finite loss and gradient can still give a non-finite update (an overflowing learning rate or moment):
+        # the step is good only if the new params and optimizer state are finite too.
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.all(jnp.asarray(
+            [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves((new["params"], new["opt_state"]))]))
         # a non-finite step changes nothing (params, optimizer moments, FP8 histories)
         new = jax.tree.map(functools.partial(jnp.where, finite), new, state)
         new["step"] = state["step"]
