@@ -96,7 +96,7 @@ def make_calibrate(model: LlamaConfig, precision: Precision, kv_margin: int = 0)
         else:
             _, kv_amax = forward(fp8_state)
             observations = None
-        return observations, kvq.scales_from_amax(kv_amax, kv_margin)
+        return observations, kvq.scales_from_amax(kv_amax, kv_margin, old=kv_scales)
 
     return jax.jit(calibrate)
 
