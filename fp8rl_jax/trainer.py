@@ -321,14 +321,17 @@ class Trainer:
     # -- sampling and evaluation ----------------------------------------------------------------------------
 
     def sample(self, prompts: list[str] | str, n: int = 1, *, greedy: bool = False,
-               max_new_tokens: int | None = None) -> list[list[str]]:
-        """``n`` completions per prompt (questions, formatted like the training prompts) from the current policy."""
+               max_new_tokens: int | None = None, top_k: int | None = None,
+               top_p: float | None = None) -> list[list[str]]:
+        """``n`` completions per prompt (questions, formatted like the training prompts) from the current policy;
+        ``top_k`` / ``top_p`` may truncate it for display (training samples the untruncated policy)."""
         c = self.config
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         ids = [build_prompt(self.tokenizer, q, prompt_format=c.data.prompt_format,
                             system_prompt=c.data.system_prompt)[1] for q in prompts]
-        sampling = SamplingParams(temperature=c.rollout.temperature, top_k=c.rollout.top_k, top_p=c.rollout.top_p,
-                                  greedy=greedy)
+        sampling = SamplingParams(temperature=c.rollout.temperature,
+                                  top_k=c.rollout.top_k if top_k is None else top_k,
+                                  top_p=c.rollout.top_p if top_p is None else top_p, greedy=greedy)
         engine = self._cached_engine(sampling, max_new_tokens or c.rollout.max_new_tokens)
         rng = jax.random.fold_in(self.state["rng"], 2**31 - 1 - self.step_count)
         batch = self._rollout(engine, ids, n, rng)

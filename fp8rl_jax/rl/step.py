@@ -28,7 +28,7 @@ from fp8rl_jax.fp8.policy import Precision
 from fp8rl_jax.fp8.recipe import combine_observations, update_state
 from fp8rl_jax.model import llama
 from fp8rl_jax.model.config import LlamaConfig
-from fp8rl_jax.rl.importance import is_weights
+from fp8rl_jax.rl.importance import ICEPOP_BAND, MIS_BAND, is_weights
 from fp8rl_jax.rl.losses import policy_loss
 from fp8rl_jax.rl.metrics import masked_mean, reduce_metric
 from fp8rl_jax.rl.scoring import token_logprobs
@@ -46,15 +46,21 @@ class LossConfig:
     kl_estimator: str = "k3"
     is_correction: str = "tis"
     is_cap: float = 2.0
-    is_low: float = 0.5
-    is_high: float = 2.0
+    mis_band: tuple[float, float] = MIS_BAND
+    icepop_band: tuple[float, float] = ICEPOP_BAND
 
     @classmethod
     def from_config(cls, config) -> LossConfig:
         rl = config.rl
         return cls(temperature=config.rollout.temperature, clip_low=rl.clip_low, clip_high=rl.clip_high,
                    loss_agg=rl.loss_agg, kl_coef=rl.kl_coef, kl_estimator=rl.kl_estimator,
-                   is_correction=rl.is_correction, is_cap=rl.is_cap, is_low=rl.is_low, is_high=rl.is_high)
+                   is_correction=rl.is_correction, is_cap=rl.is_cap, mis_band=(rl.mis_low, rl.mis_high),
+                   icepop_band=(rl.icepop_low, rl.icepop_high))
+
+    @property
+    def is_band(self) -> tuple[float, float]:
+        """The masking band of the chosen correction (MIS and IcePop mask different quantities)."""
+        return self.mis_band if self.is_correction == "mis" else self.icepop_band
 
 
 def build_optimizer(optim, total_updates: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
@@ -164,7 +170,7 @@ def make_train_step(model: LlamaConfig, precision: Precision, optimizer: optax.G
                                           with_entropy=True)
         old_logp = jax.lax.stop_gradient(logp) if old_logp_from_forward else mb["old_logp"]
         weights, is_metrics = is_weights(old_logp, mb["rollout_logp"], mb["mask"], c.is_correction,
-                                         cap=c.is_cap, low=c.is_low, high=c.is_high)
+                                         cap=c.is_cap, low=c.is_band[0], high=c.is_band[1])
         loss, metrics = policy_loss(
             logp, old_logp, mb["advantages"], mb["mask"], clip_low=c.clip_low, clip_high=c.clip_high,
             loss_agg=c.loss_agg, is_weights=weights, ref_logp=mb.get("ref_logp"), kl_coef=c.kl_coef,
