@@ -75,6 +75,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.rollout.samples_per_prompt = 4  # the GRPO group size
     c.rollout.max_new_tokens = 256
     c.rollout.temperature = 1.0
+    # RL scores the untruncated pi_T = softmax(logits / T): training refuses top_p < 1 and top_k > 0 (the IS
+    # weights and the surrogate would be off); Trainer.sample(top_k=, top_p=) may truncate for display
     c.rollout.top_p = 1.0
     c.rollout.top_k = 0  # 0 = off
     c.rollout.decode_slots = 32  # concurrent sequences in the decode batch
@@ -87,9 +89,15 @@ def base_config() -> ml_collections.ConfigDict:
     c.rl.kl_coef = 0.0
     c.rl.kl_estimator = "k3"
     c.rl.is_correction = "tis"  # none | tis | seq_tis | mis | icepop
-    c.rl.is_cap = 2.0  # TIS / sequence-TIS cap C
-    c.rl.is_low = 0.5  # MIS / IcePop lower bound
-    c.rl.is_high = 2.0  # MIS / IcePop upper bound
+    c.rl.is_cap = 2.0  # TIS / sequence-TIS / MIS token-weight cap C
+    # MIS keeps a sequence whose geometric-mean ratio exp(mean_t log r_t) is in [mis_low, mis_high]: a per-token
+    # band, so it must be tight (NeMo RL's seq-mask-tis uses [0.999, 1.002], veRL's geometric RS 1.001 and its
+    # reciprocal); FP8 mismatch is ~1e-3 nats/token, which a [0.5, 2] band never rejects
+    c.rl.mis_low = 0.999
+    c.rl.mis_high = 1.002
+    # IcePop keeps a token whose ratio r_t is in [icepop_low, icepop_high] (Ring-1T's IcePop, NeMo RL's ICE-POP)
+    c.rl.icepop_low = 0.5
+    c.rl.icepop_high = 5.0
     c.rl.minibatches = 1  # optimizer updates per RL step
     c.rl.microbatch_sequences = 0  # gradient accumulation: sequences per microbatch (0 = whole minibatch)
 
@@ -210,8 +218,10 @@ def check_fits_model(c: ml_collections.ConfigDict, max_positions: int, model: st
             "lower one of them")
 
 
-def validate(c: ml_collections.ConfigDict, known_rewards: Callable[[], Sequence[str]] | None = None) -> None:
-    """Raise ``ConfigError`` naming the first bad key."""
+def validate(c: ml_collections.ConfigDict, known_rewards: Callable[[], Sequence[str]] | None = None, *,
+             training: bool = True) -> None:
+    """Raise ``ConfigError`` naming the first bad key. ``training=False`` (serving, sampling) allows truncated
+    sampling (``rollout.top_p`` / ``rollout.top_k``), which RL training refuses."""
     from fp8rl_jax.model.config import PRESETS
 
     _finite(c)
@@ -265,6 +275,11 @@ def validate(c: ml_collections.ConfigDict, known_rewards: Callable[[], Sequence[
     _positive(c, "rollout.top_k", allow_zero=True)
     if src == "preset":  # a model from a file is checked once its config.json / GGUF header is read
         check_fits_model(c, PRESETS[c.model.preset].max_position_embeddings, f"preset {c.model.preset!r}")
+    if training:
+        why = ("the trainer scores the untruncated policy softmax(logits / T), so importance weights and ratios "
+               "against a top-p/top-k sampler would be wrong (Trainer.sample(top_p=..., top_k=...) may truncate)")
+        _check(c.rollout.top_p == 1, "rollout.top_p", c.rollout.top_p, f"1.0 for RL training: {why}")
+        _check(c.rollout.top_k == 0, "rollout.top_k", c.rollout.top_k, f"0 for RL training: {why}")
 
     _one_of(c, "rl.advantage", ADVANTAGES)
     _one_of(c, "rl.loss_agg", LOSS_AGGS)
@@ -273,8 +288,10 @@ def validate(c: ml_collections.ConfigDict, known_rewards: Callable[[], Sequence[
     for key in ("rl.clip_low", "rl.clip_high", "rl.kl_coef", "rl.microbatch_sequences"):
         _positive(c, key, allow_zero=True)
     _positive(c, "rl.is_cap")
-    _check(0 <= c.rl.is_low < 1 < c.rl.is_high, "rl.is_low/rl.is_high", (c.rl.is_low, c.rl.is_high),
-           "0 <= is_low < 1 < is_high")
+    for band in ("mis", "icepop"):
+        low, high = c.rl[f"{band}_low"], c.rl[f"{band}_high"]
+        _check(isinstance(low, (int, float)) and isinstance(high, (int, float)) and 0 <= low < 1 < high,
+               f"rl.{band}_low/rl.{band}_high", (low, high), f"0 <= {band}_low < 1 < {band}_high")
     seqs = c.rollout.prompts_per_step * c.rollout.samples_per_prompt
     _check(seqs % c.rl.minibatches == 0, "rl.minibatches", c.rl.minibatches,
            f"a divisor of prompts_per_step * samples_per_prompt = {seqs}")

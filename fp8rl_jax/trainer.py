@@ -39,7 +39,7 @@ from fp8rl_jax.model import llama
 from fp8rl_jax.model.loading import load_model
 from fp8rl_jax.reporting import Reporter
 from fp8rl_jax.rl.advantages import group_advantages
-from fp8rl_jax.rl.metrics import mismatch_metrics
+from fp8rl_jax.rl.metrics import mismatch_metrics, reduce_metric
 from fp8rl_jax.rl.rewards import combined_rewards, reward_names
 from fp8rl_jax.rl.step import LossConfig, build_optimizer, make_calibrate, make_score, make_train_step
 from fp8rl_jax.rollout import driver
@@ -144,7 +144,10 @@ class Trainer:
         self.ref_params = jax.tree.map(jnp.copy, params) if c.rl.kl_coef > 0 else None
         loss_cfg = LossConfig.from_config(c)
         self._score = make_score(self.model, self.train_precision, loss_cfg.temperature)
-        self._train_step = make_train_step(self.model, self.train_precision, self.optimizer, loss_cfg)
+        # one minibatch per step: the old-policy logprobs are the loss's own forward (ratio exactly 1, no scoring)
+        self._own_old_logp = c.rl.minibatches == 1
+        self._train_step = make_train_step(self.model, self.train_precision, self.optimizer, loss_cfg,
+                                           old_logp_from_forward=self._own_old_logp)
         self._calibrate = make_calibrate(self.model, self.rollout_precision, c.precision.kv_margin)
         self.engine = self._engine(SamplingParams(temperature=c.rollout.temperature, top_k=c.rollout.top_k,
                                                   top_p=c.rollout.top_p), c.rollout.max_new_tokens)
@@ -208,21 +211,26 @@ class Trainer:
 
         with timed(times, "score"):
             arrays = self._pack(records, batch, advantages)
-            arrays["old_logp"] = self._score_all(self.state["params"], arrays["tokens"])
+            if not self._own_old_logp:
+                arrays["old_logp"] = self._score_all(self.state["params"], arrays["tokens"])
             if self.ref_params is not None:
                 arrays["ref_logp"] = self._score_all(self.ref_params, arrays["tokens"])
-            mismatch = jax.device_get(mismatch_metrics(arrays["rollout_logp"], arrays["old_logp"], arrays["mask"]))
 
         with timed(times, "train"):
             train_metrics = []
             order = np.random.default_rng([c.seed, step]).permutation(self.sequences)
+            own_old_logp = []
             for mb in range(c.rl.minibatches):
                 rows = order[mb * self.minibatch : (mb + 1) * self.minibatch]
                 # [minibatch, ...] -> [microbatches, microbatch, ...]
                 minibatch = {k: v[rows].reshape(-1, self.microbatch, *v.shape[1:]) for k, v in arrays.items()}
-                self.state, metrics = self._train_step(self.state, minibatch)
+                self.state, metrics, *own = self._train_step(self.state, minibatch)
+                own_old_logp += own  # one minibatch: the loss's own forward, [microbatches, microbatch, T]
                 train_metrics.append(metrics)
+            if own_old_logp:  # back to the order of `arrays`: row order[i] of the batch is row i of the minibatch
+                arrays["old_logp"] = own_old_logp[0].reshape(self.sequences, -1)[np.argsort(order)]
             train_metrics = jax.device_get(train_metrics)
+        mismatch = jax.device_get(mismatch_metrics(arrays["rollout_logp"], arrays["old_logp"], arrays["mask"]))
 
         with timed(times, "calibrate"):
             self._recalibrate(arrays["tokens"][: c.precision.kv_calibration_sequences])
@@ -267,7 +275,7 @@ class Trainer:
             "response_length_mean": float(lengths.mean()),
             "response_length_max": float(lengths.max()),
             "stop_fraction": float(np.mean([r == "stop" for r in batch.finish_reasons])),
-            **{k: float(np.mean([m[k] for m in train_metrics])) for k in train_metrics[0] if k != "finite"},
+            **{k: float(reduce_metric(k, [m[k] for m in train_metrics])) for k in train_metrics[0] if k != "finite"},
             **{k: float(v) for k, v in mismatch.items()},
             "skipped_updates": float(sum(not bool(m["finite"]) for m in train_metrics)),
             "lr": float(self.schedule(step * c.rl.minibatches)),
@@ -343,13 +351,14 @@ class Trainer:
                  for i in range(0, len(tokens), self.microbatch)]
         return jnp.concatenate(parts)
 
-    def _calibrate_on(self, tokens: np.ndarray, fp8: bool) -> None:
-        """One calibration forward of the current policy over ``tokens``: new KV scales (FP8 KV cache) and, with
-        ``fp8``, the rollout's FP8 observations rolled into the state."""
+    def _calibrate_on(self, tokens: np.ndarray, fp8: bool, calibrate=None) -> None:
+        """One calibration of the current policy over ``tokens`` (``calibrate``, default the one-pass forward):
+        new KV scales (FP8 KV cache) and, with ``fp8``, the FP8 observations rolled into the state."""
         rollout, s = self.rollout_precision, self.state
         if not (rollout.kv_fp8 or fp8):
             return
-        observed, kv_scales = self._calibrate(s["params"], s["fp8_state"], s["kv_scales"], jnp.asarray(tokens))
+        calibrate = calibrate or self._calibrate
+        observed, kv_scales = calibrate(s["params"], s["fp8_state"], s["kv_scales"], jnp.asarray(tokens))
         if rollout.kv_fp8:
             s["kv_scales"] = kv_scales
         if fp8:
@@ -361,24 +370,32 @@ class Trainer:
         self._calibrate_on(tokens, fp8=self.rollout_precision.fp8 and not self.train_precision.fp8)
 
     def _initial_calibration(self) -> None:
-        """Scales before the first rollout: one forward over the first prompts (the iterator is rewound)."""
+        """Scales before the first rollout, from the first prompts (the iterator is rewound): two passes (the
+        second with the first one's scales), and with FP8 training a real backward pass, so that the first
+        update's gradients are quantized with an observed scale, not 1 (``make_calibrate``)."""
+        c = self.config
         position = self.prompts.get_state()
-        records = self.prompts.take(self.config.rollout.prompts_per_step)
+        records = self.prompts.take(c.rollout.prompts_per_step)
         self.prompts.set_state(position)
         tokens = right_pad([r.prompt_ids for r in records], self.tokenizer.pad_id or 0)
-        self._calibrate_on(tokens, fp8=self.rollout_precision.fp8)
+        calibrate = make_calibrate(self.model, self.rollout_precision, c.precision.kv_margin,
+                                   gradients=self.train_precision.fp8, temperature=c.rollout.temperature, passes=2)
+        self._calibrate_on(tokens, fp8=self.rollout_precision.fp8, calibrate=calibrate)
 
     # -- sampling and evaluation ----------------------------------------------------------------------------
 
     def sample(self, prompts: list[str] | str, n: int = 1, *, greedy: bool = False,
-               max_new_tokens: int | None = None) -> list[list[str]]:
-        """``n`` completions per prompt (questions, formatted like the training prompts) from the current policy."""
+               max_new_tokens: int | None = None, top_k: int | None = None,
+               top_p: float | None = None) -> list[list[str]]:
+        """``n`` completions per prompt (questions, formatted like the training prompts) from the current policy;
+        ``top_k`` / ``top_p`` may truncate it for display (training samples the untruncated policy)."""
         c = self.config
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         ids = [build_prompt(self.tokenizer, q, prompt_format=c.data.prompt_format,
                             system_prompt=c.data.system_prompt)[1] for q in prompts]
-        sampling = SamplingParams(temperature=c.rollout.temperature, top_k=c.rollout.top_k, top_p=c.rollout.top_p,
-                                  greedy=greedy)
+        sampling = SamplingParams(temperature=c.rollout.temperature,
+                                  top_k=c.rollout.top_k if top_k is None else top_k,
+                                  top_p=c.rollout.top_p if top_p is None else top_p, greedy=greedy)
         engine = self._cached_engine(sampling, max_new_tokens or c.rollout.max_new_tokens)
         rng = jax.random.fold_in(self.state["rng"], 2**31 - 1 - self.step_count)
         batch = self._rollout(engine, ids, n, rng)

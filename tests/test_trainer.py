@@ -8,6 +8,7 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -127,3 +128,107 @@ def test_sigkill_mid_run_resumes_from_last_complete_checkpoint(tmp_path):
     trainer.run()
     trainer.close()
     assert latest_complete_step(checkpoints) == last + 1
+
+
+# ----------------------------------------------------------------------------------------------------------
+# FP8 bookkeeping of the first update (issue 10, items 7 and 8): the gradient role calibrated before step one,
+# the ratio exactly 1 with one minibatch, and max/min metrics reduced by max/min across minibatches
+
+
+def _spy_on_train_step(trainer):
+    """Wrap ``trainer._train_step`` to keep each call's input state (a copy: the step donates it), minibatch and
+    metrics."""
+    calls, real = [], trainer._train_step
+
+    def spy(state, minibatch):
+        before = jax.tree.map(lambda a: np.array(a), state)
+        out = real(state, minibatch)
+        calls.append({"state": before, "minibatch": minibatch, "metrics": jax.device_get(out[1]),
+                      "old_logp": out[2] if len(out) > 2 else None})
+        return out
+
+    trainer._train_step = spy
+    return calls
+
+
+@pytest.fixture(scope="module")
+def first_fp8_update(tmp_path_factory):
+    """One RL step of the tiny config (fp8_e2e, one minibatch): the FP8 state after the initial calibration, the
+    step's record and its train-step call."""
+    trainer = Trainer(_config(tmp_path_factory.mktemp("first_update"), steps=1))
+    calibrated = jax.device_get(trainer.state["fp8_state"])
+    calls = _spy_on_train_step(trainer)
+    record = trainer.step()
+    yield trainer, calibrated, record, calls
+    trainer.close()
+
+
+def _surrogate_grads(trainer, params, precision, fp8_state, kv_scales, minibatch):
+    """Gradient of the first update's clipped surrogate (token mean, ratio 1) over the whole minibatch."""
+    from fp8rl_jax.rl.losses import policy_loss
+    from fp8rl_jax.rl.scoring import token_logprobs
+
+    # [microbatches, sequences, T] -> [microbatches * sequences, T]
+    flat = {k: jnp.asarray(v).reshape(-1, *v.shape[2:]) for k, v in minibatch.items()}
+
+    def loss(p):
+        logp, _, _ = token_logprobs(p, flat["tokens"], config=trainer.model, precision=precision,
+                                    temperature=trainer.config.rollout.temperature, fp8_state=fp8_state,
+                                    kv_scales=kv_scales)
+        return policy_loss(logp, jax.lax.stop_gradient(logp), flat["advantages"], flat["mask"], clip_low=0.2,
+                           clip_high=0.2, loss_agg="token_mean")[0]
+
+    return jax.jit(jax.grad(loss))(params)
+
+
+def test_initial_calibration_sets_the_gradient_scales_and_the_first_update_matches_f32(first_fp8_update):
+    from fp8rl_jax.fp8.policy import Precision
+
+    trainer, calibrated, _, calls = first_fp8_update
+    for name, lin in calibrated["blocks"].items():
+        for role in ("x", "kernel", "grad"):
+            assert np.all(lin[role]["amax_history"][..., 0] > 0), (name, role)  # every block observed
+            assert np.all(lin[role]["scale"] != 1.0), (name, role)
+    state, minibatch = calls[0]["state"], calls[0]["minibatch"]
+    fp8 = _surrogate_grads(trainer, state["params"], trainer.train_precision, state["fp8_state"],
+                           state["kv_scales"], minibatch)
+    f32 = _surrogate_grads(trainer, state["params"], Precision(compute_dtype="float32"), None, None, minibatch)
+    names = [n for n in ("wqkv", "wo", "w_gate_up", "w_down") if n in f32["blocks"]]
+    got = np.concatenate([np.ravel(fp8["blocks"][n]) for n in names])
+    want = np.concatenate([np.ravel(f32["blocks"][n]) for n in names])
+    rel = np.linalg.norm(got - want) / np.linalg.norm(want)
+    flushed = np.mean((got == 0) & (want != 0))
+    print(f"first update, block weight gradients: relative error {rel:.3f} against f32, {flushed:.3f} flushed to 0")
+    # measured on CPU (xla backend): 0.072 and 0 (E5M2's 2-bit mantissa sets the floor: observed scales give 0.076);
+    # with the grad scales left at 1 it was 0.111 with 13% of the entries flushed to 0
+    assert rel < 0.09 and flushed < 0.01
+
+
+def test_one_minibatch_ratio_is_exactly_one(first_fp8_update):
+    """The old-policy logprobs are the loss's own forward (stop_gradient): not 1 + BF16 rounding (max 1.006)."""
+    trainer, _, record, calls = first_fp8_update
+    assert record["ratio_max"] == 1.0 and record["ratio_min"] == 1.0
+    assert record["clip_fraction"] == 0.0
+    assert "old_logp" not in calls[0]["minibatch"]  # no separate scoring pass feeds the step
+    # the mismatch metrics compare the rollout with the logprobs the step returned (its rows put back in order)
+    from fp8rl_jax.rl.metrics import mismatch_metrics
+
+    minibatch = calls[0]["minibatch"]
+    want = mismatch_metrics(minibatch["rollout_logp"], calls[0]["old_logp"], minibatch["mask"])
+    for name, value in want.items():
+        assert record[name] == pytest.approx(float(value), rel=1e-6, abs=1e-9), name
+
+
+def test_max_and_min_metrics_reduce_across_minibatches(tmp_path):
+    trainer = Trainer(_config(tmp_path, steps=1, **{"rl.minibatches": 2}))
+    calls = _spy_on_train_step(trainer)
+    record = trainer.step()
+    trainer.close()
+    per_minibatch = [c["metrics"] for c in calls]
+    assert len(per_minibatch) == 2
+    # the second update's ratios are against the policy before the first one: their maxima differ
+    assert per_minibatch[0]["ratio_max"] != per_minibatch[1]["ratio_max"]
+    for name in ("ratio_max", "is_weight_max"):
+        assert record[name] == pytest.approx(max(float(m[name]) for m in per_minibatch), rel=1e-6), name
+    assert record["ratio_min"] == pytest.approx(min(float(m["ratio_min"]) for m in per_minibatch), rel=1e-6)
+    assert record["ratio_mean"] == pytest.approx(np.mean([float(m["ratio_mean"]) for m in per_minibatch]), rel=1e-6)

@@ -6,9 +6,10 @@ batch of recent sequences returns every layer's amax of K and V (the forward rep
 
     kv_scale = 448 / amax / 2**margin
 
-A layer with amax 0 gets scale 1. Because the full-sequence forward (scoring and training) rounds K and V
-through the same E4M3 values when the cache is FP8, the trainer's logprobs see the same attention inputs as
-the sampler's.
+guarded like the linears' scales (``recipe.scale_from_amax``): a layer whose amax is 0 or not finite keeps its
+previous scale (1 when there is none), and a tiny amax gets the largest finite f32, never inf. Because the
+full-sequence forward (scoring and training) rounds K and V through the same E4M3 values when the cache is FP8,
+the trainer's logprobs see the same attention inputs as the sampler's.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fp8rl_jax.fp8.recipe import E4M3, fp8_max, quantize
+from fp8rl_jax.fp8.recipe import E4M3, fp8_max, quantize, scale_from_amax
 
 KvScales = dict[str, jax.Array]  # {"k": f32[L], "v": f32[L]}
 
@@ -26,11 +27,11 @@ def init_kv_scales(num_layers: int) -> KvScales:
     return {"k": jnp.ones((num_layers,), jnp.float32), "v": jnp.ones((num_layers,), jnp.float32)}
 
 
-def scales_from_amax(kv_amax: KvScales, margin: int = 0) -> KvScales:
-    def one(a):
-        return jnp.where((a > 0) & jnp.isfinite(a), fp8_max(E4M3) / a / (2.0**margin), 1.0).astype(jnp.float32)
-
-    return jax.tree.map(one, kv_amax)
+def scales_from_amax(kv_amax: KvScales, margin: int = 0, old: KvScales | None = None) -> KvScales:
+    """Per-layer ``448 / amax / 2**margin``; where an amax is 0 or not finite, the scale in ``old`` (or 1)."""
+    if old is None:
+        old = jax.tree.map(jnp.ones_like, kv_amax)
+    return jax.tree.map(lambda a, o: scale_from_amax(a, o, fp8_max(E4M3), margin), kv_amax, old)
 
 
 def quantize_kv(x: jax.Array, scale: jax.Array) -> jax.Array:

@@ -18,9 +18,10 @@ After a train step, each role's amax is pushed to the front of its history and
 
     scale = fp8_max / amax / 2**margin,   amax = max(history)  (or history[0] for ``most_recent``)
 
-A role whose amax is 0 or not finite keeps its old scale. This follows Transformer Engine's DelayedScaling
-(same formula, same meaning of margin and of the two algorithms), so the ``te`` and ``xla`` backends read one
-state and quantize alike.
+A role whose amax is 0 or not finite keeps its old scale; an amax so small that ``fp8_max / amax`` overflows f32
+(e.g. 1e-37 for E4M3) gets the largest finite f32 as its scale, never inf (``0 * inf`` would quantize zeros to
+NaN). This follows Transformer Engine's DelayedScaling (same formula, same meaning of margin and of the two
+algorithms, the same two guards), so the ``te`` and ``xla`` backends read one state and quantize alike.
 
 One state, two consumers. The state is a pytree of plain arrays beside the params, checkpointed with them.
 Only the train step changes it; rollout reads it. Rollout and the training forward therefore quantize every
@@ -51,6 +52,7 @@ E5M2 = jnp.float8_e5m2
 ROLES = ("x", "kernel", "grad")
 FORMATS = ("hybrid", "e4m3")
 AMAX_ALGOS = ("max", "most_recent")
+F32_MAX = float(jnp.finfo(jnp.float32).max)  # the scale of an amax too small for fp8_max / amax to fit in f32
 
 Fp8Meta = dict[str, jax.Array]  # {"scale": f32[], "amax_history": f32[H]}
 Fp8LinearState = dict[str, Fp8Meta]  # {"x": Fp8Meta, "kernel": Fp8Meta, "grad": Fp8Meta}
@@ -116,12 +118,21 @@ def amax(x: jax.Array) -> jax.Array:
 
 
 def scale_from_history(history: jax.Array, old_scale: jax.Array, dtype, recipe: Fp8Recipe) -> jax.Array:
-    """``fp8_max / amax / 2**margin`` over the last axis of ``history``; keeps ``old_scale`` where amax is 0/NaN."""
+    """``fp8_max / amax / 2**margin`` over the last axis of ``history``; keeps ``old_scale`` where amax is 0 or not
+    finite, and gives the largest finite f32 where the quotient overflows (a tiny positive amax)."""
     if recipe.amax_compute_algo == "max":
         a = jnp.max(history, axis=-1)
     else:
         a = history[..., 0]
-    fresh = fp8_max(dtype) / a / (2.0**recipe.margin)
+    return scale_from_amax(a, old_scale, fp8_max(dtype), recipe.margin)
+
+
+def scale_from_amax(a: jax.Array, old_scale: jax.Array | float, limit: float, margin: int = 0) -> jax.Array:
+    """``limit / a / 2**margin`` as f32, guarded as Transformer Engine guards it: ``old_scale`` where ``a`` is 0 or
+    not finite, ``F32_MAX`` where the quotient overflows to inf. Shared by the FP8 linears and the KV cache."""
+    a = jnp.asarray(a, jnp.float32)
+    fresh = jnp.float32(limit) / a / jnp.float32(2.0**margin)
+    fresh = jnp.where(jnp.isinf(fresh), F32_MAX, fresh)
     ok = (a > 0) & jnp.isfinite(a)
     return jnp.where(ok, fresh, old_scale).astype(jnp.float32)
 

@@ -12,15 +12,28 @@ r_t = exp(old_logp - rollout_logp), the clipped surrogate is reweighted by a con
 - ``mis``: sequence-level masked IS. rho = exp(mean_t log r_t), the geometric mean of the ratios; a sequence with
   rho outside [low, high] is rejected (all its weights 0), a kept one gets the token-level TIS weight
   min(r_t, cap). Departure: sequence-level masking is often stated with the product of the ratios; the geometric
-  mean is used so that one band fits every completion length.
-- ``icepop``: token-level masking (IcePop, inclusionAI's Ring-1T work): w_t = r_t when low <= r_t <= high,
-  else 0; the band is the config's ``rl.is_low`` / ``rl.is_high``, not a value fixed by the paper.
+  mean is used so that one band fits every completion length (as NeMo RL's ``seq-mask-tis`` and veRL's
+  geometric rejection sampling do).
+- ``icepop``: token-level masking (IcePop, inclusionAI's Ring-1T report): w_t = r_t when low <= r_t <= high,
+  else 0.
+
+The two masks measure different things, so they have their own bands (``rl.mis_low/mis_high`` and
+``rl.icepop_low/icepop_high``; ``MIS_BAND`` and ``ICEPOP_BAND`` below are the defaults):
+
+- MIS bounds a per-token *average*, so its band is tight: [0.999, 1.002], NeMo RL's ``seq-mask-tis`` band
+  (veRL's geometric rejection sampling defaults to 1.001 and its reciprocal). A sequence is rejected when its mean
+  log-ratio leaves [-1.0e-3, +2.0e-3] nats per token, which is the size of the FP8 rollout/trainer mismatch
+  (~1e-3 nats/token): a [0.5, 2] band (|mean log r| up to 0.69 nats/token) would never reject anything.
+- IcePop bounds single tokens, whose ratios scatter widely even when the average agrees: [0.5, 5], the band of
+  the IcePop report and of NeMo RL's ICE-POP examples: a token is dropped only when the trainer gives it less
+  than half, or more than five times, the sampler's probability.
 
 Truncation bounds the variance that a few large ratios would add; masking drops tokens or sequences whose
 mismatch is too large to correct at all. Weights are 0 on masked (padding) tokens whatever their logprobs hold.
 
 Metrics (over the mask): ``is_weight_mean``, ``is_weight_max``, ``is_clipped_fraction`` (tokens whose weight the
-cap lowered) and ``is_masked_fraction`` (tokens zeroed by ``mis`` / ``icepop``).
+cap lowered) and ``is_masked_fraction`` (tokens zeroed by ``mis`` / ``icepop``). Over microbatches and minibatches
+``is_weight_max`` combines by max, the others by mean (``metrics.reduce_metric``).
 """
 
 from __future__ import annotations
@@ -31,6 +44,8 @@ import jax.numpy as jnp
 from fp8rl_jax.rl.metrics import masked_max, masked_mean
 
 KINDS = ("none", "tis", "seq_tis", "mis", "icepop")
+MIS_BAND = (0.999, 1.002)  # geometric-mean ratio kept by ``mis`` (see above)
+ICEPOP_BAND = (0.5, 5.0)  # per-token ratio kept by ``icepop``
 
 
 def _truncate(log_r: jax.Array, cap: float) -> tuple[jax.Array, jax.Array]:
@@ -42,10 +57,16 @@ def _truncate(log_r: jax.Array, cap: float) -> tuple[jax.Array, jax.Array]:
 
 
 def is_weights(old_logp: jax.Array, rollout_logp: jax.Array, mask: jax.Array, kind: str, *, cap: float = 2.0,
-               low: float = 0.5, high: float = 2.0) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Constant IS weights ``[B, T]`` (0 on masked tokens) and their metrics, for ``[B, T]`` logprobs and mask."""
+               low: float | None = None, high: float | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Constant IS weights ``[B, T]`` (0 on masked tokens) and their metrics, for ``[B, T]`` logprobs and mask.
+
+    ``low`` / ``high``: the masking band of ``mis`` or ``icepop``; default ``MIS_BAND`` / ``ICEPOP_BAND``.
+    """
     if kind not in KINDS:
         raise ValueError(f"unknown IS correction {kind!r}; allowed: {' | '.join(KINDS)}")
+    default_low, default_high = MIS_BAND if kind == "mis" else ICEPOP_BAND
+    low = default_low if low is None else low
+    high = default_high if high is None else high
     m = mask.astype(bool)
     old = jnp.where(m, old_logp.astype(jnp.float32), 0.0)
     rollout = jnp.where(m, rollout_logp.astype(jnp.float32), 0.0)

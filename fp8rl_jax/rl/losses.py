@@ -25,7 +25,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from fp8rl_jax.rl.metrics import masked_max, masked_mean
+from fp8rl_jax.rl.metrics import masked_max, masked_mean, masked_min
 
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
 KL_ESTIMATORS = ("k1", "k3")
@@ -84,8 +84,8 @@ def policy_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array, mas
 
     Metrics are masked means over the tokens of this batch (not the ``loss_agg`` aggregation), without gradient:
     ``pg_loss`` (the IS-weighted policy-gradient term), ``clip_fraction`` (tokens whose min picks the clipped term
-    and it is strictly smaller, i.e. whose gradient the clip removes), ``ratio_mean``, ``ratio_max``, and ``kl``
-    (only when the KL term is on).
+    and it is strictly smaller, i.e. whose gradient the clip removes), ``ratio_mean``, ``ratio_max``,
+    ``ratio_min``, and ``kl`` (only when the KL term is on).
     """
     if kl_estimator not in KL_ESTIMATORS:  # checked even with KL off, so a bad config fails on the first step
         raise ValueError(f"unknown KL estimator {kl_estimator!r}; allowed: {' | '.join(KL_ESTIMATORS)}")
@@ -107,6 +107,7 @@ def policy_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array, mas
         "clip_fraction": masked_mean(clipped < unclipped, m),
         "ratio_mean": masked_mean(ratio, m),
         "ratio_max": masked_max(ratio, m),
+        "ratio_min": masked_min(ratio, m),
     }
     if ref_logp is not None and kl_coef > 0:
         kl = kl_penalty(logp, jnp.where(m, ref_logp.astype(jnp.float32), 0.0), kl_estimator)

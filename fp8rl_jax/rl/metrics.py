@@ -35,6 +35,25 @@ def masked_max(x: jax.Array, mask: jax.Array) -> jax.Array:
     return jnp.where(jnp.any(m), biggest, 0.0)
 
 
+def masked_min(x: jax.Array, mask: jax.Array) -> jax.Array:
+    """Min of ``x`` over the positions where ``mask`` is set (f32); 0 for an empty mask (a metric, not +inf)."""
+    m = mask.astype(bool)
+    smallest = jnp.min(jnp.where(m, x.astype(jnp.float32), jnp.inf))
+    return jnp.where(jnp.any(m), smallest, 0.0)
+
+
+def reduce_metric(name: str, values) -> jax.Array:
+    """Combine one metric's values over microbatches or minibatches (``values``: a stacked array or a list of
+    scalars): a ``*_max`` metric by max and a ``*_min`` metric by min (the mean of per-batch maxima is no
+    maximum), anything else by mean. Used inside the jitted train step and on the host alike."""
+    values = jnp.asarray(values)
+    if name.endswith("_max"):
+        return jnp.max(values, axis=0)
+    if name.endswith("_min"):
+        return jnp.min(values, axis=0)
+    return jnp.mean(values, axis=0)
+
+
 def mismatch_metrics(rollout_logp: jax.Array, train_logp: jax.Array, mask: jax.Array) -> dict[str, jax.Array]:
     """The mismatch metrics above as a dict of f32 scalars, over ``[B, T]`` logprobs and mask."""
     m = mask.astype(bool)

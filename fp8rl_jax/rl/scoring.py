@@ -5,6 +5,11 @@ the same FP8 state and KV scales the sampler used, so rollout and trainer differ
 
 The head runs in chunks of the sequence axis under ``jax.checkpoint``: the [B, T, V] logits are never all live
 (128k-vocab logits of a few thousand tokens are gigabytes), and the backward pass recomputes each chunk.
+
+With ``lm_head_fp8`` the head's FP8 state must not be closed over by the chunk loop: a value closed over by
+``lax.map``'s body gets the *sum* of its per-iteration cotangents, and the state's cotangent is an amax
+observation (``fp8/recipe.py``), which combines with max. Each chunk gets its own copy of the state instead
+(``_per_chunk``), and the copies' cotangents are reduced with max.
 """
 
 from __future__ import annotations
@@ -18,6 +23,24 @@ from fp8rl_jax.fp8.policy import Precision
 from fp8rl_jax.model import llama
 from fp8rl_jax.model.config import LlamaConfig
 from fp8rl_jax.rl.losses import entropy_from_logits
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _per_chunk(state, n: int):
+    """``state`` repeated along a new leading axis of size ``n``, one copy per chunk; the backward pass takes the
+    max of the copies' cotangents (amax observations, >= 0) where a broadcast would sum them."""
+    return jax.tree.map(lambda a: jnp.broadcast_to(a, (n, *a.shape)), state)
+
+
+def _per_chunk_fwd(state, n: int):
+    return _per_chunk(state, n), None
+
+
+def _per_chunk_bwd(n: int, _, cotangent):
+    return (jax.tree.map(lambda c: jnp.max(c, axis=0), cotangent),)
+
+
+_per_chunk.defvjp(_per_chunk_fwd, _per_chunk_bwd)
 
 
 def token_logprobs(
@@ -53,15 +76,20 @@ def token_logprobs(
     hidden = hidden.reshape(b, -1, c, hidden.shape[-1]).swapaxes(0, 1)
     targets = targets.reshape(b, -1, c).swapaxes(0, 1)
 
+    head_state = fp8_state.get("lm_head") if (fp8_state is not None and precision.lm_head_fp8) else None
+    if head_state is not None:
+        head_state = _per_chunk(head_state, hidden.shape[0])  # [nC, ...] per leaf
+
     @functools.partial(jax.checkpoint, prevent_cse=False)
-    def head(h, y):
-        logits = llama.logits_from_hidden(params, h, precision=precision, fp8_state=fp8_state)
+    def head(h, y, state):
+        state = None if state is None else {"lm_head": state}
+        logits = llama.logits_from_hidden(params, h, precision=precision, fp8_state=state)
         logp_all = jax.nn.log_softmax(logits / temperature, axis=-1)  # [B, C, V]
         logp = jnp.take_along_axis(logp_all, y[..., None], axis=-1)[..., 0]
         ent = entropy_from_logits(logits / temperature) if with_entropy else jnp.zeros_like(logp)
         return logp, ent
 
-    logp, ent = jax.lax.map(lambda hy: head(*hy), (hidden, targets))
+    logp, ent = jax.lax.map(lambda xs: head(*xs), (hidden, targets, head_state))
     # [nC, B, C] -> [B, T - 1]
     unchunk = lambda a: a.swapaxes(0, 1).reshape(b, -1)[:, :n]
     zero = jnp.zeros((b, 1), jnp.float32)

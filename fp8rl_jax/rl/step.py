@@ -3,7 +3,8 @@
     calibrate   FP8 amaxes and K/V amaxes of a forward pass (no update): the scales before the first rollout,
                 the rollout's scales in ``fp8_rollout`` mode, and the FP8 KV-cache scales after every update
     score       per-token logprobs under pi_T: old-policy and reference logprobs (the loss calls the same
-                ``token_logprobs`` under ``jax.grad``)
+                ``token_logprobs`` under ``jax.grad``; with one minibatch per step the old-policy logprobs are
+                the loss's own forward instead, ``old_logp_from_forward``)
     train_step  one optimizer update over a minibatch: gradient accumulation over microbatches (parameter
                 gradients summed against global normalisers, FP8 observations combined with max), the
                 IS-corrected clipped surrogate, a non-finite loss or gradient skips the update (parameters,
@@ -27,9 +28,9 @@ from fp8rl_jax.fp8.policy import Precision
 from fp8rl_jax.fp8.recipe import combine_observations, update_state
 from fp8rl_jax.model import llama
 from fp8rl_jax.model.config import LlamaConfig
-from fp8rl_jax.rl.importance import is_weights
+from fp8rl_jax.rl.importance import ICEPOP_BAND, MIS_BAND, is_weights
 from fp8rl_jax.rl.losses import policy_loss
-from fp8rl_jax.rl.metrics import masked_mean
+from fp8rl_jax.rl.metrics import masked_mean, reduce_metric
 from fp8rl_jax.rl.scoring import token_logprobs
 
 
@@ -45,15 +46,21 @@ class LossConfig:
     kl_estimator: str = "k3"
     is_correction: str = "tis"
     is_cap: float = 2.0
-    is_low: float = 0.5
-    is_high: float = 2.0
+    mis_band: tuple[float, float] = MIS_BAND
+    icepop_band: tuple[float, float] = ICEPOP_BAND
 
     @classmethod
     def from_config(cls, config) -> LossConfig:
         rl = config.rl
         return cls(temperature=config.rollout.temperature, clip_low=rl.clip_low, clip_high=rl.clip_high,
                    loss_agg=rl.loss_agg, kl_coef=rl.kl_coef, kl_estimator=rl.kl_estimator,
-                   is_correction=rl.is_correction, is_cap=rl.is_cap, is_low=rl.is_low, is_high=rl.is_high)
+                   is_correction=rl.is_correction, is_cap=rl.is_cap, mis_band=(rl.mis_low, rl.mis_high),
+                   icepop_band=(rl.icepop_low, rl.icepop_high))
+
+    @property
+    def is_band(self) -> tuple[float, float]:
+        """The masking band of the chosen correction (MIS and IcePop mask different quantities)."""
+        return self.mis_band if self.is_correction == "mis" else self.icepop_band
 
 
 def build_optimizer(optim, total_updates: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
@@ -75,11 +82,23 @@ def build_optimizer(optim, total_updates: int) -> tuple[optax.GradientTransforma
     ), schedule
 
 
-def make_calibrate(model: LlamaConfig, precision: Precision, kv_margin: int = 0):
-    """``(params, fp8_state, kv_scales, tokens) -> (fp8_observations, new_kv_scales)``, jitted.
+def make_calibrate(model: LlamaConfig, precision: Precision, kv_margin: int = 0, *, gradients: bool = False,
+                   temperature: float = 1.0, passes: int = 1):
+    """``(params, fp8_state, kv_scales, tokens) -> (fp8_observations, new_kv_scales)``.
 
-    The FP8 amaxes come out of the linears' cotangent (``recipe`` design note): the forward is pulled back with
-    a zero cotangent, so the dgrad/wgrad GEMMs are dead code and only the forward's amaxes remain.
+    The FP8 amaxes come out of the linears' cotangent (``recipe`` design note). Without ``gradients`` the forward
+    is pulled back with a zero cotangent: the dgrad/wgrad GEMMs are dead code and only the forward's amaxes
+    remain (the gradient role observes 0, which keeps its scale). With ``gradients`` (FP8 training) it is pulled
+    back with the cotangent of the mean token log-likelihood of ``tokens`` under pi_T, (onehot - p) / (T * n),
+    the size of a GRPO loss's logit gradient with unit advantages, so the gradient role is calibrated too and
+    the first update does not quantize its gradients with scale 1 (E5M2 at scale 1 flushes everything below
+    2**-16 to 0: half the weight-gradient entries of the tiny model).
+
+    ``passes`` > 1 repeats the pass with the scales of the one before (not rolled into ``fp8_state``; only the
+    last pass's observations are returned). From scale 1 every FP8 GEMM of the first pass rounds badly (weights
+    of std 0.02 are E4M3 subnormals at scale 1; small gradients underflow), so the activations, gradients and
+    K/V that reach later linears, and with them their observed amaxes, are off; the second pass sees what the
+    calibrated model computes. One pass is enough once the scales are set (the recalibration after an update).
     """
 
     def calibrate(params, fp8_state, kv_scales, tokens):
@@ -90,15 +109,33 @@ def make_calibrate(model: LlamaConfig, precision: Precision, kv_margin: int = 0)
                                                fp8_state=state, kv_scales=kv_scales)
             return logits, kv_amax
 
+        def mean_loglik(logits):
+            # position t - 1 predicts token t: [B, T - 1, V] against [B, T - 1]
+            logp = jax.nn.log_softmax(logits[:, :-1] / temperature, axis=-1)
+            return jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1))
+
         if precision.fp8:
             logits, pullback, kv_amax = jax.vjp(forward, fp8_state, has_aux=True)
-            (observations,) = pullback(jnp.zeros_like(logits))
+            cotangent = jax.grad(mean_loglik)(logits) if gradients else jnp.zeros_like(logits)
+            (observations,) = pullback(cotangent)
         else:
             _, kv_amax = forward(fp8_state)
             observations = None
-        return observations, kvq.scales_from_amax(kv_amax, kv_margin)
+        return observations, kvq.scales_from_amax(kv_amax, kv_margin, old=kv_scales)
 
-    return jax.jit(calibrate)
+    one_pass = jax.jit(calibrate)
+    if passes == 1:
+        return one_pass
+    roll = jax.jit(functools.partial(update_state, recipe=precision.recipe))
+
+    def calibrate_passes(params, fp8_state, kv_scales, tokens):
+        for _ in range(passes - 1):
+            observations, new_kv_scales = one_pass(params, fp8_state, kv_scales, tokens)
+            fp8_state = roll(fp8_state, observations) if precision.fp8 else fp8_state
+            kv_scales = new_kv_scales if precision.kv_fp8 else kv_scales
+        return one_pass(params, fp8_state, kv_scales, tokens)
+
+    return calibrate_passes
 
 
 def make_score(model: LlamaConfig, precision: Precision, temperature: float):
@@ -113,11 +150,17 @@ def make_score(model: LlamaConfig, precision: Precision, temperature: float):
 
 
 def make_train_step(model: LlamaConfig, precision: Precision, optimizer: optax.GradientTransformation,
-                    loss_cfg: LossConfig):
+                    loss_cfg: LossConfig, *, old_logp_from_forward: bool = False):
     """``(state, minibatch) -> (state, metrics)``, jitted, state donated.
 
     ``minibatch`` arrays are [microbatches, sequences, T] (``advantages`` [microbatches, sequences]):
     ``tokens``, ``mask`` (completion tokens), ``old_logp``, ``rollout_logp``, optional ``ref_logp``.
+
+    ``old_logp_from_forward`` (one minibatch per RL step, so the update's parameters *are* the old policy): the
+    old-policy logprobs are ``stop_gradient`` of the loss's own forward, not a separate scoring program's, so the
+    surrogate's ratio is exactly 1 (two XLA programs of one function differ by BF16 rounding) and no scoring
+    pass is needed. ``minibatch`` then needs no ``old_logp``, and the step returns ``(state, metrics,
+    old_logp [microbatches, sequences, T])`` for the IS weights' and the mismatch metrics' record.
     """
     c = loss_cfg
 
@@ -125,15 +168,16 @@ def make_train_step(model: LlamaConfig, precision: Precision, optimizer: optax.G
         logp, entropy, _ = token_logprobs(params, mb["tokens"], config=model, precision=precision,
                                           temperature=c.temperature, fp8_state=fp8_state, kv_scales=kv_scales,
                                           with_entropy=True)
-        weights, is_metrics = is_weights(mb["old_logp"], mb["rollout_logp"], mb["mask"], c.is_correction,
-                                         cap=c.is_cap, low=c.is_low, high=c.is_high)
+        old_logp = jax.lax.stop_gradient(logp) if old_logp_from_forward else mb["old_logp"]
+        weights, is_metrics = is_weights(old_logp, mb["rollout_logp"], mb["mask"], c.is_correction,
+                                         cap=c.is_cap, low=c.is_band[0], high=c.is_band[1])
         loss, metrics = policy_loss(
-            logp, mb["old_logp"], mb["advantages"], mb["mask"], clip_low=c.clip_low, clip_high=c.clip_high,
+            logp, old_logp, mb["advantages"], mb["mask"], clip_low=c.clip_low, clip_high=c.clip_high,
             loss_agg=c.loss_agg, is_weights=weights, ref_logp=mb.get("ref_logp"), kl_coef=c.kl_coef,
             kl_estimator=c.kl_estimator, num_tokens=num_tokens, num_sequences=num_sequences,
         )
         metrics = {**metrics, **is_metrics, "entropy": masked_mean(jax.lax.stop_gradient(entropy), mb["mask"])}
-        return loss, metrics
+        return loss, (metrics, old_logp)
 
     grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)
 
@@ -144,13 +188,14 @@ def make_train_step(model: LlamaConfig, precision: Precision, optimizer: optax.G
 
         def micro(carry, mb):
             grads, observed, loss = carry
-            (mb_loss, metrics), (g, obs) = grad_fn(params, fp8_state, kv_scales, mb, num_tokens, num_sequences)
+            (mb_loss, (metrics, old_logp)), (g, obs) = grad_fn(params, fp8_state, kv_scales, mb, num_tokens,
+                                                               num_sequences)
             grads = jax.tree.map(jnp.add, grads, g)
             observed = combine_observations(observed, obs) if precision.fp8 else observed
-            return (grads, observed, loss + mb_loss), metrics
+            return (grads, observed, loss + mb_loss), (metrics, old_logp if old_logp_from_forward else None)
 
         zeros = jax.tree.map(jnp.zeros_like, (params, fp8_state))
-        (grads, observed, loss), metrics = jax.lax.scan(micro, (*zeros, jnp.float32(0)), minibatch)
+        (grads, observed, loss), (metrics, old_logp) = jax.lax.scan(micro, (*zeros, jnp.float32(0)), minibatch)
         grad_norm = optax.tree.norm(grads) if hasattr(optax, "tree") else optax.global_norm(grads)
 
         updates, opt_state = optimizer.update(grads, state["opt_state"], params)
@@ -164,8 +209,9 @@ def make_train_step(model: LlamaConfig, precision: Precision, optimizer: optax.G
         # a non-finite step changes nothing (params, optimizer moments, FP8 histories)
         new = jax.tree.map(functools.partial(jnp.where, finite), new, state)
         new["step"] = state["step"]
-        metrics = jax.tree.map(jnp.mean, metrics)  # microbatch means (token-weighted values come from the loss)
+        # over microbatches: means of means (token-weighted values come from the loss), max of maxima, min of minima
+        metrics = {name: reduce_metric(name, values) for name, values in metrics.items()}
         metrics.update(loss=loss, grad_norm=grad_norm, finite=finite)
-        return new, metrics
+        return (new, metrics, old_logp) if old_logp_from_forward else (new, metrics)
 
     return jax.jit(train_step, donate_argnums=(0,))

@@ -1,15 +1,18 @@
 """Delayed scaling by hand: how histories roll and scales follow fp8_max / amax / 2**margin."""
 
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
+from fp8rl_jax.fp8 import kv as kvq
 from fp8rl_jax.fp8.recipe import (
     E4M3,
     E5M2,
     Fp8Recipe,
     combine_observations,
     init_linear_state,
+    quantize,
     update_meta,
     update_state,
 )
@@ -73,3 +76,37 @@ def test_recipe_rejects_bad_values():
         Fp8Recipe(fp8_format="e5m2")
     with pytest.raises(ValueError, match="amax_compute_algo"):
         Fp8Recipe(amax_compute_algo="mean")
+
+
+F32_MAX = np.finfo(np.float32).max
+
+
+@pytest.mark.parametrize("amax, dtype, margin", [
+    (1e-37, E4M3, 0),  # a normal f32: 448 / 1e-37 = 4.5e39 overflows f32
+    (1e-35, E5M2, 0),  # 57344 / 1e-35 = 5.7e39
+    (2e-38, E4M3, 2),  # 448 / 2e-38 overflows before the margin divides it
+    (1e-45, E4M3, 0),  # the smallest subnormal (platforms that flush it to 0 keep the old scale instead)
+])
+def test_tiny_amax_gives_the_largest_finite_scale_and_zeros_stay_zero(amax, dtype, margin):
+    r = Fp8Recipe(amax_history_len=2, margin=margin)
+    m = _observe({"scale": jnp.float32(5.0), "amax_history": jnp.zeros(2)}, amax, dtype, r)
+    scale = float(m["scale"])
+    flushed = float(jnp.float32(amax) > 0) == 0.0  # a subnormal amax the platform treats as 0
+    assert scale == (5.0 if flushed else F32_MAX)
+    q = np.asarray(quantize(jnp.asarray([0.0, -0.0, amax, 1.0, -3.0]), m["scale"], dtype).astype(jnp.float32))
+    assert np.all(np.isfinite(q)), q  # 0 * inf was NaN
+    limit = float(ml_dtypes.finfo(dtype).max)
+    np.testing.assert_array_equal(q[[0, 1, 3, 4]], [0.0, 0.0, limit if not flushed else 5.0,
+                                                    -limit if not flushed else -15.0])
+
+
+def test_kv_scales_are_guarded_like_the_linears():
+    # layers: tiny (overflowing quotient), 0, inf, NaN, 2 (ordinary: 448 / 2 / 2**1)
+    amax = jnp.asarray([1e-37, 0.0, np.inf, np.nan, 2.0], jnp.float32)
+    old = jnp.asarray([3.0, 4.0, 5.0, 6.0, 7.0], jnp.float32)
+    no_old = kvq.scales_from_amax({"k": amax, "v": amax})  # no previous scales: 1
+    np.testing.assert_array_equal(no_old["k"], [F32_MAX, 1.0, 1.0, 1.0, 224.0])
+    got = kvq.scales_from_amax({"k": amax, "v": amax}, margin=1, old={"k": old, "v": old})
+    np.testing.assert_array_equal(got["k"], [F32_MAX, 4.0, 5.0, 6.0, 112.0])
+    np.testing.assert_array_equal(got["v"], got["k"])
+    assert np.all(np.asarray(kvq.quantize_kv(jnp.zeros(3), got["k"][0]).astype(jnp.float32)) == 0.0)

@@ -86,3 +86,66 @@ def test_jits_with_static_kind(kind):
 def test_unknown_kind():
     with pytest.raises(ValueError, match=r"'ppo_is'.*none \| tis"):
         is_weights(OLD, ROLLOUT, MASK, "ppo_is")
+
+
+# FP8-sized mismatch: per-token log-ratios around 1e-3 nats. Three sequences of 4 tokens whose mean log-ratios
+# are +3e-3 (rho = e^.003 = 1.0030 > 1.002), -5e-4 (rho = 0.9995, inside) and -1.5e-3 (rho = 0.9985 < 0.999).
+FP8_LOG_RATIOS = np.array([[0.004, 0.002, 0.001, 0.005], [0.001, -0.002, 0.0, -0.001],
+                           [-0.003, 0.0, -0.002, -0.001]])
+
+
+def test_default_mis_band_rejects_fp8_sized_sequence_mismatch():
+    rollout = jnp.full((3, 4), -1.0)
+    old = rollout + jnp.asarray(FP8_LOG_RATIOS, jnp.float32)
+    mask = jnp.ones((3, 4))
+    w, m = is_weights(old, rollout, mask, "mis")  # default band MIS_BAND = [0.999, 1.002]
+    np.testing.assert_allclose(w[0], 0.0)
+    np.testing.assert_allclose(w[1], np.exp(FP8_LOG_RATIOS[1]), rtol=1e-6)  # kept: token weights r_t (< cap)
+    np.testing.assert_allclose(w[2], 0.0)
+    np.testing.assert_allclose(m["is_masked_fraction"], 8 / 12, rtol=1e-6)
+    # the former shared band [0.5, 2] keeps everything at this mismatch level
+    _, wide = is_weights(old, rollout, mask, "mis", low=0.5, high=2.0)
+    assert float(wide["is_masked_fraction"]) == 0.0
+
+
+def test_default_icepop_band_is_half_to_five():
+    # per-token ratios: 0.4 and 6 leave [0.5, 5]; 0.5, 4 and 5 stay (4 would be dropped by [0.5, 2])
+    ratios = jnp.asarray([[0.4, 0.5, 4.0, 5.0, 6.0]])
+    rollout = jnp.full((1, 5), -2.0)
+    w, m = is_weights(rollout + jnp.log(ratios), rollout, jnp.ones((1, 5)), "icepop")
+    np.testing.assert_allclose(w, [[0.0, 0.5, 4.0, 5.0, 0.0]], rtol=1e-5)
+    np.testing.assert_allclose(m["is_masked_fraction"], 2 / 5, rtol=1e-6)
+
+
+def test_config_bands_are_the_documented_defaults_and_reach_the_loss():
+    from fp8rl_jax.rl.importance import ICEPOP_BAND, MIS_BAND
+    from fp8rl_jax.rl.step import LossConfig
+
+    c = config.base_config()
+    assert (c.rl.mis_low, c.rl.mis_high) == MIS_BAND == (0.999, 1.002)
+    assert (c.rl.icepop_low, c.rl.icepop_high) == ICEPOP_BAND == (0.5, 5.0)
+    with c.unlocked():
+        c.rl.mis_low, c.rl.mis_high, c.rl.icepop_low, c.rl.icepop_high = 0.99, 1.01, 0.25, 8.0
+        c.rl.is_correction = "mis"
+        assert LossConfig.from_config(c).is_band == (0.99, 1.01)
+        c.rl.is_correction = "icepop"
+        assert LossConfig.from_config(c).is_band == (0.25, 8.0)
+
+
+@pytest.mark.parametrize("key, value", [("top_p", 0.9), ("top_k", 50)])
+def test_training_refuses_truncated_sampling(key, value):
+    c = config.base_config()
+    c.rollout[key] = value
+    with pytest.raises(config.ConfigError, match=rf"config\.rollout\.{key}={value}.*untruncated.*importance weights"):
+        config.validate(c)
+    config.validate(c, training=False)  # serving / display sampling may truncate
+
+
+@pytest.mark.parametrize("key, value", [("mis_low", 1.0), ("mis_high", 0.9995), ("icepop_low", -0.1),
+                                        ("icepop_high", 1.0)])
+def test_bad_bands_are_named(key, value):
+    c = config.base_config()
+    c.rl[key] = value
+    band = key.split("_")[0]
+    with pytest.raises(config.ConfigError, match=rf"config\.rl\.{band}_low/rl\.{band}_high"):
+        config.validate(c)

@@ -144,6 +144,7 @@ def test_metrics_over_a_batch():
     np.testing.assert_allclose(m["clip_fraction"], 3 / 5, rtol=1e-6)
     np.testing.assert_allclose(m["ratio_mean"], (1.5 + 0.5 + 1.5 + 0.5 + 1.25) / 5, rtol=1e-6)
     np.testing.assert_allclose(m["ratio_max"], 1.5, rtol=1e-6)
+    np.testing.assert_allclose(m["ratio_min"], 0.5, rtol=1e-6)
     assert "kl" not in m
 
 

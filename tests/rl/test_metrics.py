@@ -5,7 +5,7 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-from fp8rl_jax.rl.metrics import masked_max, masked_mean, mismatch_metrics
+from fp8rl_jax.rl.metrics import masked_max, masked_mean, masked_min, mismatch_metrics, reduce_metric
 
 LN2 = math.log(2.0)
 
@@ -73,3 +73,15 @@ def test_against_float64_numpy():
     }
     for key, value in want.items():
         np.testing.assert_allclose(m[key], value, rtol=1e-4, atol=1e-6, err_msg=key)
+
+
+def test_masked_min_and_metric_reduction_by_name():
+    x = jnp.array([[1.0, -5.0, -jnp.inf], [2.0, jnp.nan, -1e9]])
+    mask = jnp.array([[1, 1, 0], [1, 0, 0]])
+    assert float(masked_min(x, mask)) == -5.0
+    assert float(masked_min(x, jnp.zeros_like(mask))) == 0.0
+    per_batch = [1.5, 1.25, 1.375]  # exact in f32
+    assert float(reduce_metric("ratio_max", per_batch)) == 1.5
+    assert float(reduce_metric("ratio_min", per_batch)) == 1.25
+    np.testing.assert_allclose(reduce_metric("ratio_mean", per_batch), 4.125 / 3, rtol=1e-6)
+    np.testing.assert_allclose(reduce_metric("is_weight_max", jnp.asarray([[1.0, 3.0], [2.0, 0.5]])), [2.0, 3.0])

@@ -1,0 +1,111 @@
+"""The jitted pieces of the RL step on a tiny random model: metric reductions over microbatches, the loss's own
+old-policy logprobs, and the calibration of the gradient role."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from fp8rl_jax.fp8 import kv as kvq
+from fp8rl_jax.fp8.policy import Precision
+from fp8rl_jax.model import llama
+from fp8rl_jax.model.config import preset
+from fp8rl_jax.rl.step import LossConfig, make_calibrate, make_score, make_train_step
+
+CONFIG = preset("tiny")
+F32 = Precision(compute_dtype="float32")  # no FP8, f32 GEMMs: the score and the loss agree to ~1e-7
+
+
+@pytest.fixture(scope="module")
+def params():
+    return llama.init_params(CONFIG, jax.random.PRNGKey(0))
+
+
+def _state(params, optimizer, precision=F32):
+    params = jax.tree.map(jnp.copy, params)  # the train step donates its state
+    return {"params": params, "opt_state": optimizer.init(params),
+            "fp8_state": llama.init_fp8_state(CONFIG, precision) if precision.fp8 else {},
+            "kv_scales": kvq.init_kv_scales(CONFIG.num_layers), "rng": jax.random.PRNGKey(0), "step": jnp.int32(0)}
+
+
+def _tokens(shape, seed=1):
+    return jax.random.randint(jax.random.PRNGKey(seed), shape, 0, CONFIG.vocab_size)
+
+
+def test_max_and_min_metrics_reduce_by_max_and_min_over_microbatches(params):
+    # 2 microbatches x 2 sequences x 8 tokens; the completion is tokens 4..7 (4 per sequence)
+    tokens = _tokens((4, 8))
+    mask = np.zeros((4, 8), np.float32)
+    mask[:, 4:] = 1
+    logp = np.asarray(make_score(CONFIG, F32, 1.0)(params, None, None, tokens))
+    # per-token ratios r = exp(logp - old): microbatch 0 spans [0.9, 1.5], microbatch 1 spans [0.7, 1.2]; IS
+    # weights w = exp(old - rollout) (TIS, cap 2): microbatch 0 peaks at 1.8, microbatch 1 at 1.3
+    ratio = np.ones((4, 8))
+    ratio[0, 4:] = [1.5, 0.9, 1.0, 1.1]
+    ratio[3, 4:] = [1.2, 0.7, 1.0, 1.0]
+    weight = np.ones((4, 8))
+    weight[1, 5] = 1.8
+    weight[2, 6] = 1.3
+    old = logp - np.log(ratio)
+    rollout = old - np.log(weight)
+    minibatch = {"tokens": tokens, "mask": mask, "old_logp": old, "rollout_logp": rollout,
+                 "advantages": np.asarray([1.0, -1.0, 0.5, -0.5], np.float32)}
+    minibatch = {k: jnp.asarray(v, jnp.float32 if k != "tokens" else jnp.int32).reshape(2, 2, *v.shape[1:])
+                 for k, v in minibatch.items()}
+    optimizer = optax.sgd(0.0)
+    step = make_train_step(CONFIG, F32, optimizer, LossConfig(is_correction="tis", is_cap=2.0))
+    _, metrics = step(_state(params, optimizer), minibatch)
+    # means of the per-microbatch maxima would be 1.35, 1.55 and 0.8
+    np.testing.assert_allclose(metrics["ratio_max"], 1.5, rtol=1e-5)
+    np.testing.assert_allclose(metrics["is_weight_max"], 1.8, rtol=1e-5)
+    np.testing.assert_allclose(metrics["ratio_min"], 0.7, rtol=1e-5)
+    # a mean stays a mean of the microbatch means: (mean of mb 0's 8 ratios + mean of mb 1's 8) / 2
+    np.testing.assert_allclose(metrics["ratio_mean"], ((4 + 4.5) / 8 + (4 + 3.9) / 8) / 2, rtol=1e-5)
+
+
+def test_old_logp_from_forward_makes_the_ratio_exactly_one(params):
+    # old_logp deliberately far off: the option must ignore it (no such key is needed at all)
+    tokens = _tokens((4, 12), seed=2)
+    mask = jnp.zeros((4, 12)).at[:, 6:].set(1.0)
+    rollout = jnp.asarray(make_score(CONFIG, F32, 1.0)(params, None, None, tokens)) - 0.01  # IS weights e^.01
+    minibatch = {"tokens": tokens, "mask": mask, "rollout_logp": rollout,
+                 "advantages": jnp.asarray([1.0, -1.0, 2.0, 0.0])}
+    minibatch = jax.tree.map(lambda a: a.reshape(2, 2, *a.shape[1:]), minibatch)
+    optimizer = optax.sgd(0.1)
+    step = make_train_step(CONFIG, F32, optimizer, LossConfig(), old_logp_from_forward=True)
+    state = _state(params, optimizer)
+    new, metrics, old_logp = step(state, minibatch)
+    assert float(metrics["ratio_max"]) == 1.0 and float(metrics["ratio_min"]) == 1.0
+    assert float(metrics["clip_fraction"]) == 0.0
+    np.testing.assert_allclose(metrics["is_weight_max"], math.exp(0.01), rtol=1e-5)
+    # the returned logprobs are the forward's: the separate scoring program agrees to f32 rounding
+    scored = make_score(CONFIG, F32, 1.0)(params, None, None, tokens)
+    np.testing.assert_allclose(np.asarray(old_logp).reshape(4, 12)[:, 1:], scored[:, 1:], atol=1e-5)
+    # and the gradient still flows through the live logprobs (ratio 1 has gradient d ratio = d logp)
+    moved = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), new["params"], params)
+    assert max(jax.tree.leaves(moved)) > 0
+
+
+def test_initial_calibration_observes_every_gradient_role(params):
+    precision = Precision(backend="xla", lm_head_fp8=True)
+    fp8_state = llama.init_fp8_state(CONFIG, precision)
+    tokens = _tokens((4, 16), seed=3)
+    kv = kvq.init_kv_scales(CONFIG.num_layers)
+    forward_only, _ = make_calibrate(CONFIG, precision)(params, fp8_state, kv, tokens)
+    observed, _ = make_calibrate(CONFIG, precision, gradients=True, temperature=0.7, passes=2)(
+        params, fp8_state, kv, tokens)
+    for (path, got), (_, zero_cotangent) in zip(jax.tree_util.tree_leaves_with_path(observed),
+                                                jax.tree_util.tree_leaves_with_path(forward_only), strict=True):
+        name = jax.tree_util.keystr(path)
+        if "amax_history" not in name:
+            continue
+        assert np.all(np.asarray(got)[..., 0] > 0), name  # every linear, every role, every layer
+        if "grad" in name:
+            assert np.all(np.asarray(zero_cotangent) == 0), name  # a zero cotangent observes nothing
+    # the head's gradient is d mean(logp) / d logits = (onehot - p) / (T n), n = 4 * 15 predicted positions:
+    # at most (1 - p) / (0.7 * 60) < 1 / 42
+    head_grad = float(observed["lm_head"]["grad"]["amax_history"][0])
+    assert 0.5 / 42 < head_grad < 1 / 42
