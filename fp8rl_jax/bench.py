@@ -310,7 +310,7 @@ def bench_agreement(num: int, completion_tokens: int, precisions: list[str]) -> 
     from fp8rl_jax.data.gsm8k import default_gsm8k_path, load_gsm8k
     from fp8rl_jax.fp8 import kv as kvq
     from fp8rl_jax.fp8.policy import Precision
-    from fp8rl_jax.fp8.prequant import rollout_params
+    from fp8rl_jax.rollout.weights import rollout_params
     from fp8rl_jax.fp8.recipe import update_state
     from fp8rl_jax.model import assets, llama, weights
     from fp8rl_jax.model.tokenizer import Tokenizer
