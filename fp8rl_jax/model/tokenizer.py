@@ -41,7 +41,7 @@ class Tokenizer:
         extra_eos_tokens: Sequence[str] = (),
     ):
         self.backend = backend
-        self.bos_token, self.eos_token = bos_token, eos_token
+        self.bos_token, self.eos_token, self.pad_token = bos_token, eos_token, pad_token
         self.add_bos = add_bos
         self.chat_template = chat_template
         self.bos_id = self._id(bos_token)
@@ -133,10 +133,32 @@ class Tokenizer:
         return cls.from_folder(cache)
 
     def save(self, folder: str | os.PathLike) -> None:
+        """``tokenizer.json`` and ``tokenizer_config.json`` that ``from_folder`` and transformers' ``AutoTokenizer``
+        both load and that encode like this tokenizer: transformers' ``tokenizer(text)`` adds BOS exactly when
+        ``encode(text)`` does (a post-processor written into ``tokenizer.json``), ``apply_chat_template`` renders
+        the same template. (A character tokenizer's out-of-vocabulary error is the backend's own there.)"""
+        from tokenizers import Tokenizer as Backend
+        from tokenizers import processors
+
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
-        self.backend.save(str(folder / "tokenizer.json"))
-        meta = {"bos_token": self.bos_token, "eos_token": self.eos_token, "add_bos_token": self.add_bos}
+        backend = Backend.from_str(self.backend.to_str())  # a copy: the post-processor changes for transformers
+        if self.add_bos and self.bos_id is not None:
+            bos = (self.bos_token, self.bos_id)
+            backend.post_processor = processors.TemplateProcessing(
+                single=f"{bos[0]} $A", pair=f"{bos[0]} $A {bos[0]} $B:1", special_tokens=[bos])
+        elif backend.post_processor is not None and backend.post_processor.num_special_tokens_to_add(False):
+            backend.post_processor = None  # it would add tokens that ``encode`` never adds
+        backend.save(str(folder / "tokenizer.json"))
+        meta = {
+            "tokenizer_class": "PreTrainedTokenizerFast",  # tokenizer.json as it is, whatever the architecture
+            "bos_token": self.bos_token,
+            "eos_token": self.eos_token,
+            "pad_token": self.pad_token,
+            "add_bos_token": self.add_bos,
+            "clean_up_tokenization_spaces": False,  # decode as the backend does, like ``decode``
+        }
+        meta = {key: value for key, value in meta.items() if value is not None}
         if self.chat_template:
             meta["chat_template"] = self.chat_template
         (folder / "tokenizer_config.json").write_text(json.dumps(meta, indent=2))
