@@ -2,16 +2,39 @@
 
 import json
 
-from fp8rl_jax import bench
+from fp8rl_jax.bench.__main__ import main
 
 
 def test_gemm_and_rollout_benchmarks_smoke(tmp_path):
-    bench.main(["gemm", "--smoke", "--out", str(tmp_path / "g.json")])
+    main(["gemm", "--smoke", "--out", str(tmp_path / "g.json")])
     rows = json.loads((tmp_path / "g.json").read_text())
     assert {"bf16", "xla_fp8", "xla_fp8_prequant", "xla_fp8_fwd_bwd"} <= {r["path"] for r in rows}
     assert all(r["us"] > 0 and set(r) >= {"M", "K", "N", "path", "us", "tflops", "weight_tbps"} for r in rows)
 
-    bench.main(["rollout", "--smoke", "--out", str(tmp_path / "r.json")])
+    main(["rollout", "--smoke", "--out", str(tmp_path / "r.json")])
     rows = json.loads((tmp_path / "r.json").read_text())
     assert [r["mode"] for r in rows] == ["bf16", "fp8", "fp8_kv"]
     assert all(r["tokens_per_s"] > 0 and 0 < r["hbm_bound_fraction"] for r in rows)
+
+
+def test_agreement_rollout_path_equals_scoring_in_f32():
+    """The teacher-forced rollout engine (prefill in a bucket, then one token per step) against the scoring forward:
+    equal to float rounding in f32, apart under FP8 (the numbers ``bench agreement`` reports)."""
+    import jax
+    import numpy as np
+
+    from fp8rl_jax.bench.agreement import bench_agreement
+    from fp8rl_jax.fp8.policy import Precision
+    from fp8rl_jax.model import llama
+    from fp8rl_jax.model.config import preset
+
+    model = preset("tiny")
+    params = llama.init_params(model, jax.random.PRNGKey(0), std=0.1)
+    rng = np.random.RandomState(0)
+    sequences = [(rng.randint(3, model.vocab_size, n).tolist(), rng.randint(3, model.vocab_size, 6).tolist())
+                 for n in (5, 17)]  # prompts in the 16 and 32 buckets
+    rows = bench_agreement(model, params, sequences,
+                           {"f32": Precision(compute_dtype="float32"), "fp8": Precision(backend="xla")})
+    assert [r["precision"] for r in rows] == ["f32", "fp8"] and rows[0]["tokens"] == 12
+    assert rows[0]["decode_vs_full_max"] < 1e-4 and rows[0]["vs_f32_mean"] == 0
+    assert rows[1]["vs_f32_mean"] > 1e-3

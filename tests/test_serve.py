@@ -8,6 +8,7 @@ ends a stream on a stop token without sending it).
 """
 
 import concurrent.futures
+import logging
 import os
 import signal
 import subprocess
@@ -23,11 +24,11 @@ import grpc  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import portpicker  # noqa: E402
+from jetstream.core.proto import jetstream_pb2, jetstream_pb2_grpc  # noqa: E402
 
 from fp8rl_jax import serve  # noqa: E402
 from fp8rl_jax.config import load_config_file  # noqa: E402
 from fp8rl_jax.rollout import driver  # noqa: E402
-from fp8rl_jax.serve import jetstream_pb2, jetstream_pb2_grpc  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SLOTS, MAX_NEW = 4, 12
@@ -78,15 +79,40 @@ def _expected(handle, prompt_ids, max_tokens=MAX_NEW) -> list[int]:
     return out
 
 
-def test_shims_and_protos():
-    import seqio
+def test_protos_and_seqio_stand_in():
+    serve.install_jetstream_compat()
+    from jetstream.engine import token_utils
 
-    assert jax.tree_map(lambda x: x + 1, {"a": 1}) == {"a": 2}  # what the orchestrator calls to free prefixes
-    if not hasattr(seqio, "__file__"):  # our stand-in: usable by JetStream's imports, loud if actually used
+    try:
+        import seqio  # noqa: F401
+    except ImportError:  # our stand-in, seen only by JetStream's module: fine for its imports, loud if used
         with pytest.raises(RuntimeError, match="seqio is not installed"):
-            seqio.vocabularies.SentencePieceVocabulary("spm.model")
+            token_utils.SentencePieceVocabulary("spm.model")
     request = _tokens([1, 2, 3], max_tokens=5)
     assert jetstream_pb2.DecodeRequest.FromString(request.SerializeToString()) == request
+
+
+def test_import_alone_changes_nothing_and_install_stays_scoped():
+    """``import fp8rl_jax.serve`` touches no global; the JetStream compat (what ``build_server`` installs) leaves
+    ``jax``, ``sys.modules`` and the root logger as they were, and moves JetStream's log lines off the root."""
+    code = """if True:
+        import logging, sys
+        import jax
+        root = logging.getLogger()
+        before = (root.level, list(root.handlers), hasattr(jax, "tree_map"), "seqio" in sys.modules)
+        import fp8rl_jax.serve as serve
+        assert not [m for m in sys.modules if m.split(".")[0] in ("jetstream", "seqio")], "JetStream imported"
+        assert (root.level, list(root.handlers), hasattr(jax, "tree_map"), "seqio" in sys.modules) == before
+        serve.install_jetstream_compat()
+        serve.install_jetstream_compat()  # idempotent
+        from jetstream.core import orchestrator
+        assert (root.level, list(root.handlers), hasattr(jax, "tree_map"), "seqio" in sys.modules) == before
+        assert orchestrator.logging.getLogger is logging.getLogger  # everything but the log calls is logging's
+        assert logging.getLogger("jetstream").level == logging.WARNING
+        print("ok")
+    """
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
 
 
 def test_tokenizer_pads_to_buckets(server):
@@ -149,6 +175,44 @@ def test_malformed_request_is_rejected_and_server_keeps_serving(server, request_
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert detail in error.value.details()
     assert _decode(stub, _text("bfca:"))[0] == _expected(handle, [handle.tokenizer.encode("bfca:")])[0]
+
+
+@pytest.mark.parametrize("body", [b"\xff\xff\xff\xff", b"\x0a\x05ab"], ids=["bad_varint", "truncated"])
+def test_corrupt_request_body_is_invalid_argument(server, body):
+    """A body that is no DecodeRequest at all: INVALID_ARGUMENT naming the message, not UNKNOWN."""
+    handle, stub, _ = server
+    with grpc.insecure_channel(f"127.0.0.1:{handle.port}") as channel:
+        decode = channel.unary_stream("/jetstream_proto.Orchestrator/Decode")  # raw bytes in and out
+        with pytest.raises(grpc.RpcError) as error:
+            list(decode(body, timeout=30))
+        health = channel.unary_unary("/jetstream_proto.Orchestrator/HealthCheck")
+        with pytest.raises(grpc.RpcError) as health_error:
+            health(body, timeout=30)
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT, error.value
+    assert "not a valid jetstream_proto.DecodeRequest" in error.value.details()
+    assert health_error.value.code() == grpc.StatusCode.INVALID_ARGUMENT, health_error.value
+    assert _decode(stub, _text("bfca:"))[0] == _expected(handle, [handle.tokenizer.encode("bfca:")])[0]
+
+
+def test_second_server_on_the_same_port_fails(server):
+    """gRPC's default SO_REUSEPORT would let a second server bind the port and take part of the traffic."""
+    handle, stub, _ = server
+    config = load_config_file(str(ROOT / "configs/tiny.py"), "bf16")
+    threads = set(threading.enumerate())
+    with pytest.raises(OSError, match=f"port {handle.port} is in use"):
+        serve.build_server(config, port=handle.port, greedy=True, max_concurrent_decodes=2, max_new_tokens=4)
+    assert [t.name for t in set(threading.enumerate()) - threads if not t.daemon] == []  # nothing left running
+    assert stub.HealthCheck(jetstream_pb2.HealthCheckRequest(), timeout=30).is_live
+
+
+def test_jetstream_logs_nothing_per_step_at_info(server, caplog):
+    """JetStream logs each decode step (and detokenize step) at INFO on the root logger; those now go to the
+    ``jetstream`` loggers, at WARNING, so a root logger at INFO (a notebook, absl) stays quiet."""
+    handle, stub, _ = server
+    caplog.set_level(logging.INFO)
+    assert _decode(stub, _text("bfca:"))[0]
+    jetstream_records = [r for r in caplog.records if f"{os.sep}jetstream{os.sep}" in r.pathname]
+    assert jetstream_records == [], [r.getMessage() for r in jetstream_records][:5]
 
 
 @pytest.mark.parametrize("method", ["prefill", "insert", "generate"])

@@ -1,2 +1,2 @@
-"""Prompt data: GSM8K (``gsm8k``), the synthetic tasks and their character tokenizer (``synthetic``), and the
+"""Prompt data: GSM8K (``gsm8k``), the synthetic tasks (``synthetic``), and the
 checkpointable grain pipeline that turns problems into prompt token ids (``prompts``)."""

@@ -1,4 +1,5 @@
-"""Synthetic tasks for runs with no model download: ``arithmetic`` and ``pattern``, plus their character tokenizer.
+"""Synthetic tasks for runs with no model download: ``arithmetic`` and ``pattern`` (their character tokenizer is
+``fp8rl_jax.model.tokenizer.char_tokenizer``).
 
 Problems come from ``numpy.random.default_rng([seed, split])``, one after another, forever: the same seed and
 split give the same problems; train and test are different streams.
@@ -26,23 +27,17 @@ Why a 2-layer d=64 model learns it from reward alone in ~30 GRPO steps (8 prompt
 from __future__ import annotations
 
 import itertools
-import string
 from collections.abc import Iterator
 
 import numpy as np
 
 from fp8rl_jax.data.gsm8k import Problem
-from fp8rl_jax.model.tokenizer import Tokenizer
 
 TASKS = ("arithmetic", "pattern")
 SPLITS = ("train", "test")
 PATTERN_POOL = "abcdefgh"
 PATTERN_LETTERS = 4
 PATTERN_WINDOW = 8
-
-SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>")
-CHARS = string.digits + string.ascii_lowercase + "+-=*: ?.,#\n"
-_KNOWN_CHARS = frozenset(CHARS)
 
 
 def arithmetic_problem(rng: np.random.Generator, digits: int = 2) -> tuple[str, str]:
@@ -83,38 +78,3 @@ def iter_problems(task: str, seed: int, split: str = "train", **kw) -> Iterator[
 def synthetic_problems(task: str, seed: int, count: int, split: str = "train", **kw) -> list[Problem]:
     """The first ``count`` problems of ``iter_problems(task, seed, split)``."""
     return list(itertools.islice(iter_problems(task, seed, split, **kw), count))
-
-
-def char_tokenizer() -> Tokenizer:
-    """One token per character over ``<pad> <bos> <eos>``, digits, lowercase letters and ``+-=*: ?.,#\\n``.
-
-    A real ``tokenizers`` WordLevel model (so it saves, loads and batch-encodes like any other). A character
-    outside the vocabulary raises ValueError naming it (there is no ``<unk>``: the synthetic tasks never produce
-    one, and a silent unknown token would hide a prompt bug). Prompts start with ``<bos>``, an attention sink for
-    the tiny model. Ids past the vocabulary (a model head wider than 50) decode to nothing.
-    """
-    from tokenizers import Regex, decoders, models, pre_tokenizers
-    from tokenizers import Tokenizer as Backend
-
-    vocab = {token: i for i, token in enumerate([*SPECIAL_TOKENS, *CHARS])}
-    backend = Backend(models.WordLevel(vocab))
-    # every character its own word, newlines included ("[\s\S]", not "."); Fuse joins them back with no spaces
-    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    backend.decoder = decoders.Fuse()
-    backend.add_special_tokens(list(SPECIAL_TOKENS))
-    return CharTokenizer(backend, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", add_bos=True)
-
-
-class CharTokenizer(Tokenizer):
-    """``Tokenizer`` whose ``encode`` names any character outside the vocabulary (the backend's own error,
-    "Missing [UNK] token", does not say which)."""
-
-    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
-        if not set(text) <= _KNOWN_CHARS:
-            plain = text
-            for token in SPECIAL_TOKENS:
-                plain = plain.replace(token, "")
-            unknown = sorted(set(plain) - _KNOWN_CHARS)
-            if unknown:
-                raise ValueError(f"characters {unknown} are not in the char tokenizer's vocabulary {CHARS!r}")
-        return super().encode(text, add_bos)

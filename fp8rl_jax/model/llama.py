@@ -19,7 +19,7 @@ Params (master weights, f32 by default)::
     lm_head      [D, V]                 only when embeddings are untied
 
 Rollout params may carry ``blocks`` already split into precision segments (a tuple of stacks) with FP8
-kernels pre-quantized; see ``fp8rl_jax.fp8.prequant``.
+kernels pre-quantized; see ``fp8rl_jax.rollout.weights``.
 
 Letters: B batch, T query tokens, S key positions (cache length), D model, N query heads, K kv heads,
 G = N / K, H head dim, F mlp hidden, V vocab, L layers.

@@ -10,15 +10,13 @@ import jax.numpy as jnp
 
 from fp8rl_jax.model import assets, llama, weights
 from fp8rl_jax.model.config import LlamaConfig, preset
-from fp8rl_jax.model.tokenizer import Tokenizer
+from fp8rl_jax.model.tokenizer import Tokenizer, char_tokenizer
 
 
 def load_tokenizer(model_config, source: str) -> Tokenizer:
     """``config.model.tokenizer`` if set ("char" or a folder), else the tokenizer that comes with ``source``."""
     name = model_config.tokenizer
     if name == "char":
-        from fp8rl_jax.data.synthetic import char_tokenizer
-
         return char_tokenizer()
     if name:
         return Tokenizer.from_folder(name)

@@ -2,13 +2,15 @@
 
 Loaded from ``tokenizer.json`` (+ ``tokenizer_config.json``) of a model folder, or from a GGUF file's metadata.
 A GGUF tokenizer is converted once with ``transformers`` and cached as ``tokenizer.json`` beside a small JSON of
-its special tokens, so later loads need only ``tokenizers`` (fast, no ``transformers`` import).
+its special tokens, so later loads need only ``tokenizers`` (fast, no ``transformers`` import). ``char_tokenizer``
+is the synthetic tasks' one-token-per-character vocabulary (``config.model.tokenizer="char"``).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import string
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -39,7 +41,7 @@ class Tokenizer:
         extra_eos_tokens: Sequence[str] = (),
     ):
         self.backend = backend
-        self.bos_token, self.eos_token = bos_token, eos_token
+        self.bos_token, self.eos_token, self.pad_token = bos_token, eos_token, pad_token
         self.add_bos = add_bos
         self.chat_template = chat_template
         self.bos_id = self._id(bos_token)
@@ -131,13 +133,79 @@ class Tokenizer:
         return cls.from_folder(cache)
 
     def save(self, folder: str | os.PathLike) -> None:
+        """``tokenizer.json`` and ``tokenizer_config.json`` that ``from_folder`` and transformers' ``AutoTokenizer``
+        both load and that encode like this tokenizer: transformers' ``tokenizer(text)`` adds BOS exactly when
+        ``encode(text)`` does (a post-processor written into ``tokenizer.json``), ``apply_chat_template`` renders
+        the same template. (A character tokenizer's out-of-vocabulary error is the backend's own there.)"""
+        from tokenizers import Tokenizer as Backend
+        from tokenizers import processors
+
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
-        self.backend.save(str(folder / "tokenizer.json"))
-        meta = {"bos_token": self.bos_token, "eos_token": self.eos_token, "add_bos_token": self.add_bos}
+        backend = Backend.from_str(self.backend.to_str())  # a copy: the post-processor changes for transformers
+        if self.add_bos and self.bos_id is not None:
+            bos = (self.bos_token, self.bos_id)
+            backend.post_processor = processors.TemplateProcessing(
+                single=f"{bos[0]} $A", pair=f"{bos[0]} $A {bos[0]} $B:1", special_tokens=[bos])
+        elif backend.post_processor is not None and backend.post_processor.num_special_tokens_to_add(False):
+            backend.post_processor = None  # it would add tokens that ``encode`` never adds
+        backend.save(str(folder / "tokenizer.json"))
+        meta = {
+            "tokenizer_class": "PreTrainedTokenizerFast",  # tokenizer.json as it is, whatever the architecture
+            "bos_token": self.bos_token,
+            "eos_token": self.eos_token,
+            "pad_token": self.pad_token,
+            "add_bos_token": self.add_bos,
+            "clean_up_tokenization_spaces": False,  # decode as the backend does, like ``decode``
+        }
+        meta = {key: value for key, value in meta.items() if value is not None}
         if self.chat_template:
             meta["chat_template"] = self.chat_template
         (folder / "tokenizer_config.json").write_text(json.dumps(meta, indent=2))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the synthetic tasks' character tokenizer (``config.model.tokenizer="char"``)
+
+CHAR_SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>")
+CHAR_VOCABULARY = string.digits + string.ascii_lowercase + "+-=*: ?.,#\n"
+_CHAR_SET = frozenset(CHAR_VOCABULARY)
+
+
+def char_tokenizer() -> Tokenizer:
+    """One token per character over ``<pad> <bos> <eos>``, digits, lowercase letters and ``+-=*: ?.,#\\n``.
+
+    A real ``tokenizers`` WordLevel model (so it saves, loads and batch-encodes like any other). A character
+    outside the vocabulary raises ValueError naming it (there is no ``<unk>``: the synthetic tasks never produce
+    one, and a silent unknown token would hide a prompt bug). Prompts start with ``<bos>``, an attention sink for
+    the tiny model. Ids past the vocabulary (a model head wider than 50) decode to nothing.
+    """
+    from tokenizers import Regex, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as Backend
+
+    vocab = {token: i for i, token in enumerate([*CHAR_SPECIAL_TOKENS, *CHAR_VOCABULARY])}
+    backend = Backend(models.WordLevel(vocab))
+    # every character its own word, newlines included ("[\s\S]", not "."); Fuse joins them back with no spaces
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    backend.add_special_tokens(list(CHAR_SPECIAL_TOKENS))
+    return CharTokenizer(backend, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", add_bos=True)
+
+
+class CharTokenizer(Tokenizer):
+    """``Tokenizer`` whose ``encode`` names any character outside the vocabulary (the backend's own error,
+    "Missing [UNK] token", does not say which)."""
+
+    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+        if not set(text) <= _CHAR_SET:
+            plain = text
+            for token in CHAR_SPECIAL_TOKENS:
+                plain = plain.replace(token, "")
+            unknown = sorted(set(plain) - _CHAR_SET)
+            if unknown:
+                raise ValueError(f"characters {unknown} are not in the char tokenizer's vocabulary "
+                                 f"{CHAR_VOCABULARY!r}")
+        return super().encode(text, add_bos)
 
 
 def _convert_gguf_tokenizer(path: Path, out: Path) -> None:

@@ -259,13 +259,20 @@ def to_hf_tensors(params: dict, config: LlamaConfig, dtype=np.float32) -> dict[s
     return {k: np.ascontiguousarray(np.asarray(v, np.float32).astype(dtype)) for k, v in out.items()}
 
 
-def save_hf(folder: str | os.PathLike, params: dict, config: LlamaConfig, dtype=np.float32) -> None:
-    """Write ``config.json`` and ``model.safetensors`` that ``transformers`` and ``load_hf`` both read."""
+HF_SAVE_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def save_hf(folder: str | os.PathLike, params: dict, config: LlamaConfig, dtype="float32") -> None:
+    """Write ``config.json`` and ``model.safetensors`` that ``transformers`` and ``load_hf`` both read, the tensors
+    in ``dtype`` (one of ``HF_SAVE_DTYPES``, also named in config.json as ``torch_dtype``)."""
     from safetensors.numpy import save_file
 
+    dtype = jnp.dtype(dtype)
+    if dtype.name not in HF_SAVE_DTYPES:
+        raise ValueError(f"dtype {dtype.name!r} is not one to save weights in; allowed: {' | '.join(HF_SAVE_DTYPES)}")
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(config_to_hf(config), indent=2))
+    (folder / "config.json").write_text(json.dumps({**config_to_hf(config), "torch_dtype": dtype.name}, indent=2))
     save_file(to_hf_tensors(params, config, dtype), str(folder / "model.safetensors"), metadata={"format": "pt"})
 
 

@@ -2,7 +2,7 @@
 
 One engine serves two drivers: the offline continuous-batching driver of the RL loop (``driver.py``) and the
 JetStream server (``fp8rl_jax.serve``). It runs the model's one forward (``llama.forward_hidden``) with the
-rollout weights (FP8 kernels quantized once per RL step, ``fp8.prequant``) and a BF16 or FP8 KV cache.
+rollout weights (FP8 kernels quantized once per RL step, ``rollout.weights``) and a BF16 or FP8 KV cache.
 
     prefill(params, padded_tokens, true_length, rng)  -> Prefix (the prompt's KV cache + its first token)
     insert(prefix, decode_state, slot[, rng])         -> decode_state with the prefix in ``slot``
@@ -29,11 +29,11 @@ import numpy as np
 
 from fp8rl_jax.fp8 import kv as kvq
 from fp8rl_jax.fp8.policy import Precision
-from fp8rl_jax.fp8.prequant import rollout_params
 from fp8rl_jax.kernels.decode_attention import IMPLS as DECODE_ATTENTION_IMPLS
 from fp8rl_jax.model import llama
 from fp8rl_jax.model.config import LlamaConfig
 from fp8rl_jax.rollout.sampling import SamplingParams, sample
+from fp8rl_jax.rollout.weights import rollout_params
 
 PREFILL_BUCKETS = tuple(2**i for i in range(4, 16))  # 16 .. 32768, JetStream's convention
 

@@ -5,7 +5,8 @@ import json
 import pytest
 
 from fp8rl_jax.config import base_config
-from fp8rl_jax.data import prompts, synthetic
+from fp8rl_jax.data import prompts
+from fp8rl_jax.model.tokenizer import char_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -18,7 +19,7 @@ def smollm2_tokenizer():
 
 @pytest.fixture(scope="module")
 def char_tok():
-    return synthetic.char_tokenizer()
+    return char_tokenizer()
 
 
 def _config(dataset="pattern", **data):

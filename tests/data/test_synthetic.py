@@ -1,13 +1,12 @@
-"""Synthetic tasks: determinism, answers checked by hand, the pattern reward's ladder, the char tokenizer."""
+"""Synthetic tasks: determinism, answers checked by hand, the pattern reward's ladder."""
 
 import re
-import string
 
 import numpy as np
 import pytest
 
 from fp8rl_jax.data import synthetic
-from fp8rl_jax.model.config import PRESETS
+from fp8rl_jax.model.tokenizer import char_tokenizer
 
 
 def test_streams_are_deterministic_and_splits_differ():
@@ -65,7 +64,7 @@ def _mean_score(tokenizer, problems, sample_ids, rng):
 
 def test_pattern_reward_ladder():
     """Random policy ~0.08 (in the documented 0.05-0.2); a unigram shift to the pool 0.5; copying 1.0."""
-    tok = synthetic.char_tokenizer()
+    tok = char_tokenizer()
     problems = synthetic.synthetic_problems("pattern", seed=0, count=2000)
     rng = np.random.default_rng(0)
     uniform = _mean_score(tok, problems, lambda p, r: r.integers(0, tok.vocab_size, 12), rng)
@@ -76,28 +75,3 @@ def test_pattern_reward_ladder():
     assert uniform == pytest.approx(4 / 50, abs=0.01)
     assert unigram == pytest.approx(0.5, abs=0.02)
     assert copy == 1.0
-
-
-def test_char_tokenizer_vocabulary():
-    tok = synthetic.char_tokenizer()
-    expected = ["<pad>", "<bos>", "<eos>", *string.digits, *string.ascii_lowercase, *"+-=*: ?.,#\n"]
-    assert [tok.backend.id_to_token(i) for i in range(tok.vocab_size)] == expected
-    assert tok.vocab_size == 50 <= PRESETS["tiny"].vocab_size
-    assert (tok.pad_id, tok.bos_id, tok.eos_id, tok.stop_ids) == (0, 1, 2, (2,))
-
-
-@pytest.mark.parametrize("text", ["a b:12", "37+48=85", "kqz:\n\nx  y", "#### -3.5, ok?", "a*b=c"])
-def test_char_tokenizer_round_trip(text):
-    tok = synthetic.char_tokenizer()
-    ids = tok.encode(text)
-    assert ids[0] == tok.bos_id and len(ids) == len(text) + 1  # one token per character, after <bos>
-    assert tok.decode(ids) == text
-    assert tok.decode([*ids, tok.eos_id, tok.pad_id]) == text
-    assert tok.encode(text, add_bos=False) == ids[1:]
-
-
-def test_char_tokenizer_rejects_unknown_chars():
-    tok = synthetic.char_tokenizer()
-    with pytest.raises(ValueError, match=r"\['A', 'Q'\] are not in the char tokenizer"):
-        tok.encode("Q: 2A")
-    assert tok.encode("<bos>ab<eos>", add_bos=False) == [1, 13, 14, 2]  # special tokens are not unknown

@@ -7,11 +7,11 @@ import pytest
 
 from fp8rl_jax.fp8 import kv as kvq
 from fp8rl_jax.fp8.policy import Precision
-from fp8rl_jax.fp8.prequant import rollout_params
 from fp8rl_jax.fp8.recipe import update_state
 from fp8rl_jax.fp8.xla import QuantizedKernel
 from fp8rl_jax.model import llama
 from fp8rl_jax.model.config import preset
+from fp8rl_jax.rollout.weights import rollout_params
 
 CONFIG = preset("tiny").replace(num_layers=4)
 TOKENS = jnp.asarray(np.random.RandomState(0).randint(0, CONFIG.vocab_size, (3, 20)))

@@ -17,7 +17,7 @@ import jax
 
 from fp8rl_jax.fp8.linear import quantize_kernel
 from fp8rl_jax.fp8.policy import Precision
-from fp8rl_jax.model.llama import LINEARS, block_segments, slice_layers
+from fp8rl_jax.model.llama import LINEARS, block_segments, lm_head_kernel, slice_layers
 
 
 def rollout_params(params: dict, fp8_state: dict | None, precision: Precision, num_layers: int) -> dict:
@@ -46,7 +46,5 @@ def rollout_params(params: dict, fp8_state: dict | None, precision: Precision, n
     if "lm_head" in params:
         out["lm_head"] = params["lm_head"].astype(dtype)
     if precision.lm_head_fp8 and fp8_state is not None:
-        from fp8rl_jax.model.llama import lm_head_kernel
-
         out["lm_head"] = quantize_kernel(lm_head_kernel(params), fp8_state["lm_head"], precision)
     return out

@@ -1,89 +1,35 @@
-"""JetStream 0.2.2 gRPC server around the rollout engine: ``python -m fp8rl_jax.serve --config=configs/tiny.py``.
-
-Serves ``config.model`` with the rollout precision of ``config.precision`` and the sampling of ``config.rollout``
-(``--greedy``: argmax). A caller that holds a policy (the trainer, a notebook) passes it to ``build_server(config,
-params=, fp8_state=, kv_scales=)``; otherwise the model is loaded from the config with FP8 scales of 1, and an
-untrained FP8 state served without calibration gives poor FP8 numerics; ``--checkpoint=DIR`` (a trainer's
-``<workdir>/checkpoints``) serves a trained policy with its own FP8 and KV scales. Binds 127.0.0.1 unless
-``--host`` says otherwise; no TLS, no auth.
-
-JetStream's orchestrator (``Driver``, interleaved, one engine) and servicer run as they are, except:
-- the gRPC server is ours: ``server_lib`` always binds ``[::]``, every interface;
-- 0.2.2's ``prefill`` returns only a prefix, so the first token (drawn at prefill) would never be streamed:
-  ``generate`` reports each slot's *pending* token (the one fed into the step), one step late. Every sampled
-  token is streamed; a stop token ends the stream unsent (as JetStream does);
-- prompts are tokenized and padded by us: text with our tokenizer's BOS rule, token content verbatim; a bad
-  request gets INVALID_ARGUMENT, an engine failure INTERNAL (an exception in a JetStream thread would SIGKILL
-  the process). A device fault surfacing asynchronously in JetStream's detokenize thread still ends it: a
-  faulted device cannot serve, and a supervisor should restart the server;
-- per-request randomness: the n-th prefill since start draws with ``fold_in(PRNGKey(config.seed), n)``.
-Not streamed: logprobs (0.2.2 has no field for them). Text is decoded token by token, so a character that a
-byte-level BPE splits over tokens arrives garbled in ``text``; ``token_ids`` are exact.
+"""Our rollout ``Engine`` behind JetStream 0.2.2's Engine API, Driver and gRPC servicer (``fp8rl_jax.serve`` says
+what differs from JetStream and why). Importing this module installs the JetStream compat first: JetStream cannot
+load without it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import errno
 import itertools
 import logging
-import signal
-import sys
+import socket
 import threading
-import types
 
 import grpc
 import jax
 import jax.numpy as jnp
 import numpy as np
+from google.protobuf.message import DecodeError
 
-from fp8rl_jax.model.config import LlamaConfig
 from fp8rl_jax.model.tokenizer import Tokenizer
-from fp8rl_jax.rollout.engine import DecodeState, Engine, EngineConfig, ResultTokens, prefill_bucket
+from fp8rl_jax.rollout.engine import DecodeState, Engine, ResultTokens, prefill_bucket
+from fp8rl_jax.serve import install_jetstream_compat
+
+install_jetstream_compat()
+
+from jetstream.core import orchestrator  # noqa: E402
+from jetstream.core.proto import jetstream_pb2  # noqa: E402
+from jetstream.engine import engine_api, tokenizer_api, tokenizer_pb2  # noqa: E402
 
 log = logging.getLogger(__name__)
-DEFAULT_HOST = "127.0.0.1"
-
-
-def _install_jetstream_shims() -> None:
-    # (a) 0.2.2's orchestrator frees each prefix with jax.tree_map, which JAX has removed.
-    if not hasattr(jax, "tree_map"):
-        jax.tree_map = jax.tree.map
-    # (b) token_utils imports seqio (and so TensorFlow) for its SentencePiece path. Our tokenizer never goes
-    # through seqio; without it, stand-ins provide the two names JetStream references and fail loudly if used.
-    try:
-        import seqio  # noqa: F401
-    except ImportError:
-        class Vocabulary:
-            def __init__(self, *args, **kwargs):
-                raise RuntimeError("seqio is not installed; fp8rl_jax.serve uses its own tokenizer, never seqio's")
-
-        class SentencePieceVocabulary(Vocabulary):
-            pass
-
-        vocabularies = types.ModuleType("seqio.vocabularies")
-        seqio = types.ModuleType("seqio")
-        for module in (seqio, vocabularies):
-            module.Vocabulary, module.SentencePieceVocabulary = Vocabulary, SentencePieceVocabulary
-        seqio.vocabularies = vocabularies
-        sys.modules.update({"seqio": seqio, "seqio.vocabularies": vocabularies})
-
-
-_install_jetstream_shims()
-_root = logging.getLogger()
-_root_state = (_root.level, list(_root.handlers))
-try:  # (e) protoc-4.25 generated code under a newer protobuf runtime: if it ever stops loading, say so
-    from jetstream.core import orchestrator
-    from jetstream.core.proto import jetstream_pb2, jetstream_pb2_grpc  # noqa: F401 - clients import them here
-    from jetstream.engine import engine_api, tokenizer_api, tokenizer_pb2
-except (ImportError, TypeError) as e:  # protobuf's version errors are TypeErrors
-    from google.protobuf import __version__ as _protobuf_version
-
-    raise ImportError(f"JetStream 0.2.2 failed to import (protobuf runtime {_protobuf_version}): {e}") from e
-finally:  # importing the orchestrator sets the root logger to DEBUG on stdout: undo that global side effect
-    _root.setLevel(_root_state[0])
-    for _handler in [h for h in _root.handlers if h not in _root_state[1]]:
-        _root.removeHandler(_handler)
 
 
 class RequestRejected(ValueError):
@@ -273,12 +219,34 @@ class _Driver(orchestrator.Driver):
             return _PrefillJob(None, request, e if isinstance(e, RequestRejected) else RequestRejected(str(e))), 0
 
 
+@dataclasses.dataclass(frozen=True)
+class _Malformed:
+    """What the request parser returns for a body that is no message of the method's type."""
+
+    reason: str
+
+
+def _parse_or_malformed(message_class):
+    """A request deserializer that returns ``_Malformed`` for a corrupt body: gRPC answers an exception raised by
+    the deserializer with UNKNOWN, and the servicer turns ``_Malformed`` into INVALID_ARGUMENT."""
+    full_name = message_class.DESCRIPTOR.full_name
+
+    def parse(body: bytes):
+        try:
+            return message_class.FromString(body)
+        except DecodeError as e:
+            return _Malformed(f"the request is not a valid {full_name}: {e}")
+
+    return parse
+
+
 class _Servicer(orchestrator.LLMOrchestrator):
     """JetStream's servicer, with requests checked first and engine errors turned into gRPC status codes."""
 
     async def Decode(self, request, context=None):  # noqa: N802 - the gRPC method name
-        which = request.WhichOneof("content")
-        problem = ("no content: set text_content or token_content" if which is None
+        which = None if isinstance(request, _Malformed) else request.WhichOneof("content")
+        problem = (request.reason if isinstance(request, _Malformed)
+                   else "no content: set text_content or token_content" if which is None
                    else f"max_tokens={request.max_tokens} must be > 0" if request.max_tokens <= 0
                    else "session_cache is not supported" if request.session_cache else None)
         try:
@@ -291,6 +259,38 @@ class _Servicer(orchestrator.LLMOrchestrator):
                 raise
             bad = isinstance(e, RequestRejected)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT if bad else grpc.StatusCode.INTERNAL, str(e))
+
+    async def HealthCheck(self, request, context=None):  # noqa: N802 - the gRPC method name
+        if isinstance(request, _Malformed):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
+        return await super().HealthCheck(request, context)
+
+
+def _add_servicer(servicer: _Servicer, server: grpc.aio.Server) -> None:
+    """JetStream's ``add_OrchestratorServicer_to_server``, with requests parsed by ``_parse_or_malformed``."""
+    handlers = {
+        "Decode": grpc.unary_stream_rpc_method_handler(
+            servicer.Decode, request_deserializer=_parse_or_malformed(jetstream_pb2.DecodeRequest),
+            response_serializer=jetstream_pb2.DecodeResponse.SerializeToString),
+        "HealthCheck": grpc.unary_unary_rpc_method_handler(
+            servicer.HealthCheck, request_deserializer=_parse_or_malformed(jetstream_pb2.HealthCheckRequest),
+            response_serializer=jetstream_pb2.HealthCheckResponse.SerializeToString),
+    }
+    service = jetstream_pb2.DESCRIPTOR.services_by_name["Orchestrator"].full_name
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
+
+
+def _bind_error(host: str, port: int, error: Exception) -> OSError:
+    """Why gRPC could not bind (it says only "Failed to bind"): a port in use, or the system's reason."""
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC: TIME_WAIT is no conflict
+            probe.bind((host, port))
+    except OSError as e:
+        reason = f"port {port} is in use" if e.errno == errno.EADDRINUSE else e.strerror or str(e)
+        return OSError(f"cannot serve on {host}:{port}: {reason}")
+    return OSError(f"cannot serve on {host}:{port}: {error}")
 
 
 class ServerHandle:
@@ -306,7 +306,7 @@ class ServerHandle:
         self._thread = threading.Thread(target=self._loop.run_forever, name="serve-grpc", daemon=True)
         self._thread.start()
         try:
-            self.port = self._run(self._start(f"[{host}]:{port}" if ":" in host else f"{host}:{port}"))
+            self.port = self._run(self._start(host, port))
         except BaseException:
             self.stop(grace_s=0)
             raise
@@ -314,12 +314,16 @@ class ServerHandle:
     def _run(self, coroutine):
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
 
-    async def _start(self, address: str) -> int:
-        self._server = grpc.aio.server()
-        jetstream_pb2_grpc.add_OrchestratorServicer_to_server(_Servicer(self.driver), self._server)
-        port = self._server.add_insecure_port(address)  # raises if it cannot bind
+    async def _start(self, host: str, port: int) -> int:
+        # no SO_REUSEPORT (gRPC's default): a second server on this port must fail, not take part of its traffic
+        self._server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        _add_servicer(_Servicer(self.driver), self._server)
+        try:
+            bound = self._server.add_insecure_port(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+        except RuntimeError as e:
+            raise _bind_error(host, port, e) from None
         await self._server.start()
-        return port
+        return bound
 
     def stop(self, grace_s: float = 5.0) -> None:
         """(d) Let in-flight requests finish (up to ``grace_s``), then stop the Driver's threads (its detokenize
@@ -343,100 +347,3 @@ class ServerHandle:
 
     def __exit__(self, *exc) -> None:
         self.stop()
-
-
-def build_server(config, *, params: dict | None = None, fp8_state: dict | None = None, kv_scales: dict | None = None,
-                 port: int = 9000, host: str = DEFAULT_HOST, model: LlamaConfig | None = None,
-                 tokenizer: Tokenizer | None = None, greedy: bool = False,
-                 max_concurrent_decodes: int | None = None, max_new_tokens: int | None = None,
-                 checkpoint: str | None = None) -> ServerHandle:
-    """Serve ``params`` (training params, FP8 state and KV scales as the trainer holds them; with ``model`` and
-    ``tokenizer``, else those load from the config) or, with none, the model of ``config``. ``port=0``: any."""
-    from fp8rl_jax.fp8.policy import from_config
-    from fp8rl_jax.model import llama
-    from fp8rl_jax.model.loading import load_model
-    from fp8rl_jax.rollout.sampling import SamplingParams
-
-    precision = from_config(config, "rollout")
-    if checkpoint is not None:  # a trainer checkpoint: its params, FP8 state and KV scales
-        from fp8rl_jax.trainer import load_policy
-
-        model, params, fp8_state, kv_scales, tokenizer = load_policy(config, checkpoint)
-    if params is None or model is None or tokenizer is None:
-        loaded = load_model(config)
-        model, params, tokenizer = model or loaded[0], loaded[1] if params is None else params, tokenizer or loaded[2]
-    if precision.fp8 and fp8_state is None:
-        log.warning("serving an uncalibrated FP8 state (all scales 1): expect poor FP8 numerics")
-        fp8_state = llama.init_fp8_state(model, precision)
-    r = config.rollout
-    engine = Engine(model, precision, EngineConfig(
-        max_concurrent_decodes=max_concurrent_decodes or r.decode_slots,
-        max_prefill_length=config.data.max_prompt_tokens, max_new_tokens=max_new_tokens or r.max_new_tokens,
-        sampling=SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, greedy=greedy),
-        stop_ids=tuple(tokenizer.stop_ids)), tokenizer)
-    adapter = ServeEngine(engine, tokenizer, seed=config.seed)
-    rollout = adapter.load_params(params, fp8_state if precision.fp8 else None, kv_scales if precision.kv_fp8 else None)
-    return ServerHandle(host=host, port=port, engine=engine, adapter=adapter, params=rollout, tokenizer=tokenizer)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# command line: the trainer's --config flag and friendly errors (fp8rl_jax.main), and the server's own flags
-
-
-def main(argv) -> int:
-    from absl import app
-
-    from fp8rl_jax import main as cli
-    from fp8rl_jax.config import ConfigError, validate
-
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    if cli._STEPS.value is not None:
-        raise app.UsageError("--steps is a trainer flag")
-    try:
-        config = cli._CONFIG.value
-        config.get("seed")  # a config file that failed to load raises its error on first access
-        validate(config)
-    except (ConfigError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    if cli._DRY_RUN.value:
-        print(config)
-        return 0
-    # JetStream logs every decode step on the root logger at INFO
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    handle = build_server(config, port=_PORT.value, host=_HOST.value, greedy=_GREEDY.value,
-                          max_concurrent_decodes=_SLOTS.value, max_new_tokens=_MAX_NEW.value,
-                          checkpoint=_CHECKPOINT.value)
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: handle.stop())
-    print(f"serving {config.model.source} on {handle.host}:{handle.port} (JetStream gRPC); Ctrl-C stops", flush=True)
-    handle.wait()
-    return 0
-
-
-def _parse_flags(argv: list[str]) -> list[str]:
-    from absl import flags
-
-    from fp8rl_jax import main as cli
-
-    if any(a in ("-h", "--help", "--helpshort", "-?") for a in argv[1:]):
-        sys.exit(print(__doc__, flags.FLAGS.main_module_help(), sep="\n"))
-    return cli._parse_flags(argv)
-
-
-if __name__ == "__main__":
-    from absl import app, flags
-
-    import fp8rl_jax.main  # noqa: F401 - defines --config (and the trainer's --steps, --dry_run)
-
-    _PORT = flags.DEFINE_integer("port", 9000, "gRPC port (0: any free one).", lower_bound=0, upper_bound=65535)
-    _HOST = flags.DEFINE_string("host", DEFAULT_HOST, "Interface to bind; 0.0.0.0 or :: exposes it (no auth).")
-    _SLOTS = flags.DEFINE_integer("max_concurrent_decodes", None, "Decode slots (default: rollout.decode_slots).",
-                                  lower_bound=1)
-    _MAX_NEW = flags.DEFINE_integer("max_new_tokens", None, "Tokens per request at most, whatever its max_tokens "
-                                    "(default: rollout.max_new_tokens).", lower_bound=1)
-    _GREEDY = flags.DEFINE_bool("greedy", False, "Argmax sampling (deterministic) instead of config.rollout's.")
-    _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "A trainer's checkpoint directory (<workdir>/checkpoints): "
-                                      "serve its params, FP8 state and KV scales (latest step).")
-    app.run(main, flags_parser=_parse_flags)

@@ -1,0 +1,46 @@
+"""Benchmarks: ``python -m fp8rl_jax.bench {gemm,rollout,agreement,table} [--out FILE]``.
+
+gemm       Llama-3.1-8B linear shapes at decode sizes (M = 64, 256, 1024) and a training size (M = 16384):
+           BF16 through XLA's default GEMM (Triton for many shapes) and through cuBLAS (a child process with
+           ``--xla_gpu_enable_triton_gemm=false``), FP8 through ``xla`` and ``te`` quantizing the BF16 weight per
+           call, and both with pre-quantized FP8 weights; forward plus backward at the training size.
+rollout    Decode throughput of the engine on a Llama-3.2-1B shape with random weights, batch 64 and 256, 1k and
+           4k new tokens: BF16, FP8 weights, FP8 weights + FP8 KV cache, next to the HBM bound (bytes a step must
+           read, weights + the KV of the average context, over the measured copy bandwidth).
+agreement  How far the sampler's logprobs are from the trainer's, and each precision's from f32 (SmolLM2, GSM8K
+           solutions teacher-forced through the rollout engine and the scoring forward).
+table      Markdown tables of result files, for benchmarks/RESULTS.md.
+
+Timing: everything runs inside one jit (a scan over several distinct weights for small GEMMs, so dispatch and
+cache effects stay out), after a warm-up, median of repeats, ``block_until_ready`` around each.
+``--smoke`` runs tiny shapes on any backend to check the code paths (the test suite does this on CPU).
+
+One module per benchmark (``gemm.py``, ``rollout.py``, ``agreement.py``), each with ``add_arguments(parser)`` and
+``run(args) -> rows``; ``__main__.py`` lists them, ``tables.py`` formats their rows.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+
+def timeit(fn, *args, repeats: int = 10) -> float:
+    """Median seconds of ``fn(*args)`` (compiled and warmed up first)."""
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def device_name() -> str:
+    import jax
+
+    d = jax.devices()[0]
+    return getattr(d, "device_kind", d.platform)

@@ -1,0 +1,140 @@
+"""``bench agreement``: how far the sampler's logprobs are from the trainer's, and each precision from f32.
+
+Teacher-forced on GSM8K test problems with their reference solutions, SmolLM2-135M-Instruct:
+
+- ``decode_vs_full``: |log p| of each solution token from the rollout path (the rollout ``Engine``: pre-quantized
+  FP8 weights, the prompt prefilled in its bucket, then one token per step against the KV cache, batch 1) against
+  the scoring forward (``rl.scoring.token_logprobs`` over the full sequence): the sampler/trainer mismatch that
+  the IS correction has to absorb;
+- ``vs_f32``: |log p| of the scoring forward in this precision against the f32 model.
+
+FP8 scales come from one calibration pass over the same sequences (``rl.step.make_calibrate``, as the trainer
+calibrates before its first rollout), and FP8 KV-cache scales from a second pass under those FP8 scales.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fp8rl_jax.fp8 import kv as kvq
+from fp8rl_jax.fp8.policy import Precision
+from fp8rl_jax.fp8.recipe import update_state
+from fp8rl_jax.model import llama
+from fp8rl_jax.model.config import LlamaConfig
+from fp8rl_jax.rl.scoring import token_logprobs
+from fp8rl_jax.rl.step import make_calibrate
+from fp8rl_jax.rollout.engine import DecodeState, Engine, EngineConfig, prefill_bucket
+from fp8rl_jax.rollout.sampling import SamplingParams
+
+PRECISIONS = {
+    "bf16": Precision(),
+    "fp8": Precision(backend="xla"),
+    "fp8_bf16_down": Precision(backend="xla", bf16_linears=("w_down",)),
+    "fp8_kv": Precision(backend="xla", kv_cache_dtype="float8_e4m3fn"),
+}
+MAX_PREFILL = 1024  # prompts longer than this are an error
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--num", type=int, default=6)
+    parser.add_argument("--completion_tokens", type=int, default=64)
+    parser.add_argument("--precisions", default=",".join(PRECISIONS))
+
+
+def run(args) -> list[dict]:
+    from fp8rl_jax.data.gsm8k import default_gsm8k_path, load_gsm8k
+    from fp8rl_jax.model import assets, weights
+    from fp8rl_jax.model.tokenizer import Tokenizer
+
+    unknown = [p for p in args.precisions.split(",") if p not in PRECISIONS]
+    if unknown:
+        raise SystemExit(f"--precisions: {unknown} unknown; allowed: {', '.join(PRECISIONS)}")
+    path = assets.smollm2_gguf()
+    model, params = weights.load_gguf(path)
+    tokenizer = Tokenizer.from_gguf(path)
+    problems = load_gsm8k(default_gsm8k_path("test"))[: args.num]
+    sequences = [(tokenizer.encode_chat([{"role": "user", "content": p.question}]),
+                  tokenizer.encode(p.solution)[: args.completion_tokens]) for p in problems]
+    return bench_agreement(model, params, sequences, {name: PRECISIONS[name] for name in args.precisions.split(",")})
+
+
+class TeacherForcedEngine(Engine):
+    """The rollout engine fed the given tokens instead of its own samples: ``forced_step`` runs the engine's decode
+    forward and head on its rollout weights and KV cache, and returns log pi_T over the vocabulary."""
+
+    def __init__(self, model: LlamaConfig, precision: Precision, config: EngineConfig):
+        super().__init__(model, precision, config)
+        self._forced_step = jax.jit(self._forced_step_impl, donate_argnums=(1,))
+
+    def forced_step(self, params: dict, decode_state: DecodeState, tokens: jax.Array):
+        """Feed ``tokens`` [B] at each slot's position: (state one position on, logp [B, V] of the next token)."""
+        return self._forced_step(params, decode_state, jnp.asarray(tokens, jnp.int32))
+
+    def _forced_step_impl(self, params, state: DecodeState, tokens):
+        hidden, cache, _ = self._forward(params, tokens[:, None], state.positions[:, None], state.cache)
+        logits = self._logits(params, hidden[:, 0])  # [B, V]
+        state = dataclasses.replace(state, cache=cache, tokens=tokens, positions=state.positions + 1)
+        return state, jax.nn.log_softmax(logits / self.config.sampling.temperature, axis=-1)
+
+
+def rollout_logprobs(engine: TeacherForcedEngine, params: dict, prompt: list[int], completion: list[int]) -> np.ndarray:
+    """log pi_T of each ``completion`` token as the sampler sees it: the prompt prefilled, then one token per step."""
+    padded = np.zeros(prefill_bucket(len(prompt), engine.max_prefill_length), np.int32)
+    padded[: len(prompt)] = prompt
+    prefix = engine.prefill(params, padded, len(prompt), jax.random.PRNGKey(0))
+    got = [jax.nn.log_softmax(prefix.logits / engine.config.sampling.temperature)[completion[0]]]
+    state = engine.insert(prefix, engine.init_decode_state(), 0)
+    for token, following in zip(completion[:-1], completion[1:], strict=True):
+        state, logp = engine.forced_step(params, state, [token])
+        got.append(logp[0, following])
+    return np.asarray(jax.device_get(got), np.float32)
+
+
+def calibrated(model: LlamaConfig, precision: Precision, params: dict, tokens: jax.Array):
+    """``(fp8_state, kv_scales)`` for ``precision`` from calibration passes over ``tokens`` (None where unused)."""
+    fp8_state = llama.init_fp8_state(model, precision) if precision.fp8 else None
+    kv_scales = kvq.init_kv_scales(model.num_layers) if precision.kv_fp8 else None
+    calibrate = make_calibrate(model, precision)
+    if precision.fp8:
+        observations, _ = calibrate(params, fp8_state, kv_scales, tokens)
+        fp8_state = update_state(fp8_state, observations, precision.recipe)
+    if precision.kv_fp8:
+        _, kv_scales = calibrate(params, fp8_state, kv_scales, tokens)  # K/V as the calibrated FP8 layers make them
+    return fp8_state, kv_scales
+
+
+def bench_agreement(model: LlamaConfig, params: dict, sequences: list[tuple[list[int], list[int]]],
+                    precisions: dict[str, Precision]) -> list[dict]:
+    """One row per precision: |dlogp| of the completions, rollout path against scoring, and scoring against f32.
+
+    ``sequences``: (prompt, completion) token lists, teacher-forced."""
+    width = max(len(a) + len(b) for a, b in sequences)
+    batch = jnp.asarray([a + b + [0] * (width - len(a) - len(b)) for a, b in sequences], jnp.int32)
+    ref = np.asarray(token_logprobs(params, batch, config=model, precision=Precision(compute_dtype="float32"))[0])
+    max_prefill = max(prefill_bucket(len(prompt), MAX_PREFILL) for prompt, _ in sequences)
+    rows = []
+    for name, precision in precisions.items():
+        fp8_state, kv_scales = calibrated(model, precision, params, batch)
+        full = np.asarray(token_logprobs(params, batch, config=model, precision=precision, fp8_state=fp8_state,
+                                         kv_scales=kv_scales)[0])
+        engine = TeacherForcedEngine(model, precision, EngineConfig(
+            max_concurrent_decodes=1, max_prefill_length=max_prefill,
+            max_new_tokens=max(len(completion) for _, completion in sequences), sampling=SamplingParams()))
+        engine_params = engine.load_params(params, fp8_state, kv_scales)
+        decode_d, f32_d = [], []
+        for i, (prompt, completion) in enumerate(sequences):
+            span = slice(len(prompt), len(prompt) + len(completion))
+            decode_d.append(np.abs(full[i, span] - rollout_logprobs(engine, engine_params, prompt, completion)))
+            f32_d.append(np.abs(full[i, span] - ref[i, span]))
+        d, e = np.concatenate(decode_d), np.concatenate(f32_d)
+        rows.append({"precision": name, "tokens": int(d.size), "decode_vs_full_mean": float(d.mean()),
+                     "decode_vs_full_p99": float(np.quantile(d, 0.99)), "decode_vs_full_max": float(d.max()),
+                     "vs_f32_mean": float(e.mean()), "vs_f32_p99": float(np.quantile(e, 0.99))})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows

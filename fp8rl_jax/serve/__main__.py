@@ -1,0 +1,66 @@
+"""``python -m fp8rl_jax.serve``: the trainer's --config flag and friendly errors (``fp8rl_jax.main``), and the
+server's own flags."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+
+from absl import app, flags
+
+import fp8rl_jax.main as cli  # defines --config (and the trainer's --steps, --dry_run)
+from fp8rl_jax import serve
+
+_PORT = flags.DEFINE_integer("port", 9000, "gRPC port (0: any free one).", lower_bound=0, upper_bound=65535)
+_HOST = flags.DEFINE_string("host", serve.DEFAULT_HOST, "Interface to bind; 0.0.0.0 or :: exposes it (no auth).")
+_SLOTS = flags.DEFINE_integer("max_concurrent_decodes", None, "Decode slots (default: rollout.decode_slots).",
+                              lower_bound=1)
+_MAX_NEW = flags.DEFINE_integer("max_new_tokens", None, "Tokens per request at most, whatever its max_tokens "
+                                "(default: rollout.max_new_tokens).", lower_bound=1)
+_GREEDY = flags.DEFINE_bool("greedy", False, "Argmax sampling (deterministic) instead of config.rollout's.")
+_CHECKPOINT = flags.DEFINE_string("checkpoint", None, "A trainer's checkpoint directory (<workdir>/checkpoints): "
+                                  "serve its params, FP8 state and KV scales (latest step).")
+
+
+def main(argv) -> int:
+    from fp8rl_jax.config import ConfigError, validate
+
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    if cli._STEPS.value is not None:
+        raise app.UsageError("--steps is a trainer flag")
+    try:
+        config = cli._CONFIG.value
+        config.get("seed")  # a config file that failed to load raises its error on first access
+        validate(config, training=False)  # serving may truncate (top-p / top-k)
+    except (ConfigError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if cli._DRY_RUN.value:
+        print(config)
+        return 0
+    # our own warnings (an uncalibrated FP8 state, engine failures); JetStream's loggers stay at WARNING
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        handle = serve.build_server(config, port=_PORT.value, host=_HOST.value, greedy=_GREEDY.value,
+                                    max_concurrent_decodes=_SLOTS.value, max_new_tokens=_MAX_NEW.value,
+                                    checkpoint=_CHECKPOINT.value)
+    except OSError as e:  # the port in use, a missing checkpoint or model file
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: handle.stop())
+    print(f"serving {config.model.source} on {handle.host}:{handle.port} (JetStream gRPC); Ctrl-C stops", flush=True)
+    handle.wait()
+    return 0
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+    if any(a in ("-h", "--help", "--helpshort", "-?") for a in argv[1:]):
+        sys.exit(print(serve.__doc__, flags.FLAGS.main_module_help(), sep="\n"))
+    return cli._parse_flags(argv)
+
+
+if __name__ == "__main__":
+    app.run(main, flags_parser=_parse_flags)
