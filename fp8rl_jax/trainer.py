@@ -14,6 +14,10 @@ Where this departs from GRPO as published (DeepSeekMath): the importance ratio o
 the trainer's own old-policy logprobs (recomputed, not the sampler's), and the sampler/trainer mismatch is
 corrected separately by an IS weight (``rl.is_correction``, TIS with cap 2 by default); the KL term is off by
 default (``rl.kl_coef``), and the reference model shares the current FP8 state when it is on.
+
+Devices: everything runs on the mesh of ``config.mesh`` (``fp8rl_jax.parallel``): params created sharded, the train
+state placed by the sharding rules, the jitted step functions and the rollout engine on that mesh, checkpoints
+restored onto the current mesh's shardings (whatever mesh saved them).
 """
 
 from __future__ import annotations
@@ -34,6 +38,9 @@ from fp8rl_jax.fp8.policy import from_config
 from fp8rl_jax.fp8.recipe import update_state
 from fp8rl_jax.model import llama
 from fp8rl_jax.model.loading import load_model
+from fp8rl_jax.parallel import rules
+from fp8rl_jax.parallel.mesh import make_mesh, peak_memory_gib
+from fp8rl_jax.parallel.state import init_sharded, load_model_sharded
 from fp8rl_jax.reporting import Reporter
 from fp8rl_jax.rl.advantages import group_advantages
 from fp8rl_jax.rl.metrics import mismatch_metrics
@@ -87,7 +94,8 @@ class Trainer:
         self.workdir = Path(c.workdir)
         self.train_precision = from_config(c, "train")
         self.rollout_precision = from_config(c, "rollout")
-        self.model, params, self.tokenizer = load_model(c)
+        self.mesh = make_mesh(c.mesh)
+        self.model, params, self.tokenizer = load_model_sharded(c, self.mesh)
         self.prompts = prompt_iterator(c, self.tokenizer, "train")
         self.group = c.rollout.samples_per_prompt
         self.sequences = c.rollout.prompts_per_step * self.group
@@ -98,18 +106,22 @@ class Trainer:
         self.optimizer, self.schedule = build_optimizer(c.optim, c.steps * c.rl.minibatches)
         self.state = {
             "params": params,
-            "opt_state": self.optimizer.init(params),
+            "opt_state": init_sharded(self.optimizer.init, params, mesh=self.mesh),
             "fp8_state": llama.init_fp8_state(self.model, self.rollout_precision.replace(
                 lm_head_fp8=c.precision.lm_head_fp8)),
             "kv_scales": kvq.init_kv_scales(self.model.num_layers),
             "rng": jax.random.PRNGKey(c.seed),
             "step": jnp.int32(0),
         }
+        self.state_sharding = rules.state_shardings(self.state, self.mesh)
+        self.state = jax.device_put(self.state, self.state_sharding)
         self.ref_params = jax.tree.map(jnp.copy, params) if c.rl.kl_coef > 0 else None
         loss_cfg = LossConfig.from_config(c)
-        self._score = make_score(self.model, self.train_precision, loss_cfg.temperature)
-        self._train_step = make_train_step(self.model, self.train_precision, self.optimizer, loss_cfg)
-        self._calibrate = make_calibrate(self.model, self.rollout_precision, c.precision.kv_margin)
+        on_mesh = {"state_sharding": self.state_sharding}
+        self._score = make_score(self.model, self.train_precision, loss_cfg.temperature, **on_mesh)
+        self._train_step = make_train_step(self.model, self.train_precision, self.optimizer, loss_cfg,
+                                           remat=c.model.remat, **on_mesh)
+        self._calibrate = make_calibrate(self.model, self.rollout_precision, c.precision.kv_margin, **on_mesh)
         self.engine = self._engine(SamplingParams(temperature=c.rollout.temperature, top_k=c.rollout.top_k,
                                                   top_p=c.rollout.top_p), c.rollout.max_new_tokens)
         self._engines = {}
@@ -162,6 +174,7 @@ class Trainer:
         t = time.perf_counter()
         batch = self._rollout(self.engine, [r.prompt_ids for r in records], self.group, key)
         times["rollout"] = time.perf_counter() - t
+        memory = {"rollout": peak_memory_gib()}  # None on CPU (no allocator statistics)
 
         t = time.perf_counter()
         texts = [self.tokenizer.decode(batch.completion(i)) for i in range(self.sequences)]
@@ -178,6 +191,7 @@ class Trainer:
         mask = jnp.asarray(arrays["mask"])
         mismatch = mismatch_metrics(jnp.asarray(arrays["rollout_logp"]), jnp.asarray(arrays["old_logp"]), mask)
         times["score"] = time.perf_counter() - t
+        memory["score"] = peak_memory_gib()
 
         t = time.perf_counter()
         train_metrics = []
@@ -188,12 +202,14 @@ class Trainer:
             self.state, metrics = self._train_step(self.state, minibatch)
             train_metrics.append(jax.device_get(metrics))
         times["train"] = time.perf_counter() - t
+        memory["train"] = peak_memory_gib()
         skipped = sum(not bool(m["finite"]) for m in train_metrics)
         self.bad_steps = self.bad_steps + 1 if skipped else 0
 
         t = time.perf_counter()
         self._recalibrate(arrays["tokens"][: c.precision.kv_calibration_sequences])
         times["calibrate"] = time.perf_counter() - t
+        memory["calibrate"] = peak_memory_gib()
         self.state["step"] = jnp.int32(step + 1)
 
         lengths = batch.lengths
@@ -214,6 +230,8 @@ class Trainer:
             "train_tokens_per_s": float(arrays["mask"].sum() + sum(len(r.prompt_ids) for r in per_row))
             / max(times["train"], 1e-9),
             **{f"time/{k}": v for k, v in times.items()},
+            # device memory high-water mark (max over local devices) by the end of each phase
+            **{f"memory/{k}_peak_gib": v for k, v in memory.items() if v is not None},
         }
         record["time/step"] = time.perf_counter() - t_start
         self.reporter.log(record)
@@ -246,7 +264,8 @@ class Trainer:
         c = self.config
         return Engine(self.model, self.rollout_precision, EngineConfig(
             max_concurrent_decodes=c.rollout.decode_slots, max_prefill_length=c.data.max_prompt_tokens,
-            max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=tuple(self.tokenizer.stop_ids)))
+            max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=tuple(self.tokenizer.stop_ids)),
+            mesh=self.mesh)
 
     def _cached_engine(self, sampling: SamplingParams, max_new_tokens: int) -> Engine:
         """An engine per sampling setup for ``sample`` / ``evaluate`` (each compiles its own steps once)."""
@@ -286,7 +305,7 @@ class Trainer:
         rollout, s = self.rollout_precision, self.state
         if not (rollout.kv_fp8 or fp8):
             return
-        observed, kv_scales = self._calibrate(s["params"], s["fp8_state"], s["kv_scales"], jnp.asarray(tokens))
+        observed, kv_scales = self._calibrate(s["params"], s["fp8_state"], s["kv_scales"], tokens)
         if rollout.kv_fp8:
             s["kv_scales"] = kv_scales
         if fp8:
@@ -341,7 +360,8 @@ class Trainer:
         return self.checkpointer.save(self.step_count, self.state, meta, force=force)
 
     def restore(self, step: int | None = None) -> None:
-        self.state, meta = self.checkpointer.restore(step, like=self.state)
+        self.state, meta = self.checkpointer.restore(step, like=self.state)  # onto this mesh's shardings
+        self.state = jax.device_put(self.state, self.state_sharding)  # (a no-op but for uncommitted scalars)
         self.prompts.set_state(json.loads(meta["data_state"]))
         self.bad_steps = int(meta.get("bad_steps", 0))
 
