@@ -305,7 +305,7 @@ class Trainer:
         rollout, s = self.rollout_precision, self.state
         if not (rollout.kv_fp8 or fp8):
             return
-        observed, kv_scales = self._calibrate(s["params"], s["fp8_state"], s["kv_scales"], tokens)
+        observed, kv_scales = self._calibrate(s["params"], s["fp8_state"], s["kv_scales"], jnp.asarray(tokens))
         if rollout.kv_fp8:
             s["kv_scales"] = kv_scales
         if fp8:
