@@ -87,7 +87,9 @@ def te_mesh_resource() -> contextlib.AbstractContextManager:
     """TE's global ``MeshResource`` for our axes (GPU with Transformer Engine only)."""
     from fp8rl_jax.fp8 import te
 
-    te.preload()  # our own import first: its error message says how to install TE / fix the cuDNN clash
+    if not te.preload():  # TE's own import, in the order fp8.te needs (cuDNN)
+        raise ImportError("precision.backend='te' needs Transformer Engine for JAX on a CUDA GPU "
+                          "(pip install 'transformer-engine[jax]'); use precision.backend='xla' elsewhere")
     from transformer_engine.jax.sharding import MeshResource, global_shard_guard
 
     # batch over data (and fsdp), weights over fsdp, heads / MLP columns over tensor. No tensor-sequence,
