@@ -1,5 +1,7 @@
 """The mesh from config.mesh: -1 resolution, the errors, the devices it spans; the memory reading."""
 
+import importlib.util
+
 import jax
 import ml_collections
 import pytest
@@ -82,3 +84,17 @@ def test_peak_memory_is_the_largest_device_peak_and_absent_without_statistics():
     assert peak_memory_gib(devices) == 5.0
     assert peak_memory_gib([_Device(None), _Device({})]) is None
     assert peak_memory_gib() is None  # XLA:CPU keeps no allocator statistics: no memory/* metrics on CPU
+
+
+def test_te_backend_names_the_mesh_axes_for_transformer_engine():
+    mesh = make_mesh(_mesh_config(1, -1, 1))
+    if importlib.util.find_spec("transformer_engine") is None:  # CPU CI: TE absent, a clear error (not a crash)
+        with pytest.raises(ImportError, match="transformer-engine"), mesh_context(mesh, "te"):
+            pass
+        assert jax.sharding.get_abstract_mesh().empty  # the mesh context unwound
+        return
+    from transformer_engine.jax.sharding import global_mesh_resource  # the GPU host
+
+    with mesh_context(mesh, "te"):
+        resource = global_mesh_resource()
+        assert (resource.dp_resource, resource.fsdp_resource, resource.tp_resource) == ("data", "fsdp", "tensor")
