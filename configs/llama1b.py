@@ -27,4 +27,8 @@ def get_config(arg=None):
     c.optim.lr = 1e-6
     c.optim.warmup_steps = 10
     c.checkpoint.every = 20
+    # one GPU; on more, FSDP over all of them (params and optimizer state sharded, batch split)
+    c.mesh.data = 1
+    c.mesh.fsdp = -1
+    c.mesh.tensor = 1
     return c

@@ -30,5 +30,5 @@ def get_config(arg=None):
     c.optim.lr = 1e-6
     c.checkpoint.every = 0
     c.logging.tensorboard = True
-    c.mesh.fsdp = 1
+    c.mesh.fsdp = 1  # one device (CPU); -1 spreads the run over all devices
     return c

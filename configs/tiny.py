@@ -29,5 +29,5 @@ def get_config(arg=None):
     c.optim.warmup_steps = 2
     c.optim.clip_norm = 1.0
     c.logging.tensorboard = False
-    c.mesh.fsdp = 1
+    c.mesh.fsdp = 1  # one device: the smoke run is smaller than any sharding overhead (-1 spreads it over all)
     return c

@@ -19,6 +19,12 @@ RNG keys. New-style typed keys (``jax.random.key``) are stored as their ``uint32
 key's implementation is recorded in an internal JSON item, and ``restore`` re-wraps the data when ``like`` holds
 a typed key at that place. Raw ``uint32`` keys (``jax.random.PRNGKey``) are ordinary arrays.
 
+Sharded arrays. Orbax writes each ``jax.Array`` shard by shard (every process its own shards) and reads the
+saved array back onto whatever sharding the restore target carries: ``like``'s leaves (``jax.Array`` or
+``ShapeDtypeStruct`` with ``sharding``) decide the placement, not the mesh that saved. The trainer restores against
+its state as laid out on the current mesh (``fp8rl_jax.parallel.rules``), so a run saved on ``fsdp=8`` resumes on
+``fsdp=2, tensor=4`` (tests/parallel/test_sharded_trainer.py).
+
 Async saves. ``save`` copies the arrays to host memory and returns; the write runs in a background thread.
 ``save`` waits for the previous save first, ``wait`` blocks until it is committed, ``close`` stops the threads.
 """

@@ -37,6 +37,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.tokenizer = ""  # "" = from the model source; "char" = the synthetic tasks' character tokenizer
     c.model.param_dtype = "float32"  # master weights
     c.model.init_std = 0.02  # random init only
+    # recompute in the backward pass: none | full (keep only each block's input) | dots_saveable |
+    # dots_with_no_batch_dims_saveable (keep the weight matmuls' outputs, recompute attention and elementwise)
+    c.model.remat = "none"
 
     c.precision = ml_collections.ConfigDict()
     c.precision.mode = "fp8_e2e"  # bf16 | fp8_rollout (BF16 train, FP8 rollout) | fp8_e2e
@@ -127,10 +130,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.faults = ml_collections.ConfigDict()
     c.faults.max_consecutive_bad_steps = 3  # NaN/inf losses in a row before the run aborts
 
-    c.mesh = ml_collections.ConfigDict()
-    c.mesh.data = 1
-    c.mesh.fsdp = -1  # -1: all remaining devices
-    c.mesh.tensor = 1
+    c.mesh = ml_collections.ConfigDict()  # the device mesh (fp8rl_jax.parallel.mesh); data * fsdp * tensor devices
+    c.mesh.data = 1  # params replicated, batch split
+    c.mesh.fsdp = -1  # params and optimizer state sharded, batch split; -1: all remaining devices
+    c.mesh.tensor = 1  # heads / MLP columns / vocabulary split (Megatron-style)
     return c
 
 
@@ -241,6 +244,7 @@ def validate(c: ml_collections.ConfigDict, known_rewards: Callable[[], Sequence[
     for name in _list(c, "precision.bf16_linears", str, f"names from {', '.join(linears)}"):
         _check(name in linears, "precision.bf16_linears", name, f"names from {', '.join(linears)}")
     _one_of(c, "model.param_dtype", ("float32", "bfloat16"))
+    _one_of(c, "model.remat", ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable"))
 
     src = c.model.source
     if src == "preset":
@@ -309,6 +313,8 @@ def validate(c: ml_collections.ConfigDict, known_rewards: Callable[[], Sequence[
     for key in ("mesh.data", "mesh.fsdp", "mesh.tensor"):
         value = _get(c, key)
         _check(isinstance(value, int) and (value >= 1 or value == -1), key, value, "a positive int or -1")
+    _check([c.mesh.data, c.mesh.fsdp, c.mesh.tensor].count(-1) <= 1, "mesh", c.mesh.to_dict(),
+           "at most one of data / fsdp / tensor set to -1")
 
 
 def load_config_file(path: str, arg: str | None = None) -> ml_collections.ConfigDict:

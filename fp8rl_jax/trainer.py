@@ -14,6 +14,10 @@ Where this departs from GRPO as published (DeepSeekMath): the importance ratio o
 the trainer's own old-policy logprobs (recomputed, not the sampler's), and the sampler/trainer mismatch is
 corrected separately by an IS weight (``rl.is_correction``, TIS with cap 2 by default); the KL term is off by
 default (``rl.kl_coef``), and the reference model shares the current FP8 state when it is on.
+
+Devices: everything runs on the mesh of ``config.mesh`` (``fp8rl_jax.parallel``): params created sharded, the train
+state placed by the sharding rules, the jitted step functions and the rollout engine on that mesh, checkpoints
+restored onto the current mesh's shardings (whatever mesh saved them).
 """
 
 from __future__ import annotations
@@ -37,6 +41,9 @@ from fp8rl_jax.fp8.policy import choose_backend, from_config
 from fp8rl_jax.fp8.recipe import update_state
 from fp8rl_jax.model import llama
 from fp8rl_jax.model.loading import load_model
+from fp8rl_jax.parallel import rules
+from fp8rl_jax.parallel.mesh import make_mesh, peak_memory_gib
+from fp8rl_jax.parallel.state import init_sharded, load_model_sharded
 from fp8rl_jax.reporting import Reporter
 from fp8rl_jax.rl.advantages import group_advantages
 from fp8rl_jax.rl.metrics import mismatch_metrics, reduce_metric
@@ -120,7 +127,8 @@ class Trainer:
         self.rollout_precision = from_config(c, "rollout")
         self.backend, self.backend_reason = (choose_backend(c.precision.backend) if self.rollout_precision.fp8
                                              else ("bf16", "precision.mode=bf16: no FP8"))
-        self.model, params, self.tokenizer = load_model(c)
+        self.mesh = make_mesh(c.mesh)
+        self.model, params, self.tokenizer = load_model_sharded(c, self.mesh)
         check_fits_model(c, self.model.max_position_embeddings,
                          f"preset {c.model.preset!r}" if c.model.source == "preset" else c.model.source)
         self.prompts = prompt_iterator(c, self.tokenizer, "train")
@@ -134,21 +142,24 @@ class Trainer:
         self.optimizer, self.schedule = build_optimizer(c.optim, c.steps * c.rl.minibatches)
         self.state = {
             "params": params,
-            "opt_state": self.optimizer.init(params),
+            "opt_state": init_sharded(self.optimizer.init, params, mesh=self.mesh),
             "fp8_state": llama.init_fp8_state(self.model, self.rollout_precision.replace(
                 lm_head_fp8=c.precision.lm_head_fp8)),
             "kv_scales": kvq.init_kv_scales(self.model.num_layers),
             "rng": jax.random.PRNGKey(c.seed),
             "step": jnp.int32(0),
         }
+        self.state_sharding = rules.state_shardings(self.state, self.mesh)
+        self.state = jax.device_put(self.state, self.state_sharding)
         self.ref_params = jax.tree.map(jnp.copy, params) if c.rl.kl_coef > 0 else None
         loss_cfg = LossConfig.from_config(c)
-        self._score = make_score(self.model, self.train_precision, loss_cfg.temperature)
+        on_mesh = {"state_sharding": self.state_sharding}
+        self._score = make_score(self.model, self.train_precision, loss_cfg.temperature, **on_mesh)
         # one minibatch per step: the old-policy logprobs are the loss's own forward (ratio exactly 1, no scoring)
         self._own_old_logp = c.rl.minibatches == 1
         self._train_step = make_train_step(self.model, self.train_precision, self.optimizer, loss_cfg,
-                                           old_logp_from_forward=self._own_old_logp)
-        self._calibrate = make_calibrate(self.model, self.rollout_precision, c.precision.kv_margin)
+                                           old_logp_from_forward=self._own_old_logp, remat=c.model.remat, **on_mesh)
+        self._calibrate = make_calibrate(self.model, self.rollout_precision, c.precision.kv_margin, **on_mesh)
         self.engine = self._engine(SamplingParams(temperature=c.rollout.temperature, top_k=c.rollout.top_k,
                                                   top_p=c.rollout.top_p), c.rollout.max_new_tokens)
         self._engines = {}
@@ -201,6 +212,7 @@ class Trainer:
 
         with timed(times, "rollout"):
             batch = self._rollout(self.engine, [r.prompt_ids for r in records], self.group, key)
+        memory = {"rollout": peak_memory_gib()}  # None on CPU (no allocator statistics)
 
         with timed(times, "reward"):
             texts = [self.tokenizer.decode(batch.completion(i)) for i in range(self.sequences)]
@@ -215,6 +227,7 @@ class Trainer:
                 arrays["old_logp"] = self._score_all(self.state["params"], arrays["tokens"])
             if self.ref_params is not None:
                 arrays["ref_logp"] = self._score_all(self.ref_params, arrays["tokens"])
+        memory["score"] = peak_memory_gib()
 
         with timed(times, "train"):
             train_metrics = []
@@ -230,15 +243,20 @@ class Trainer:
             if own_old_logp:  # back to the order of `arrays`: row order[i] of the batch is row i of the minibatch
                 arrays["old_logp"] = own_old_logp[0].reshape(self.sequences, -1)[np.argsort(order)]
             train_metrics = jax.device_get(train_metrics)
+        memory["train"] = peak_memory_gib()
         mismatch = jax.device_get(mismatch_metrics(arrays["rollout_logp"], arrays["old_logp"], arrays["mask"]))
 
         with timed(times, "calibrate"):
             self._recalibrate(arrays["tokens"][: c.precision.kv_calibration_sequences])
             jax.block_until_ready((self.state["fp8_state"], self.state["kv_scales"]))
-        self.state["step"] = jnp.int32(step + 1)
+        memory["calibrate"] = peak_memory_gib()
+        # placed like the restored counter: an uncommitted scalar would make the next train step compile again
+        self.state["step"] = jax.device_put(jnp.int32(step + 1), self.state_sharding["step"])
         times["step"] = time.perf_counter() - t_start
 
         record = self._record(step, batch, per_row, rewards, per_fn, train_metrics, mismatch, times)
+        # device memory high-water mark (max over local devices) by the end of each phase; absent on CPU
+        record.update({f"memory/{k}_peak_gib": v for k, v in memory.items() if v is not None})
         skipped = int(record["skipped_updates"])
         self.bad_steps = self.bad_steps + 1 if skipped else 0
         self.reporter.log(record)
@@ -315,7 +333,8 @@ class Trainer:
         c = self.config
         return Engine(self.model, self.rollout_precision, EngineConfig(
             max_concurrent_decodes=c.rollout.decode_slots, max_prefill_length=c.data.max_prompt_tokens,
-            max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=tuple(self.tokenizer.stop_ids)))
+            max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=tuple(self.tokenizer.stop_ids)),
+            mesh=self.mesh)
 
     def _cached_engine(self, sampling: SamplingParams, max_new_tokens: int) -> Engine:
         """An engine per sampling setup for ``sample`` / ``evaluate`` (each compiles its own steps once)."""
@@ -379,7 +398,8 @@ class Trainer:
         self.prompts.set_state(position)
         tokens = right_pad([r.prompt_ids for r in records], self.tokenizer.pad_id or 0)
         calibrate = make_calibrate(self.model, self.rollout_precision, c.precision.kv_margin,
-                                   gradients=self.train_precision.fp8, temperature=c.rollout.temperature, passes=2)
+                                   gradients=self.train_precision.fp8, temperature=c.rollout.temperature, passes=2,
+                                   state_sharding=self.state_sharding)
         self._calibrate_on(tokens, fp8=self.rollout_precision.fp8, calibrate=calibrate)
 
     # -- sampling and evaluation ----------------------------------------------------------------------------
@@ -457,7 +477,8 @@ class Trainer:
         tmp.replace(path)
 
     def restore(self, step: int | None = None) -> None:
-        self.state, meta = self.checkpointer.restore(step, like=self.state)
+        self.state, meta = self.checkpointer.restore(step, like=self.state)  # onto this mesh's shardings
+        self.state = jax.device_put(self.state, self.state_sharding)  # (a no-op but for uncommitted scalars)
         self.prompts.set_state(json.loads(meta["data_state"]))
         self.bad_steps = int(meta.get("bad_steps", 0))
 

@@ -40,9 +40,14 @@ from fp8rl_jax.fp8.policy import Precision
 from fp8rl_jax.fp8.recipe import init_linear_state
 from fp8rl_jax.kernels import decode_attention as decode_kernel
 from fp8rl_jax.model.config import LlamaConfig
+from fp8rl_jax.parallel.rules import RESIDUAL_AXES, constrain
 
 LINEARS = ("wqkv", "wo", "w_gate_up", "w_down")
 NEG_INF = -1e30
+# what the backward pass of a block keeps from its forward (``jax.checkpoint`` policies, ``config.model.remat``):
+# none = everything the autodiff saves; full = only the block's inputs (the forward runs twice); the
+# ``*_saveable`` ones keep the matmul outputs and recompute the elementwise work
+REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
 
 Params = dict
 Cache = dict  # {"k": [L, B, K, S, H], "v": [L, B, K, S, H]}: (B, K) lead, as the attention dots batch them
@@ -250,6 +255,17 @@ def _block(x, layer, fp8, idx, positions, cache, kv_scales, config: LlamaConfig,
     return x, cache, kv_amax
 
 
+def _remat(body, remat: str):
+    """The scanned block body under ``jax.checkpoint`` with the named policy (``REMAT_POLICIES``)."""
+    if remat not in REMAT_POLICIES:
+        raise ValueError(f"remat={remat!r}; allowed: {REMAT_POLICIES}")
+    if remat == "none":
+        return body
+    policy = None if remat == "full" else getattr(jax.checkpoint_policies, remat)
+    # prevent_cse=False: scan already keeps XLA from CSE-ing the recomputation away; the extra guard only costs speed
+    return jax.checkpoint(body, policy=policy, prevent_cse=False)
+
+
 def forward_hidden(
     params: Params,
     tokens: jax.Array,
@@ -261,6 +277,7 @@ def forward_hidden(
     kv_scales: dict | None = None,
     cache: Cache | None = None,
     decode_attention: str = "auto",
+    remat: str = "none",
 ):
     """Run the blocks and the final norm.
 
@@ -270,6 +287,8 @@ def forward_hidden(
     GPU backend), which reads positions 0..position of each sequence only (``fp8rl_jax.kernels.decode_attention``).
 
     Returns ``(hidden [B, T, D], cache, kv_amax)``; ``kv_amax = {"k": [L], "v": [L]}`` feeds KV calibration.
+    ``remat`` (one of ``REMAT_POLICIES``) rematerializes each scanned block in the backward pass. Under a mesh
+    (``fp8rl_jax.parallel``) the residual stream is constrained at block boundaries to batch over data+fsdp.
     """
     if precision.fp8 and fp8_state is None:
         raise ValueError(f"precision backend {precision.backend!r} needs fp8_state")
@@ -282,6 +301,7 @@ def forward_hidden(
     # is the same whatever the batch and sequence shapes (decode vs full sequence) and errors do not pile up
     # across layers in the stream itself
     x = params["embed"][tokens].astype(precision.dtype).astype(jnp.float32)
+    x = constrain(x, RESIDUAL_AXES)
     segs, seg_blocks = block_segments(params, precision, c.num_layers)
     amax_k, amax_v = [], []
     for (start, end, is_fp8), blocks in zip(segs, seg_blocks, strict=True):
@@ -292,13 +312,14 @@ def forward_hidden(
             layer, fp8_layer, idx = xs
             x, cache, amax = _block(x, layer, fp8_layer, idx, positions, cache, kv_scales, c, precision, inv_freq,
                                     decode_impl)
-            return (x, cache), amax
+            return (constrain(x, RESIDUAL_AXES), cache), amax
 
+        body = _remat(body, remat)
         xs = (blocks, fp8, jnp.arange(start, end))
         (x, cache), (ak, av) = lax.scan(body, (x, cache), xs)
         amax_k.append(ak)
         amax_v.append(av)
-    x = rms_norm(x, params["final_norm"], c.rms_norm_eps, precision.dtype)
+    x = constrain(rms_norm(x, params["final_norm"], c.rms_norm_eps, precision.dtype), RESIDUAL_AXES)
     return x, cache, {"k": jnp.concatenate(amax_k), "v": jnp.concatenate(amax_v)}
 
 

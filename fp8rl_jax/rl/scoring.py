@@ -54,16 +54,19 @@ def token_logprobs(
     kv_scales: dict | None = None,
     chunk: int = 256,
     with_entropy: bool = False,
+    remat: str = "none",
 ):
     """``logp[b, t] = log pi_T(tokens[b, t] | tokens[b, :t])`` for t >= 1 (0 at t = 0).
 
     tokens: [B, T] right-padded sequences (prompt then completion). Returns ``(logp [B, T], entropy [B, T] or
-    None, kv_amax)``; ``entropy[b, t]`` is the entropy of pi_T at the step that produced token t.
+    None, kv_amax)``; ``entropy[b, t]`` is the entropy of pi_T at the step that produced token t. ``remat``: the
+    blocks' rematerialization policy (``llama.REMAT_POLICIES``), for the loss under ``jax.grad``.
     """
     b, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     hidden, _, kv_amax = llama.forward_hidden(
-        params, tokens, positions, config=config, precision=precision, fp8_state=fp8_state, kv_scales=kv_scales
+        params, tokens, positions, config=config, precision=precision, fp8_state=fp8_state, kv_scales=kv_scales,
+        remat=remat,
     )
     # position t - 1 predicts token t: [B, T - 1, D] against targets [B, T - 1]
     hidden, targets = hidden[:, :-1], tokens[:, 1:]

@@ -12,6 +12,12 @@
 
 The train state is a dict: ``params``, ``opt_state``, ``fp8_state``, ``kv_scales``, ``rng`` (the run's base key:
 step t samples with ``fold_in(rng, t)``) and ``step``.
+
+On a mesh (``state_sharding``: a ``NamedSharding`` per leaf of the train state, from
+``fp8rl_jax.parallel.rules.state_shardings``) each function is jitted with those in/out shardings, token batches
+are placed over data+fsdp by their shape at each call, and tracing and running happen under the mesh
+(``parallel.mesh.mesh_context``). Under jit the arrays are global views, so an FP8 amax (``jnp.max`` over a
+sharded tensor) is already the max over every device: the FP8 state comes out replicated and identical.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from fp8rl_jax.fp8 import kv as kvq
@@ -28,6 +35,8 @@ from fp8rl_jax.fp8.policy import Precision
 from fp8rl_jax.fp8.recipe import combine_observations, update_state
 from fp8rl_jax.model import llama
 from fp8rl_jax.model.config import LlamaConfig
+from fp8rl_jax.parallel import rules
+from fp8rl_jax.parallel.mesh import mesh_context
 from fp8rl_jax.rl.importance import ICEPOP_BAND, MIS_BAND, is_weights
 from fp8rl_jax.rl.losses import policy_loss
 from fp8rl_jax.rl.metrics import masked_mean, reduce_metric
@@ -82,8 +91,35 @@ def build_optimizer(optim, total_updates: int) -> tuple[optax.GradientTransforma
     ), schedule
 
 
+def _jit_on_mesh(fn, precision: Precision, in_shardings: tuple, out_shardings, batch_axes: dict[int, int],
+                 donate_argnums: tuple[int, ...] = ()):
+    """``jax.jit`` with state in/out shardings, for a mesh. Arguments listed in ``batch_axes`` (index -> batch
+    axis) are token batches: their in_sharding is left to the argument, which is placed over data+fsdp by its
+    shape at each call (a batch the mesh does not divide stays replicated, see ``rules.spec``). Other arguments
+    are ``device_put`` onto their shardings first (a no-op when they are there already, as in the RL loop)."""
+    mesh = jax.tree.leaves(in_shardings)[0].mesh
+    placement = {"out_shardings": out_shardings} if out_shardings is not None else {}  # else: as computed
+    jitted = jax.jit(fn, in_shardings=in_shardings, donate_argnums=donate_argnums, **placement)
+
+    def call(*args):
+        placed = []
+        for i, (arg, sharding) in enumerate(zip(args, in_shardings, strict=True)):
+            if i in batch_axes:
+                arg = jax.tree.map(
+                    lambda x, axis=batch_axes[i]: jax.device_put(x, rules.batch_sharding(mesh, np.shape(x), axis)),
+                    arg)
+            elif sharding is not None:
+                arg = jax.device_put(arg, sharding)
+            placed.append(arg)
+        with mesh_context(mesh, precision.backend):
+            return jitted(*placed)
+
+    call.jitted = jitted
+    return call
+
+
 def make_calibrate(model: LlamaConfig, precision: Precision, kv_margin: int = 0, *, gradients: bool = False,
-                   temperature: float = 1.0, passes: int = 1):
+                   temperature: float = 1.0, passes: int = 1, state_sharding=None):
     """``(params, fp8_state, kv_scales, tokens) -> (fp8_observations, new_kv_scales)``.
 
     The FP8 amaxes come out of the linears' cotangent (``recipe`` design note). Without ``gradients`` the forward
@@ -123,7 +159,12 @@ def make_calibrate(model: LlamaConfig, precision: Precision, kv_margin: int = 0,
             observations = None
         return observations, kvq.scales_from_amax(kv_amax, kv_margin, old=kv_scales)
 
-    one_pass = jax.jit(calibrate)
+    if state_sharding is not None:  # observations and KV scales are replicated, like the FP8 state
+        s = state_sharding
+        one_pass = _jit_on_mesh(calibrate, precision, (s["params"], s["fp8_state"], s["kv_scales"], None),
+                                rules.replicated(jax.tree.leaves(s)[0].mesh), batch_axes={3: 0})
+    else:
+        one_pass = jax.jit(calibrate)
     if passes == 1:
         return one_pass
     roll = jax.jit(functools.partial(update_state, recipe=precision.recipe))
@@ -138,7 +179,7 @@ def make_calibrate(model: LlamaConfig, precision: Precision, kv_margin: int = 0,
     return calibrate_passes
 
 
-def make_score(model: LlamaConfig, precision: Precision, temperature: float):
+def make_score(model: LlamaConfig, precision: Precision, temperature: float, *, state_sharding=None):
     """``(params, fp8_state, kv_scales, tokens [B, T]) -> logp [B, T]``, jitted (no gradient)."""
 
     def score(params, fp8_state, kv_scales, tokens):
@@ -146,11 +187,16 @@ def make_score(model: LlamaConfig, precision: Precision, temperature: float):
                                     fp8_state=fp8_state, kv_scales=kv_scales)
         return logp
 
+    if state_sharding is not None:  # logp comes out sharded like the tokens
+        s = state_sharding
+        return _jit_on_mesh(score, precision, (s["params"], s["fp8_state"], s["kv_scales"], None), None,
+                            batch_axes={3: 0})
     return jax.jit(score)
 
 
 def make_train_step(model: LlamaConfig, precision: Precision, optimizer: optax.GradientTransformation,
-                    loss_cfg: LossConfig, *, old_logp_from_forward: bool = False):
+                    loss_cfg: LossConfig, *, old_logp_from_forward: bool = False, remat: str = "none",
+                    state_sharding=None):
     """``(state, minibatch) -> (state, metrics)``, jitted, state donated.
 
     ``minibatch`` arrays are [microbatches, sequences, T] (``advantages`` [microbatches, sequences]):
@@ -161,13 +207,14 @@ def make_train_step(model: LlamaConfig, precision: Precision, optimizer: optax.G
     surrogate's ratio is exactly 1 (two XLA programs of one function differ by BF16 rounding) and no scoring
     pass is needed. ``minibatch`` then needs no ``old_logp``, and the step returns ``(state, metrics,
     old_logp [microbatches, sequences, T])`` for the IS weights' and the mismatch metrics' record.
+    ``remat``: the blocks' rematerialization policy in the backward pass (``llama.REMAT_POLICIES``).
     """
     c = loss_cfg
 
     def loss_fn(params, fp8_state, kv_scales, mb, num_tokens, num_sequences):
         logp, entropy, _ = token_logprobs(params, mb["tokens"], config=model, precision=precision,
                                           temperature=c.temperature, fp8_state=fp8_state, kv_scales=kv_scales,
-                                          with_entropy=True)
+                                          with_entropy=True, remat=remat)
         old_logp = jax.lax.stop_gradient(logp) if old_logp_from_forward else mb["old_logp"]
         weights, is_metrics = is_weights(old_logp, mb["rollout_logp"], mb["mask"], c.is_correction,
                                          cap=c.is_cap, low=c.is_band[0], high=c.is_band[1])
@@ -214,4 +261,10 @@ def make_train_step(model: LlamaConfig, precision: Precision, optimizer: optax.G
         metrics.update(loss=loss, grad_norm=grad_norm, finite=finite)
         return (new, metrics, old_logp) if old_logp_from_forward else (new, metrics)
 
+    if state_sharding is not None:  # sequences (axis 1 of the minibatch arrays) over data+fsdp
+        replicated = rules.replicated(jax.tree.leaves(state_sharding)[0].mesh)
+        # metrics, and the old logprobs the host reads back, replicated: every process can read them
+        outs = (state_sharding, replicated, replicated) if old_logp_from_forward else (state_sharding, replicated)
+        return _jit_on_mesh(train_step, precision, (state_sharding, None), outs, batch_axes={1: 1},
+                            donate_argnums=(0,))
     return jax.jit(train_step, donate_argnums=(0,))

@@ -15,6 +15,12 @@ in the batch (it is one dense step) but emit invalid tokens and stop advancing, 
 
 Several samples of one prompt share one prefill: ``insert(prefix, state, slot, rng)`` re-draws the first token
 from the prefix's last-position logits with the sample's own key.
+
+On a mesh (``Engine(..., mesh=mesh)``, colocated with the trainer): the rollout weights are computed by a jitted
+pre-quantization with out_shardings from ``fp8rl_jax.parallel.rules`` (each FP8 kernel sharded like its master,
+transposed), straight from the trainer's sharded params: new weights never leave the devices. The decode state
+(KV cache [L, B, K, S, H]: slots over data+fsdp, kv heads over tensor; every per-slot array over data+fsdp) is
+created sharded and kept so by the out_shardings of insert / generate. Every call traces and runs under the mesh.
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ from fp8rl_jax.fp8.policy import Precision
 from fp8rl_jax.kernels.decode_attention import IMPLS as DECODE_ATTENTION_IMPLS
 from fp8rl_jax.model import llama
 from fp8rl_jax.model.config import LlamaConfig
+from fp8rl_jax.parallel import rules
+from fp8rl_jax.parallel.mesh import mesh_context
 from fp8rl_jax.rollout.sampling import SamplingParams, sample
 from fp8rl_jax.rollout.weights import rollout_params
 
@@ -110,14 +118,42 @@ class EngineConfig:
 class Engine:
     """Prefill / insert / generate over the model forward, jitted, with the decode state donated."""
 
-    def __init__(self, model: LlamaConfig, precision: Precision, config: EngineConfig, tokenizer: Any = None):
+    def __init__(self, model: LlamaConfig, precision: Precision, config: EngineConfig, tokenizer: Any = None, *,
+                 mesh: jax.sharding.Mesh | None = None):
         self.model, self.precision, self.config = model, precision, config
         self.tokenizer = tokenizer
+        self.mesh = mesh
+        self._init_state = self._new_decode_state
         self._prefill = jax.jit(self._prefill_impl)
         self._insert = jax.jit(self._insert_impl, donate_argnums=(1,))
         self._generate = jax.jit(self._generate_impl, donate_argnums=(1,))
         self._generate_steps = jax.jit(self._generate_steps_impl, donate_argnums=(1,), static_argnums=(2,))
         self._load = jax.jit(functools.partial(rollout_params, precision=precision, num_layers=model.num_layers))
+        if mesh is not None:
+            self._jit_on_mesh(mesh)
+
+    def _jit_on_mesh(self, mesh: jax.sharding.Mesh) -> None:
+        """The same functions with the decode state's shardings as out_shardings (in_shardings follow the
+        arguments, which come placed), and the weight pre-quantization with the rollout weights' shardings."""
+        state = rules.decode_state_shardings(jax.eval_shape(self._new_decode_state), mesh)
+        rep = rules.replicated(mesh)  # what the host reads back each call: tokens, logprobs, flags
+        self._init_state = jax.jit(self._new_decode_state, out_shardings=state)
+        self._insert = jax.jit(self._insert_impl, donate_argnums=(1,), out_shardings=state)
+        self._generate = jax.jit(self._generate_impl, donate_argnums=(1,), out_shardings=(state, rep))
+        self._generate_steps = jax.jit(self._generate_steps_impl, donate_argnums=(1,), static_argnums=(2,),
+                                       out_shardings=(state, rep, rep, rep))
+        load = self._load
+
+        def load_on_mesh(params, fp8_state):
+            # no-ops for the trainer's params and FP8 state, which live there already
+            params = jax.device_put(params, rules.state_shardings(params, mesh))
+            fp8_state = jax.device_put(fp8_state, rep)
+            if not hasattr(self, "_load_sharded"):  # out_shardings need the output's tree: known at the first call
+                shardings = rules.state_shardings(jax.eval_shape(load, params, fp8_state), mesh)
+                self._load_sharded = jax.jit(load, out_shardings=shardings)
+            return self._load_sharded(params, fp8_state)
+
+        self._load = load_on_mesh
 
     # -- sizes ----------------------------------------------------------------------------------------------
 
@@ -145,9 +181,17 @@ class Engine:
             raise ValueError(f"precision backend {self.precision.backend!r} needs the FP8 state")
         if self.precision.kv_fp8 and kv_scales is None:
             kv_scales = kvq.init_kv_scales(self.model.num_layers)
-        return {"weights": self._load(params, fp8_state), "fp8_state": fp8_state, "kv_scales": kv_scales}
+        with mesh_context(self.mesh, self.precision.backend):
+            weights = self._load(params, fp8_state)
+        if self.mesh is not None:  # read by every device: replicated (no-ops for the trainer's)
+            fp8_state, kv_scales = jax.device_put((fp8_state, kv_scales), rules.replicated(self.mesh))
+        return {"weights": weights, "fp8_state": fp8_state, "kv_scales": kv_scales}
 
     def init_decode_state(self) -> DecodeState:
+        with mesh_context(self.mesh, self.precision.backend):
+            return self._init_state()
+
+    def _new_decode_state(self) -> DecodeState:
         b = self.config.max_concurrent_decodes
         return DecodeState(
             cache=llama.init_cache(self.model, b, self.config.max_cache_length, self.cache_dtype),
@@ -163,18 +207,22 @@ class Engine:
 
     def prefill(self, params: dict, padded_tokens: jax.Array, true_length: int, rng: jax.Array) -> Prefix:
         """Run the prompt (right-padded to a bucket) and draw its first token with ``rng``."""
-        return self._prefill(params, jnp.asarray(padded_tokens, jnp.int32), jnp.int32(true_length), rng)
+        with mesh_context(self.mesh, self.precision.backend):
+            return self._prefill(params, jnp.asarray(padded_tokens, jnp.int32), jnp.int32(true_length), rng)
 
     def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int, rng: jax.Array | None = None):
         """Put ``prefix`` into ``slot``; with ``rng``, re-draw the first token (another sample of the prompt)."""
-        return self._insert(prefix, decode_state, jnp.int32(slot), rng)
+        with mesh_context(self.mesh, self.precision.backend):
+            return self._insert(prefix, decode_state, jnp.int32(slot), rng)
 
     def generate(self, params: dict, decode_state: DecodeState) -> tuple[DecodeState, ResultTokens]:
-        return self._generate(params, decode_state)
+        with mesh_context(self.mesh, self.precision.backend):
+            return self._generate(params, decode_state)
 
     def generate_steps(self, params: dict, decode_state: DecodeState, num_steps: int):
         """``num_steps`` decode steps in one compiled loop: (state, tokens, logprobs, valid), each [n, B]."""
-        return self._generate_steps(params, decode_state, num_steps)
+        with mesh_context(self.mesh, self.precision.backend):
+            return self._generate_steps(params, decode_state, num_steps)
 
     # -- implementations ------------------------------------------------------------------------------------
 

@@ -1,0 +1,112 @@
+"""The device mesh of a run: axes ``data``, ``fsdp``, ``tensor`` from ``config.mesh``; one mesh per program.
+
+    data     pure data parallelism: params replicated, batch split
+    fsdp     params and optimizer state sharded, all-gathered per layer in the forward; batch split too
+    tensor   attention heads and MLP columns split (Megatron-style), vocabulary split in the embedding and head
+
+``-1`` on one axis means "the devices the other two leave". The jitted RL-step functions and the rollout engine
+trace and run inside ``mesh_context`` (``jax.set_mesh``), so ``with_sharding_constraint`` inside the model sees the
+mesh; with the ``te`` backend the same context names the axes for Transformer Engine's primitives.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh
+
+AXES = ("data", "fsdp", "tensor")
+
+
+def mesh_shape(sizes: Sequence[int], num_devices: int) -> tuple[int, ...]:
+    """Resolve ``(data, fsdp, tensor)`` sizes against ``num_devices``: one ``-1`` takes the devices left over.
+
+    The product must divide ``num_devices``; a mesh smaller than the device count runs on the first devices
+    (one process only: ``make_mesh`` checks).
+    """
+    sizes = tuple(int(s) for s in sizes)
+    named = ", ".join(f"mesh.{a}={s}" for a, s in zip(AXES, sizes, strict=True))
+    if len(sizes) != len(AXES) or any(s < 1 and s != -1 for s in sizes):
+        raise ValueError(f"config {named}: each axis must be a positive int or -1")
+    if sizes.count(-1) > 1:
+        raise ValueError(f"config {named}: at most one axis may be -1 (the remaining devices)")
+    fixed = math.prod(s for s in sizes if s != -1)
+    if num_devices % fixed:
+        raise ValueError(f"config {named}: the fixed axes hold {fixed} devices, which does not divide the "
+                         f"{num_devices} devices present")
+    return tuple(num_devices // fixed if s == -1 else s for s in sizes)
+
+
+def make_mesh(mesh_config, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """The mesh of ``config.mesh`` (``data``, ``fsdp``, ``tensor``; -1 = the rest) over ``devices``
+    (default ``jax.devices()``: every device of every process).
+
+    Axes are ``AxisType.Auto``: shardings are propagated by the XLA partitioner (GSPMD / Shardy) from the jit
+    in/out shardings and the constraints inside, and ``jnp`` code stays oblivious of the mesh.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    shape = mesh_shape((mesh_config.data, mesh_config.fsdp, mesh_config.tensor), len(devices))
+    used = math.prod(shape)
+    if used < len(devices) and jax.process_count() > 1:
+        raise ValueError(f"config.mesh {dict(zip(AXES, shape, strict=True))} uses {used} of the {len(devices)} "
+                         "devices; with several processes the mesh must span all of them")
+    devices = devices[:used]
+    try:  # topology-aware order (NVLink islands, TPU torus) where JAX knows the hardware
+        from jax.experimental import mesh_utils
+
+        grid = mesh_utils.create_device_mesh(shape, devices)
+    except (ValueError, NotImplementedError, AssertionError):
+        grid = np.asarray(devices, dtype=object).reshape(shape)
+    return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))
+
+
+@contextlib.contextmanager
+def mesh_context(mesh: Mesh | None, backend: str = "xla") -> Iterator[None]:
+    """Trace and run under ``mesh`` (``jax.set_mesh``); nothing when ``mesh`` is None.
+
+    With ``backend='te'``, Transformer Engine's primitives are told which mesh axes mean what (its
+    ``MeshResource``): their custom partitioning all-gathers an FSDP-sharded weight, all-reduces a GEMM whose
+    contraction is split over ``tensor``, and max-reduces the amax of every FP8 cast over the whole mesh.
+    TE is imported only here and only for that backend, so CPU runs never import it.
+    """
+    if mesh is None:
+        yield
+        return
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(jax.set_mesh(mesh))
+        if backend == "te":
+            stack.enter_context(te_mesh_resource())
+        yield
+
+
+def te_mesh_resource() -> contextlib.AbstractContextManager:
+    """TE's global ``MeshResource`` for our axes (GPU with Transformer Engine only)."""
+    from fp8rl_jax.fp8 import te
+
+    if not te.preload():  # TE's own import, in the order fp8.te needs (cuDNN)
+        raise ImportError("precision.backend='te' needs Transformer Engine for JAX on a CUDA GPU "
+                          "(pip install 'transformer-engine[jax]'); use precision.backend='xla' elsewhere")
+    from transformer_engine.jax.sharding import MeshResource, global_shard_guard
+
+    # batch over data (and fsdp), weights over fsdp, heads / MLP columns over tensor. No tensor-sequence,
+    # pipeline, context or expert parallelism here.
+    return global_shard_guard(MeshResource(dp_resource="data", fsdp_resource="fsdp", tp_resource="tensor"))
+
+
+def peak_memory_gib(devices: Sequence[jax.Device] | None = None) -> float | None:
+    """The largest ``peak_bytes_in_use`` over this process's devices, in GiB; None where the backend keeps no
+    allocator statistics (CPU).
+
+    XLA never resets the counter: the value read after a phase is the high-water mark of everything so far, and
+    the phase where it first jumps is the one that set it.
+    """
+    peaks = []
+    for d in devices if devices is not None else jax.local_devices():
+        stats = d.memory_stats() if hasattr(d, "memory_stats") else None
+        if stats and "peak_bytes_in_use" in stats:
+            peaks.append(stats["peak_bytes_in_use"])
+    return max(peaks) / 2**30 if peaks else None
