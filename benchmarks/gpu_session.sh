@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# One GPU session (the lent H100): install Transformer Engine and the project's wheels, then the GPU tests, the
-# GEMM and rollout benchmarks and a GPU training run. Results land in $OUT (or ./gpu_out).
-#   usage: bash benchmarks/gpu_session.sh [tests|gemm|rollout1k|rollout4k|train]...
+# One GPU session on the lent H100 (or an H200 host): install Transformer Engine and the project's wheels once, then
+# the stages named on the command line. Results land in $OUT (or ./gpu_out).
+#   usage: bash benchmarks/gpu_session.sh [install] [tests] [decode] [llama1b:MODE] [rollout1k] [gemm] [train]...
+# TE arrives in pieces (see ../shared/gpu/README.md): .gpu/te/wheels + .gpu/install_te.sh, the core wheel's five
+# parts already copied to /root/te by earlier calls; the other wheels in .gpu/wheels; a tokenizer in .gpu/smollm2_tok.
 set -uo pipefail
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda PYTHONPATH=/tmp/site:$PWD
@@ -12,20 +14,38 @@ fi
 if ! python3 -c "import ml_collections, grain, math_verify" 2>/dev/null && [ -d .gpu/wheels ]; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu/wheels/*.whl
 fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
 for what in "$@"; do
   case $what in
-    tests) timeout 300 python3 -m pytest -q -m gpu tests -s -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
-    gemm) timeout 420 python3 -m fp8rl_jax.bench gemm --out "$OUT/gemm_h100.json" 2>&1 | grep -vi warn | tee "$OUT/gemm.log" | tail -3 ;;
-    rollout1k) timeout 400 python3 -m fp8rl_jax.bench rollout --new_tokens 1024 --modes bf16,fp8,fp8_kv,fp8_te,fp8_kv_te \
+    install) ;;
+    tests) timeout 400 python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
+    decode) timeout 500 python3 benchmarks/decode_attention.py --models 1b --out "$OUT/decode_attention_h100.json" \
+        2>&1 | grep -vi warn | tee "$OUT/decode_attention.log" | tail -30 ;;
+    llama1b:*) mode=${what#llama1b:}
+      # random Llama-3.2-1B weights with the real shapes (vocab 128256: ids past the tokenizer decode to ""),
+      # the shipped batch sizes, GSM8K prompts through the SmolLM2 tokenizer, 3 RL steps
+      timeout 560 python3 -m fp8rl_jax.main --config=configs/llama1b.py --config.model.source=preset \
+        --config.model.preset=llama3_1b --config.model.tokenizer=.gpu/smollm2_tok --config.model.preset_vocab=preset \
+        --config.precision.mode="$mode" --config.workdir="$OUT/llama1b_$mode" --steps=3 \
+        --config.logging.progress=False --config.logging.tensorboard=False --config.logging.plots=False \
+        ${LLAMA1B_ARGS:-} > "$OUT/llama1b_$mode.log" 2>&1
+      echo "llama1b $mode exit $?"; grep -v "^W\|Warn" "$OUT/llama1b_$mode.log" | tail -4
+      cp "$OUT/llama1b_$mode/metrics.jsonl" "$OUT/llama1b_$mode.jsonl" 2>/dev/null
+      python3 - "$OUT/llama1b_$mode.jsonl" <<'EOF'
+import json, sys
+for r in map(json.loads, open(sys.argv[1])):
+    print({k: round(v, 2) for k, v in r.items() if k.startswith(("time/", "memory/")) or k in ("step", "rollout_tokens_per_s")})
+EOF
+      rm -rf "$OUT/llama1b_$mode" ;;
+    rollout1k) timeout 500 python3 -m fp8rl_jax.bench rollout --new_tokens 1024 --modes bf16,fp8_kv_te \
         --out "$OUT/rollout_1k.json" 2>&1 | grep -vi warn | tee "$OUT/rollout_1k.log" | tail -12 ;;
-    rollout4k) timeout 560 python3 -m fp8rl_jax.bench rollout --new_tokens 4096 --modes bf16,fp8_te,fp8_kv_te \
-        --out "$OUT/rollout_4k.json" 2>&1 | grep -vi warn | tee "$OUT/rollout_4k.log" | tail -8 ;;
+    gemm) timeout 420 python3 -m fp8rl_jax.bench gemm --out "$OUT/gemm_h100.json" 2>&1 | grep -vi warn | tee "$OUT/gemm.log" | tail -3 ;;
     train) for mode in fp8_e2e bf16; do
         timeout 240 python3 -m fp8rl_jax.main --config=configs/tiny.py:$mode --config.precision.backend=te \
           --config.workdir="$OUT/tiny_te_$mode" --config.logging.progress=False --config.logging.tensorboard=False \
           --config.logging.plots=False > "$OUT/train_$mode.log" 2>&1; tail -3 "$OUT/train_$mode.log"
-        python3 -c "import json,sys; r=[json.loads(l) for l in open('$OUT/tiny_te_$mode/metrics.jsonl')]; print('$mode', [round(x['reward_mean'],2) for x in r][::3], 'mult_prob_err max', max(x['token_mult_prob_error'] for x in r), 'step s', round(r[-1]['time/step'],3))"
         cp "$OUT/tiny_te_$mode/metrics.jsonl" "$OUT/train_tiny_te_$mode.jsonl"; rm -rf "$OUT/tiny_te_$mode"
       done ;;
+    *) echo "unknown stage $what" ;;
   esac
 done

@@ -37,6 +37,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.tokenizer = ""  # "" = from the model source; "char" = the synthetic tasks' character tokenizer
     c.model.param_dtype = "float32"  # master weights
     c.model.init_std = 0.02  # random init only
+    c.model.preset_vocab = "tokenizer"  # random init: cut the vocab to the tokenizer's | "preset": keep its shape
     # recompute in the backward pass: none | full (keep only each block's input) | dots_saveable |
     # dots_with_no_batch_dims_saveable (keep the weight matmuls' outputs, recompute attention and elementwise)
     c.model.remat = "none"
@@ -83,6 +84,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.rollout.top_p = 1.0
     c.rollout.top_k = 0  # 0 = off
     c.rollout.decode_slots = 32  # concurrent sequences in the decode batch
+    # decode attention: pallas (length-aware kernel over the filled cache, GPU) | xla (whole-cache einsum) | auto
+    c.rollout.decode_attention = "auto"
 
     c.rl = ml_collections.ConfigDict()
     c.rl.advantage = "grpo"  # grpo (std-normalised) | drgrpo (mean only) | rloo
@@ -244,6 +247,8 @@ def validate(c: ml_collections.ConfigDict, known_rewards: Callable[[], Sequence[
     for name in _list(c, "precision.bf16_linears", str, f"names from {', '.join(linears)}"):
         _check(name in linears, "precision.bf16_linears", name, f"names from {', '.join(linears)}")
     _one_of(c, "model.param_dtype", ("float32", "bfloat16"))
+    _one_of(c, "model.preset_vocab", ("tokenizer", "preset"))
+    _one_of(c, "rollout.decode_attention", ("auto", "pallas", "xla"))
     _one_of(c, "model.remat", ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable"))
 
     src = c.model.source

@@ -333,8 +333,14 @@ class Trainer:
         c = self.config
         return Engine(self.model, self.rollout_precision, EngineConfig(
             max_concurrent_decodes=c.rollout.decode_slots, max_prefill_length=c.data.max_prompt_tokens,
-            max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=tuple(self.tokenizer.stop_ids)),
-            mesh=self.mesh)
+            max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=tuple(self.tokenizer.stop_ids),
+            decode_attention=self._decode_attention()), mesh=self.mesh)
+
+    def _decode_attention(self) -> str:
+        """``rollout.decode_attention``; ``auto`` on a mesh of several devices is the XLA path: the Pallas kernel
+        is not partitioned, so XLA would gather the whole KV cache onto every device for it."""
+        impl = self.config.rollout.decode_attention
+        return "xla" if impl == "auto" and self.mesh.size > 1 else impl
 
     def _cached_engine(self, sampling: SamplingParams, max_new_tokens: int) -> Engine:
         """An engine per sampling setup for ``sample`` / ``evaluate`` (each compiles its own steps once)."""

@@ -117,7 +117,8 @@ def test_overflowing_update_is_skipped_and_not_checkpointed(tmp_path):
     optim.lr = math.inf
     optimizer, _ = build_optimizer(optim, 1)
     trainer._train_step = make_train_step(trainer.model, trainer.train_precision, optimizer,
-                                          LossConfig.from_config(config))
+                                          LossConfig.from_config(config),
+                                          old_logp_from_forward=trainer._own_old_logp)
     before = jax.device_get(trainer.state["params"])
     records = trainer.run()
     trainer.close()

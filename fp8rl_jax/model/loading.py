@@ -32,7 +32,8 @@ def load_model(config, key: jax.Array | None = None) -> tuple[LlamaConfig, dict,
     """``(architecture, params, tokenizer)`` for ``config.model``.
 
     source: ``smollm2`` (the embedded GGUF, fetched on first use), ``preset`` (random init of
-    ``config.model.preset``; its vocabulary is cut to the tokenizer's, so no logit is left without a token),
+    ``config.model.preset``; its vocabulary is cut to the tokenizer's, so no logit is left without a token, unless
+    ``model.preset_vocab="preset"`` keeps the preset's shapes for benchmarks: ids past the tokenizer decode to ""),
     a Hugging Face folder, or a ``.gguf`` file.
     """
     m = config.model
@@ -43,7 +44,7 @@ def load_model(config, key: jax.Array | None = None) -> tuple[LlamaConfig, dict,
     if source == "preset":
         tokenizer = load_tokenizer(m, source)
         arch = preset(m.preset)
-        if tokenizer.vocab_size < arch.vocab_size:
+        if tokenizer.vocab_size < arch.vocab_size and m.preset_vocab == "tokenizer":
             arch = arch.replace(vocab_size=tokenizer.vocab_size)
         eos = tuple(tokenizer.stop_ids)
         arch = arch.replace(eos_token_ids=eos, bos_token_id=tokenizer.bos_id)

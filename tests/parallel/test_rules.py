@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
-from fp8rl_jax.fp8.prequant import rollout_params
+from fp8rl_jax.rollout.weights import rollout_params
 from jax.sharding import PartitionSpec as P
 
 from fp8rl_jax.config import base_config
