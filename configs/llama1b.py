@@ -28,6 +28,9 @@ def get_config(arg=None):
     c.optim.warmup_steps = 10
     c.checkpoint.every = 20
     # one GPU; on more, FSDP over all of them (params and optimizer state sharded, batch split)
+    # training recomputes each block in the backward pass: only the blocks' inputs stay live, not the
+    # [B, heads, T, T] attention scores of every layer (what made the first train step ask for 82 GiB)
+    c.model.remat = "full"
     c.mesh.data = 1
     c.mesh.fsdp = -1
     c.mesh.tensor = 1

@@ -35,6 +35,9 @@ def get_config(arg=None):
     # FSDP over all local GPUs (fsdp=4 on a 4-GPU host: 8B f32 master weights + Adam moments are 96 GB, 24 per
     # GPU). A tensor-parallel variant: --config.mesh.fsdp=2 --config.mesh.tensor=2 (8 kv heads, 32 heads, F=14336
     # and the 128256 vocabulary all split evenly over tensor=2 or 4)
+    # training recomputes each block in the backward pass: only the blocks' inputs stay live, not the
+    # [B, heads, T, T] attention scores of every layer (what made the first train step ask for 82 GiB)
+    c.model.remat = "full"
     c.mesh.data = 1
     c.mesh.fsdp = -1
     c.mesh.tensor = 1
