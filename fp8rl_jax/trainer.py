@@ -159,7 +159,9 @@ class Trainer:
         self._own_old_logp = c.rl.minibatches == 1
         self._train_step = make_train_step(self.model, self.train_precision, self.optimizer, loss_cfg,
                                            old_logp_from_forward=self._own_old_logp, remat=c.model.remat, **on_mesh)
-        self._calibrate = make_calibrate(self.model, self.rollout_precision, c.precision.kv_margin, **on_mesh)
+        # after an update: FP8 observations only where training does not make them (fp8_rollout), and K/V amaxes
+        self._calibrate = make_calibrate(self.model, self.rollout_precision, c.precision.kv_margin,
+                                         observe_fp8=not self.train_precision.fp8, remat=c.model.remat, **on_mesh)
         self.engine = self._engine(SamplingParams(temperature=c.rollout.temperature, top_k=c.rollout.top_k,
                                                   top_p=c.rollout.top_p), c.rollout.max_new_tokens)
         self._engines = {}
@@ -405,6 +407,7 @@ class Trainer:
         tokens = right_pad([r.prompt_ids for r in records], self.tokenizer.pad_id or 0)
         calibrate = make_calibrate(self.model, self.rollout_precision, c.precision.kv_margin,
                                    gradients=self.train_precision.fp8, temperature=c.rollout.temperature, passes=2,
+                                   remat=c.model.remat,
                                    state_sharding=self.state_sharding)
         self._calibrate_on(tokens, fp8=self.rollout_precision.fp8, calibrate=calibrate)
 

@@ -119,7 +119,8 @@ def _jit_on_mesh(fn, precision: Precision, in_shardings: tuple, out_shardings, b
 
 
 def make_calibrate(model: LlamaConfig, precision: Precision, kv_margin: int = 0, *, gradients: bool = False,
-                   temperature: float = 1.0, passes: int = 1, state_sharding=None):
+                   temperature: float = 1.0, passes: int = 1, observe_fp8: bool = True, remat: str = "none",
+                   state_sharding=None):
     """``(params, fp8_state, kv_scales, tokens) -> (fp8_observations, new_kv_scales)``.
 
     The FP8 amaxes come out of the linears' cotangent (``recipe`` design note). Without ``gradients`` the forward
@@ -129,6 +130,10 @@ def make_calibrate(model: LlamaConfig, precision: Precision, kv_margin: int = 0,
     the size of a GRPO loss's logit gradient with unit advantages, so the gradient role is calibrated too and
     the first update does not quantize its gradients with scale 1 (E5M2 at scale 1 flushes everything below
     2**-16 to 0: half the weight-gradient entries of the tiny model).
+
+    ``observe_fp8=False`` (the KV-scale recalibration of ``fp8_e2e``, whose FP8 scales the train step observes)
+    runs the blocks' forward only. ``remat`` as in the train step: the pullback otherwise keeps every layer's
+    attention scores alive (70 GiB for 8 sequences of 1.2k tokens of Llama-3.2-1B).
 
     ``passes`` > 1 repeats the pass with the scales of the one before (not rolled into ``fp8_state``; only the
     last pass's observations are returned). From scale 1 every FP8 GEMM of the first pass rounds badly (weights
@@ -142,7 +147,7 @@ def make_calibrate(model: LlamaConfig, precision: Precision, kv_margin: int = 0,
 
         def forward(state):
             logits, _, kv_amax = llama.forward(params, tokens, positions, config=model, precision=precision,
-                                               fp8_state=state, kv_scales=kv_scales)
+                                               fp8_state=state, kv_scales=kv_scales, remat=remat)
             return logits, kv_amax
 
         def mean_loglik(logits):
@@ -150,12 +155,13 @@ def make_calibrate(model: LlamaConfig, precision: Precision, kv_margin: int = 0,
             logp = jax.nn.log_softmax(logits[:, :-1] / temperature, axis=-1)
             return jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1))
 
-        if precision.fp8:
+        if precision.fp8 and observe_fp8:
             logits, pullback, kv_amax = jax.vjp(forward, fp8_state, has_aux=True)
             cotangent = jax.grad(mean_loglik)(logits) if gradients else jnp.zeros_like(logits)
             (observations,) = pullback(cotangent)
-        else:
-            _, kv_amax = forward(fp8_state)
+        else:  # K/V amaxes only: the blocks' forward, no head, nothing kept for a backward pass
+            _, _, kv_amax = llama.forward_hidden(params, tokens, positions, config=model, precision=precision,
+                                                 fp8_state=fp8_state, kv_scales=kv_scales)
             observations = None
         return observations, kvq.scales_from_amax(kv_amax, kv_margin, old=kv_scales)
 
