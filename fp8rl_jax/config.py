@@ -120,6 +120,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.checkpoint = ml_collections.ConfigDict()
     c.checkpoint.every = 0  # steps between saves (0 = only at the end)
     c.checkpoint.keep = 3
+    c.checkpoint.save_final = True  # save when run() ends (off only for throwaway benchmark runs)
     # auto: continue the run in workdir, if any | never: start a run, refuse a workdir that holds one |
     # overwrite: delete the run in workdir (checkpoints, metrics, plots, TensorBoard events), then start one
     c.checkpoint.resume = "auto"

@@ -324,7 +324,8 @@ class Trainer:
         if count == 0:
             self.reporter.message(f"{self.workdir}: the run is at step {done} of {total}; nothing to do")
         out = [self.step() for _ in range(count)]
-        self.save(force=True)
+        if self.config.checkpoint.save_final:
+            self.save(force=True)
         if self.config.logging.plots:
             self.reporter.plot()
         return out

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Llama-3.1-8B shapes (random weights) for 3 RL steps on one multi-GPU host, per "MODE:FSDP:TENSOR" argument:
+#   bash benchmarks/scale_run.sh bf16:2:1 fp8_e2e:2:1 fp8_e2e:1:2
+# Batch sizes are cut from the shipped config (16 prompts x 8 samples, 512 new tokens) so three steps and their
+# compiles fit a 10-minute call; no checkpoint is written. Metrics land in $OUT/scale_MODE_FxT.jsonl.
+set -uo pipefail
+OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda PYTHONPATH=/tmp/site:$PWD
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # never NVLink multicast
+if ! python3 -c "import ml_collections, grain, math_verify" 2>/dev/null && [ -d .gpu/wheels ]; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu/wheels/*.whl
+fi
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/device.txt"
+for spec in "$@"; do
+  IFS=: read -r mode fsdp tensor <<< "$spec"
+  name="scale_${mode}_${fsdp}x${tensor}"
+  timeout 420 python3 -m fp8rl_jax.main --config=configs/llama8b.py --config.model.source=preset \
+    --config.model.preset=llama3_8b --config.model.tokenizer=.gpu/smollm2_tok --config.model.preset_vocab=preset \
+    --config.precision.mode="$mode" --config.precision.backend=${BACKEND:-xla} \
+    --config.mesh.fsdp="$fsdp" --config.mesh.tensor="$tensor" --config.workdir="$OUT/$name" --steps=3 \
+    --config.rollout.prompts_per_step=16 --config.rollout.samples_per_prompt=8 --config.rollout.max_new_tokens=512 \
+    --config.rollout.decode_slots=128 --config.rl.minibatches=2 --config.rl.microbatch_sequences=16 \
+    --config.checkpoint.save_final=False --config.logging.progress=False --config.logging.tensorboard=False \
+    --config.logging.plots=False > "$OUT/$name.log" 2>&1
+  echo "$name exit $?"; grep -v "^W\|warn" "$OUT/$name.log" | tail -3
+  cp "$OUT/$name/metrics.jsonl" "$OUT/$name.jsonl" 2>/dev/null && rm -rf "${OUT:?}/$name"
+  python3 -c "import json,sys; [print({k: round(v, 2) for k, v in json.loads(l).items() if k.startswith(('time/', 'memory/')) or k == 'step'}) for l in open(sys.argv[1])]" "$OUT/$name.jsonl" 2>/dev/null
+done
