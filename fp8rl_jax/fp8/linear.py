@@ -24,11 +24,15 @@ def linear(
     fp8_state: Fp8LinearState | None,
     precision: Precision,
     out_dtype=None,
+    *,
+    kernel_nk: bool = False,
 ) -> jax.Array:
     """``x [..., K] @ kernel [K, N]`` -> [..., N] in ``out_dtype`` (default: the compute dtype).
 
     ``fp8_state`` None means this matmul is outside FP8 (a BF16 block, the lm_head, or the ``bf16`` backend).
     A ``QuantizedKernel`` (rollout weights quantized once per RL step) needs only the input's scale.
+    ``kernel_nk``: ``kernel`` is stored [N, K] (a tied embedding table used as the head) and is contracted as it
+    is: handed over as a transposed [K, N] view, a BF16 table is converted whole to f32 by XLA:CPU at every call.
     """
     dtype = precision.dtype
     out_dtype = jnp.dtype(out_dtype or dtype)
@@ -37,8 +41,11 @@ def linear(
         if isinstance(kernel, QuantizedKernel):
             raise TypeError("a pre-quantized kernel needs its FP8 state (the input scale)")
         return lax.dot_general(
-            x, kernel.astype(dtype), (((x.ndim - 1,), (0,)), ((), ())), preferred_element_type=out_dtype
+            x, kernel.astype(dtype), (((x.ndim - 1,), (1 if kernel_nk else 0,)), ((), ())),
+            preferred_element_type=out_dtype,
         )
+    if kernel_nk and not isinstance(kernel, QuantizedKernel):
+        kernel = kernel.T  # [N, K] -> [K, N]: the FP8 path quantizes (and lays out) the kernel itself
     k, n = kernel.shape
     # [..., K] -> [M, K]: the FP8 GEMMs take 2-D operands
     x2 = x.reshape(-1, k)

@@ -4,6 +4,16 @@ The GEMMs are ``lax.dot_general`` on float8 operands with ``preferred_element_ty
 multiply with the product of the two inverse scales. Never write FP8 as quantize -> dequantize -> bf16 dot: XLA
 on GPU treats the f8 round trip as excess precision and removes it, and the "FP8" run silently becomes BF16.
 
+Two forms of the same GEMM, chosen at trace time (``gemm_form``):
+  ``f8``   dot_general on the float8 operands (GPU: XLA lowers it to cuBLASLt's FP8 GEMM).
+  ``f32``  dot_general on the f32 values of the float8 operands (the CPU default). Every E4M3 / E5M2 value is
+           exact in f32 and so is the product of two of them (at most 4 x 4 significant bits), so this is the
+           FP8 GEMM with f32 accumulation, as the ``f8`` form is. XLA:CPU runs an f8 dot exactly like this
+           (it converts both operands to f32 first), but converts again at every call; in the ``f32`` form a
+           pre-quantized rollout kernel is stored as f32 once per RL step and the decode step streams it as is.
+           The quantized values pass an ``optimization_barrier`` before the upcast, so no pass can fold the
+           f32 -> f8 -> f32 round trip away.
+
 Forward:  y  = (q(x) . q(w))            / (s_x s_w)      q() = E4M3 with the role's delayed scale
 Backward: dx = (q(g) . q(w)^T)          / (s_g s_w)      q(g) = E5M2 (hybrid) or E4M3
           dw = (q(x)^T . q(g))          / (s_x s_g)
@@ -22,14 +32,36 @@ from jax import lax
 
 from fp8rl_jax.fp8.recipe import Fp8LinearState, Fp8Recipe, amax, observations, quantize
 
+GEMM_FORMS = ("f8", "f32")
+
+
+def gemm_form(form: str | None = None) -> str:
+    """``form`` checked, or, for None, this platform's form: ``f32`` where JAX's default backend is the CPU."""
+    if form is None:
+        return "f32" if jax.default_backend() == "cpu" else "f8"
+    if form not in GEMM_FORMS:
+        raise ValueError(f"FP8 GEMM form={form!r}; allowed: {GEMM_FORMS}")
+    return form
+
+
+def gemm_operand(q: jax.Array, fp8_dtype, form: str) -> jax.Array:
+    """An FP8 operand (float8, or its exact f32 value) in ``form``'s dtype; the value never changes."""
+    if form == "f8":
+        return q.astype(fp8_dtype)  # exact: an f32 operand here holds FP8 values
+    if q.dtype == jnp.float32:
+        return q
+    return lax.optimization_barrier(q).astype(jnp.float32)
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class QuantizedKernel:
-    """A kernel quantized once with its delayed scale: FP8 ``data`` [..., N, K] and ``scale_inv`` (f32).
+    """A kernel quantized once with its delayed scale: ``data`` [..., N, K] and ``scale_inv`` (f32).
 
-    Stored transposed (K-major): Hopper's FP8 GEMMs read both operands K-major ("TN"), so a kernel kept in this
-    layout is streamed as is, with no transpose per call.
+    ``data`` holds FP8 (E4M3) values, as float8 in the ``f8`` GEMM form and as their exact f32 values in the
+    ``f32`` form (CPU), so that the decode step reads them with no conversion. Stored transposed (K-major):
+    Hopper's FP8 GEMMs read both operands K-major ("TN"), so a kernel kept in this layout is streamed as is,
+    with no transpose per call.
     """
 
     data: jax.Array
@@ -42,11 +74,11 @@ class QuantizedKernel:
         return (*lead, k, n)
 
 
-def quantize_kernel(kernel: jax.Array, kernel_meta, recipe: Fp8Recipe) -> QuantizedKernel:
-    """[K, N] kernel -> FP8 [N, K] with its delayed scale."""
+def quantize_kernel(kernel: jax.Array, kernel_meta, recipe: Fp8Recipe, form: str | None = None) -> QuantizedKernel:
+    """[K, N] kernel -> FP8 [N, K] with its delayed scale, stored in ``form``'s dtype (see ``gemm_form``)."""
     scale = kernel_meta["scale"]
     data = jnp.swapaxes(quantize(kernel, scale, recipe.fwd_dtype), -1, -2)
-    return QuantizedKernel(data, 1.0 / scale.astype(jnp.float32))
+    return QuantizedKernel(gemm_operand(data, recipe.fwd_dtype, gemm_form(form)), 1.0 / scale.astype(jnp.float32))
 
 
 def _mm(a: jax.Array, b: jax.Array, a_contract: int, b_contract: int) -> jax.Array:
@@ -56,36 +88,45 @@ def _mm(a: jax.Array, b: jax.Array, a_contract: int, b_contract: int) -> jax.Arr
     )
 
 
-def prequantized_matmul(x: jax.Array, kernel: QuantizedKernel, x_scale: jax.Array, recipe: Fp8Recipe):
+def prequantized_matmul(
+    x: jax.Array, kernel: QuantizedKernel, x_scale: jax.Array, recipe: Fp8Recipe, form: str | None = None
+):
     """``x [M, K] @ kernel`` with only ``x`` quantized here; returns f32 [M, N].
 
     The training forward calls this too, after ``quantize_kernel``: rollout with pre-quantized weights and the
     training forward run the same arithmetic on the same FP8 operands.
     """
-    qx = quantize(x, x_scale, recipe.fwd_dtype)
+    form = gemm_form(form)
+    qx = gemm_operand(quantize(x, x_scale, recipe.fwd_dtype), recipe.fwd_dtype, form)
+    qw = gemm_operand(kernel.data, recipe.fwd_dtype, form)
     # [M, K] . [N, K] -> [M, N]
-    return _mm(qx, kernel.data, 1, 1) * ((1.0 / x_scale.astype(jnp.float32)) * kernel.scale_inv)
+    return _mm(qx, qw, 1, 1) * ((1.0 / x_scale.astype(jnp.float32)) * kernel.scale_inv)
 
 
 @functools.cache
-def _fp8_matmul_fn(x_dtype, w_dtype, out_dtype, recipe: Fp8Recipe):
+def _fp8_matmul_fn(x_dtype, w_dtype, out_dtype, recipe: Fp8Recipe, form: str):
+    fwd_dtype, bwd_dtype = recipe.fwd_dtype, recipe.bwd_dtype
+
     @jax.custom_vjp
     def f(x, kernel, state):
         y, _ = fwd(x, kernel, state)
         return y
 
     def fwd(x, kernel, state):
-        qk = quantize_kernel(kernel, state["kernel"], recipe)
+        qk = quantize_kernel(kernel, state["kernel"], recipe, "f8")
         x_scale = state["x"]["scale"]
-        y = prequantized_matmul(x, qk, x_scale, recipe).astype(out_dtype)
-        qx = quantize(x, x_scale, recipe.fwd_dtype)  # CSE'd with the one inside prequantized_matmul
+        operand = QuantizedKernel(gemm_operand(qk.data, fwd_dtype, form), qk.scale_inv)
+        y = prequantized_matmul(x, operand, x_scale, recipe, form).astype(out_dtype)
+        qx = quantize(x, x_scale, fwd_dtype)  # CSE'd with the one inside prequantized_matmul
+        # the residuals stay float8 (one byte per value) in either form
         residuals = (qx, qk.data, state, amax(x), amax(kernel))
         return y, residuals
 
     def bwd(residuals, g):
         qx, qw, state, amax_x, amax_w = residuals
         s_x, s_w, s_g = (state[r]["scale"].astype(jnp.float32) for r in ("x", "kernel", "grad"))
-        qg = quantize(g, s_g, recipe.bwd_dtype)
+        qg = gemm_operand(quantize(g, s_g, bwd_dtype), bwd_dtype, form)
+        qx, qw = gemm_operand(qx, fwd_dtype, form), gemm_operand(qw, fwd_dtype, form)
         # dx [M, K] = g [M, N] . w^T [N, K]
         dx = _mm(qg, qw, 1, 0) * ((1.0 / s_g) * (1.0 / s_w))
         # dw [K, N] = x [M, K]^T . g [M, N]
@@ -97,11 +138,14 @@ def _fp8_matmul_fn(x_dtype, w_dtype, out_dtype, recipe: Fp8Recipe):
 
 
 def fp8_matmul(
-    x: jax.Array, kernel: jax.Array, state: Fp8LinearState, recipe: Fp8Recipe, out_dtype=None
+    x: jax.Array, kernel: jax.Array, state: Fp8LinearState, recipe: Fp8Recipe, out_dtype=None,
+    form: str | None = None,
 ) -> jax.Array:
     """Differentiable FP8 ``x [M, K] @ kernel [K, N]`` -> [M, N] in ``out_dtype`` (default ``x.dtype``).
 
     The cotangent for ``state`` carries the amaxes observed in this call (see ``recipe``'s design note).
+    ``form``: the GEMM form (``gemm_form``; None = this platform's).
     """
     out_dtype = jnp.dtype(out_dtype or x.dtype)
-    return _fp8_matmul_fn(jnp.dtype(x.dtype), jnp.dtype(kernel.dtype), out_dtype, recipe)(x, kernel, state)
+    fn = _fp8_matmul_fn(jnp.dtype(x.dtype), jnp.dtype(kernel.dtype), out_dtype, recipe, gemm_form(form))
+    return fn(x, kernel, state)

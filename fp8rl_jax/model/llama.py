@@ -187,9 +187,43 @@ def block_segments(params: Params, precision: Precision, num_layers: int):
     return segs, tuple(slice_layers(blocks, s, e, num_layers) for s, e, _ in segs)
 
 
+def _as_bits(a: jax.Array) -> jax.Array:
+    """The same bits as unsigned integers of the same width (bf16 -> uint16, f8 -> uint8)."""
+    return lax.bitcast_convert_type(a, jnp.dtype(f"uint{8 * a.dtype.itemsize}"))
+
+
+def _cache_write(cache_bits: jax.Array, idx, rows: jax.Array, positions: jax.Array, update: jax.Array):
+    """``update`` [B, T, K, H] written into layer ``idx`` of the cache [L, B, K, S, H] (held as its bits, see
+    ``forward_hidden``) at (row, :, position); positions outside the cache are dropped. Returns the cache bits and
+    its layer ``idx`` [B, K, S, H] in ``update``'s dtype.
+
+    On CPU a decode step (T = 1) writes with a select over the layer's slice; otherwise a scatter.
+    """
+    as_bits = cache_bits.dtype != update.dtype  # the CPU form (see forward_hidden)
+    update_bits = _as_bits(update) if as_bits else update
+    if update.shape[1] == 1 and as_bits:
+        # CPU: a select over the layer's slice beats XLA:CPU's scatter; on GPU it would read and write the whole
+        # layer every step, so the GPU keeps the scatter below (one [K, H] row per sequence)
+        # [B, S]: the one position each row writes
+        hit = jnp.arange(cache_bits.shape[3], dtype=positions.dtype)[None, :] == positions
+        # [B, 1, K, H] -> [B, K, 1, H], broadcast along S
+        layer = jnp.where(hit[:, None, :, None], update_bits.transpose(0, 2, 1, 3), cache_bits[idx])
+        cache_bits = lax.dynamic_update_index_in_dim(cache_bits, layer, idx, 0)
+        # read back from the updated cache: nothing reads the old cache after the in-place update (XLA would
+        # otherwise copy the whole cache to keep the old value for the attention's reads)
+        layer = cache_bits[idx]
+    else:
+        # the index arrays are split by a slice, so (numpy rules) the indexed view is [B, T, K, H], update's layout
+        cache_bits = cache_bits.at[idx, rows, :, positions].set(update_bits, mode="drop")
+        layer = cache_bits[idx]
+    return cache_bits, layer if layer.dtype == update.dtype else lax.bitcast_convert_type(layer, update.dtype)
+
+
 def _block(x, layer, fp8, idx, positions, cache, kv_scales, config: LlamaConfig, precision: Precision, inv_freq,
-           decode_impl: str = "xla"):
-    """One transformer block. Returns the new residual stream, the updated cache and this layer's K/V amax."""
+           decode_impl: str = "xla", cache_dtype=None):
+    """One transformer block. Returns the new residual stream, the updated cache and this layer's K/V amax.
+
+    ``cache`` holds a ``cache_dtype`` cache, on CPU as its bits (see ``forward_hidden``)."""
     c = config
     b, t, _ = x.shape
     eps = c.rms_norm_eps
@@ -219,14 +253,11 @@ def _block(x, layer, fp8, idx, positions, cache, kv_scales, config: LlamaConfig,
         if precision.kv_fp8:
             k_store, v_store = kvq.quantize_kv(k, k_scale), kvq.quantize_kv(v, v_scale)
         else:
-            k_store, v_store = k.astype(ck.dtype), v.astype(cv.dtype)
+            k_store, v_store = k, v
         rows = jnp.broadcast_to(jnp.arange(b)[:, None], positions.shape)
-        # scatter [B, T, K, H] into layer idx of [L, B, K, S, H] at (row, :, position): the index arrays are
-        # split by a slice, so (numpy rules) the indexed view is [B, T, K, H], the layout of k_store
-        ck = ck.at[idx, rows, :, positions].set(k_store, mode="drop")
-        cv = cv.at[idx, rows, :, positions].set(v_store, mode="drop")
+        ck, keys = _cache_write(ck, idx, rows, positions, k_store.astype(cache_dtype))
+        cv, values = _cache_write(cv, idx, rows, positions, v_store.astype(cache_dtype))
         cache = {"k": ck, "v": cv}
-        keys, values = ck[idx], cv[idx]
         if precision.kv_fp8:
             keys = kvq.dequantize_kv(keys, k_scale, precision.dtype)
             values = kvq.dequantize_kv(values, v_scale, precision.dtype)
@@ -239,7 +270,9 @@ def _block(x, layer, fp8, idx, positions, cache, kv_scales, config: LlamaConfig,
         scales = {"k_scale": k_scale, "v_scale": v_scale} if precision.kv_fp8 else {}
         # [B, 1, N, H] -> [B, K, G, H]
         q_heads = q.reshape(b, c.num_kv_heads, c.num_heads // c.num_kv_heads, c.head_dim)
-        attn = decode_kernel.decode_attention(q_heads, cache["k"], cache["v"], positions[:, 0] + 1, layer=idx,
+        native = {n: a if a.dtype == cache_dtype else lax.bitcast_convert_type(a, cache_dtype)
+                  for n, a in cache.items()}
+        attn = decode_kernel.decode_attention(q_heads, native["k"], native["v"], positions[:, 0] + 1, layer=idx,
                                               impl=decode_impl, **scales)
         # [B, K, G, H] -> [B, 1, N, H]
         attn = attn.reshape(b, 1, c.num_heads, c.head_dim)
@@ -303,6 +336,12 @@ def forward_hidden(
     x = params["embed"][tokens].astype(precision.dtype).astype(jnp.float32)
     x = constrain(x, RESIDUAL_AXES)
     segs, seg_blocks = block_segments(params, precision, c.num_layers)
+    # the layers write the cache as its bits (uint16 for bf16, uint8 for f8): XLA:CPU supports no bf16 / f8
+    # scatter or dynamic-update-slice and would convert the whole [L, B, K, S, H] cache to f32 and back around
+    # every write, in every layer of every decode step
+    cache_dtype = None if cache is None else cache["k"].dtype
+    if cache is not None and jax.default_backend() == "cpu":  # a free view on GPU, where none is needed
+        cache = {name: _as_bits(a) for name, a in cache.items()}
     amax_k, amax_v = [], []
     for (start, end, is_fp8), blocks in zip(segs, seg_blocks, strict=True):
         fp8 = slice_layers(fp8_state["blocks"], start, end, c.num_layers) if is_fp8 else None
@@ -311,14 +350,22 @@ def forward_hidden(
             x, cache = carry
             layer, fp8_layer, idx = xs
             x, cache, amax = _block(x, layer, fp8_layer, idx, positions, cache, kv_scales, c, precision, inv_freq,
-                                    decode_impl)
+                                    decode_impl, cache_dtype)
             return (constrain(x, RESIDUAL_AXES), cache), amax
 
         body = _remat(body, remat)
+        if remat == "none" and cache is None and jax.default_backend() == "cpu":
+            # under jax.grad the scan stacks each block's bf16 / f8 residuals layer by layer, and XLA:CPU updates a
+            # bf16 / f8 buffer by converting all of it to f32 and back (every layer: quadratic in depth, most of a
+            # CPU train step). Recomputed in the backward pass, a block leaves only its f32 input to stack. No
+            # effect without a gradient (scoring); numerics unchanged (the same forward, computed again).
+            body = jax.checkpoint(body, prevent_cse=False)
         xs = (blocks, fp8, jnp.arange(start, end))
         (x, cache), (ak, av) = lax.scan(body, (x, cache), xs)
         amax_k.append(ak)
         amax_v.append(av)
+    if cache is not None and cache["k"].dtype != cache_dtype:
+        cache = {name: lax.bitcast_convert_type(a, cache_dtype) for name, a in cache.items()}
     x = constrain(rms_norm(x, params["final_norm"], c.rms_norm_eps, precision.dtype), RESIDUAL_AXES)
     return x, cache, {"k": jnp.concatenate(amax_k), "v": jnp.concatenate(amax_v)}
 
@@ -331,7 +378,10 @@ def lm_head_kernel(params: Params):
 def logits_from_hidden(params: Params, hidden: jax.Array, *, precision: Precision, fp8_state=None) -> jax.Array:
     """f32 logits [..., V] (the head runs in BF16 unless ``precision.lm_head_fp8``)."""
     state = fp8_state.get("lm_head") if (fp8_state is not None and precision.lm_head_fp8) else None
-    return linear(hidden, lm_head_kernel(params), state, precision, out_dtype=jnp.float32)
+    if "lm_head" in params:
+        return linear(hidden, params["lm_head"], state, precision, out_dtype=jnp.float32)
+    # tied: the embedding table [V, D] is the head's [N, K] kernel, contracted as it is stored
+    return linear(hidden, params["embed"], state, precision, out_dtype=jnp.float32, kernel_nk=True)
 
 
 def forward(params: Params, tokens: jax.Array, positions: jax.Array | None = None, **kw):

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from fp8rl_jax.fp8 import kv as kvq
+from fp8rl_jax.fp8 import xla
 from fp8rl_jax.fp8.policy import Precision
 from fp8rl_jax.fp8.recipe import update_state
 from fp8rl_jax.fp8.xla import QuantizedKernel
@@ -50,7 +51,12 @@ def test_rollout_weights_reproduce_training_forward_exactly(params, name):
     rp = jax.jit(lambda p, s: rollout_params(p, s, precision, CONFIG.num_layers))(params, state)
     if precision.fp8:
         kernels = [k for seg in rp["blocks"] for k in seg.values() if isinstance(k, QuantizedKernel)]
-        assert kernels and all(k.data.dtype == jnp.float8_e4m3fn for k in kernels)
+        # E4M3 values, stored as float8 in the GPU's GEMM form and as their exact f32 values in the CPU's
+        form_dtype = jnp.float32 if xla.gemm_form() == "f32" else jnp.float8_e4m3fn
+        assert kernels and all(k.data.dtype == form_dtype for k in kernels)
+        for k in kernels:
+            as_e4m3 = np.asarray(k.data.astype(jnp.float8_e4m3fn).astype(jnp.float32))
+            np.testing.assert_array_equal(as_e4m3, np.asarray(k.data, np.float32))
     cache = llama.init_cache(CONFIG, 3, 32, llama.cache_dtype(precision))
     roll = jax.jit(lambda p, s, c: llama.forward(p, TOKENS, config=CONFIG, precision=precision, fp8_state=s,
                                                  kv_scales=kv_scales, cache=c)[0])(rp, state, cache)

@@ -46,8 +46,9 @@ def _state(x, w, g, recipe, margin=0):
     return st
 
 
+@pytest.mark.parametrize("form", xla.GEMM_FORMS)
 @pytest.mark.parametrize("fmt", ["hybrid", "e4m3"])
-def test_forward_and_gradients_match_emulation(fmt):
+def test_forward_and_gradients_match_emulation(fmt, form):
     recipe = Fp8Recipe(fp8_format=fmt)
     g_dtype = E5M2 if fmt == "hybrid" else E4M3
     rng = np.random.RandomState(1)
@@ -57,7 +58,7 @@ def test_forward_and_gradients_match_emulation(fmt):
     st = _state(x, w, g, recipe)
     sx, sw, sg = (float(st[r]["scale"]) for r in ("x", "kernel", "grad"))
 
-    y, vjp = jax.vjp(lambda a, b: xla.fp8_matmul(a, b, st, recipe), jnp.asarray(x), jnp.asarray(w))
+    y, vjp = jax.vjp(lambda a, b: xla.fp8_matmul(a, b, st, recipe, form=form), jnp.asarray(x), jnp.asarray(w))
     dx, dw = vjp(jnp.asarray(g))
 
     qx, qw, qg = np_quantize(x, sx, E4M3), np_quantize(w, sw, E4M3), np_quantize(g, sg, g_dtype)
@@ -90,22 +91,75 @@ def test_fp8_error_is_quantization_sized():
     assert rel(bf16) < 0.006
 
 
-def test_lowered_dots_take_fp8_operands():
-    """The GEMMs are dot_generals on f8 operands (not a quantize-dequantize pattern XLA could fold into BF16)."""
+def _lowered_dots(form):
     recipe = Fp8Recipe()
     x = jnp.ones((32, 64), jnp.bfloat16)
     w = jnp.ones((64, 48), jnp.float32)
     st = init_linear_state(recipe)
 
     def loss(x, w, st):
-        return xla.fp8_matmul(x, w, st, recipe).astype(jnp.float32).sum()
+        return xla.fp8_matmul(x, w, st, recipe, form=form).astype(jnp.float32).sum()
 
     hlo = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(x, w, st).as_text()
-    dots = [line for line in hlo.splitlines() if "dot_general" in line]
+    return hlo, [line for line in hlo.splitlines() if "dot_general" in line]
+
+
+def test_lowered_dots_take_fp8_operands():
+    """The ``f8`` form (the GPU's): dot_generals on f8 operands, not a quantize-dequantize pattern XLA could fold
+    into BF16."""
+    _, dots = _lowered_dots("f8")
     assert len(dots) == 3, dots  # forward, dgrad, wgrad
     assert sum("f8E4M3FN" in d and "f8E5M2" not in d for d in dots) == 1  # forward: E4M3 x E4M3
     assert sum("f8E5M2" in d and "f8E4M3FN" in d for d in dots) == 2  # backward: E5M2 grad with an E4M3 operand
     assert all("-> tensor<" in d and "xf32>" in d.split("->")[-1] for d in dots)  # f32 accumulation
+
+
+def test_cpu_form_upcasts_pinned_fp8_values():
+    """The ``f32`` form (the CPU's): f32 dots whose operands are FP8 values pinned by a barrier (3 quantized
+    tensors: x and the kernel forward, the gradient backward), so no pass can fold the round trip away."""
+    assert xla.gemm_form() == ("f32" if jax.default_backend() == "cpu" else "f8")
+    hlo, dots = _lowered_dots("f32")
+    assert len(dots) == 3, dots
+    assert all("f8E" not in d and d.count("xf32>") == 3 for d in dots), dots  # f32 x f32 -> f32
+    assert hlo.count("optimization_barrier") >= 3
+    assert "f8E4M3FN" in hlo and "f8E5M2" in hlo  # the values are quantized before the upcast
+    with pytest.raises(ValueError, match="form='bf16'"):
+        xla.gemm_form("bf16")
+
+
+@pytest.mark.parametrize("fmt", ["hybrid", "e4m3"])
+def test_cpu_form_equals_fp8_dot_bit_for_bit(fmt):
+    """On CPU the two forms give the same bits: XLA:CPU computes an f8 dot as the f32 GEMM of the upcast
+    operands, which the ``f32`` form spells out (forward, both gradients, and the pre-quantized rollout path)."""
+    recipe = Fp8Recipe(fp8_format=fmt)
+    rng = np.random.RandomState(4)
+    x = jnp.asarray(rng.randn(40, 96), jnp.bfloat16)
+    w = jnp.asarray(rng.randn(96, 72) * 0.05, jnp.float32)
+    g = jnp.asarray(rng.randn(40, 72) * 1e-3, jnp.bfloat16)
+    st = _state(np.asarray(x, np.float32), np.asarray(w), np.asarray(g, np.float32), recipe)
+
+    def run(form):  # each its own program, as the trainer and the sampler run them
+        def train(x, w):
+            y, vjp = jax.vjp(lambda a, b: xla.fp8_matmul(a, b, st, recipe, form=form), x, w)
+            return (y, *vjp(g))
+
+        qk = jax.jit(lambda w: xla.quantize_kernel(w, st["kernel"], recipe, form))(w)
+        roll = jax.jit(lambda x, qk: xla.prequantized_matmul(x, qk, st["x"]["scale"], recipe, form))(x, qk)
+        return (*jax.jit(train)(x, w), roll, qk.data.astype(jnp.float32))
+
+    for f8_out, f32_out in zip(run("f8"), run("f32"), strict=True):
+        np.testing.assert_array_equal(np.asarray(f32_out), np.asarray(f8_out))
+
+
+def test_cpu_form_kernel_holds_exact_e4m3_values():
+    """A pre-quantized kernel in the ``f32`` form is the E4M3 kernel's values, transposed, bit for bit."""
+    recipe = Fp8Recipe()
+    w = np.random.RandomState(5).randn(64, 24).astype(np.float32) * 0.1
+    meta = {"scale": jnp.float32(448 / (0.8 * np.abs(w).max())), "amax_history": jnp.zeros(16)}
+    qk = xla.quantize_kernel(jnp.asarray(w), meta, recipe, "f32")
+    assert qk.data.dtype == jnp.float32 and qk.shape == (64, 24)
+    ref = np_quantize(w, float(meta["scale"]), E4M3).astype(np.float32).T
+    np.testing.assert_array_equal(np.asarray(qk.data).view(np.uint32), ref.view(np.uint32))
 
 
 def test_state_cotangent_carries_observed_amaxes():

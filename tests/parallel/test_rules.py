@@ -7,7 +7,6 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
-from fp8rl_jax.rollout.weights import rollout_params
 from jax.sharding import PartitionSpec as P
 
 from fp8rl_jax.config import base_config
@@ -18,6 +17,7 @@ from fp8rl_jax.model.config import preset
 from fp8rl_jax.parallel import rules
 from fp8rl_jax.parallel.mesh import make_mesh, mesh_context
 from fp8rl_jax.rl.step import build_optimizer
+from fp8rl_jax.rollout.weights import rollout_params
 
 CONFIG = preset("tiny")  # V 512, D 64, F 160, N 4, K 2, H 16, L 2: wqkv [2, 64, 128], wo [2, 64, 64]
 FP8 = Precision(backend="xla", compute_dtype="float32")
