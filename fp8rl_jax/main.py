@@ -23,6 +23,10 @@ _STEPS = flags.DEFINE_integer(
     "steps", None, "The run's total RL steps (overrides config.steps). A run in the workdir resumes and stops there, "
     "so rerunning the same command after a crash finishes the same run.")
 _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Validate the config, print it and exit.")
+_COORDINATOR = flags.DEFINE_string(
+    "coordinator_address", None, "Multi-host: host:port of process 0 (else $FP8RL_COORDINATOR, SLURM, or one process).")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Multi-host: the number of processes.")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "Multi-host: this process's index, 0-based.")
 
 
 def main(argv) -> int:
@@ -53,6 +57,13 @@ def main(argv) -> int:
         from fp8rl_jax.fp8 import te
 
         te.preload()  # before JAX starts its GPU backend (see fp8rl_jax.fp8.te)
+    from fp8rl_jax.parallel import distributed
+
+    try:  # before anything touches a device: every host's devices then form one mesh
+        distributed.initialize(distributed.cluster_spec(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     from fp8rl_jax.trainer import Trainer
 
     try:

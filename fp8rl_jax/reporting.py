@@ -21,14 +21,18 @@ PLOTS = {
 
 class Reporter:
     def __init__(self, workdir: str | os.PathLike, *, tensorboard: bool = True, progress: bool = True,
-                 total_steps: int | None = None, resume_step: int = 0):
+                 total_steps: int | None = None, resume_step: int = 0, write: bool = True):
+        """``write=False`` (every process but 0 of a multi-host run): records are kept in memory, no file is
+        written, no plot made."""
         self.dir = Path(workdir)
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self.write = write
         self.path = self.dir / "metrics.jsonl"
         self.records = [r for r in self._read() if r.get("step", 0) <= resume_step]
-        with open(self.path, "w") as f:  # rewrite: drop records of steps a resumed run will redo
-            for r in self.records:
-                f.write(json.dumps(r) + "\n")
+        if write:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            with open(self.path, "w") as f:  # rewrite: drop records of steps a resumed run will redo
+                for r in self.records:
+                    f.write(json.dumps(r) + "\n")
         self._tb = None
         if tensorboard:
             from tensorboardX import SummaryWriter
@@ -55,6 +59,8 @@ class Reporter:
         record = {k: (float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v)
                   for k, v in record.items()}
         self.records.append(record)
+        if not self.write:
+            return
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
         step = int(record["step"])
@@ -77,7 +83,7 @@ class Reporter:
 
     def plot(self) -> list[Path]:
         """One PNG per group of metrics over steps (files in ``workdir/plots``)."""
-        if not self.records:
+        if not self.records or not self.write:
             return []
         import matplotlib
 

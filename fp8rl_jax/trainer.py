@@ -42,6 +42,7 @@ from fp8rl_jax.fp8.recipe import update_state
 from fp8rl_jax.model import llama
 from fp8rl_jax.model.loading import load_model
 from fp8rl_jax.parallel import rules
+from fp8rl_jax.parallel.distributed import is_primary
 from fp8rl_jax.parallel.mesh import make_mesh, peak_memory_gib
 from fp8rl_jax.parallel.state import init_sharded, load_model_sharded
 from fp8rl_jax.reporting import Reporter
@@ -174,10 +175,13 @@ class Trainer:
             self.restore()
         else:
             self._initial_calibration()
+        primary = is_primary()  # multi-host: process 0 writes metrics, events, plots and messages
+        report = report and primary
         self.reporter = Reporter(self.workdir, tensorboard=c.logging.tensorboard and report,
                                  progress=c.logging.progress and report, total_steps=c.steps,
-                                 resume_step=self.step_count)
-        self._write_run_json()
+                                 resume_step=self.step_count, write=primary)
+        if primary:
+            self._write_run_json()
         self.reporter.message(f"precision: {c.precision.mode}, FP8 backend {self.backend} ({self.backend_reason})")
         if resumed:
             self.reporter.message(f"resumed from {self.workdir / 'checkpoints'} at step {self.step_count}")
