@@ -216,8 +216,11 @@ class Trainer:
         records = self.prompts.take(c.rollout.prompts_per_step)
         key = jax.random.fold_in(self.state["rng"], step)
 
+        with timed(times, "weights"):  # the sampler's copy of the policy: FP8 kernels quantized once per step
+            params = jax.block_until_ready(self._rollout_params(self.engine))
         with timed(times, "rollout"):
-            batch = self._rollout(self.engine, [r.prompt_ids for r in records], self.group, key)
+            batch = driver.generate(self.engine, params, [list(r.prompt_ids) for r in records], self.group, key)
+        del params
         memory = {"rollout": peak_memory_gib()}  # None on CPU (no allocator statistics)
 
         with timed(times, "reward"):
@@ -356,11 +359,13 @@ class Trainer:
             self._engines[key] = self._engine(sampling, max_new_tokens)
         return self._engines[key]
 
-    def _rollout(self, engine: Engine, prompts: list, n: int, key) -> driver.RolloutBatch:
+    def _rollout_params(self, engine: Engine) -> dict:
         s = self.state
-        params = engine.load_params(s["params"], s["fp8_state"] if self.rollout_precision.fp8 else None,
-                                    s["kv_scales"] if self.rollout_precision.kv_fp8 else None)
-        return driver.generate(engine, params, [list(p) for p in prompts], n, key)
+        return engine.load_params(s["params"], s["fp8_state"] if self.rollout_precision.fp8 else None,
+                                  s["kv_scales"] if self.rollout_precision.kv_fp8 else None)
+
+    def _rollout(self, engine: Engine, prompts: list, n: int, key) -> driver.RolloutBatch:
+        return driver.generate(engine, self._rollout_params(engine), [list(p) for p in prompts], n, key)
 
     def _pack(self, records, batch, advantages: jax.Array) -> dict:
         """Right-padded prompt + completion rows and their per-token masks and rollout logprobs, put on the device

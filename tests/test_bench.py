@@ -38,3 +38,24 @@ def test_agreement_rollout_path_equals_scoring_in_f32():
     assert [r["precision"] for r in rows] == ["f32", "fp8"] and rows[0]["tokens"] == 12
     assert rows[0]["decode_vs_full_max"] < 1e-4 and rows[0]["vs_f32_mean"] == 0
     assert rows[1]["vs_f32_mean"] > 1e-3
+
+
+def test_e2e_measures_a_mode_and_summarizes_against_the_best_bf16():
+    """One mode in-process on the tiny config (the CLI runs each in a child), then the summary's arithmetic."""
+    import argparse
+
+    from fp8rl_jax.bench import e2e
+
+    row = e2e.measure("configs/tiny.py", "fp8_e2e", ["rollout.max_new_tokens=6"], warmup=1, steps=1)
+    assert row["mode"] == "fp8_e2e" and row["steps"] == 1 and row["max_new_tokens"] == 6
+    assert all(row[f"time_{p}"] > 0 for p in ("weights", "rollout", "train", "step"))
+    assert row["train_tflops"] > 0 and row["rollout_tokens_per_s"] > 0
+
+    rows = [{"mode": "bf16", "time_rollout": 10.0, "time_train": 8.0, "time_step": 20.0, "device": "d"},
+            {"mode": "bf16_cublas", "time_rollout": 12.0, "time_train": 6.0, "time_step": 19.0, "device": "d"},
+            {"mode": "fp8_rollout", "error": "child exited 1"},
+            {"mode": "fp8_e2e", "time_rollout": 5.0, "time_train": 4.0, "time_step": 10.0, "device": "d",
+             "hbm_bound_fraction": 0.5}]
+    summary = e2e.output(rows, argparse.Namespace(one=""))
+    assert (summary["rollout_speedup"], summary["train_speedup"], summary["step_speedup"]) == (2.0, 1.5, 1.9)
+    assert summary["hbm_bound_fraction"] == 0.5 and summary["device"] == "d" and summary["modes"] == rows

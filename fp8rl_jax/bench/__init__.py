@@ -1,4 +1,4 @@
-"""Benchmarks: ``python -m fp8rl_jax.bench {gemm,rollout,agreement,table} [--out FILE]``.
+"""Benchmarks: ``python -m fp8rl_jax.bench {gemm,rollout,agreement,e2e,table} [--out FILE]``.
 
 gemm       Llama-3.1-8B linear shapes at decode sizes (M = 64, 256, 1024) and a training size (M = 16384):
            BF16 through XLA's default GEMM (Triton for many shapes) and through cuBLAS (a child process with
@@ -9,6 +9,9 @@ rollout    Decode throughput of the engine on a Llama-3.2-1B shape with random w
            read, weights + the KV of the average context, over the measured copy bandwidth).
 agreement  How far the sampler's logprobs are from the trainer's, and each precision's from f32 (SmolLM2, GSM8K
            solutions teacher-forced through the rollout engine and the scoring forward).
+e2e        Whole GRPO steps of a config (default ``configs/llama1b.py``) per phase, bf16 / bf16 with cuBLAS /
+           fp8_rollout / fp8_e2e, each mode in its own process after warm-up steps: phase times, tokens/s, train
+           TFLOP/s and MFU, peak memory, fp8_e2e's speedups over the best BF16 (``bench/e2e.py``).
 table      Markdown tables of result files, for benchmarks/RESULTS.md.
 
 Timing: everything runs inside one jit (a scan over several distinct weights for small GEMMs, so dispatch and
