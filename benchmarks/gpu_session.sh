@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session on the lent H100 (or an H200 host): install Transformer Engine and the project's wheels once, then
 # the stages named on the command line. Results land in $OUT (or ./gpu_out).
-#   usage: bash benchmarks/gpu_session.sh [install] [tests] [decode] [llama1b:MODE] [rollout1k] [gemm] [train]...
+#   usage: bash benchmarks/gpu_session.sh [install] [tests] [decode] [llama1b:MODE] [rollout1k] [gemm] [train] [e2e]...
 # TE arrives in pieces (see ../shared/gpu/README.md): .gpu/te/wheels + .gpu/install_te.sh, the core wheel's five
 # parts already copied to /root/te by earlier calls; the other wheels in .gpu/wheels; a tokenizer in .gpu/smollm2_tok.
 set -uo pipefail
@@ -39,6 +39,12 @@ EOF
       rm -rf "$OUT/llama1b_$mode" ;;
     rollout1k) timeout 500 python3 -m fp8rl_jax.bench rollout --new_tokens 1024 --modes bf16,fp8_kv_te \
         --out "$OUT/rollout_1k.json" 2>&1 | grep -vi warn | tee "$OUT/rollout_1k.log" | tail -12 ;;
+    e2e) # bench e2e on llama1b shapes (random weights), 32 prompts x 8 = 256 sequences: one decode wave of the
+      # shipped 256 slots (the shipped 64 prompts take two waves and twice the device time per step)
+      timeout 500 python3 -m fp8rl_jax.bench e2e --config configs/llama1b.py --set model.source=preset \
+        --set model.preset=llama3_1b --set model.tokenizer=.gpu/smollm2_tok --set model.preset_vocab=preset \
+        --set rollout.prompts_per_step=${E2E_PROMPTS:-32} --modes ${E2E_MODES:-fp8_e2e,bf16,fp8_rollout,bf16_cublas} \
+        --timeout ${E2E_MODE_TIMEOUT:-125} --out "$OUT/e2e_h100.json" 2>&1 | grep -v "^W\|Warn" | tee "$OUT/e2e.log" | tail -8 ;;
     gemm) timeout 420 python3 -m fp8rl_jax.bench gemm --out "$OUT/gemm_h100.json" 2>&1 | grep -vi warn | tee "$OUT/gemm.log" | tail -3 ;;
     train) for mode in fp8_e2e bf16; do
         timeout 240 python3 -m fp8rl_jax.main --config=configs/tiny.py:$mode --config.precision.backend=te \
