@@ -45,6 +45,11 @@ EOF
         --set model.preset=llama3_1b --set model.tokenizer=.gpu/smollm2_tok --set model.preset_vocab=preset \
         --set rollout.prompts_per_step=${E2E_PROMPTS:-32} --modes ${E2E_MODES:-fp8_e2e,bf16,fp8_rollout,bf16_cublas} \
         --timeout ${E2E_MODE_TIMEOUT:-125} --out "$OUT/e2e_h100.json" 2>&1 | grep -v "^W\|Warn" | tee "$OUT/e2e.log" | tail -8 ;;
+    profile) # top GPU kernels of a decode chunk and a train step (llama1b shapes, one wave of 256 sequences)
+      timeout 400 python3 benchmarks/profile_step.py --config configs/llama1b.py --set model.source=preset \
+        --set model.preset=llama3_1b --set model.tokenizer=.gpu/smollm2_tok --set model.preset_vocab=preset \
+        --set rollout.prompts_per_step=32 --modes ${PROFILE_MODES:-bf16_cublas,fp8_e2e} --timeout 190 \
+        --out "$OUT/profile_h100.json" 2>&1 | grep -v "^W\|Warn" | tee "$OUT/profile.log" | tail -6 ;;
     gemm) timeout 420 python3 -m fp8rl_jax.bench gemm --out "$OUT/gemm_h100.json" 2>&1 | grep -vi warn | tee "$OUT/gemm.log" | tail -3 ;;
     train) for mode in fp8_e2e bf16; do
         timeout 240 python3 -m fp8rl_jax.main --config=configs/tiny.py:$mode --config.precision.backend=te \
