@@ -6,11 +6,13 @@ Everything is converted to this project's params layout (``llama.py``): kernels 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -197,40 +199,162 @@ def _safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
-def load_hf(folder: str | os.PathLike, dtype=jnp.float32) -> tuple[LlamaConfig, dict]:
-    """Load ``config.json`` and the safetensors weights of a Hugging Face model folder."""
-    from safetensors import safe_open
+class HFCheckpoint:
+    """An open Hugging Face folder: the ``LlamaConfig`` from ``config.json`` and the safetensors tensors by name,
+    read whole (``get``) or a slice at a time (``read``; the files are memory-mapped, so a slice reads only its
+    own bytes)."""
 
-    folder = Path(folder)
-    cfg_path = folder / "config.json"
-    if not cfg_path.exists():
-        raise FileNotFoundError(f"{cfg_path} not found (a Hugging Face model folder needs config.json)")
-    try:
-        hf_config = json.loads(cfg_path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{cfg_path}: not a JSON config ({type(e).__name__}: {e})") from None
-    config = config_from_hf(hf_config, str(cfg_path))
-    handles = {}
-    where: dict[str, Path] = {}
-    for f in _safetensors_files(folder):
-        if not f.exists():
-            raise FileNotFoundError(f"{f} is listed in the index but missing")
+    def __init__(self, folder: str | os.PathLike):
+        from safetensors import safe_open
+
+        self.folder = folder = Path(folder)
+        cfg_path = folder / "config.json"
+        if not cfg_path.exists():
+            raise FileNotFoundError(f"{cfg_path} not found (a Hugging Face model folder needs config.json)")
         try:
-            h = safe_open(str(f), framework="numpy")
-        except Exception as e:  # safetensors' own errors name no file: "header too large", "invalid JSON"...
-            raise ValueError(f"{f}: not a readable safetensors file ({type(e).__name__}: {e})") from None
-        handles[f] = h
-        for k in h.keys():
-            where[k] = f
+            hf_config = json.loads(cfg_path.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{cfg_path}: not a JSON config ({type(e).__name__}: {e})") from None
+        config = config_from_hf(hf_config, str(cfg_path))
+        self._handles = {}
+        self._where: dict[str, Path] = {}
+        for f in _safetensors_files(folder):
+            if not f.exists():
+                raise FileNotFoundError(f"{f} is listed in the index but missing")
+            try:
+                h = safe_open(str(f), framework="numpy")
+            except Exception as e:  # safetensors' own errors name no file: "header too large", "invalid JSON"...
+                raise ValueError(f"{f}: not a readable safetensors file ({type(e).__name__}: {e})") from None
+            self._handles[f] = h
+            for k in h.keys():
+                self._where[k] = f
+        if "lm_head.weight" not in self._where and not config.tie_embeddings:
+            config = config.replace(tie_embeddings=True)  # some exports drop the duplicate head
+        self.config = config
 
-    def get(name: str) -> np.ndarray:
-        if name not in where:
-            raise KeyError(f"{folder}: tensor {name!r} not found in the safetensors files")
-        return np.asarray(handles[where[name]].get_tensor(name), np.float32)
+    def file(self, name: str) -> Path:
+        if name not in self._where:
+            raise KeyError(f"{self.folder}: tensor {name!r} not found in the safetensors files")
+        return self._where[name]
 
-    if "lm_head.weight" not in where and not config.tie_embeddings:
-        config = config.replace(tie_embeddings=True)  # some exports drop the duplicate head
-    return config, _assemble(get, config, HF_NAMES, dtype)
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handles[self.file(name)].get_slice(name).get_shape())
+
+    def get(self, name: str) -> np.ndarray:
+        """The whole tensor as float32."""
+        return np.asarray(self._handles[self.file(name)].get_tensor(name), np.float32)
+
+    def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
+        """``tensor[index]`` in its stored dtype (bfloat16 through ml_dtypes, which JAX imports)."""
+        return _read_slice(self._handles[self.file(name)], name, index)
+
+
+def _read_slice(handle, name: str, index: tuple[slice, ...]) -> np.ndarray:
+    """The one place that reads tensor bytes for the sliced loader (tests wrap it to see what is read)."""
+    return handle.get_slice(name)[index]
+
+
+def load_hf(folder: str | os.PathLike, dtype=jnp.float32) -> tuple[LlamaConfig, dict]:
+    """Load ``config.json`` and the safetensors weights of a Hugging Face model folder, whole, on the host
+    (``parallel.state.load_hf_sharded`` reads them slice by slice straight onto a mesh)."""
+    checkpoint = HFCheckpoint(folder)
+    return checkpoint.config, _assemble(checkpoint.get, checkpoint.config, HF_NAMES, dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class SlicedParam:
+    """One param of our layout as pieces of a checkpoint's tensors, readable a slice at a time.
+
+    ``shape`` is ours (with the leading [L] of a stacked param). ``parts`` are concatenated along our last axis, in
+    order: ``(tensor name, width)``, the name a format string with ``{i}`` for the layer of a stacked param.
+    ``transposed``: the tensors are stored [out, in] and ours is [in, out].
+    """
+
+    checkpoint: HFCheckpoint
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    stacked: bool
+    transposed: bool
+    parts: tuple[tuple[str, int], ...]
+
+    @property
+    def layer_shape(self) -> tuple[int, ...]:
+        """The shape of one layer (of the whole param when not stacked)."""
+        return self.shape[1:] if self.stacked else self.shape
+
+    def expected_shape(self, width: int) -> tuple[int, ...]:
+        """The stored shape of a part of this width."""
+        trailing = self.layer_shape
+        return (width, *trailing[:-1][::-1]) if self.transposed else (*trailing[:-1], width)
+
+    def read(self, index: tuple[slice, ...], layer: int | None = None) -> np.ndarray:
+        """``param[layer][index]`` (``param[index]`` when not stacked) in ``dtype``, read from the parts that the
+        index's last-axis range covers; each piece goes stored dtype -> float32 -> ``dtype``, as ``load_hf``."""
+        ranges = [s.indices(d) for s, d in zip(index, self.layer_shape, strict=True)]
+        if any(step != 1 for _, _, step in ranges):
+            raise ValueError(f"strided index {index} (shards are contiguous blocks)")
+        index = tuple(slice(start, stop) for start, stop, _ in ranges)
+        out = np.empty(tuple(s.stop - s.start for s in index), self.dtype)
+        lo, hi = index[-1].start, index[-1].stop
+        offset = 0
+        for fmt, width in self.parts:
+            a, b = max(lo, offset), min(hi, offset + width)
+            if a < b:
+                name = fmt.format(i=layer)
+                piece_index = (*index[:-1], slice(a - offset, b - offset))
+                if self.transposed:
+                    piece = self.checkpoint.read(name, piece_index[::-1]).T
+                else:
+                    piece = self.checkpoint.read(name, piece_index)
+                out[..., a - lo : b - lo] = np.asarray(piece, np.float32)
+            offset += width
+        return out
+
+
+def hf_sliced_params(folder: str | os.PathLike, dtype=jnp.float32) -> tuple[LlamaConfig, dict]:
+    """``(config, tree)``: the params tree of ``load_hf`` with a ``SlicedParam`` for every leaf, nothing read yet
+    but the headers. Every tensor is checked up front: present (``KeyError`` naming it, as ``load_hf``) and of the
+    shape that ``config.json`` implies (``ValueError`` naming the file and the tensor)."""
+    checkpoint = HFCheckpoint(folder)
+    c = checkpoint.config
+    dtype = np.dtype(jnp.dtype(dtype))
+    d, f, L, v = c.hidden_size, c.intermediate_size, c.num_layers, c.vocab_size
+    qkv_widths = (c.q_size, c.kv_size, c.kv_size)
+    qkv = [(HF_NAMES[r], w) for r, w in zip("qkv", qkv_widths, strict=True)]
+
+    def param(shape, parts, stacked=True, transposed=False):
+        shape = (L, *shape) if stacked else tuple(shape)
+        return SlicedParam(checkpoint, shape, dtype, stacked, transposed, tuple(parts))
+
+    blocks = {
+        "attn_norm": param((d,), [(HF_NAMES["attn_norm"], d)]),
+        "wqkv": param((d, c.q_size + 2 * c.kv_size), qkv, transposed=True),
+        "wo": param((c.q_size, d), [(HF_NAMES["o"], d)], transposed=True),
+        "mlp_norm": param((d,), [(HF_NAMES["mlp_norm"], d)]),
+        "w_gate_up": param((d, 2 * f), [(HF_NAMES["gate"], f), (HF_NAMES["up"], f)], transposed=True),
+        "w_down": param((f, d), [(HF_NAMES["down"], d)], transposed=True),
+    }
+    if c.qkv_bias:
+        biases = [(HF_NAMES[r + "_bias"], w) for r, w in zip("qkv", qkv_widths, strict=True)]
+        blocks["bqkv"] = param((c.q_size + 2 * c.kv_size,), biases)
+    params = {
+        "embed": param((v, d), [(HF_NAMES["embed"], d)], stacked=False),
+        "blocks": blocks,
+        "final_norm": param((d,), [(HF_NAMES["final_norm"], d)], stacked=False),
+    }
+    if not c.tie_embeddings:
+        params["lm_head"] = param((d, v), [(HF_NAMES["lm_head"], v)], stacked=False, transposed=True)
+
+    for p in jax.tree.leaves(params):
+        for fmt, width in p.parts:
+            want = p.expected_shape(width)
+            for i in range(L) if p.stacked else [None]:
+                name = fmt.format(i=i)
+                got = checkpoint.shape(name)
+                if got != want:
+                    raise ValueError(f"{checkpoint.file(name)}: tensor {name!r} has shape {list(got)}, "
+                                     f"config.json implies {list(want)}")
+    return c, params
 
 
 def to_hf_tensors(params: dict, config: LlamaConfig, dtype=np.float32) -> dict[str, np.ndarray]:
