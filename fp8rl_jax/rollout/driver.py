@@ -1,8 +1,9 @@
 """Offline rollout for RL: prompts x n samples through the engine with continuous batching.
 
-Every slot that finishes is refilled from the queue at the next host sync, so the decode batch stays full while
-completions of very different lengths run. The host syncs every ``steps_per_sync`` decode steps (one compiled
-loop); a slot that finishes inside a chunk idles until the chunk ends.
+Every slot that finishes is refilled from the queue, so the decode batch stays full while completions of very
+different lengths run. The decode steps run in chunks of ``steps_per_sync`` (one compiled loop), and one chunk is
+always in flight: the next chunk is dispatched before the host reads the last one, so the device does not wait
+for the host's bookkeeping. A slot that finishes inside a chunk idles until the end of the next one.
 
 The n samples of a prompt share one prefill. Sample s of prompt p draws with ``fold_in(rng, p * n + s)``, so
 its tokens do not depend on the slot or on the batch it ran in.
@@ -15,6 +16,7 @@ import dataclasses
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from fp8rl_jax.rollout.engine import Engine, prefill_bucket
@@ -70,20 +72,35 @@ def generate(
     prefill_s = 0.0
     generated = 0
 
-    def record(row: int, token: int, logprob: float) -> None:
-        out_tokens[row, lengths[row]] = token
-        out_logprobs[row, lengths[row]] = logprob
-        lengths[row] += 1
-
-    def finish(slot: int) -> None:
-        row = slot_row[slot]
+    def finish(row: int) -> None:
         last = out_tokens[row, lengths[row] - 1]
         reasons[row] = "stop" if last in stop_ids else "length"
-        slot_row[slot] = -1
         if bar is not None:
             bar.update(1)
 
-    while queue or any(r >= 0 for r in slot_row):
+    def take(rows: list[int], tokens: np.ndarray, logprobs: np.ndarray, valid: np.ndarray, done: np.ndarray) -> int:
+        """Append each live row's valid tokens ([n, B] arrays); finish the rows that are done. Returns the count."""
+        count = 0
+        for slot, row in enumerate(rows):
+            if row < 0 or reasons[row]:  # an idle slot, or a row that finished in an earlier chunk
+                continue
+            steps = np.flatnonzero(valid[:, slot])
+            end = lengths[row] + len(steps)
+            out_tokens[row, lengths[row]:end] = tokens[steps, slot]
+            out_logprobs[row, lengths[row]:end] = logprobs[steps, slot]
+            lengths[row] = end
+            count += len(steps)
+            if done[slot]:
+                finish(row)
+                if slot_row[slot] == row:
+                    slot_row[slot] = -1
+        return count
+
+    # One chunk in flight: chunk k + 1 is dispatched before the host reads chunk k, so the device never waits
+    # for the host's bookkeeping. A slot that finishes in chunk k is refilled before chunk k + 2 (it idles for
+    # one chunk); what a row samples does not depend on when or where it runs (see the module docstring).
+    pending = None
+    while queue or pending is not None or any(r >= 0 for r in slot_row):
         inserted = []
         for slot in range(engine.max_concurrent_decodes):
             if slot_row[slot] >= 0 or not queue:
@@ -103,27 +120,18 @@ def generate(
                 del prefixes[p]
             slot_row[slot] = row
             inserted.append(slot)
-        if inserted:  # first tokens come from the inserts
-            first, first_lp, done = jax.device_get((state.tokens, state.logprobs, state.done))
-            for slot in inserted:
-                record(slot_row[slot], int(first[slot]), float(first_lp[slot]))
-                generated += 1
-                if done[slot]:
-                    finish(slot)
-        if not any(r >= 0 for r in slot_row):
-            continue
-        state, tokens, logprobs, valid = engine.generate_steps(params, state, steps_per_sync)
-        tokens, logprobs, valid, done = jax.device_get((tokens, logprobs, valid, state.done))
-        for slot, row in enumerate(slot_row):
-            if row < 0:
-                continue
-            for i in np.flatnonzero(valid[:, slot]):
-                record(row, int(tokens[i, slot]), float(logprobs[i, slot]))
-                generated += 1
-            if done[slot]:
-                finish(slot)
-        if bar is not None:
-            bar.set_postfix(tok_s=f"{generated / (time.perf_counter() - t0):.0f}")
+        dispatched = None
+        if any(r >= 0 for r in slot_row):
+            # the first tokens come from the inserts: read with the chunk, before its tokens
+            # (copies: generate_steps donates the state)
+            first = tuple(jnp.copy(a) for a in (state.tokens, state.logprobs, state.done)) if inserted else None
+            state, tokens, logprobs, valid = engine.generate_steps(params, state, steps_per_sync)
+            dispatched = (list(slot_row), inserted, first, (tokens, logprobs, valid, jnp.copy(state.done)))
+        if pending is not None:
+            generated += _read(pending, take)
+            if bar is not None:
+                bar.set_postfix(tok_s=f"{generated / (time.perf_counter() - t0):.0f}")
+        pending = dispatched
     if bar is not None:
         bar.close()
     seconds = time.perf_counter() - t0
@@ -141,3 +149,15 @@ def generate(
         },
     )
 
+
+
+def _read(dispatched, take) -> int:
+    """Bring one dispatched chunk to the host and record it: its inserts' first tokens, then its steps."""
+    rows, inserted, first, chunk = dispatched
+    count = 0
+    if first is not None:
+        tokens, logprobs, done = jax.device_get(first)
+        mask = np.zeros((1, len(rows)), bool)
+        mask[0, inserted] = True
+        count += take(rows, tokens[None], logprobs[None], mask, np.where(mask[0], done, False))
+    return count + take(rows, *jax.device_get(chunk))
