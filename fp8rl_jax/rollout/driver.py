@@ -17,6 +17,7 @@ import time
 import jax
 import numpy as np
 
+from fp8rl_jax.parallel.distributed import host_get
 from fp8rl_jax.rollout.engine import Engine, prefill_bucket
 
 
@@ -104,7 +105,7 @@ def generate(
             slot_row[slot] = row
             inserted.append(slot)
         if inserted:  # first tokens come from the inserts
-            first, first_lp, done = jax.device_get((state.tokens, state.logprobs, state.done))
+            first, first_lp, done = host_get((state.tokens, state.logprobs, state.done))
             for slot in inserted:
                 record(slot_row[slot], int(first[slot]), float(first_lp[slot]))
                 generated += 1
@@ -113,7 +114,7 @@ def generate(
         if not any(r >= 0 for r in slot_row):
             continue
         state, tokens, logprobs, valid = engine.generate_steps(params, state, steps_per_sync)
-        tokens, logprobs, valid, done = jax.device_get((tokens, logprobs, valid, state.done))
+        tokens, logprobs, valid, done = host_get((tokens, logprobs, valid, state.done))
         for slot, row in enumerate(slot_row):
             if row < 0:
                 continue
