@@ -128,7 +128,10 @@ class Trainer:
         self.rollout_precision = from_config(c, "rollout")
         self.backend, self.backend_reason = (choose_backend(c.precision.backend) if self.rollout_precision.fp8
                                              else ("bf16", "precision.mode=bf16: no FP8"))
-        self.mesh = make_mesh(c.mesh)
+        try:
+            self.mesh = make_mesh(c.mesh)
+        except ValueError as e:  # a mesh these devices cannot hold: the config's fault, said in one line
+            raise ConfigError(str(e)) from None
         self.model, params, self.tokenizer = load_model_sharded(c, self.mesh)
         check_fits_model(c, self.model.max_position_embeddings,
                          f"preset {c.model.preset!r}" if c.model.source == "preset" else c.model.source)

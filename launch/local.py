@@ -1,11 +1,13 @@
 """Run N processes of ``fp8rl_jax.main`` on this machine as one multi-host job (CPU collectives).
 
-    python launch/local.py --num_processes=2 --devices_per_process=4 -- --config=configs/tiny.py --steps=2
+    python launch/local.py --num_processes=2 --devices_per_process=2 -- --config=configs/tiny.py \
+        --config.mesh.fsdp=-1 --steps=2 --config.workdir=/tmp/tiny_2proc
 
-Each process gets ``devices_per_process`` virtual CPU devices, so a 2 x 4 run exercises the same
-multi-controller path (coordinator, one global mesh over 8 devices, collectives between processes) that a
-cluster of GPU hosts runs. Output lines are prefixed with the process id; the launcher exits with the first
-non-zero exit code, and stops the others as soon as one fails (they would wait at their next collective).
+Each process gets ``devices_per_process`` virtual CPU devices, so a 2 x 2 run exercises the same
+multi-controller path (coordinator, one global mesh over 4 devices, Gloo collectives between processes) that a
+cluster of GPU hosts runs; the mesh must span all of them (``mesh.fsdp=-1``). Run from the repository root.
+Output lines are prefixed with the process id; the launcher exits with the first non-zero exit code, and stops
+the others as soon as one fails (they would wait at their next collective).
 """
 
 from __future__ import annotations

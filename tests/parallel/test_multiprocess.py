@@ -194,3 +194,11 @@ def test_bad_config_key_fails_the_job_fast(tmp_path):
     assert "unknown key 'no_such_key'" in result.stdout  # the processes' stderr comes through the launcher's stdout
     assert seconds < 90
     assert not (tmp_path / "run").exists()
+
+
+def test_a_mesh_that_leaves_devices_out_is_refused_in_one_line(tmp_path):
+    # tiny's own mesh (fsdp=1: one device) cannot hold a job of two processes
+    result, _ = _launch("--config=configs/tiny.py", "--steps=1", f"--config.workdir={tmp_path / 'run'}", timeout=120)
+    assert result.returncode == 2, _failed(result)
+    assert "[p0] error: config.mesh {'data': 1, 'fsdp': 1, 'tensor': 1} uses 1 of the 4 devices" in result.stdout
+    assert "mesh.fsdp=-1" in result.stdout and "Traceback" not in result.stdout
