@@ -23,11 +23,11 @@ class Reporter:
     def __init__(self, workdir: str | os.PathLike, *, tensorboard: bool = True, progress: bool = True,
                  total_steps: int | None = None, resume_step: int = 0, write: bool = True):
         """``write=False`` (every process but 0 of a multi-host run): records are kept in memory, no file is
-        written, no plot made."""
+        read or written (process 0 owns it), no message printed, no plot made."""
         self.dir = Path(workdir)
         self.write = write
         self.path = self.dir / "metrics.jsonl"
-        self.records = [r for r in self._read() if r.get("step", 0) <= resume_step]
+        self.records = [r for r in self._read() if r.get("step", 0) <= resume_step] if write else []
         if write:
             self.dir.mkdir(parents=True, exist_ok=True)
             with open(self.path, "w") as f:  # rewrite: drop records of steps a resumed run will redo
@@ -76,6 +76,9 @@ class Reporter:
                                   tok_s=f"{record.get('rollout_tokens_per_s', 0):.0f}")
 
     def message(self, text: str) -> None:
+        """Print ``text`` (above the progress bar); nothing on a process that does not write (one line per job)."""
+        if not self.write:
+            return
         if self._bar is not None:
             self._bar.write(text)
         else:

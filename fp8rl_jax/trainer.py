@@ -42,7 +42,7 @@ from fp8rl_jax.fp8.recipe import update_state
 from fp8rl_jax.model import llama
 from fp8rl_jax.model.loading import load_model
 from fp8rl_jax.parallel import rules
-from fp8rl_jax.parallel.distributed import is_primary
+from fp8rl_jax.parallel.distributed import host_get, is_primary, place
 from fp8rl_jax.parallel.mesh import make_mesh, peak_memory_gib
 from fp8rl_jax.parallel.state import init_sharded, load_model_sharded
 from fp8rl_jax.reporting import Reporter
@@ -128,7 +128,10 @@ class Trainer:
         self.rollout_precision = from_config(c, "rollout")
         self.backend, self.backend_reason = (choose_backend(c.precision.backend) if self.rollout_precision.fp8
                                              else ("bf16", "precision.mode=bf16: no FP8"))
-        self.mesh = make_mesh(c.mesh)
+        try:
+            self.mesh = make_mesh(c.mesh)
+        except ValueError as e:  # a mesh these devices cannot hold: the config's fault, said in one line
+            raise ConfigError(str(e)) from None
         self.model, params, self.tokenizer = load_model_sharded(c, self.mesh)
         check_fits_model(c, self.model.max_position_embeddings,
                          f"preset {c.model.preset!r}" if c.model.source == "preset" else c.model.source)
@@ -151,7 +154,7 @@ class Trainer:
             "step": jnp.int32(0),
         }
         self.state_sharding = rules.state_shardings(self.state, self.mesh)
-        self.state = jax.device_put(self.state, self.state_sharding)
+        self.state = place(self.state, self.state_sharding)  # the FP8 state, KV scales, key, counter: host values
         self.ref_params = jax.tree.map(jnp.copy, params) if c.rl.kl_coef > 0 else None
         loss_cfg = LossConfig.from_config(c)
         on_mesh = {"state_sharding": self.state_sharding}
@@ -251,16 +254,16 @@ class Trainer:
                 train_metrics.append(metrics)
             if own_old_logp:  # back to the order of `arrays`: row order[i] of the batch is row i of the minibatch
                 arrays["old_logp"] = own_old_logp[0].reshape(self.sequences, -1)[np.argsort(order)]
-            train_metrics = jax.device_get(train_metrics)
+            train_metrics = host_get(train_metrics)
         memory["train"] = peak_memory_gib()
-        mismatch = jax.device_get(mismatch_metrics(arrays["rollout_logp"], arrays["old_logp"], arrays["mask"]))
+        mismatch = host_get(mismatch_metrics(arrays["rollout_logp"], arrays["old_logp"], arrays["mask"]))
 
         with timed(times, "calibrate"):
             self._recalibrate(arrays["tokens"][: c.precision.kv_calibration_sequences])
             jax.block_until_ready((self.state["fp8_state"], self.state["kv_scales"]))
         memory["calibrate"] = peak_memory_gib()
         # placed like the restored counter: an uncommitted scalar would make the next train step compile again
-        self.state["step"] = jax.device_put(jnp.int32(step + 1), self.state_sharding["step"])
+        self.state["step"] = place(np.int32(step + 1), self.state_sharding["step"])
         times["step"] = time.perf_counter() - t_start
 
         record = self._record(step, batch, per_row, rewards, per_fn, train_metrics, mismatch, times)
@@ -469,12 +472,17 @@ class Trainer:
                 "continue it with checkpoint.resume=auto, delete it and start over with checkpoint.resume=overwrite, "
                 "or choose another config.workdir")
         if mode == "overwrite":
-            for name in RUN_OUTPUTS:
-                path = self.workdir / name
-                if path.is_dir() and not path.is_symlink():
-                    shutil.rmtree(path)
-                elif path.exists() or path.is_symlink():
-                    path.unlink()
+            if is_primary():  # one process deletes; the others wait for it (they would race it, then see its gaps)
+                for name in RUN_OUTPUTS:
+                    path = self.workdir / name
+                    if path.is_dir() and not path.is_symlink():
+                        shutil.rmtree(path)
+                    elif path.exists() or path.is_symlink():
+                        path.unlink()
+            if jax.process_count() > 1:
+                from jax.experimental import multihost_utils
+
+                multihost_utils.sync_global_devices("fp8rl_jax: workdir overwritten")
 
     def _write_run_json(self) -> None:
         """``workdir/run.json``: the config and the FP8 backend chosen, with one entry per start of the run (a
@@ -497,7 +505,7 @@ class Trainer:
 
     def restore(self, step: int | None = None) -> None:
         self.state, meta = self.checkpointer.restore(step, like=self.state)  # onto this mesh's shardings
-        self.state = jax.device_put(self.state, self.state_sharding)  # (a no-op but for uncommitted scalars)
+        self.state = place(self.state, self.state_sharding)  # (a no-op but for uncommitted scalars)
         self.prompts.set_state(json.loads(meta["data_state"]))
         self.bad_steps = int(meta.get("bad_steps", 0))
 

@@ -1,21 +1,25 @@
 """Run N processes of ``fp8rl_jax.main`` on this machine as one multi-host job (CPU collectives).
 
-    python launch/local.py --num_processes=2 --devices_per_process=4 -- --config=configs/tiny.py --steps=2
+    python launch/local.py --num_processes=2 --devices_per_process=2 -- --config=configs/tiny.py \
+        --config.mesh.fsdp=-1 --steps=2 --config.workdir=/tmp/tiny_2proc
 
-Each process gets ``devices_per_process`` virtual CPU devices, so a 2 x 4 run exercises the same
-multi-controller path (coordinator, one global mesh over 8 devices, collectives between processes) that a
-cluster of GPU hosts runs. Output lines are prefixed with the process id; the launcher exits with the first
-non-zero exit code, and stops the others when one fails.
+Each process gets ``devices_per_process`` virtual CPU devices, so a 2 x 2 run exercises the same
+multi-controller path (coordinator, one global mesh over 4 devices, Gloo collectives between processes) that a
+cluster of GPU hosts runs; the mesh must span all of them (``mesh.fsdp=-1``). Run from the repository root.
+Output lines are prefixed with the process id; the launcher exits with the first non-zero exit code, and stops
+the others as soon as one fails (they would wait at their next collective).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import socket
 import subprocess
 import sys
 import threading
+import time
 
 
 def free_port() -> int:
@@ -34,7 +38,7 @@ def launch(num_processes: int, devices_per_process: int, main_args: list[str], m
            timeout: float | None = None) -> int:
     """Start the processes, stream their output, return the job's exit code (0 when all succeeded)."""
     address = f"127.0.0.1:{free_port()}"
-    procs = []
+    procs, pumps = [], []
     for pid in range(num_processes):
         env = dict(os.environ)
         env.update({
@@ -45,26 +49,53 @@ def launch(num_processes: int, devices_per_process: int, main_args: list[str], m
             "XLA_FLAGS": f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices_per_process}",
             "PYTHONUNBUFFERED": "1",
         })
+        env.setdefault("JAX_CPU_COLLECTIVES_IMPLEMENTATION", "gloo")  # JAX's default; named, since the job needs it
         p = subprocess.Popen([sys.executable, "-m", module, *main_args], env=env, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True)
-        threading.Thread(target=_pump, args=(p.stdout, f"p{pid}"), daemon=True).start()
+        pump = threading.Thread(target=_pump, args=(p.stdout, f"p{pid}"), daemon=True)
+        pump.start()
         procs.append(p)
+        pumps.append(pump)
+    code = _wait(procs, timeout)
+    for t in pumps:  # the rest of their output
+        t.join(timeout=5)
+    return code
+
+
+def _wait(procs: list[subprocess.Popen], timeout: float | None, grace: float = 10.0) -> int:
+    """Wait for all; on the first failure stop the others (they would wait forever at their next collective):
+    SIGTERM, then SIGKILL after ``grace`` seconds. 124 when ``timeout`` passes first."""
+    deadline = None if timeout is None else time.monotonic() + timeout
     code = 0
     try:
-        for p in procs:
-            rc = p.wait(timeout=timeout)
-            if rc != 0 and code == 0:
-                code = rc
-                for other in procs:  # one process failing leaves the others waiting at a collective
-                    if other.poll() is None:
-                        other.terminate()
-    except subprocess.TimeoutExpired:
-        code = 124
+        while None in [p.poll() for p in procs]:  # a list: every process polled, each returncode set
+            failed = [p.returncode for p in procs if p.returncode not in (None, 0)]
+            if failed:
+                code = _exit_code(failed[0])
+                break
+            if deadline is not None and time.monotonic() > deadline:
+                code = 124
+                break
+            time.sleep(0.2)
+        else:
+            code = next((_exit_code(p.returncode) for p in procs if p.returncode != 0), 0)
     finally:
         for p in procs:
             if p.poll() is None:
+                p.terminate()
+        stop = time.monotonic() + grace
+        for p in procs:
+            try:
+                p.wait(timeout=max(stop - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
                 p.kill()
+                p.wait()
     return code
+
+
+def _exit_code(returncode: int) -> int:
+    """A shell's exit code: 128 + N for a process killed by signal N (Popen reports -N)."""
+    return 128 - returncode if returncode < 0 else returncode
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(own)
     if args.num_processes < 1 or args.devices_per_process < 1:
         parser.error("--num_processes and --devices_per_process must be >= 1")
+    # killed itself (a test's timeout, a scheduler): SystemExit unwinds through _wait, which stops the processes
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     return launch(args.num_processes, args.devices_per_process, main_args, args.module, args.timeout)
 
 

@@ -12,14 +12,26 @@ settings come from, first match wins:
 
 Call it before anything touches a device (it must run before JAX starts its backends). Only process 0 writes
 metrics, plots and logs (``is_primary``); Orbax writes checkpoints collectively from every process.
+
+Host reads. With several processes an array sharded over the mesh is not readable by any one host
+(``jax.device_get`` refuses it); ``host_get`` gathers such arrays first (one jitted identity with replicated
+outputs, run by every process at the same point of the program), so that every process reads the same values.
+
+Host values onto the mesh. Every process computes the same host data (same seed, same data order, same
+rollout), and ``place`` puts it onto a sharding that spans all processes: each process supplies its own
+devices' part. Process-local ``jax.Array`` values go through NumPy first: with one device per process, JAX 0.10.2
+``device_put`` of such an array builds a global array whose shards cannot be read (Orbax's save fails on it).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 
 import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 ENV_COORDINATOR = "FP8RL_COORDINATOR"
 ENV_NUM_PROCESSES = "FP8RL_NUM_PROCESSES"
@@ -88,3 +100,55 @@ def initialize(spec: ClusterSpec) -> bool:
 def is_primary() -> bool:
     """Process 0: the one that writes metrics, plots and messages."""
     return jax.process_index() == 0
+
+
+def place(tree, shardings):
+    """``jax.device_put(tree, shardings)`` where the value of each process-local leaf is the same on every
+    process (see the module docstring). ``shardings``: one sharding, or a tree of them like ``tree``'s."""
+    if not any(not s.is_fully_addressable for s in jax.tree.leaves(shardings)):
+        return jax.device_put(tree, shardings)
+
+    def one(x, sharding):
+        if sharding.is_fully_addressable or not (isinstance(x, jax.Array) and x.is_fully_addressable):
+            return jax.device_put(x, sharding)
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            data = jax.device_put(np.asarray(jax.random.key_data(x)), sharding)
+            return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
+        return jax.device_put(np.asarray(x), sharding)
+
+    if isinstance(shardings, jax.sharding.Sharding):
+        return jax.tree.map(lambda x: one(x, shardings), tree)
+    return jax.tree.map(one, tree, shardings)
+
+
+def _needs_gather(x) -> bool:
+    return isinstance(x, jax.Array) and not x.is_fully_addressable and not x.is_fully_replicated
+
+
+def _gather(*arrays):
+    return arrays
+
+
+@functools.lru_cache(maxsize=64)
+def _gatherer(shardings: tuple):
+    return jax.jit(_gather, out_shardings=shardings)
+
+
+def host_get(tree):
+    """``jax.device_get(tree)`` that also reads arrays sharded over other processes' devices.
+
+    Those are gathered to every device first, in one jitted call that every process must make (collective); the
+    rest are read as they are. In a single process it is ``jax.device_get``."""
+    leaves, treedef = jax.tree.flatten(tree)
+    named = [i for i, x in enumerate(leaves) if _needs_gather(x) and isinstance(x.sharding, NamedSharding)]
+    if named:  # one call for all of them
+        shardings = tuple(NamedSharding(leaves[i].sharding.mesh, PartitionSpec()) for i in named)
+        gathered = _gatherer(shardings)(*(leaves[i] for i in named))
+        for i, g in zip(named, gathered, strict=True):
+            leaves[i] = g
+    for i, x in enumerate(leaves):
+        if _needs_gather(x):  # another kind of sharding: JAX's own gather
+            from jax.experimental import multihost_utils
+
+            leaves[i] = multihost_utils.process_allgather(x, tiled=True)
+    return jax.device_get(jax.tree.unflatten(treedef, leaves))

@@ -53,7 +53,7 @@ def make_mesh(mesh_config, devices: Sequence[jax.Device] | None = None) -> Mesh:
     used = math.prod(shape)
     if used < len(devices) and jax.process_count() > 1:
         raise ValueError(f"config.mesh {dict(zip(AXES, shape, strict=True))} uses {used} of the {len(devices)} "
-                         "devices; with several processes the mesh must span all of them")
+                         "devices; with several processes the mesh must span all of them (mesh.fsdp=-1: FSDP over all)")
     devices = devices[:used]
     try:  # topology-aware order (NVLink islands, TPU torus) where JAX knows the hardware
         from jax.experimental import mesh_utils

@@ -36,6 +36,7 @@ from fp8rl_jax.fp8.recipe import combine_observations, update_state
 from fp8rl_jax.model import llama
 from fp8rl_jax.model.config import LlamaConfig
 from fp8rl_jax.parallel import rules
+from fp8rl_jax.parallel.distributed import place
 from fp8rl_jax.parallel.mesh import mesh_context
 from fp8rl_jax.rl.importance import ICEPOP_BAND, MIS_BAND, is_weights
 from fp8rl_jax.rl.losses import policy_loss
@@ -106,10 +107,9 @@ def _jit_on_mesh(fn, precision: Precision, in_shardings: tuple, out_shardings, b
         for i, (arg, sharding) in enumerate(zip(args, in_shardings, strict=True)):
             if i in batch_axes:
                 arg = jax.tree.map(
-                    lambda x, axis=batch_axes[i]: jax.device_put(x, rules.batch_sharding(mesh, np.shape(x), axis)),
-                    arg)
+                    lambda x, axis=batch_axes[i]: place(x, rules.batch_sharding(mesh, np.shape(x), axis)), arg)
             elif sharding is not None:
-                arg = jax.device_put(arg, sharding)
+                arg = place(arg, sharding)
             placed.append(arg)
         with mesh_context(mesh, precision.backend):
             return jitted(*placed)

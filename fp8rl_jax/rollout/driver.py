@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fp8rl_jax.parallel.distributed import host_get
 from fp8rl_jax.rollout.engine import Engine, prefill_bucket
 
 
@@ -156,8 +157,8 @@ def _read(dispatched, take) -> int:
     rows, inserted, first, chunk = dispatched
     count = 0
     if first is not None:
-        tokens, logprobs, done = jax.device_get(first)
+        tokens, logprobs, done = host_get(first)
         mask = np.zeros((1, len(rows)), bool)
         mask[0, inserted] = True
         count += take(rows, tokens[None], logprobs[None], mask, np.where(mask[0], done, False))
-    return count + take(rows, *jax.device_get(chunk))
+    return count + take(rows, *host_get(chunk))

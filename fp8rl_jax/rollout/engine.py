@@ -39,6 +39,7 @@ from fp8rl_jax.kernels.decode_attention import IMPLS as DECODE_ATTENTION_IMPLS
 from fp8rl_jax.model import llama
 from fp8rl_jax.model.config import LlamaConfig
 from fp8rl_jax.parallel import rules
+from fp8rl_jax.parallel.distributed import place
 from fp8rl_jax.parallel.mesh import mesh_context
 from fp8rl_jax.rollout.sampling import SamplingParams, sample
 from fp8rl_jax.rollout.weights import rollout_params
@@ -146,8 +147,8 @@ class Engine:
 
         def load_on_mesh(params, fp8_state):
             # no-ops for the trainer's params and FP8 state, which live there already
-            params = jax.device_put(params, rules.state_shardings(params, mesh))
-            fp8_state = jax.device_put(fp8_state, rep)
+            params = place(params, rules.state_shardings(params, mesh))
+            fp8_state = place(fp8_state, rep)
             if not hasattr(self, "_load_sharded"):  # out_shardings need the output's tree: known at the first call
                 shardings = rules.state_shardings(jax.eval_shape(load, params, fp8_state), mesh)
                 self._load_sharded = jax.jit(load, out_shardings=shardings)
@@ -184,7 +185,7 @@ class Engine:
         with mesh_context(self.mesh, self.precision.backend):
             weights = self._load(params, fp8_state)
         if self.mesh is not None:  # read by every device: replicated (no-ops for the trainer's)
-            fp8_state, kv_scales = jax.device_put((fp8_state, kv_scales), rules.replicated(self.mesh))
+            fp8_state, kv_scales = place((fp8_state, kv_scales), rules.replicated(self.mesh))
         return {"weights": weights, "fp8_state": fp8_state, "kv_scales": kv_scales}
 
     def init_decode_state(self) -> DecodeState:
