@@ -35,9 +35,10 @@ import numpy as np
 
 from fp8rl_jax.checkpoint import Checkpointer, latest_complete_step
 from fp8rl_jax.config import ConfigError, check_fits_model, config_list, validate
-from fp8rl_jax.data.prompts import build_prompt, prompt_iterator
+from fp8rl_jax.data.prompts import build_prompt, load_prompts, prompt_iterator
+from fp8rl_jax.eval import evaluate_policy
 from fp8rl_jax.fp8 import kv as kvq
-from fp8rl_jax.fp8.policy import choose_backend, from_config
+from fp8rl_jax.fp8.policy import Precision, choose_backend, from_config
 from fp8rl_jax.fp8.recipe import update_state
 from fp8rl_jax.model import llama
 from fp8rl_jax.model.loading import load_model
@@ -51,12 +52,14 @@ from fp8rl_jax.rl.metrics import mismatch_metrics, reduce_metric
 from fp8rl_jax.rl.rewards import combined_rewards, reward_names
 from fp8rl_jax.rl.step import LossConfig, build_optimizer, make_calibrate, make_score, make_train_step
 from fp8rl_jax.rollout import driver
-from fp8rl_jax.rollout.engine import Engine, EngineConfig
+from fp8rl_jax.rollout.sampler import Sampler
 from fp8rl_jax.rollout.sampling import SamplingParams
 
 
-def load_policy(config, directory: str | Path | None = None, step: int | None = None):
-    """``(model, params, fp8_state, kv_scales, tokenizer)`` of a trainer checkpoint, for serving or evaluation.
+def restore_policy(config, directory: str | Path | None = None, step: int | None = None):
+    """``(model, policy, tokenizer, metadata)`` of a trainer checkpoint: ``policy`` holds its ``params``,
+    ``fp8_state`` and ``kv_scales``, ``metadata`` what the trainer saved beside them (``step``, ``config`` as JSON,
+    ``precision_backend``, ...).
 
     ``directory`` defaults to ``<config.workdir>/checkpoints``; ``step`` to the latest complete one. The train
     state is restored whole against an abstract template (no second copy of the model is built first).
@@ -75,10 +78,18 @@ def load_policy(config, directory: str | Path | None = None, step: int | None = 
     }
     checkpointer = Checkpointer(directory, async_save=False)
     try:
-        state, _ = checkpointer.restore(step, like=like)
+        state, meta = checkpointer.restore(step, like=like)
     finally:
         checkpointer.close()
-    return model, state["params"], state["fp8_state"], state["kv_scales"], tokenizer
+    policy = {name: state[name] for name in ("params", "fp8_state", "kv_scales")}
+    return model, policy, tokenizer, meta
+
+
+def load_policy(config, directory: str | Path | None = None, step: int | None = None):
+    """``(model, params, fp8_state, kv_scales, tokenizer)`` of a trainer checkpoint, for serving or evaluation
+    (``restore_policy``)."""
+    model, policy, tokenizer, _ = restore_policy(config, directory, step)
+    return model, policy["params"], policy["fp8_state"], policy["kv_scales"], tokenizer
 
 
 def right_pad(rows: list, pad_id: int, multiple: int = 32) -> np.ndarray:
@@ -88,6 +99,38 @@ def right_pad(rows: list, pad_id: int, multiple: int = 32) -> np.ndarray:
     for i, r in enumerate(rows):
         out[i, : len(r)] = r
     return out
+
+
+def calibrate_state(state: dict, calibrate, tokens: np.ndarray, precision: Precision, *, fp8: bool,
+                    kv: bool) -> dict:
+    """``state`` (``params``, ``fp8_state``, ``kv_scales``, ...) after one ``calibrate`` (``make_calibrate``) over
+    ``tokens``: with ``kv`` its new KV scales, with ``fp8`` the FP8 observations rolled into its FP8 state."""
+    if not (kv or fp8):
+        return state
+    observed, kv_scales = calibrate(state["params"], state["fp8_state"], state["kv_scales"], jnp.asarray(tokens))
+    state = dict(state)
+    if kv:
+        state["kv_scales"] = kv_scales
+    if fp8:
+        state["fp8_state"] = update_state(state["fp8_state"], observed, precision.recipe)
+    return state
+
+
+def initial_calibration(config, model, precision: Precision, state: dict, tokens: np.ndarray, *,
+                        fp8: bool | None = None, kv: bool | None = None, gradients: bool = False,
+                        state_sharding=None) -> dict:
+    """The scales a policy samples with before its first update, from ``tokens`` (the first training prompts): two
+    passes, the second with the first one's scales; with ``gradients`` (FP8 training) a real backward pass, so that
+    the first update's gradients are quantized with an observed scale, not 1 (``make_calibrate``). ``fp8`` / ``kv``
+    (default: what ``precision`` uses) say which scales to set: the FP8 state's, the KV cache's."""
+    fp8 = precision.fp8 if fp8 is None else fp8
+    kv = precision.kv_fp8 if kv is None else kv
+    if not (fp8 or kv):
+        return state
+    calibrate = make_calibrate(model, precision, config.precision.kv_margin, gradients=gradients,
+                               temperature=config.rollout.temperature, passes=2, remat=config.model.remat,
+                               state_sharding=state_sharding)
+    return calibrate_state(state, calibrate, tokens, precision, fp8=fp8, kv=kv)
 
 
 # What a run writes into its workdir; ``checkpoint.resume=overwrite`` deletes these and nothing else.
@@ -166,9 +209,10 @@ class Trainer:
         # after an update: FP8 observations only where training does not make them (fp8_rollout), and K/V amaxes
         self._calibrate = make_calibrate(self.model, self.rollout_precision, c.precision.kv_margin,
                                          observe_fp8=not self.train_precision.fp8, remat=c.model.remat, **on_mesh)
-        self.engine = self._engine(SamplingParams(temperature=c.rollout.temperature, top_k=c.rollout.top_k,
-                                                  top_p=c.rollout.top_p), c.rollout.max_new_tokens)
-        self._engines = {}
+        # RL rollouts, sample() and evaluate() draw through one sampler: an engine per sampling setup
+        self.sampler = Sampler(c, self.model, self.tokenizer, self.rollout_precision, self.mesh)
+        self.engine = self.sampler.engine(SamplingParams(temperature=c.rollout.temperature, top_k=c.rollout.top_k,
+                                                         top_p=c.rollout.top_p), c.rollout.max_new_tokens)
         self.bad_steps = 0
 
         self.checkpointer = Checkpointer(self.workdir / "checkpoints", keep=c.checkpoint.keep,
@@ -220,14 +264,15 @@ class Trainer:
         key = jax.random.fold_in(self.state["rng"], step)
 
         with timed(times, "weights"):  # the sampler's copy of the policy: FP8 kernels quantized once per step
-            params = jax.block_until_ready(self._rollout_params(self.engine))
+            params = jax.block_until_ready(self.sampler.weights(self.engine, self.state))
         with timed(times, "rollout"):
-            batch = driver.generate(self.engine, params, [list(r.prompt_ids) for r in records], self.group, key)
+            batch = self.sampler.rollout(self.engine, self.state, [r.prompt_ids for r in records], self.group, key,
+                                         params=params)
         del params
         memory = {"rollout": peak_memory_gib()}  # None on CPU (no allocator statistics)
 
         with timed(times, "reward"):
-            texts = [self.tokenizer.decode(batch.completion(i)) for i in range(self.sequences)]
+            texts = self.sampler.texts(batch)
             per_row = [records[p] for p in batch.prompt_index]
             rewards, per_fn = combined_rewards(self.reward_fns, self.reward_weights, per_row, texts)
             # [prompts * group] -> [prompts, group] -> advantages [prompts * group]
@@ -342,34 +387,6 @@ class Trainer:
 
     # -- pieces ---------------------------------------------------------------------------------------------
 
-    def _engine(self, sampling: SamplingParams, max_new_tokens: int) -> Engine:
-        c = self.config
-        return Engine(self.model, self.rollout_precision, EngineConfig(
-            max_concurrent_decodes=c.rollout.decode_slots, max_prefill_length=c.data.max_prompt_tokens,
-            max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=tuple(self.tokenizer.stop_ids),
-            decode_attention=self._decode_attention()), mesh=self.mesh)
-
-    def _decode_attention(self) -> str:
-        """``rollout.decode_attention``; ``auto`` on a mesh of several devices is the XLA path: the Pallas kernel
-        is not partitioned, so XLA would gather the whole KV cache onto every device for it."""
-        impl = self.config.rollout.decode_attention
-        return "xla" if impl == "auto" and self.mesh.size > 1 else impl
-
-    def _cached_engine(self, sampling: SamplingParams, max_new_tokens: int) -> Engine:
-        """An engine per sampling setup for ``sample`` / ``evaluate`` (each compiles its own steps once)."""
-        key = (sampling, max_new_tokens)
-        if key not in self._engines:
-            self._engines[key] = self._engine(sampling, max_new_tokens)
-        return self._engines[key]
-
-    def _rollout_params(self, engine: Engine) -> dict:
-        s = self.state
-        return engine.load_params(s["params"], s["fp8_state"] if self.rollout_precision.fp8 else None,
-                                  s["kv_scales"] if self.rollout_precision.kv_fp8 else None)
-
-    def _rollout(self, engine: Engine, prompts: list, n: int, key) -> driver.RolloutBatch:
-        return driver.generate(engine, self._rollout_params(engine), [list(p) for p in prompts], n, key)
-
     def _pack(self, records, batch, advantages: jax.Array) -> dict:
         """Right-padded prompt + completion rows and their per-token masks and rollout logprobs, put on the device
         once (built on the host, where the rollout's tokens are), with the (device) advantages [rows]."""
@@ -391,38 +408,22 @@ class Trainer:
                  for i in range(0, len(tokens), self.microbatch)]
         return jnp.concatenate(parts)
 
-    def _calibrate_on(self, tokens: np.ndarray, fp8: bool, calibrate=None) -> None:
-        """One calibration of the current policy over ``tokens`` (``calibrate``, default the one-pass forward):
-        new KV scales (FP8 KV cache) and, with ``fp8``, the FP8 observations rolled into the state."""
-        rollout, s = self.rollout_precision, self.state
-        if not (rollout.kv_fp8 or fp8):
-            return
-        calibrate = calibrate or self._calibrate
-        observed, kv_scales = calibrate(s["params"], s["fp8_state"], s["kv_scales"], jnp.asarray(tokens))
-        if rollout.kv_fp8:
-            s["kv_scales"] = kv_scales
-        if fp8:
-            s["fp8_state"] = update_state(s["fp8_state"], observed, rollout.recipe)
-
     def _recalibrate(self, tokens: np.ndarray) -> None:
         """After an update: KV scales; in ``fp8_rollout`` mode also the rollout's FP8 scales (BF16 training observes
         no FP8 amaxes)."""
-        self._calibrate_on(tokens, fp8=self.rollout_precision.fp8 and not self.train_precision.fp8)
+        rollout = self.rollout_precision
+        self.state = calibrate_state(self.state, self._calibrate, tokens, rollout,
+                                     fp8=rollout.fp8 and not self.train_precision.fp8, kv=rollout.kv_fp8)
 
     def _initial_calibration(self) -> None:
-        """Scales before the first rollout, from the first prompts (the iterator is rewound): two passes (the
-        second with the first one's scales), and with FP8 training a real backward pass, so that the first
-        update's gradients are quantized with an observed scale, not 1 (``make_calibrate``)."""
-        c = self.config
+        """Scales before the first rollout, from the first prompts (the iterator is rewound; ``initial_calibration``)
+        and with FP8 training a real backward pass."""
         position = self.prompts.get_state()
-        records = self.prompts.take(c.rollout.prompts_per_step)
+        records = self.prompts.take(self.config.rollout.prompts_per_step)
         self.prompts.set_state(position)
         tokens = right_pad([r.prompt_ids for r in records], self.tokenizer.pad_id or 0)
-        calibrate = make_calibrate(self.model, self.rollout_precision, c.precision.kv_margin,
-                                   gradients=self.train_precision.fp8, temperature=c.rollout.temperature, passes=2,
-                                   remat=c.model.remat,
-                                   state_sharding=self.state_sharding)
-        self._calibrate_on(tokens, fp8=self.rollout_precision.fp8, calibrate=calibrate)
+        self.state = initial_calibration(self.config, self.model, self.rollout_precision, self.state, tokens,
+                                         gradients=self.train_precision.fp8, state_sharding=self.state_sharding)
 
     # -- sampling and evaluation ----------------------------------------------------------------------------
 
@@ -438,22 +439,27 @@ class Trainer:
         sampling = SamplingParams(temperature=c.rollout.temperature,
                                   top_k=c.rollout.top_k if top_k is None else top_k,
                                   top_p=c.rollout.top_p if top_p is None else top_p, greedy=greedy)
-        engine = self._cached_engine(sampling, max_new_tokens or c.rollout.max_new_tokens)
+        engine = self.sampler.engine(sampling, max_new_tokens or c.rollout.max_new_tokens)
         rng = jax.random.fold_in(self.state["rng"], 2**31 - 1 - self.step_count)
-        batch = self._rollout(engine, ids, n, rng)
-        texts = [self.tokenizer.decode(batch.completion(i)) for i in range(len(ids) * n)]
+        texts = self.sampler.texts(self.sampler.rollout(engine, self.state, ids, n, rng))
         return [texts[i * n : (i + 1) * n] for i in range(len(ids))]
 
-    def evaluate(self, num: int | None = None) -> dict:
-        """Greedy accuracy (the first reward fn) on the first ``num`` problems of the test split."""
+    def evaluate(self, num: int | None = None, *, k: int = 1) -> dict:
+        """Greedy accuracy on the first ``num`` problems of the test split (``data.num_eval``, else 100), by the first
+        reward fn: ``fp8rl_jax.eval.evaluate_policy``, the code ``python -m fp8rl_jax.eval`` runs. ``eval_accuracy``
+        is pass@1 (the fraction of problems whose greedy completion earns reward 1), ``eval_reward`` the greedy
+        completions' mean reward; with ``k`` > 1 also ``eval_mean@k`` over ``k`` samples at
+        ``rollout.temperature``."""
         c = self.config
-        records = prompt_iterator(c, self.tokenizer, "test").take(num or c.data.num_eval or 100)
-        engine = self._cached_engine(SamplingParams(temperature=c.rollout.temperature, greedy=True),
-                                     c.rollout.max_new_tokens)
-        batch = self._rollout(engine, [r.prompt_ids for r in records], 1, self.state["rng"])
-        texts = [self.tokenizer.decode(batch.completion(i)) for i in range(len(records))]
-        _, per_fn = combined_rewards(self.reward_fns[:1], None, records, texts)
-        return {"eval_accuracy": float(per_fn[self.reward_fns[0]].mean()), "eval_problems": float(len(records))}
+        records = load_prompts(c, self.tokenizer, "test", limit=num or c.data.num_eval or 100).records
+        run = evaluate_policy(self.sampler, self.state, records, reward=self.reward_fns[0],
+                              max_new_tokens=c.rollout.max_new_tokens, temperature=c.rollout.temperature, k=k,
+                              key=self.state["rng"])
+        out = {"eval_accuracy": run.metrics["pass@1"], "eval_reward": run.metrics["greedy_reward_mean"],
+               "eval_problems": float(len(records))}
+        if k > 1:
+            out["eval_mean@k"] = run.metrics["mean@k"]
+        return out
 
     # -- checkpoints ----------------------------------------------------------------------------------------
 

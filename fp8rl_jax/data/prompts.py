@@ -37,6 +37,7 @@ class PromptRecord:
     prompt_text: str  # the rendered prompt (chat template applied), before tokenization
     answer: str  # the gold answer the reward functions check against
     task: str  # the dataset name: gsm8k | arithmetic | pattern
+    question: str = ""  # the problem as the dataset states it (before the prompt format)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,20 +82,22 @@ def load_problems(config, split: str) -> tuple[list[gsm8k.Problem], str]:
     raise ValueError(f"config.data.dataset={name!r} is invalid; allowed: {' | '.join(DATASETS)}")
 
 
-def load_prompts(config, tokenizer, split: str = "train") -> PromptSet:
-    """Every prompt of ``split``, tokenized, those over ``data.max_prompt_tokens`` dropped and counted."""
+def load_prompts(config, tokenizer, split: str = "train", limit: int | None = None) -> PromptSet:
+    """Every prompt of ``split`` (of its first ``limit`` problems), tokenized, those over ``data.max_prompt_tokens``
+    dropped and counted."""
     problems, template = load_problems(config, split)
+    problems = problems[:limit]
     if not problems:  # nothing to filter: not a max_prompt_tokens problem
         raise ValueError(f"config.data.dataset={config.data.dataset!r}: the {split} split holds no problems")
-    limit = config.data.max_prompt_tokens
+    max_tokens = config.data.max_prompt_tokens
     records = []
     for p in problems:
         text, ids = build_prompt(tokenizer, p.question, prompt_format=config.data.prompt_format,
                                  system_prompt=config.data.system_prompt, plain_template=template)
-        if len(ids) <= limit:
-            records.append(PromptRecord(p.id, ids, text, p.answer, config.data.dataset))
+        if len(ids) <= max_tokens:
+            records.append(PromptRecord(p.id, ids, text, p.answer, config.data.dataset, p.question))
     if not records:
-        raise ValueError(f"config.data.max_prompt_tokens={limit} drops all {len(problems)} {split} prompts of "
+        raise ValueError(f"config.data.max_prompt_tokens={max_tokens} drops all {len(problems)} {split} prompts of "
                          f"{config.data.dataset}; raise it")
     return PromptSet(tuple(records), len(problems) - len(records), len(problems))
 

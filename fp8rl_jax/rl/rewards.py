@@ -11,6 +11,7 @@ Add a reward with ``@register("name")``; select them with ``config.reward.fns`` 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 from collections.abc import Callable, Sequence
@@ -25,16 +26,21 @@ if TYPE_CHECKING:
     from fp8rl_jax.data.prompts import PromptRecord
 
 RewardFn = Callable[..., list[float]]
+AnswerFn = Callable[[str], str | None]  # completion -> the answer a reward reads in it, as written (None: none)
 _REGISTRY: dict[str, RewardFn] = {}
+_ANSWERS: dict[str, AnswerFn] = {}
 
 
-def register(name: str) -> Callable[[RewardFn], RewardFn]:
-    """Decorator: make ``fn`` available as ``config.reward.fns`` entry ``name``."""
+def register(name: str, answer: AnswerFn | None = None) -> Callable[[RewardFn], RewardFn]:
+    """Decorator: make ``fn`` available as ``config.reward.fns`` entry ``name``; ``answer`` (optional) shows what
+    the reward reads as a completion's answer, for evaluation reports (``answer_text``)."""
 
     def add(fn: RewardFn) -> RewardFn:
         if name in _REGISTRY:
             raise ValueError(f"reward {name!r} is already registered (by {_REGISTRY[name].__module__})")
         _REGISTRY[name] = fn
+        if answer is not None:
+            _ANSWERS[name] = answer
         return fn
 
     return add
@@ -48,6 +54,14 @@ def get_reward_fn(name: str) -> RewardFn:
 
 def reward_names() -> list[str]:
     return sorted(_REGISTRY)
+
+
+def answer_text(name: str, completion: str) -> str | None:
+    """The answer reward ``name`` reads in ``completion``, as written ("$18.00", "36/2"), for reports; None when it
+    finds none, or when the reward registered no reader. Regular expressions only, like the rewards."""
+    get_reward_fn(name)  # an unknown name fails as it does for the reward itself
+    read = _ANSWERS.get(name)
+    return None if read is None else read(completion)
 
 
 def combined_rewards(names: Sequence[str] | str, weights: Sequence[float] | str | None,
@@ -183,47 +197,75 @@ def _glued(text: str, number: re.Match) -> bool:
     return token.count("/") >= 2 and _LETTER.search(token) is not None
 
 
-def gsm8k_correct(completion: str, gold: str) -> bool:
-    """Whether ``completion``'s final answer equals ``gold`` (a number, as GSM8K's gold answers all are).
+@dataclasses.dataclass(frozen=True)
+class Gsm8kAnswer:
+    """What ``gsm8k_correct`` reads as a completion's final answer."""
+
+    text: str  # as written: "$1,234", "18.00", "36/2", "\\frac{36}{2}"
+    value: Fraction | None  # its exact value; None for an expression, which is left to math_verify
+
+
+def read_gsm8k_answer(completion: str) -> Gsm8kAnswer | None:
+    """The final answer of ``completion`` as ``gsm8k_correct`` reads it; None when it holds none.
 
     The answer line is the first non-empty line after the last ``####``; the answer is the first number of its
-    part after the last "=" ("#### 3*6 = 18" -> 18, "#### $18.00" -> 18, "#### 18 dollars" -> 18). With no
-    ``####`` it is the *last* number anywhere in the completion (a model that has not learned the format yet still
-    gets credit for the right result, which is what gets it started). Numbers compare exactly ("18.00" == "18",
-    "$1,234" == "1234"); an answer that is an expression ("36/2", "\\frac{36}{2}") is left to math_verify.
+    part after the last "=" ("#### 3*6 = 18" -> 18, "#### $18.00" -> 18, "#### 18 dollars" -> 18), or that whole
+    part when it is an expression ("36/2", "\\frac{36}{2}"). With no ``####`` it is the *last* number anywhere in
+    the completion (a model that has not learned the format yet still gets credit for the right result, which is
+    what gets it started).
 
-    Code and paths are not answers, and earn 0 even when they hold the gold number: an answer line holding what
-    only code holds (a quote other than an apostrophe, a backtick, an underscore, a call ``name(``), or whose
-    first number is glued into an identifier or a path ("x18", "/tmp/18", "pytest-0", "18/a/b"), has no answer.
-    Without ``####``, such glued numbers are skipped when looking for the last one. Model text is only ever read
-    with regular expressions, never run.
+    Code and paths are not answers: an answer line holding what only code holds (a quote other than an apostrophe,
+    a backtick, an underscore, a call ``name(``), or whose first number is glued into an identifier or a path
+    ("x18", "/tmp/18", "pytest-0", "18/a/b"), has no answer. Without ``####``, such glued numbers are skipped when
+    looking for the last one. A number of more than 40 digits is no answer either.
     """
-    gold_value = _as_number(gold)
-    if gold_value is None:
-        raise ValueError(f"gsm8k_answer needs a numeric gold answer, got {gold!r}")
     span = final_answer_span(completion)
     if span is None:
         for number in reversed(list(_NUMBER.finditer(completion))):
             if not _glued(completion, number):
-                return _value(number) == gold_value
-        return False
+                value = _value(number)
+                return None if value is None else Gsm8kAnswer(number.group(0).strip(), value)
+        return None
     line = completion.rsplit("####", 1)[1].strip().split("\n", 1)[0]
     if _CODE_ON_LINE.search(line):
-        return False
+        return None
     first = _NUMBER.search(span)
     first_digit = re.search(r"\d", span)
     if first_digit is not None and (first is None or first_digit.start() >= first.end() or _glued(span, first)):
-        return False  # the first digit is not a number's (_NUMBER refuses "x18"), or its number is glued
+        return None  # the first digit is not a number's (_NUMBER refuses "x18"), or its number is glued
     if first is None or _FRACTION.search(span[: first.start()]) or _OPERATOR_NEXT.match(span, first.end()):
-        return _math_verify_equal(span, gold)
-    return _value(first) == gold_value
+        return Gsm8kAnswer(span, None) if span else None
+    value = _value(first)
+    return None if value is None else Gsm8kAnswer(first.group(0).strip(), value)
+
+
+def gsm8k_correct(completion: str, gold: str) -> bool:
+    """Whether ``completion``'s final answer (``read_gsm8k_answer``) equals ``gold`` (a number, as GSM8K's gold
+    answers all are). Numbers compare exactly ("18.00" == "18", "$1,234" == "1234"); an answer that is an
+    expression ("36/2", "\\frac{36}{2}") is left to math_verify. Code and paths earn 0 even when they hold the gold
+    number. Model text is only ever read with regular expressions, never run.
+    """
+    gold_value = _as_number(gold)
+    if gold_value is None:
+        raise ValueError(f"gsm8k_answer needs a numeric gold answer, got {gold!r}")
+    answer = read_gsm8k_answer(completion)
+    if answer is None:
+        return False
+    if answer.value is None:
+        return _math_verify_equal(answer.text, gold)
+    return answer.value == gold_value
 
 
 # ----------------------------------------------------------------------------------------------------------
 # the rewards
 
 
-@register("gsm8k_answer")
+def _gsm8k_answer_text(completion: str) -> str | None:
+    answer = read_gsm8k_answer(completion)
+    return None if answer is None else answer.text
+
+
+@register("gsm8k_answer", answer=_gsm8k_answer_text)
 def gsm8k_answer(prompts: Sequence[PromptRecord], completions: Sequence[str], **kw) -> list[float]:
     # range: [0, 1] — 1 when the final answer (after "####", else the last number) equals the gold answer
     return [float(gsm8k_correct(c, p.answer)) for p, c in zip(prompts, completions, strict=True)]
@@ -232,7 +274,13 @@ def gsm8k_answer(prompts: Sequence[PromptRecord], completions: Sequence[str], **
 _FORMAT = re.compile(r"####[ \t]*-?[ \t]*\$?[ \t]*\d")
 
 
-@register("gsm8k_format")
+def _format_text(completion: str) -> str | None:
+    """The line that earns the format reward, from its ``####`` on."""
+    found = _FORMAT.search(completion)
+    return None if found is None else completion[found.start():].split("\n", 1)[0].strip()
+
+
+@register("gsm8k_format", answer=_format_text)
 def gsm8k_format(prompts: Sequence[PromptRecord], completions: Sequence[str], **kw) -> list[float]:
     # range: [0, 1] — 1 when a line holds "#### <number>", right or wrong
     return [float(_FORMAT.search(c) is not None) for c in completions]
@@ -241,17 +289,22 @@ def gsm8k_format(prompts: Sequence[PromptRecord], completions: Sequence[str], **
 _INTEGER = re.compile(r"-?\d+")
 
 
-@register("arithmetic")
+def _first_integer(completion: str) -> str | None:
+    found = _INTEGER.search(completion)
+    return None if found is None else found.group()
+
+
+@register("arithmetic", answer=_first_integer)
 def arithmetic(prompts: Sequence[PromptRecord], completions: Sequence[str], **kw) -> list[float]:
     # range: [0, 1] — 1 when the first integer of the completion equals the answer ("85", "-36")
     out = []
     for p, c in zip(prompts, completions, strict=True):
-        m = _INTEGER.search(c)
-        out.append(float(m is not None and int(m.group()) == int(p.answer)))
+        answer = _first_integer(c)
+        out.append(float(answer is not None and int(answer) == int(p.answer)))
     return out
 
 
-@register("pattern")
+@register("pattern", answer=lambda completion: completion[: synthetic.PATTERN_WINDOW])
 def pattern(prompts: Sequence[PromptRecord], completions: Sequence[str], **kw) -> list[float]:
     # range: [0, 1] — the fraction of the first 8 completion chars that are letters of the prompt
     return [synthetic.pattern_score(p.answer, c) for p, c in zip(prompts, completions, strict=True)]

@@ -213,3 +213,38 @@ def test_combined_rewards_rejects_bad_fn_output():
         rewards.register(name)(lambda prompts, completions, **kw: [float("nan")] * len(completions))
     with pytest.raises(ValueError, match=f"reward '{name}'.*finite"):
         rewards.combined_rewards([name], None, _records("1", 2), ["a", "b"])
+
+
+@pytest.mark.parametrize("name, completion, answer", [
+    ("gsm8k_answer", "48 + 24 = 72 in total.\n#### 72", "72"),
+    ("gsm8k_answer", "#### 72\nThen I kept talking about 5 apples.", "72"),
+    ("gsm8k_answer", "She sold 72 clips, 3 more than 69", "69"),  # no ####: the last number
+    ("gsm8k_answer", "#### $18.00", "$18.00"),  # as written; it reads as 18
+    ("gsm8k_answer", "#### -3", "-3"),
+    ("gsm8k_answer", "#### 3*6 = 18", "18"),
+    ("gsm8k_answer", "#### 36/2", "36/2"),  # an expression: math_verify decides
+    ("gsm8k_answer", "#### \\frac{36}{2}", "\\frac{36}{2}"),
+    ("gsm8k_answer", "#### __import__('os').system('echo 18')", None),  # code is no answer
+    ("gsm8k_answer", "#### x18", None),
+    ("gsm8k_answer", "the file is /tmp/18", None),
+    ("gsm8k_answer", "####", None),
+    ("gsm8k_answer", "no numbers here", None),
+    ("gsm8k_answer", "#### 18" + "9" * 100, None),  # too long to be a number
+    ("gsm8k_format", "so 40 + 2\n#### 42 apples\nthe end", "#### 42 apples"),
+    ("gsm8k_format", "#### forty-two", None),
+    ("arithmetic", " 85<eos>junk", "85"),
+    ("arithmetic", "no digits", None),
+    ("pattern", "bfcabfcazz", "bfcabfca"),  # the first 8 characters: what the reward scores
+])
+def test_answer_text(name, completion, answer):
+    assert rewards.answer_text(name, completion) == answer
+
+
+def test_answer_text_agrees_with_the_reward():
+    """The answer shown is the one graded: its value decides gsm8k_answer."""
+    for completion, gold in [("#### $1,234.00", "1234"), ("she has 12, then 18", "18"), ("#### 36/2", "18"),
+                             ("#### 7", "18")]:
+        shown = rewards.answer_text("gsm8k_answer", completion)
+        assert rewards.gsm8k_correct(completion, gold) == rewards.gsm8k_correct(f"#### {shown}", gold)
+    with pytest.raises(ValueError, match="unknown reward 'nope'"):
+        rewards.answer_text("nope", "")

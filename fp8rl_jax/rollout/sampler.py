@@ -1,0 +1,59 @@
+"""A policy's sampler: rollout engines over one model, tokenizer, rollout precision and mesh, one per sampling setup.
+
+The trainer draws its RL rollouts, ``Trainer.sample`` and ``Trainer.evaluate`` through one, and ``python -m
+fp8rl_jax.eval`` builds one around a checkpoint: the same engine settings (``config.rollout``, the stop tokens of
+the tokenizer, the prompt length limit) and the same weight pre-quantization, whoever holds the policy. The policy's
+state (``params``, ``fp8_state``, ``kv_scales``, as the trainer's state dict holds them) is passed to every call, so
+a trainer's sampler always samples its current policy.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from fp8rl_jax.fp8.policy import Precision
+from fp8rl_jax.model.config import LlamaConfig
+from fp8rl_jax.rollout import driver
+from fp8rl_jax.rollout.engine import Engine, EngineConfig
+from fp8rl_jax.rollout.sampling import SamplingParams
+
+
+class Sampler:
+    def __init__(self, config, model: LlamaConfig, tokenizer, precision: Precision,
+                 mesh: jax.sharding.Mesh | None = None):
+        self.config, self.model, self.tokenizer, self.precision, self.mesh = config, model, tokenizer, precision, mesh
+        self._engines: dict[tuple[SamplingParams, int], Engine] = {}
+
+    def decode_attention(self) -> str:
+        """``rollout.decode_attention``; ``auto`` on a mesh of several devices is the XLA path: the Pallas kernel
+        is not partitioned, so XLA would gather the whole KV cache onto every device for it."""
+        impl = self.config.rollout.decode_attention
+        return "xla" if impl == "auto" and self.mesh is not None and self.mesh.size > 1 else impl
+
+    def engine(self, sampling: SamplingParams, max_new_tokens: int) -> Engine:
+        """The engine of one sampling setup, built once (each compiles its own steps at first use)."""
+        key = (sampling, max_new_tokens)
+        if key not in self._engines:
+            c = self.config
+            self._engines[key] = Engine(self.model, self.precision, EngineConfig(
+                max_concurrent_decodes=c.rollout.decode_slots, max_prefill_length=c.data.max_prompt_tokens,
+                max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=tuple(self.tokenizer.stop_ids),
+                decode_attention=self.decode_attention()), mesh=self.mesh)
+        return self._engines[key]
+
+    def weights(self, engine: Engine, state: dict) -> dict:
+        """The sampler's copy of the policy ``state``: its rollout weights quantized with its FP8 scales (FP8
+        precisions), its KV scales read (FP8 KV cache)."""
+        return engine.load_params(state["params"], state["fp8_state"] if self.precision.fp8 else None,
+                                  state["kv_scales"] if self.precision.kv_fp8 else None)
+
+    def rollout(self, engine: Engine, state: dict, prompts: list, n: int, key: jax.Array,
+                params: dict | None = None) -> driver.RolloutBatch:
+        """``n`` completions of each prompt (token ids) from the policy ``state`` (or its ``weights`` already
+        made: ``params``)."""
+        params = self.weights(engine, state) if params is None else params
+        return driver.generate(engine, params, [list(p) for p in prompts], n, key)
+
+    def texts(self, batch: driver.RolloutBatch) -> list[str]:
+        """The completions of ``batch`` as text (special tokens dropped), row by row."""
+        return [self.tokenizer.decode(batch.completion(i)) for i in range(len(batch.lengths))]
