@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session on the lent H100 (or an H200 host): install Transformer Engine and the project's wheels once, then
 # the stages named on the command line. Results land in $OUT (or ./gpu_out).
-#   usage: bash benchmarks/gpu_session.sh [install] [tests] [decode] [llama1b:MODE] [rollout1k] [gemm] [train] [e2e]...
+#   usage: bash benchmarks/gpu_session.sh [install] [tests] [decode] [llama1b:MODE] [rollout1k] [gemm] [train] [e2e] [profile] [cluster_nb]...
 # TE arrives in pieces (see ../shared/gpu/README.md): .gpu/te/wheels + .gpu/install_te.sh, the core wheel's five
 # parts already copied to /root/te by earlier calls; the other wheels in .gpu/wheels; a tokenizer in .gpu/smollm2_tok.
 set -uo pipefail
@@ -14,6 +14,17 @@ fi
 if ! python3 -c "import ml_collections, grain, math_verify" 2>/dev/null && [ -d .gpu/wheels ]; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu/wheels/*.whl
 fi
+if ! python3 -c "import nbclient, ipykernel" 2>/dev/null && [ -d .gpu/nbwheels ]; then  # the notebook extra
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu/nbwheels/*.whl
+fi
+# the SmolLM2 GGUF, carried in pieces into /root/gguf by earlier calls, into the project's model cache
+export FP8RL_CACHE=${FP8RL_CACHE:-/root/fp8rl_cache}
+gguf="$FP8RL_CACHE/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+if [ ! -f "$gguf" ] && ls /root/gguf/gguf_part_* >/dev/null 2>&1; then
+  mkdir -p "$FP8RL_CACHE/smollm2" && cat /root/gguf/gguf_part_* > "$gguf.partial" && mv "$gguf.partial" "$gguf"
+  cp -r .gpu/smollm2_tok "$FP8RL_CACHE/smollm2/SmolLM2-135M-Instruct.Q4_1.tokenizer"
+fi
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # never NVLink multicast
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
 for what in "$@"; do
   case $what in
@@ -50,6 +61,9 @@ EOF
         --set model.preset=llama3_1b --set model.tokenizer=.gpu/smollm2_tok --set model.preset_vocab=preset \
         --set rollout.prompts_per_step=32 --modes ${PROFILE_MODES:-bf16_cublas,fp8_e2e} --timeout 190 \
         --out "$OUT/profile_h100.json" 2>&1 | grep -v "^W\|Warn" | tee "$OUT/profile.log" | tail -6 ;;
+    cluster_nb) # the cluster notebook on this host's GPUs (smollm2_gsm8k, FSDP over all of them), outputs kept
+      FP8RL_NOTEBOOK_WORKDIR=/tmp/cluster_nb timeout ${NB_TIMEOUT:-300} python3 benchmarks/run_notebook.py \
+        notebooks/cluster.ipynb "$OUT/cluster_executed.ipynb" 2>&1 | grep -v "^W\|Warn" | tail -5 ;;
     gemm) timeout 420 python3 -m fp8rl_jax.bench gemm --out "$OUT/gemm_h100.json" 2>&1 | grep -vi warn | tee "$OUT/gemm.log" | tail -3 ;;
     train) for mode in fp8_e2e bf16; do
         timeout 240 python3 -m fp8rl_jax.main --config=configs/tiny.py:$mode --config.precision.backend=te \

@@ -14,10 +14,11 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/devic
 for spec in "$@"; do
   IFS=: read -r mode fsdp tensor <<< "$spec"
   name="scale_${mode}_${fsdp}x${tensor}"
-  timeout 420 python3 -m fp8rl_jax.main --config=configs/llama8b.py --config.model.source=preset \
+  # on the time limit: SIGABRT, and Python's fault handler prints where every thread was
+  PYTHONFAULTHANDLER=1 timeout -s ABRT ${SCALE_TIMEOUT:-420} python3 -m fp8rl_jax.main --config=configs/llama8b.py --config.model.source=preset \
     --config.model.preset=llama3_8b --config.model.tokenizer=.gpu/smollm2_tok --config.model.preset_vocab=preset \
     --config.precision.mode="$mode" --config.precision.backend=${BACKEND:-xla} \
-    --config.mesh.fsdp="$fsdp" --config.mesh.tensor="$tensor" --config.workdir="$OUT/$name" --steps=3 \
+    --config.mesh.fsdp="$fsdp" --config.mesh.tensor="$tensor" --config.workdir="$OUT/$name" --steps=${SCALE_STEPS:-3} \
     --config.rollout.prompts_per_step=16 --config.rollout.samples_per_prompt=8 --config.rollout.max_new_tokens=512 \
     --config.rollout.decode_slots=128 --config.rl.minibatches=2 --config.rl.microbatch_sequences=16 \
     --config.checkpoint.save_final=False --config.logging.progress=False --config.logging.tensorboard=False \
