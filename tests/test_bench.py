@@ -38,6 +38,13 @@ def test_agreement_rollout_path_equals_scoring_in_f32():
     assert [r["precision"] for r in rows] == ["f32", "fp8"] and rows[0]["tokens"] == 12
     assert rows[0]["decode_vs_full_max"] < 1e-4 and rows[0]["vs_f32_mean"] == 0
     assert rows[1]["vs_f32_mean"] > 1e-3
+    # the trainer's mismatch metrics over the same tokens: mean exp|d| lies between 1 and exp(max |d|), the IS
+    # weights exp(d) within exp(+-max |d|), and KL k3 >= 0 (on CPU the FP8 GEMMs accumulate in f32 in both paths,
+    # so even FP8's sampler and trainer agree to ~1e-7 on this tiny model)
+    for r in rows:
+        bound = float(np.exp(r["decode_vs_full_max"]))
+        assert 1 <= r["token_mult_prob_error"] <= bound * (1 + 1e-6) and r["mismatch_kl_k3"] >= -1e-9
+        assert 1 / bound * (1 - 1e-6) <= r["is_weight_min"] <= r["is_weight_max"] <= bound * (1 + 1e-6)
 
 
 def test_e2e_measures_a_mode_and_summarizes_against_the_best_bf16():

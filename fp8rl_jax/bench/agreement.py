@@ -6,6 +6,8 @@ Teacher-forced on GSM8K test problems with their reference solutions, SmolLM2-13
   FP8 weights, the prompt prefilled in its bucket, then one token per step against the KV cache, batch 1) against
   the scoring forward (``rl.scoring.token_logprobs`` over the full sequence): the sampler/trainer mismatch that
   the IS correction has to absorb;
+- the same mismatch as the trainer's metrics name it (``rl.metrics.mismatch_metrics``: KL k1 / k3,
+  ``token_mult_prob_error``, chi2) and the spread of the per-token importance weights exp(scoring - rollout);
 - ``vs_f32``: |log p| of the scoring forward in this precision against the f32 model.
 
 FP8 scales come from one calibration pass over the same sequences (``rl.step.make_calibrate``, as the trainer
@@ -27,6 +29,7 @@ from fp8rl_jax.fp8.policy import Precision
 from fp8rl_jax.fp8.recipe import update_state
 from fp8rl_jax.model import llama
 from fp8rl_jax.model.config import LlamaConfig
+from fp8rl_jax.rl.metrics import mismatch_metrics
 from fp8rl_jax.rl.scoring import token_logprobs
 from fp8rl_jax.rl.step import make_calibrate
 from fp8rl_jax.rollout.engine import DecodeState, Engine, EngineConfig, prefill_bucket
@@ -127,14 +130,20 @@ def bench_agreement(model: LlamaConfig, params: dict, sequences: list[tuple[list
             max_concurrent_decodes=1, max_prefill_length=max_prefill,
             max_new_tokens=max(len(completion) for _, completion in sequences), sampling=SamplingParams()))
         engine_params = engine.load_params(params, fp8_state, kv_scales)
-        decode_d, f32_d = [], []
+        sampler, trainer, f32_d = [], [], []  # per token of the completions
         for i, (prompt, completion) in enumerate(sequences):
             span = slice(len(prompt), len(prompt) + len(completion))
-            decode_d.append(np.abs(full[i, span] - rollout_logprobs(engine, engine_params, prompt, completion)))
+            sampler.append(rollout_logprobs(engine, engine_params, prompt, completion))
+            trainer.append(full[i, span])
             f32_d.append(np.abs(full[i, span] - ref[i, span]))
-        d, e = np.concatenate(decode_d), np.concatenate(f32_d)
+        sampler, trainer, e = np.concatenate(sampler), np.concatenate(trainer), np.concatenate(f32_d)
+        d, w = np.abs(trainer - sampler), np.exp(trainer - sampler)  # w: the per-token IS weight
         rows.append({"precision": name, "tokens": int(d.size), "decode_vs_full_mean": float(d.mean()),
                      "decode_vs_full_p99": float(np.quantile(d, 0.99)), "decode_vs_full_max": float(d.max()),
+                     # the mismatch as the trainer's metrics report it (KL estimators, token_mult_prob_error, chi2)
+                     **{k: float(v) for k, v in mismatch_metrics(jnp.asarray(sampler), jnp.asarray(trainer),
+                                                                 jnp.ones(d.shape, bool)).items()},
+                     "is_weight_std": float(w.std()), "is_weight_min": float(w.min()), "is_weight_max": float(w.max()),
                      "vs_f32_mean": float(e.mean()), "vs_f32_p99": float(np.quantile(e, 0.99))})
         print(json.dumps(rows[-1]), flush=True)
     return rows
