@@ -3,10 +3,22 @@
 One function serves the old-policy logprobs, the reference logprobs (KL) and the loss under ``jax.grad``, with
 the same FP8 state and KV scales the sampler used, so rollout and trainer differ only by kernel numerics.
 
-The head runs in chunks of the sequence axis under ``jax.checkpoint``: the [B, T, V] logits are never all live
-(128k-vocab logits of a few thousand tokens are gigabytes), and the backward pass recomputes each chunk.
+The head runs in chunks of the sequence axis: the [B, T, V] logits are never all live (128k-vocab logits of a
+few thousand tokens are gigabytes), and the backward pass recomputes each chunk's logits.
 
-With ``lm_head_fp8`` the head's FP8 state must not be closed over by the chunk loop: a value closed over by
+The BF16 head (the default) is ``chunked_head_logprobs``, a ``custom_vjp``. The master kernel (f32, [D, V], or
+the tied embedding [V, D] contracted as stored) is cast to the compute dtype once per call, outside the chunk
+loop; each chunk's GEMM takes compute-dtype operands and accumulates in f32, and the log-softmax, the target's
+logprob and the entropy are f32. The forward keeps per token only the logprob, the entropy and the log-softmax
+statistics (max and log-sum-exp); the backward recomputes the chunk's logits, forms the logit gradient in f32,
+rounds it to the compute dtype (standard mixed precision: the two backward GEMMs are compute-dtype GEMMs with f32
+accumulation, never f32 GEMMs against an upcast kernel) and accumulates the kernel's gradient over the chunks in
+an f32 carry. The entropy's gradient is exact (-p (log p + H) / T per logit) and costs nothing when the entropy is
+not differentiated (the train step reports it as a metric under ``stop_gradient``: a symbolic zero cotangent). In
+f32 compute this is the plain autodiff of the same math.
+
+With ``lm_head_fp8`` the head goes through ``linear`` per chunk under ``jax.checkpoint`` and plain autodiff
+(``autodiff_head_logprobs``). Its FP8 state must not be closed over by the chunk loop: a value closed over by
 ``lax.map``'s body gets the *sum* of its per-iteration cotangents, and the state's cotangent is an amax
 observation (``fp8/recipe.py``), which combines with max. Each chunk gets its own copy of the state instead
 (``_per_chunk``), and the copies' cotangents are reduced with max.
@@ -14,10 +26,13 @@ observation (``fp8/recipe.py``), which combines with max. Each chunk gets its ow
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
+from jax.custom_derivatives import SymbolicZero
 
 from fp8rl_jax.fp8.policy import Precision
 from fp8rl_jax.model import llama
@@ -41,6 +56,178 @@ def _per_chunk_bwd(n: int, _, cotangent):
 
 
 _per_chunk.defvjp(_per_chunk_fwd, _per_chunk_bwd)
+
+
+def _to_chunks(x: jax.Array, c: int) -> jax.Array:
+    """[B, n, ...] -> [nC, B, C, ...], zero-padded to a multiple of ``c``, so that a scan walks the chunks."""
+    b, n = x.shape[:2]
+    x = jnp.pad(x, ((0, 0), (0, -n % c)) + ((0, 0),) * (x.ndim - 2))
+    return x.reshape(b, -1, c, *x.shape[2:]).swapaxes(0, 1)
+
+
+def _from_chunks(x: jax.Array, n: int) -> jax.Array:
+    """[nC, B, C] -> [B, n]"""
+    return x.swapaxes(0, 1).reshape(x.shape[1], -1)[:, :n]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the BF16 head: one cast of the kernel per call, a custom VJP over the chunks
+
+
+@dataclasses.dataclass(frozen=True)
+class _HeadSpec:
+    temperature: float
+    with_entropy: bool
+    kernel_nk: bool  # the kernel is stored [V, D] (a tied embedding), else [D, V]
+    dtype: jnp.dtype  # the compute dtype: the GEMM operands are rounded to it
+    operand_dtype: jnp.dtype  # the dtype the GEMM operands are held in (``dtype``, or f32 on CPU: see _operand)
+    kernel_dtype: jnp.dtype  # the master kernel's dtype (its gradient's)
+
+
+def _operand(x: jax.Array, spec: _HeadSpec) -> jax.Array:
+    """``x`` rounded to the compute dtype, held in ``spec.operand_dtype``.
+
+    On CPU (no BF16 arithmetic on most hosts) BF16 GEMMs are slower than f32 GEMMs over the same BF16 values, which
+    give the same result (a product of two BF16 values is exact in f32, and both accumulate in f32). The rounding
+    is ``reduce_precision``, which XLA keeps, where it may drop an f32 -> BF16 -> f32 convert pair.
+    """
+    if spec.operand_dtype == spec.dtype:
+        return x.astype(spec.dtype)
+    f = jnp.finfo(spec.dtype)
+    return lax.reduce_precision(x.astype(spec.operand_dtype), exponent_bits=f.nexp, mantissa_bits=f.nmant)
+
+
+def _scaled_logits(h: jax.Array, w: jax.Array, spec: _HeadSpec) -> jax.Array:
+    """[B, C, D] x the cast kernel -> logits / T [B, C, V], f32 (compute-dtype operands, f32 accumulation)."""
+    z = lax.dot_general(h, w, (((2,), (1 if spec.kernel_nk else 0,)), ((), ())), preferred_element_type=jnp.float32)
+    return z / spec.temperature
+
+
+def _head_forward(hidden, w, targets, spec: _HeadSpec):
+    """Per chunk: ``(logp, entropy, max, lse)``, each [nC, B, C]; ``logp_all = (z - max) - lse``."""
+
+    def chunk(xs):
+        h, y = xs
+        z = _scaled_logits(h, w, spec)  # [B, C, V]
+        m = jnp.max(z, axis=-1)
+        shifted = z - m[..., None]
+        e = jnp.exp(shifted)
+        lse = jnp.log(jnp.sum(e, axis=-1))
+        # the target's logit gathered, then shifted: the same float ops as log_softmax followed by the gather
+        logp = (jnp.take_along_axis(z, y[..., None], axis=-1)[..., 0] - m) - lse
+        if spec.with_entropy:
+            # H = lse - sum(e * shifted) / sum(e): one pass with the normaliser, and no cancellation (lse >= 0 and
+            # shifted <= 0); e * shifted is 0 where e underflows, even against a -inf logit
+            es = jnp.sum(jnp.where(e > 0, e * shifted, 0.0), axis=-1)
+            ent = lse - es / jnp.sum(e, axis=-1)
+        else:
+            ent = jnp.zeros_like(logp)
+        return logp, ent, m, lse
+
+    return lax.map(chunk, (hidden, targets))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _chunked_head(hidden, kernel, targets, spec: _HeadSpec):
+    logp, ent, _, _ = _head_forward(_operand(hidden, spec), _operand(kernel, spec), targets, spec)
+    return logp, ent
+
+
+def _chunked_head_fwd(hidden, kernel, targets, spec: _HeadSpec):
+    hidden, kernel, targets = hidden.value, kernel.value, targets.value  # symbolic_zeros: CustomVJPPrimal
+    # the kernel cast (and laid out) once per call, outside the chunk loop; kept for the backward pass
+    hidden, w = _operand(hidden, spec), _operand(kernel, spec)
+    logp, ent, m, lse = _head_forward(hidden, w, targets, spec)
+    return (logp, ent), (hidden, w, targets, m, lse, ent)
+
+
+def _chunked_head_bwd(spec: _HeadSpec, res, cotangents):
+    hidden, w, targets, m, lse, ent = res
+    g_logp, g_ent = cotangents
+    if isinstance(g_logp, SymbolicZero):
+        g_logp = jnp.zeros(g_logp.shape, jnp.float32)
+    entropy_grad = spec.with_entropy and not isinstance(g_ent, SymbolicZero)
+    if not entropy_grad:
+        g_ent = jnp.zeros_like(g_logp)  # not read
+    tied = spec.kernel_nk
+
+    def chunk(dw, xs):
+        h, y, m, lse, g, g_h, ent = xs
+        z = _scaled_logits(h, w, spec)  # recomputed: [B, C, V] f32
+        logp_all = (z - m[..., None]) - lse[..., None]
+        p = jnp.exp(logp_all)
+        onehot = lax.broadcasted_iota(jnp.int32, z.shape, 2) == y[..., None]
+        # d logp / d (z / T) = onehot - p
+        dz = jnp.where(onehot, g[..., None], 0.0) - p * g[..., None]
+        if entropy_grad:
+            # d H / d (z / T) = -p (log p + H)
+            dz = dz - g_h[..., None] * (p * (jnp.where(p > 0, logp_all, 0.0) + ent[..., None]))
+        dlogits = _operand(dz / spec.temperature, spec)
+        # dW in f32, summed over the chunks in f32; dx per chunk (f32 out, rounded once after the loop: XLA:CPU
+        # would convert a stacked bf16 buffer to f32 and back at every chunk's write)
+        if tied:  # [B, C, V] x [B, C, D] -> [V, D]
+            dw = dw + lax.dot_general(dlogits, h, (((0, 1), (0, 1)), ((), ())), preferred_element_type=jnp.float32)
+        else:  # [B, C, D] x [B, C, V] -> [D, V]
+            dw = dw + lax.dot_general(h, dlogits, (((0, 1), (0, 1)), ((), ())), preferred_element_type=jnp.float32)
+        dx = lax.dot_general(dlogits, w, (((2,), (0 if tied else 1,)), ((), ())), preferred_element_type=jnp.float32)
+        return dw, dx
+
+    dw, dx = lax.scan(chunk, jnp.zeros(w.shape, jnp.float32), (hidden, targets, m, lse, g_logp, g_ent, ent))
+    return dx.astype(spec.dtype), dw.astype(spec.kernel_dtype), None
+
+
+_chunked_head.defvjp(_chunked_head_fwd, _chunked_head_bwd, symbolic_zeros=True)
+
+
+def chunked_head_logprobs(hidden: jax.Array, kernel: jax.Array, targets: jax.Array, *, temperature: float = 1.0,
+                          chunk: int = 256, with_entropy: bool = False, kernel_nk: bool = False,
+                          dtype=jnp.bfloat16):
+    """``log pi_T(targets | hidden)`` and the entropy of pi_T, chunk by chunk over the sequence axis.
+
+    hidden [B, T, D] (the final norm's output), kernel the master head [D, V] or, with ``kernel_nk``, the tied
+    embedding [V, D], targets [B, T] int. Returns ``(logp [B, T], entropy [B, T] or None)``, f32. Differentiable
+    in ``hidden`` and ``kernel`` (see the module docstring for the backward pass).
+    """
+    n = targets.shape[1]
+    c = min(chunk, n)
+    dtype = jnp.dtype(dtype)
+    spec = _HeadSpec(temperature=temperature, with_entropy=with_entropy, kernel_nk=kernel_nk, dtype=dtype,
+                     operand_dtype=jnp.dtype(jnp.float32) if jax.default_backend() == "cpu" else dtype,
+                     kernel_dtype=jnp.dtype(kernel.dtype))
+    hidden = hidden.astype(spec.dtype)
+    logp, ent = _chunked_head(_to_chunks(hidden, c), kernel, _to_chunks(targets, c), spec)
+    return _from_chunks(logp, n), (_from_chunks(ent, n) if with_entropy else None)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the FP8 head (and the reference the tests compare with): ``linear`` per chunk, autodiff under jax.checkpoint
+
+
+def autodiff_head_logprobs(params: dict, hidden: jax.Array, targets: jax.Array, *, precision: Precision,
+                           head_state: dict | None = None, temperature: float = 1.0, chunk: int = 256,
+                           with_entropy: bool = False):
+    """As ``chunked_head_logprobs``, through ``llama.logits_from_hidden`` per chunk (FP8 with ``head_state``).
+
+    The kernel is cast per chunk, and the backward pass is autodiff's: f32 logit gradient against the upcast
+    kernel. Used for ``lm_head_fp8``, whose per-chunk amax observations need ``linear``'s FP8 bookkeeping.
+    """
+    n = targets.shape[1]
+    c = min(chunk, n)
+    hidden, targets = _to_chunks(hidden, c), _to_chunks(targets, c)
+    if head_state is not None:
+        head_state = _per_chunk(head_state, hidden.shape[0])  # [nC, ...] per leaf
+
+    @functools.partial(jax.checkpoint, prevent_cse=False)
+    def head(h, y, state):
+        state = None if state is None else {"lm_head": state}
+        logits = llama.logits_from_hidden(params, h, precision=precision, fp8_state=state)
+        logp_all = jax.nn.log_softmax(logits / temperature, axis=-1)  # [B, C, V]
+        logp = jnp.take_along_axis(logp_all, y[..., None], axis=-1)[..., 0]
+        ent = entropy_from_logits(logits / temperature) if with_entropy else jnp.zeros_like(logp)
+        return logp, ent
+
+    logp, ent = jax.lax.map(lambda xs: head(*xs), (hidden, targets, head_state))
+    return _from_chunks(logp, n), (_from_chunks(ent, n) if with_entropy else None)
 
 
 def token_logprobs(
@@ -70,32 +257,16 @@ def token_logprobs(
     )
     # position t - 1 predicts token t: [B, T - 1, D] against targets [B, T - 1]
     hidden, targets = hidden[:, :-1], tokens[:, 1:]
-    n = t - 1
-    c = min(chunk, n)
-    pad = -n % c
-    hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
-    targets = jnp.pad(targets, ((0, 0), (0, pad)))
-    # [B, nC * C, D] -> [nC, B, C, D] so that scan walks the chunks
-    hidden = hidden.reshape(b, -1, c, hidden.shape[-1]).swapaxes(0, 1)
-    targets = targets.reshape(b, -1, c).swapaxes(0, 1)
-
     head_state = fp8_state.get("lm_head") if (fp8_state is not None and precision.lm_head_fp8) else None
     if head_state is not None:
-        head_state = _per_chunk(head_state, hidden.shape[0])  # [nC, ...] per leaf
-
-    @functools.partial(jax.checkpoint, prevent_cse=False)
-    def head(h, y, state):
-        state = None if state is None else {"lm_head": state}
-        logits = llama.logits_from_hidden(params, h, precision=precision, fp8_state=state)
-        logp_all = jax.nn.log_softmax(logits / temperature, axis=-1)  # [B, C, V]
-        logp = jnp.take_along_axis(logp_all, y[..., None], axis=-1)[..., 0]
-        ent = entropy_from_logits(logits / temperature) if with_entropy else jnp.zeros_like(logp)
-        return logp, ent
-
-    logp, ent = jax.lax.map(lambda xs: head(*xs), (hidden, targets, head_state))
-    # [nC, B, C] -> [B, T - 1]
-    unchunk = lambda a: a.swapaxes(0, 1).reshape(b, -1)[:, :n]
+        logp, ent = autodiff_head_logprobs(params, hidden, targets, precision=precision, head_state=head_state,
+                                           temperature=temperature, chunk=chunk, with_entropy=with_entropy)
+    else:
+        tied = "lm_head" not in params
+        logp, ent = chunked_head_logprobs(hidden, params["embed"] if tied else params["lm_head"], targets,
+                                          temperature=temperature, chunk=chunk, with_entropy=with_entropy,
+                                          kernel_nk=tied, dtype=precision.dtype)
     zero = jnp.zeros((b, 1), jnp.float32)
-    logp = jnp.concatenate([zero, unchunk(logp)], axis=1)
-    entropy = jnp.concatenate([zero, unchunk(ent)], axis=1) if with_entropy else None
+    logp = jnp.concatenate([zero, logp], axis=1)
+    entropy = jnp.concatenate([zero, ent], axis=1) if with_entropy else None
     return logp, entropy, kv_amax
