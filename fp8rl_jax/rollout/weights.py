@@ -17,7 +17,7 @@ import jax
 
 from fp8rl_jax.fp8.linear import quantize_kernel
 from fp8rl_jax.fp8.policy import Precision
-from fp8rl_jax.model.llama import LINEARS, block_segments, lm_head_kernel, slice_layers
+from fp8rl_jax.model.llama import LINEARS, block_segments, lm_head_kernel, slice_layers, split_layers
 
 
 def rollout_params(params: dict, fp8_state: dict | None, precision: Precision, num_layers: int) -> dict:
@@ -48,3 +48,10 @@ def rollout_params(params: dict, fp8_state: dict | None, precision: Precision, n
     if precision.lm_head_fp8 and fp8_state is not None:
         out["lm_head"] = quantize_kernel(lm_head_kernel(params), fp8_state["lm_head"], precision)
     return out
+
+
+def per_layer(weights: dict) -> dict:
+    """``rollout_params``' output with every segment of ``blocks`` as a tuple of per-layer trees
+    (``llama.split_layers``): the CPU's form, whose decode step reads each layer's weights in place (see
+    ``llama.forward_hidden``)."""
+    return {**weights, "blocks": tuple(split_layers(seg) for seg in weights["blocks"])}
