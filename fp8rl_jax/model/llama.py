@@ -378,7 +378,11 @@ def forward_hidden(
     # the residual stream stays in f32: only the GEMM inputs are rounded to the compute dtype, so the rounding
     # is the same whatever the batch and sequence shapes (decode vs full sequence) and errors do not pile up
     # across layers in the stream itself
-    x = params["embed"][tokens].astype(precision.dtype).astype(jnp.float32)
+    if "embed_bits" in params:  # the table's bits too (CPU rollout weights, see rollout.weights.per_layer)
+        x = lax.bitcast_convert_type(params["embed_bits"][tokens], params["embed"].dtype)
+    else:
+        x = params["embed"][tokens]
+    x = x.astype(precision.dtype).astype(jnp.float32)
     x = constrain(x, RESIDUAL_AXES)
     segs, seg_blocks = block_segments(params, precision, c.num_layers)
     # the layers write the cache as its bits (uint16 for bf16, uint8 for f8): XLA:CPU supports no bf16 / f8
