@@ -398,13 +398,27 @@ def forward_hidden(
         cache_dtype = None if cache is None else cache["k"].dtype
         if cache is not None and jax.default_backend() == "cpu":  # a free view on GPU, where none is needed
             cache = {name: _as_bits(a) for name, a in cache.items()}
+    # the FP8 state of the blocks may come per layer too (a tuple of per-layer trees, the CPU engine's): the
+    # unrolled layers then get one array each, so that their computations are identical and XLA compiles one
+    # (slices of a stacked state differ from layer to layer, and compiling 30 layers then takes several times longer)
+    fp8_blocks = fp8_state["blocks"] if fp8_state is not None else None
+    if isinstance(fp8_blocks, (tuple, list)):
+        fp8_blocks = {"layers": tuple(fp8_blocks)}
     amax_k, amax_v = [], []
     for (start, end, is_fp8), blocks in zip(segs, seg_blocks, strict=True):
-        fp8 = slice_layers(fp8_state["blocks"], start, end, c.num_layers) if is_fp8 else None
+        fp8 = None
+        if is_fp8 and "layers" in fp8_blocks:
+            fp8 = fp8_blocks["layers"][start:end]
+            if not isinstance(blocks, (tuple, list)):  # a scan: stacked again
+                fp8 = jax.tree.map(lambda *a: jnp.stack(a), *fp8)
+        elif is_fp8:
+            fp8 = slice_layers(fp8_blocks, start, end, c.num_layers)
         if isinstance(blocks, (tuple, list)):
             # per-layer weights: an unrolled loop, each layer's arrays read where they are (no slice, no copy)
             for i, layer in enumerate(blocks):
-                fp8_layer = jax.tree.map(lambda a, i=i: a[i], fp8) if is_fp8 else None
+                fp8_layer = None
+                if is_fp8:
+                    fp8_layer = fp8[i] if isinstance(fp8, tuple) else jax.tree.map(lambda a, i=i: a[i], fp8)
                 x, cache, (ak, av) = _block(x, layer, fp8_layer, start + i, positions, cache, kv_scales, c,
                                             precision, inv_freq, decode_impl, cache_dtype)
                 x = constrain(x, RESIDUAL_AXES)

@@ -135,6 +135,11 @@ class Engine:
         # writes in place (XLA:CPU would otherwise convert the whole cache to its bits and back in every step)
         self._per_layer = jax.default_backend() == "cpu" and (mesh is None or mesh.size == 1)
         self._load = jax.jit((lambda p, s: per_layer(load(p, s))) if self._per_layer else load)
+        # with per-layer weights the blocks' FP8 state and the KV scales come per layer too (llama.forward_hidden):
+        # the unrolled layers are then identical computations, compiled once
+        self._split_layers = jax.jit(lambda fp8_state, kv_scales: (
+            fp8_state and {**fp8_state, "blocks": llama.split_layers(fp8_state["blocks"])},
+            kv_scales and {n: tuple(a[i] for i in range(a.shape[0])) for n, a in kv_scales.items()}))
         if mesh is not None:
             self._jit_on_mesh(mesh)
 
@@ -191,6 +196,9 @@ class Engine:
             weights = self._load(params, fp8_state)
         if self.mesh is not None:  # read by every device: replicated (no-ops for the trainer's)
             fp8_state, kv_scales = jax.device_put((fp8_state, kv_scales), rules.replicated(self.mesh))
+        if self._per_layer:
+            with mesh_context(self.mesh, self.precision.backend):
+                fp8_state, kv_scales = self._split_layers(fp8_state, kv_scales)
         return {"weights": weights, "fp8_state": fp8_state, "kv_scales": kv_scales}
 
     def init_decode_state(self) -> DecodeState:
@@ -254,8 +262,12 @@ class Engine:
     def _prefill_impl(self, params, padded_tokens, true_length, rng):
         p = padded_tokens.shape[0]
         cache = llama.init_cache(self.model, 1, p, self.cache_dtype)
+        if self._per_layer:  # one array of bits per layer, as in the decode state (see __init__)
+            cache = llama.cache_layers(cache, as_bits=True)
         positions = jnp.arange(p, dtype=jnp.int32)[None]
         hidden, cache, _ = self._forward(params, padded_tokens[None], positions, cache)
+        if self._per_layer:
+            cache = llama.cache_stack(cache, self.cache_dtype)
         # [1, P, D] -> [1, D]: only the last real position needs logits
         last = jax.lax.dynamic_index_in_dim(hidden[0], true_length - 1, axis=0, keepdims=True)
         logits = self._logits(params, last)  # [1, V]
