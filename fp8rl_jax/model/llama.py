@@ -362,7 +362,8 @@ def forward_hidden(
     weights, see ``Engine``): its layers then run as an unrolled loop that reads each layer's weights in place, where a
     scan over stacked weights has XLA:CPU copy every layer's slice before its GEMM. With every segment so split the
     cache may also come as one array per layer (``cache_layers``), held as its bits where ``cache_dtype`` (the dtype
-    they stand for) differs from theirs; it is returned in the form it came in.
+    they stand for) differs from theirs; it is returned in the form it came in. ``fp8_state["blocks"]`` and
+    ``kv_scales`` may come per layer as well (a tuple of per-layer trees; a tuple of scalars each).
 
     Returns ``(hidden [B, T, D], cache, kv_amax)``; ``kv_amax = {"k": [L], "v": [L]}`` feeds KV calibration.
     ``remat`` (one of ``REMAT_POLICIES``) rematerializes each scanned block in the backward pass. Under a mesh
@@ -398,33 +399,30 @@ def forward_hidden(
         cache_dtype = None if cache is None else cache["k"].dtype
         if cache is not None and jax.default_backend() == "cpu":  # a free view on GPU, where none is needed
             cache = {name: _as_bits(a) for name, a in cache.items()}
-    # the FP8 state of the blocks may come per layer too (a tuple of per-layer trees, the CPU engine's): the
-    # unrolled layers then get one array each, so that their computations are identical and XLA compiles one
-    # (slices of a stacked state differ from layer to layer, and compiling 30 layers then takes several times longer)
+    # the blocks' FP8 state may come per layer too (a tuple of per-layer trees, as the CPU engine passes it): the
+    # unrolled layers then read one array each and are identical computations, which XLA compiles once (slices of
+    # a stacked state differ from layer to layer: 30 layers then take several times as long to compile)
     fp8_blocks = fp8_state["blocks"] if fp8_state is not None else None
-    if isinstance(fp8_blocks, (tuple, list)):
-        fp8_blocks = {"layers": tuple(fp8_blocks)}
+    fp8_per_layer = isinstance(fp8_blocks, (tuple, list))
     amax_k, amax_v = [], []
     for (start, end, is_fp8), blocks in zip(segs, seg_blocks, strict=True):
         fp8 = None
-        if is_fp8 and "layers" in fp8_blocks:
-            fp8 = fp8_blocks["layers"][start:end]
-            if not isinstance(blocks, (tuple, list)):  # a scan: stacked again
-                fp8 = jax.tree.map(lambda *a: jnp.stack(a), *fp8)
-        elif is_fp8:
-            fp8 = slice_layers(fp8_blocks, start, end, c.num_layers)
+        if is_fp8:
+            fp8 = tuple(fp8_blocks[start:end]) if fp8_per_layer else slice_layers(fp8_blocks, start, end, c.num_layers)
         if isinstance(blocks, (tuple, list)):
             # per-layer weights: an unrolled loop, each layer's arrays read where they are (no slice, no copy)
             for i, layer in enumerate(blocks):
                 fp8_layer = None
-                if is_fp8:
-                    fp8_layer = fp8[i] if isinstance(fp8, tuple) else jax.tree.map(lambda a, i=i: a[i], fp8)
+                if fp8 is not None:
+                    fp8_layer = fp8[i] if fp8_per_layer else jax.tree.map(lambda a, i=i: a[i], fp8)
                 x, cache, (ak, av) = _block(x, layer, fp8_layer, start + i, positions, cache, kv_scales, c,
                                             precision, inv_freq, decode_impl, cache_dtype)
                 x = constrain(x, RESIDUAL_AXES)
                 amax_k.append(ak[None])
                 amax_v.append(av[None])
             continue
+        if fp8 is not None and fp8_per_layer:  # a scan: stacked again
+            fp8 = jax.tree.map(lambda *a: jnp.stack(a), *fp8)
 
         def body(carry, xs, is_fp8=is_fp8):
             x, cache = carry

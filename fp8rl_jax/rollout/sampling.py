@@ -74,8 +74,10 @@ def argmax(x: jax.Array) -> jax.Array:
 
 
 def categorical(key: jax.Array, logits: jax.Array) -> jax.Array:
-    """``jax.random.categorical(key, logits)`` for one row [V]: the argmax of Gumbel noise plus the logits, the
-    argmax as ``argmax`` computes it (the same draw)."""
+    """``jax.random.categorical(key, logits)`` for one row [V]. On CPU spelled out as JAX computes it, the argmax of
+    Gumbel noise plus the logits, with the argmax as ``argmax`` computes it (the same draw)."""
+    if jax.default_backend() != "cpu":
+        return jax.random.categorical(key, logits)
     return argmax(jax.random.gumbel(key, logits.shape, logits.dtype) + logits)
 
 
