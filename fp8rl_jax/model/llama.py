@@ -195,10 +195,15 @@ def _as_bits(a: jax.Array) -> jax.Array:
 def _cache_write(cache_bits: jax.Array, idx, rows: jax.Array, positions: jax.Array, update: jax.Array):
     """``update`` [B, T, K, H] written into layer ``idx`` of the cache [L, B, K, S, H] (held as its bits, see
     ``forward_hidden``) at (row, :, position); positions outside the cache are dropped. Returns the cache bits and
-    its layer ``idx`` [B, K, S, H] in ``update``'s dtype.
+    its layer ``idx`` [B, K, S, H] in ``update``'s dtype. A cache of one array per layer (a tuple, ``cache_layers``;
+    ``idx`` static) is written by ``_layer_write``.
 
     On CPU a decode step (T = 1) writes with a select over the layer's slice; otherwise a scatter.
     """
+    if isinstance(cache_bits, tuple):
+        layers = list(cache_bits)
+        layers[idx], layer = _layer_write(layers[idx], rows, positions, update)
+        return tuple(layers), layer
     as_bits = cache_bits.dtype != update.dtype  # the CPU form (see forward_hidden)
     update_bits = _as_bits(update) if as_bits else update
     if update.shape[1] == 1 and as_bits:
@@ -217,6 +222,37 @@ def _cache_write(cache_bits: jax.Array, idx, rows: jax.Array, positions: jax.Arr
         cache_bits = cache_bits.at[idx, rows, :, positions].set(update_bits, mode="drop")
         layer = cache_bits[idx]
     return cache_bits, layer if layer.dtype == update.dtype else lax.bitcast_convert_type(layer, update.dtype)
+
+
+def _layer_write(layer_bits: jax.Array, rows, positions, update: jax.Array):
+    """``_cache_write`` into one layer's own array [B, K, S, H] (held as its bits where its dtype differs from
+    ``update``'s): a scatter, in place. Returns the new layer and the layer in ``update``'s dtype."""
+    as_bits = layer_bits.dtype != update.dtype
+    # the index arrays are split by a slice, so (numpy rules) the indexed view is [B, T, K, H], update's layout
+    layer_bits = layer_bits.at[rows, :, positions].set(_as_bits(update) if as_bits else update, mode="drop")
+    return layer_bits, lax.bitcast_convert_type(layer_bits, update.dtype) if as_bits else layer_bits
+
+
+def cache_layers(cache: Cache, as_bits: bool) -> Cache:
+    """[L, B, K, S, H] -> one [B, K, S, H] array per layer (a tuple), as its bits with ``as_bits`` (see
+    ``forward_hidden``). Convert once around a loop of decode steps, not in every step."""
+    # the bits of the whole stack, then its layers: XLA:CPU slices a bf16 array through f32, element by element
+    cache = {name: _as_bits(a) if as_bits else a for name, a in cache.items()}
+    return {name: tuple(a[i] for i in range(a.shape[0])) for name, a in cache.items()}
+
+
+def cache_stack(layers: Cache, dtype) -> Cache:
+    """``cache_layers``' inverse: the per-layer arrays (or their bits) stacked into [L, B, K, S, H] ``dtype``."""
+    def stack(arrays):
+        a = jnp.stack(arrays)
+        return a if a.dtype == dtype else lax.bitcast_convert_type(a, dtype)
+    return {name: stack(arrays) for name, arrays in layers.items()}
+
+
+def split_layers(blocks) -> tuple:
+    """A stacked block tree (leading axis L) as a tuple of L per-layer trees (see ``forward_hidden``)."""
+    n = jax.tree.leaves(blocks)[0].shape[0]
+    return tuple(jax.tree.map(lambda a, i=i: a[i], blocks) for i in range(n))
 
 
 def _block(x, layer, fp8, idx, positions, cache, kv_scales, config: LlamaConfig, precision: Precision, inv_freq,
@@ -261,7 +297,7 @@ def _block(x, layer, fp8, idx, positions, cache, kv_scales, config: LlamaConfig,
         if precision.kv_fp8:
             keys = kvq.dequantize_kv(keys, k_scale, precision.dtype)
             values = kvq.dequantize_kv(values, v_scale, precision.dtype)
-        s = ck.shape[3]
+        s = keys.shape[2]
         k_pos = jnp.broadcast_to(jnp.arange(s, dtype=positions.dtype)[None], (b, s))
 
     if cache is not None and t == 1 and decode_impl != "xla":
@@ -270,10 +306,12 @@ def _block(x, layer, fp8, idx, positions, cache, kv_scales, config: LlamaConfig,
         scales = {"k_scale": k_scale, "v_scale": v_scale} if precision.kv_fp8 else {}
         # [B, 1, N, H] -> [B, K, G, H]
         q_heads = q.reshape(b, c.num_kv_heads, c.num_heads // c.num_kv_heads, c.head_dim)
+        layered = isinstance(cache["k"], tuple)  # one array per layer: this layer's, [B, K, S, H]
+        native = {n: (a[idx] if layered else a) for n, a in cache.items()}
         native = {n: a if a.dtype == cache_dtype else lax.bitcast_convert_type(a, cache_dtype)
-                  for n, a in cache.items()}
-        attn = decode_kernel.decode_attention(q_heads, native["k"], native["v"], positions[:, 0] + 1, layer=idx,
-                                              impl=decode_impl, **scales)
+                  for n, a in native.items()}
+        attn = decode_kernel.decode_attention(q_heads, native["k"], native["v"], positions[:, 0] + 1,
+                                              layer=None if layered else idx, impl=decode_impl, **scales)
         # [B, K, G, H] -> [B, 1, N, H]
         attn = attn.reshape(b, 1, c.num_heads, c.head_dim)
     else:
@@ -311,6 +349,7 @@ def forward_hidden(
     cache: Cache | None = None,
     decode_attention: str = "auto",
     remat: str = "none",
+    cache_dtype=None,
 ):
     """Run the blocks and the final norm.
 
@@ -318,6 +357,13 @@ def forward_hidden(
     first token. With ``cache`` the new K/V are written at ``positions`` and attention reads the whole cache,
     except in decode (T == 1) with ``decode_attention`` ``pallas`` / ``pallas_interpret`` (``auto``: pallas on a
     GPU backend), which reads positions 0..position of each sequence only (``fp8rl_jax.kernels.decode_attention``).
+
+    A precision segment of ``blocks`` may come as a tuple of per-layer trees (``split_layers``: the CPU's rollout
+    weights, see ``Engine``): its layers then run as an unrolled loop that reads each layer's weights in place, where a
+    scan over stacked weights has XLA:CPU copy every layer's slice before its GEMM. With every segment so split the
+    cache may also come as one array per layer (``cache_layers``), held as its bits where ``cache_dtype`` (the dtype
+    they stand for) differs from theirs; it is returned in the form it came in. ``fp8_state["blocks"]`` and
+    ``kv_scales`` may come per layer as well (a tuple of per-layer trees; a tuple of scalars each).
 
     Returns ``(hidden [B, T, D], cache, kv_amax)``; ``kv_amax = {"k": [L], "v": [L]}`` feeds KV calibration.
     ``remat`` (one of ``REMAT_POLICIES``) rematerializes each scanned block in the backward pass. Under a mesh
@@ -333,18 +379,50 @@ def forward_hidden(
     # the residual stream stays in f32: only the GEMM inputs are rounded to the compute dtype, so the rounding
     # is the same whatever the batch and sequence shapes (decode vs full sequence) and errors do not pile up
     # across layers in the stream itself
-    x = params["embed"][tokens].astype(precision.dtype).astype(jnp.float32)
+    if "embed_bits" in params:  # the table's bits too (CPU rollout weights, see rollout.weights.per_layer)
+        x = lax.bitcast_convert_type(params["embed_bits"][tokens], params["embed"].dtype)
+    else:
+        x = params["embed"][tokens]
+    x = x.astype(precision.dtype).astype(jnp.float32)
     x = constrain(x, RESIDUAL_AXES)
     segs, seg_blocks = block_segments(params, precision, c.num_layers)
     # the layers write the cache as its bits (uint16 for bf16, uint8 for f8): XLA:CPU supports no bf16 / f8
     # scatter or dynamic-update-slice and would convert the whole [L, B, K, S, H] cache to f32 and back around
     # every write, in every layer of every decode step
-    cache_dtype = None if cache is None else cache["k"].dtype
-    if cache is not None and jax.default_backend() == "cpu":  # a free view on GPU, where none is needed
-        cache = {name: _as_bits(a) for name, a in cache.items()}
+    layered = cache is not None and isinstance(cache["k"], (tuple, list))
+    if layered:
+        if not all(isinstance(b, (tuple, list)) for b in seg_blocks):
+            raise ValueError("a per-layer cache (cache_layers) needs per-layer blocks (split_layers)")
+        cache = {name: tuple(a) for name, a in cache.items()}
+        cache_dtype = jnp.dtype(cache_dtype or cache["k"][0].dtype)
+    else:
+        cache_dtype = None if cache is None else cache["k"].dtype
+        if cache is not None and jax.default_backend() == "cpu":  # a free view on GPU, where none is needed
+            cache = {name: _as_bits(a) for name, a in cache.items()}
+    # the blocks' FP8 state may come per layer too (a tuple of per-layer trees, as the CPU engine passes it): the
+    # unrolled layers then read one array each and are identical computations, which XLA compiles once (slices of
+    # a stacked state differ from layer to layer: 30 layers then take several times as long to compile)
+    fp8_blocks = fp8_state["blocks"] if fp8_state is not None else None
+    fp8_per_layer = isinstance(fp8_blocks, (tuple, list))
     amax_k, amax_v = [], []
     for (start, end, is_fp8), blocks in zip(segs, seg_blocks, strict=True):
-        fp8 = slice_layers(fp8_state["blocks"], start, end, c.num_layers) if is_fp8 else None
+        fp8 = None
+        if is_fp8:
+            fp8 = tuple(fp8_blocks[start:end]) if fp8_per_layer else slice_layers(fp8_blocks, start, end, c.num_layers)
+        if isinstance(blocks, (tuple, list)):
+            # per-layer weights: an unrolled loop, each layer's arrays read where they are (no slice, no copy)
+            for i, layer in enumerate(blocks):
+                fp8_layer = None
+                if fp8 is not None:
+                    fp8_layer = fp8[i] if fp8_per_layer else jax.tree.map(lambda a, i=i: a[i], fp8)
+                x, cache, (ak, av) = _block(x, layer, fp8_layer, start + i, positions, cache, kv_scales, c,
+                                            precision, inv_freq, decode_impl, cache_dtype)
+                x = constrain(x, RESIDUAL_AXES)
+                amax_k.append(ak[None])
+                amax_v.append(av[None])
+            continue
+        if fp8 is not None and fp8_per_layer:  # a scan: stacked again
+            fp8 = jax.tree.map(lambda *a: jnp.stack(a), *fp8)
 
         def body(carry, xs, is_fp8=is_fp8):
             x, cache = carry
@@ -364,7 +442,7 @@ def forward_hidden(
         (x, cache), (ak, av) = lax.scan(body, (x, cache), xs)
         amax_k.append(ak)
         amax_v.append(av)
-    if cache is not None and cache["k"].dtype != cache_dtype:
+    if cache is not None and not layered and cache["k"].dtype != cache_dtype:
         cache = {name: lax.bitcast_convert_type(a, cache_dtype) for name, a in cache.items()}
     x = constrain(rms_norm(x, params["final_norm"], c.rms_norm_eps, precision.dtype), RESIDUAL_AXES)
     return x, cache, {"k": jnp.concatenate(amax_k), "v": jnp.concatenate(amax_v)}

@@ -42,7 +42,7 @@ from fp8rl_jax.parallel import rules
 from fp8rl_jax.parallel.distributed import place
 from fp8rl_jax.parallel.mesh import mesh_context
 from fp8rl_jax.rollout.sampling import SamplingParams, sample
-from fp8rl_jax.rollout.weights import rollout_params
+from fp8rl_jax.rollout.weights import per_layer, rollout_params
 
 PREFILL_BUCKETS = tuple(2**i for i in range(4, 16))  # 16 .. 32768, JetStream's convention
 
@@ -70,7 +70,7 @@ class Prefix:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class DecodeState:
-    cache: dict  # {"k", "v"}: [L, B, K, S, H]
+    cache: dict  # {"k", "v"}: [L, B, K, S, H]; on CPU (per-layer weights) L arrays [B, K, S, H] of bits each
     tokens: jax.Array  # [B] int32: the last sampled token, the next step's input
     logprobs: jax.Array  # [B] f32: its logprob under pi_T
     positions: jax.Array  # [B] int32: where ``tokens`` goes in the cache
@@ -129,7 +129,18 @@ class Engine:
         self._insert = jax.jit(self._insert_impl, donate_argnums=(1,))
         self._generate = jax.jit(self._generate_impl, donate_argnums=(1,))
         self._generate_steps = jax.jit(self._generate_steps_impl, donate_argnums=(1,), static_argnums=(2,))
-        self._load = jax.jit(functools.partial(rollout_params, precision=precision, num_layers=model.num_layers))
+        load = functools.partial(rollout_params, precision=precision, num_layers=model.num_layers)
+        # CPU, one device: weights as one tree per layer, which the decode step reads in place (a scan over
+        # stacked weights has XLA:CPU copy each layer's slice: as many bytes again as the GEMMs read); the decode
+        # state then holds the cache as one array of bits per layer (llama.cache_layers), which a decode step
+        # writes in place (XLA:CPU would otherwise convert the whole cache to its bits and back in every step)
+        self._per_layer = jax.default_backend() == "cpu" and (mesh is None or mesh.size == 1)
+        self._load = jax.jit((lambda p, s: per_layer(load(p, s))) if self._per_layer else load)
+        # with per-layer weights the blocks' FP8 state and the KV scales come per layer too (llama.forward_hidden):
+        # the unrolled layers are then identical computations, compiled once
+        self._split_layers = jax.jit(lambda fp8_state, kv_scales: (
+            fp8_state and {**fp8_state, "blocks": llama.split_layers(fp8_state["blocks"])},
+            kv_scales and {n: tuple(a[i] for i in range(a.shape[0])) for n, a in kv_scales.items()}))
         if mesh is not None:
             self._jit_on_mesh(mesh)
 
@@ -186,6 +197,9 @@ class Engine:
             weights = self._load(params, fp8_state)
         if self.mesh is not None:  # read by every device: replicated (no-ops for the trainer's)
             fp8_state, kv_scales = place((fp8_state, kv_scales), rules.replicated(self.mesh))
+        if self._per_layer:
+            with mesh_context(self.mesh, self.precision.backend):
+                fp8_state, kv_scales = self._split_layers(fp8_state, kv_scales)
         return {"weights": weights, "fp8_state": fp8_state, "kv_scales": kv_scales}
 
     def init_decode_state(self) -> DecodeState:
@@ -194,8 +208,9 @@ class Engine:
 
     def _new_decode_state(self) -> DecodeState:
         b = self.config.max_concurrent_decodes
+        cache = llama.init_cache(self.model, b, self.config.max_cache_length, self.cache_dtype)
         return DecodeState(
-            cache=llama.init_cache(self.model, b, self.config.max_cache_length, self.cache_dtype),
+            cache=llama.cache_layers(cache, as_bits=True) if self._per_layer else cache,
             tokens=jnp.zeros((b,), jnp.int32),
             logprobs=jnp.zeros((b,), jnp.float32),
             positions=jnp.zeros((b,), jnp.int32),
@@ -231,7 +246,7 @@ class Engine:
         return llama.forward_hidden(
             params["weights"], tokens, positions, config=self.model, precision=self.precision,
             fp8_state=params["fp8_state"], kv_scales=params["kv_scales"], cache=cache,
-            decode_attention=self.config.decode_attention,
+            decode_attention=self.config.decode_attention, cache_dtype=self.cache_dtype,
         )
 
     def _logits(self, params, hidden):
@@ -248,8 +263,12 @@ class Engine:
     def _prefill_impl(self, params, padded_tokens, true_length, rng):
         p = padded_tokens.shape[0]
         cache = llama.init_cache(self.model, 1, p, self.cache_dtype)
+        if self._per_layer:  # one array of bits per layer, as in the decode state (see __init__)
+            cache = llama.cache_layers(cache, as_bits=True)
         positions = jnp.arange(p, dtype=jnp.int32)[None]
         hidden, cache, _ = self._forward(params, padded_tokens[None], positions, cache)
+        if self._per_layer:
+            cache = llama.cache_stack(cache, self.cache_dtype)
         # [1, P, D] -> [1, D]: only the last real position needs logits
         last = jax.lax.dynamic_index_in_dim(hidden[0], true_length - 1, axis=0, keepdims=True)
         logits = self._logits(params, last)  # [1, V]
@@ -266,11 +285,18 @@ class Engine:
         else:
             t, lp, k = self._draw(prefix.logits[None], rng[None])
             token, logprob, key = t[0], lp[0], k[0]
-        cache = {
-            name: jax.lax.dynamic_update_slice(state.cache[name], prefix.cache[name].astype(state.cache[name].dtype),
-                                               (0, slot, 0, 0, 0))
-            for name in ("k", "v")
-        }
+        if isinstance(state.cache["k"], tuple):  # one array of bits per layer (CPU)
+            parts = llama.cache_layers({n: a.astype(self.cache_dtype) for n, a in prefix.cache.items()}, as_bits=True)
+            cache = {name: tuple(jax.lax.dynamic_update_slice(layer, part, (slot, 0, 0, 0))
+                                 for layer, part in zip(state.cache[name], parts[name], strict=True))
+                     for name in ("k", "v")}
+        else:
+            cache = {
+                name: jax.lax.dynamic_update_slice(state.cache[name],
+                                                   prefix.cache[name].astype(state.cache[name].dtype),
+                                                   (0, slot, 0, 0, 0))
+                for name in ("k", "v")
+            }
         set_ = lambda arr, value: arr.at[slot].set(value)
         return DecodeState(
             cache=cache,

@@ -59,13 +59,35 @@ def _truncate(scaled: jax.Array, top_k: int, top_p: float) -> jax.Array:
     return scaled
 
 
+def argmax(x: jax.Array) -> jax.Array:
+    """``jnp.argmax`` over the last axis: the first index of the maximum, a NaN counting as the maximum.
+
+    On CPU as plain reductions (the max, then the first index holding it): XLA:CPU runs argmax's fused (value, index)
+    reduction as scalar code, several times slower over a vocabulary. Same result, element for element."""
+    if jax.default_backend() != "cpu":
+        return jnp.argmax(x, axis=-1)
+    nan = jnp.isnan(x)
+    top = jnp.max(x, axis=-1, keepdims=True)
+    hit = jnp.where(jnp.any(nan, axis=-1, keepdims=True), nan, x == top)
+    index = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    return jnp.min(jnp.where(hit, index, x.shape[-1]), axis=-1)
+
+
+def categorical(key: jax.Array, logits: jax.Array) -> jax.Array:
+    """``jax.random.categorical(key, logits)`` for one row [V]. On CPU spelled out as JAX computes it, the argmax of
+    Gumbel noise plus the logits, with the argmax as ``argmax`` computes it (the same draw)."""
+    if jax.default_backend() != "cpu":
+        return jax.random.categorical(key, logits)
+    return argmax(jax.random.gumbel(key, logits.shape, logits.dtype) + logits)
+
+
 def sample(logits: jax.Array, keys: jax.Array, params: SamplingParams) -> tuple[jax.Array, jax.Array]:
     """Draw one token per row. logits [B, V], keys [B] -> (tokens [B] int32, logprobs [B] f32 under pi_T)."""
     logp = policy_logprobs(logits, params.temperature)
     if params.greedy:
-        tokens = jnp.argmax(logits, axis=-1)
+        tokens = argmax(logits)
     else:
         proposal = _truncate(logp, params.top_k, params.top_p)
-        tokens = jax.vmap(lambda k, row: jax.random.categorical(k, row))(keys, proposal)
+        tokens = jax.vmap(categorical)(keys, proposal)
     tokens = tokens.astype(jnp.int32)
     return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]

@@ -14,10 +14,11 @@ on the fly; norm weights and biases keep their master dtype, since the forward r
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from fp8rl_jax.fp8.linear import quantize_kernel
 from fp8rl_jax.fp8.policy import Precision
-from fp8rl_jax.model.llama import LINEARS, block_segments, lm_head_kernel, slice_layers
+from fp8rl_jax.model.llama import LINEARS, block_segments, lm_head_kernel, slice_layers, split_layers
 
 
 def rollout_params(params: dict, fp8_state: dict | None, precision: Precision, num_layers: int) -> dict:
@@ -47,4 +48,16 @@ def rollout_params(params: dict, fp8_state: dict | None, precision: Precision, n
         out["lm_head"] = params["lm_head"].astype(dtype)
     if precision.lm_head_fp8 and fp8_state is not None:
         out["lm_head"] = quantize_kernel(lm_head_kernel(params), fp8_state["lm_head"], precision)
+    return out
+
+
+def per_layer(weights: dict) -> dict:
+    """``rollout_params``' output in the CPU's form: every segment of ``blocks`` as a tuple of per-layer trees
+    (``llama.split_layers``), which the decode step reads in place (see ``llama.forward_hidden``), and a BF16
+    embedding table also as its bits (``embed_bits``), whose rows XLA:CPU gathers as they are (from a BF16 table
+    it first converts the whole table to f32, at every call)."""
+    out = {**weights, "blocks": tuple(split_layers(seg) for seg in weights["blocks"])}
+    embed = weights["embed"]
+    if embed.dtype.itemsize < 4:
+        out["embed_bits"] = jax.lax.bitcast_convert_type(embed, jnp.dtype(f"uint{8 * embed.dtype.itemsize}"))
     return out
