@@ -402,7 +402,7 @@ def forward_hidden(
     # the blocks' FP8 state may come per layer too (a tuple of per-layer trees, as the CPU engine passes it): the
     # unrolled layers then read one array each and are identical computations, which XLA compiles once (slices of
     # a stacked state differ from layer to layer: 30 layers then take several times as long to compile)
-    fp8_blocks = fp8_state["blocks"] if fp8_state is not None else None
+    fp8_blocks = fp8_state.get("blocks") if fp8_state is not None else None  # absent without FP8 blocks
     fp8_per_layer = isinstance(fp8_blocks, (tuple, list))
     amax_k, amax_v = [], []
     for (start, end, is_fp8), blocks in zip(segs, seg_blocks, strict=True):
