@@ -68,5 +68,5 @@ def mismatch_metrics(rollout_logp: jax.Array, train_logp: jax.Array, mask: jax.A
         "token_mult_prob_error": masked_mean(jnp.exp(jnp.abs(d)), m),
         # in log space: the two perplexities themselves overflow for long, unlikely completions
         "ppl_ratio": jnp.exp(k1),
-        "chi2": masked_mean(jnp.exp(2.0 * d), m) - 1.0,
+        "chi2": masked_mean(jnp.expm1(2.0 * d), m),  # = mean(exp(2d)) - 1 without the cancellation near 0
     }
