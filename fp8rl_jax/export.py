@@ -70,25 +70,12 @@ def export_run(config, out: str | os.PathLike, *, checkpoint: str | None = None,
 
 
 def main(argv) -> int:
-    from absl import app
 
     from fp8rl_jax import main as cli
-    from fp8rl_jax.config import ConfigError, validate
 
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    if cli._STEPS.value is not None:
-        raise app.UsageError("--steps is a trainer flag")
-    try:
-        config = cli._CONFIG.value
-        config.get("seed")  # a config file that failed to load raises its error on first access
-        validate(config)
-    except (ConfigError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    if cli._DRY_RUN.value:
-        print(config)
-        return 0
+    config, code = cli.tool_config(argv)
+    if config is None:
+        return code
     try:
         out = export_run(config, _OUT.value, checkpoint=_CHECKPOINT.value, step=_STEP.value, dtype=_DTYPE.value)
     except (OSError, ValueError) as e:  # an existing output folder, a missing checkpoint or model file

@@ -23,6 +23,28 @@ _STEPS = flags.DEFINE_integer(
     "steps", None, "The run's total RL steps (overrides config.steps). A run in the workdir resumes and stops there, "
     "so rerunning the same command after a crash finishes the same run.")
 _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Validate the config, print it and exit.")
+
+
+def tool_config(argv, *, training: bool = True):
+    """The ``--config`` of a non-training entry point (export, serve), validated: ``(config, None)``, or
+    ``(None, exit_code)`` when it should stop (a one-line error: 2; ``--dry_run``: the config printed, 0)."""
+    from fp8rl_jax.config import ConfigError, validate
+
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    if _STEPS.value is not None:
+        raise app.UsageError("--steps is a trainer flag")
+    try:
+        config = _CONFIG.value
+        config.get("seed")  # a config file that failed to load raises its error on first access
+        validate(config, training=training)
+    except (ConfigError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return None, 2
+    if _DRY_RUN.value:
+        print(config)
+        return None, 0
+    return config, None
 _COORDINATOR = flags.DEFINE_string(
     "coordinator_address", None, "Multi-host: host:port of process 0 (else $FP8RL_COORDINATOR, SLURM, or one process).")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Multi-host: the number of processes.")

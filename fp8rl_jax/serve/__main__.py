@@ -24,22 +24,9 @@ _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "A trainer's checkpoint di
 
 
 def main(argv) -> int:
-    from fp8rl_jax.config import ConfigError, validate
-
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    if cli._STEPS.value is not None:
-        raise app.UsageError("--steps is a trainer flag")
-    try:
-        config = cli._CONFIG.value
-        config.get("seed")  # a config file that failed to load raises its error on first access
-        validate(config, training=False)  # serving may truncate (top-p / top-k)
-    except (ConfigError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    if cli._DRY_RUN.value:
-        print(config)
-        return 0
+    config, code = cli.tool_config(argv, training=False)  # serving may truncate (top-p / top-k)
+    if config is None:
+        return code
     # our own warnings (an uncalibrated FP8 state, engine failures); JetStream's loggers stay at WARNING
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
