@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session on the lent H100 (or an H200 host): install Transformer Engine and the project's wheels once, then
 # the stages named on the command line. Results land in $OUT (or ./gpu_out).
-#   usage: bash benchmarks/gpu_session.sh [install] [tests] [decode] [llama1b:MODE] [rollout1k] [gemm] [train] [e2e] [profile] [cluster_nb]...
+#   usage: bash benchmarks/gpu_session.sh [install] [tests] [decode] [llama1b:MODE] [rollout1k] [gemm] [train] [e2e] [profile] [cluster_nb] [study] [rollout_xla]...
 # TE arrives in pieces (see ../shared/gpu/README.md): .gpu/te/wheels + .gpu/install_te.sh, the core wheel's five
 # parts already copied to /root/te by earlier calls; the other wheels in .gpu/wheels; a tokenizer in .gpu/smollm2_tok.
 set -uo pipefail
@@ -64,6 +64,15 @@ EOF
     cluster_nb) # the cluster notebook on this host's GPUs (smollm2_gsm8k, FSDP over all of them), outputs kept
       FP8RL_NOTEBOOK_WORKDIR=/tmp/cluster_nb timeout ${NB_TIMEOUT:-300} python3 benchmarks/run_notebook.py \
         notebooks/cluster.ipynb "$OUT/cluster_executed.ipynb" 2>&1 | grep -v "^W\|Warn" | tail -5 ;;
+    study) # the fidelity study (configs/smollm2_arith.py): every precision mode at once on this GPU, then the table
+      name=${STUDY_NAME:-study}
+      timeout 590 python3 benchmarks/accuracy_study.py --timeout ${STUDY_TIMEOUT:-480} --workdir /tmp/$name \
+        --out "$OUT/$name.json" --docs "$OUT/${name}_docs" ${STUDY_ARGS:-} 2>&1 | grep -v "^W\|Warn\|legend" | tail -14
+      for m in /tmp/$name/*/; do cp "$m/metrics.jsonl" "$OUT/${name}_$(basename "$m").jsonl" 2>/dev/null; done
+      tail -n 2 /tmp/$name/*.log ;;
+    rollout_xla) # the decode GEMMs through XLA's FP8 dot against TE's, with the decode kernel, batch 256, 1k tokens
+      timeout 400 python3 -m fp8rl_jax.bench rollout --new_tokens 1024 --batches 256 --modes bf16,fp8_kv,fp8_kv_te \
+        --out "$OUT/rollout_xla_vs_te.json" 2>&1 | grep -vi warn | tee "$OUT/rollout_xla.log" | tail -8 ;;
     gemm) timeout 420 python3 -m fp8rl_jax.bench gemm --out "$OUT/gemm_h100.json" 2>&1 | grep -vi warn | tee "$OUT/gemm.log" | tail -3 ;;
     train) for mode in fp8_e2e bf16; do
         timeout 240 python3 -m fp8rl_jax.main --config=configs/tiny.py:$mode --config.precision.backend=te \

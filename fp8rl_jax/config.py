@@ -60,7 +60,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.precision.kv_calibration_sequences = 8  # sequences of the last rollout used to recalibrate KV scales
 
     c.data = ml_collections.ConfigDict()
-    c.data.dataset = "gsm8k"  # gsm8k | arithmetic | pattern
+    c.data.dataset = "gsm8k"  # gsm8k | arithmetic | arithmetic_qa | pattern
+    c.data.digits = 2  # arithmetic tasks: operands below 10**digits
     c.data.train_path = ""  # "" = the dataset's default location
     c.data.eval_path = ""
     c.data.prompt_format = "chat"  # chat (the tokenizer's template) | plain
@@ -259,12 +260,13 @@ def validate(c: ml_collections.ConfigDict, known_rewards: Callable[[], Sequence[
         _check(os.path.exists(src), "model.source", src,
                "smollm2 | preset | an existing Hugging Face folder or .gguf file")
 
-    _one_of(c, "data.dataset", ("gsm8k", "arithmetic", "pattern"))
+    _one_of(c, "data.dataset", ("gsm8k", "arithmetic", "arithmetic_qa", "pattern"))
     _one_of(c, "data.prompt_format", ("chat", "plain"))
     for key in ("data.train_path", "data.eval_path"):
         path = _get(c, key)
         _check(not path or os.path.exists(path), key, path, "an existing file, or '' for the default")
     _positive(c, "data.max_prompt_tokens")
+    _positive(c, "data.digits")
 
     names = _list(c, "reward.fns", str, "reward names")
     _check(bool(names), "reward.fns", c.reward.fns, "at least one reward name")

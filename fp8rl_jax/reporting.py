@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 
 PLOTS = {
-    "reward.png": ("reward_mean", "accuracy"),
+    "reward.png": ("reward_mean", "accuracy", "eval_accuracy"),
     "mismatch.png": ("mismatch_kl_k3", "token_mult_prob_error", "is_weight_mean"),
     "training.png": ("loss", "grad_norm", "entropy", "clip_fraction"),
     "length.png": ("response_length_mean",),
@@ -55,7 +55,9 @@ class Reporter:
                 print(f"{self.path}:{n}: unreadable metrics line dropped (an interrupted write?)")
         return out
 
-    def log(self, record: dict) -> None:
+    def log(self, record: dict, *, advance: bool = True) -> None:
+        """Append ``record`` (it has a ``step``); ``advance=False`` for a record that is not an RL step (the
+        evaluation before the first step) leaves the progress bar where it is."""
         record = {k: (float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v)
                   for k, v in record.items()}
         self.records.append(record)
@@ -69,7 +71,7 @@ class Reporter:
                 if isinstance(v, float) and math.isfinite(v):
                     self._tb.add_scalar(k, v, step)
             self._tb.flush()
-        if self._bar is not None:
+        if self._bar is not None and advance:
             self._bar.update(1)
             self._bar.set_postfix(reward=f"{record.get('reward_mean', float('nan')):.3f}",
                                   acc=f"{record.get('accuracy', float('nan')):.3f}",
@@ -96,14 +98,14 @@ class Reporter:
         out_dir = self.dir / "plots"
         out_dir.mkdir(exist_ok=True)
         written = []
-        steps = [r["step"] for r in self.records]
         for name, keys in PLOTS.items():
             keys = [k for k in keys if any(k in r for r in self.records)]
             if not keys:
                 continue
             fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.2), squeeze=False)
             for ax, key in zip(axes[0], keys, strict=True):
-                ax.plot(steps, [r.get(key, float("nan")) for r in self.records], marker=".")
+                have = [r for r in self.records if key in r]  # eval metrics come every data.eval_every steps
+                ax.plot([r["step"] for r in have], [r[key] for r in have], marker=".")
                 ax.set_title(key)
                 ax.set_xlabel("step")
                 ax.grid(alpha=0.3)

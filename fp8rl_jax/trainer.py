@@ -316,6 +316,8 @@ class Trainer:
         record.update({f"memory/{k}_peak_gib": v for k, v in memory.items() if v is not None})
         skipped = int(record["skipped_updates"])
         self.bad_steps = self.bad_steps + 1 if skipped else 0
+        if self._eval_due(step + 1):  # in the step's record, so metrics.jsonl and TensorBoard have it
+            record.update(self.evaluate())
         self.reporter.log(record)
         if skipped:
             self.reporter.message(f"step {step + 1}: {skipped} update(s) skipped: non-finite loss or gradient, or an "
@@ -328,9 +330,13 @@ class Trainer:
                     f"The last good state is in {self.workdir / 'checkpoints'}: lower optim.lr, or check the data")
         if self.checkpointer.should_save(step + 1):
             self.save()
-        if c.data.num_eval and c.data.eval_every and (step + 1) % c.data.eval_every == 0:
-            record.update(self.evaluate())
         return record
+
+    def _eval_due(self, step: int) -> bool:
+        """Periodic evaluation (``data.num_eval`` problems every ``data.eval_every`` steps) is due after ``step``
+        steps; step 0 is the policy before training, evaluated by ``run`` at the start of a fresh run."""
+        c = self.config.data
+        return bool(c.num_eval and c.eval_every and step % c.eval_every == 0)
 
     def _record(self, step: int, batch: driver.RolloutBatch, per_row: list, rewards: np.ndarray,
                 per_fn: dict[str, np.ndarray], train_metrics: list[dict], mismatch: dict,
@@ -378,6 +384,9 @@ class Trainer:
             count = steps
         if count == 0:
             self.reporter.message(f"{self.workdir}: the run is at step {done} of {total}; nothing to do")
+        if count and done == 0 and self._eval_due(0) and not any(r.get("step") == 0 for r in self.reporter.records):
+            # the starting point of the eval curve; a resumed run has it from its first start
+            self.reporter.log({"step": 0, **self.evaluate()}, advance=False)
         out = [self.step() for _ in range(count)]
         if self.config.checkpoint.save_final:
             self.save(force=True)

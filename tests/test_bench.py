@@ -66,3 +66,30 @@ def test_e2e_measures_a_mode_and_summarizes_against_the_best_bf16():
     summary = e2e.output(rows, argparse.Namespace(one=""))
     assert (summary["rollout_speedup"], summary["train_speedup"], summary["step_speedup"]) == (2.0, 1.5, 1.9)
     assert summary["hbm_bound_fraction"] == 0.5 and summary["device"] == "d" and summary["modes"] == rows
+
+
+def test_accuracy_study_runs_a_mode_and_writes_table_and_plots(tmp_path):
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "accuracy_study.py")
+    spec = importlib.util.spec_from_file_location("accuracy_study", path)
+    study = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(study)
+    args = ["--config", "configs/tiny.py", "--steps", "2", "--modes", "fp8_e2e_tis", "--parallel", "1",
+            "--set", "data.num_eval=4", "--set", "data.eval_every=2", "--workdir", str(tmp_path / "runs"),
+            "--out", str(tmp_path / "accuracy.json"), "--docs", str(tmp_path / "docs")]
+    assert study.main(args) == 0
+    result = json.loads((tmp_path / "accuracy.json").read_text())
+    row = result["modes"]["fp8_e2e_tis"]
+    assert result["steps"] == 2 and row["steps"] == 2 and row["eval_problems"] == 4.0
+    assert row["acc_after_step"] == 2 and 0.0 <= row["acc_before"] <= 1.0 and 0.0 <= row["acc_after"] <= 1.0
+    assert row["mismatch_kl"] >= 0.0 and row["token_mult_prob_error"] >= 1.0
+    assert row["overrides"] == {"precision.mode": "fp8_e2e", "rl.is_correction": "tis"}
+    assert "| fp8_e2e_tis |" in (tmp_path / "docs" / "accuracy.md").read_text()
+    assert (tmp_path / "docs" / "accuracy_eval.png").stat().st_size > 0
+    # --collect rebuilds from the runs and keeps the invocation's record
+    saved = dict(result, device="NVIDIA H100 80GB HBM3")
+    (tmp_path / "accuracy.json").write_text(json.dumps(saved))
+    assert study.main([*args, "--collect"]) == 0
+    assert json.loads((tmp_path / "accuracy.json").read_text())["device"] == "NVIDIA H100 80GB HBM3"

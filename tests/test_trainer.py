@@ -102,6 +102,18 @@ def test_sample_from_the_current_policy(tmp_path):
     assert greedy[0][0] == greedy[0][1]
 
 
+def test_periodic_eval_is_in_the_metrics_file_from_step_0(tmp_path):
+    config = _config(tmp_path, steps=2, **{"data.num_eval": 4, "data.eval_every": 2})
+    trainer = Trainer(config)
+    trainer.run()
+    trainer.close()
+    lines = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert [r["step"] for r in lines] == [0, 1, 2]
+    assert set(lines[0]) == {"step", "eval_accuracy", "eval_reward", "eval_problems"}  # the policy before training
+    assert "eval_accuracy" not in lines[1] and lines[2]["eval_problems"] == 4.0
+    assert 0.0 <= lines[2]["eval_accuracy"] <= 1.0
+
+
 def test_sigkill_mid_run_resumes_from_last_complete_checkpoint(tmp_path):
     """A run killed with SIGKILL (here while it saves every step) resumes from its last complete checkpoint."""
     workdir = tmp_path / "run"

@@ -21,7 +21,7 @@ import grain
 
 from fp8rl_jax.data import gsm8k, synthetic
 
-DATASETS = ("gsm8k", "arithmetic", "pattern")
+DATASETS = ("gsm8k", "arithmetic", "arithmetic_qa", "pattern")
 SPLITS = ("train", "test")
 PROMPT_FORMATS = ("chat", "plain")
 GSM8K_PLAIN_TEMPLATE = "Question: {question}\nAnswer:"
@@ -78,7 +78,8 @@ def load_problems(config, split: str) -> tuple[list[gsm8k.Problem], str]:
         path = config.data.train_path if split == "train" else config.data.eval_path
         return gsm8k.load_gsm8k(path or gsm8k.default_gsm8k_path(split)), GSM8K_PLAIN_TEMPLATE
     if name in synthetic.TASKS:
-        return synthetic.synthetic_problems(name, config.seed, SYNTHETIC_SIZES[split], split), "{question}"
+        kw = {"digits": config.data.digits} if name.startswith("arithmetic") else {}
+        return synthetic.synthetic_problems(name, config.seed, SYNTHETIC_SIZES[split], split, **kw), "{question}"
     raise ValueError(f"config.data.dataset={name!r} is invalid; allowed: {' | '.join(DATASETS)}")
 
 

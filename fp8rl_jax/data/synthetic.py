@@ -6,6 +6,11 @@ split give the same problems; train and test are different streams.
 
 ``arithmetic``: "37+48=" -> "85", operands below ``10**digits``, ``+`` or ``-`` (answers may be negative).
 
+``arithmetic_qa``: the same sums asked in words for a chat model, "What is 37 + 48?" -> "85", judged like GSM8K
+(``gsm8k_answer``: the number after "####", else the last number). The fidelity study's task
+(``configs/smollm2_arith.py``): with ``digits`` = 1 and the GSM8K system prompt, SmolLM2-135M-Instruct answers
+44% of the first 64 test problems greedily (48 new tokens, BF16, CPU), with room to learn the format and to stop.
+
 ``pattern`` (the CPU smoke task, ``configs/tiny.py``): the prompt is ``PATTERN_LETTERS`` = 4 distinct letters
 drawn from the pool ``PATTERN_POOL`` = "abcdefgh", then ':' — e.g. "bfca:". A completion char *scores* when it
 is one of the prompt's letters, and the reward is the fraction of scoring chars among the first
@@ -27,13 +32,14 @@ Why a 2-layer d=64 model learns it from reward alone in ~30 GRPO steps (8 prompt
 from __future__ import annotations
 
 import itertools
+import re
 from collections.abc import Iterator
 
 import numpy as np
 
 from fp8rl_jax.data.gsm8k import Problem
 
-TASKS = ("arithmetic", "pattern")
+TASKS = ("arithmetic", "arithmetic_qa", "pattern")
 SPLITS = ("train", "test")
 PATTERN_POOL = "abcdefgh"
 PATTERN_LETTERS = 4
@@ -46,6 +52,13 @@ def arithmetic_problem(rng: np.random.Generator, digits: int = 2) -> tuple[str, 
     if rng.integers(2):
         return f"{a}+{b}=", str(a + b)
     return f"{a}-{b}=", str(a - b)
+
+
+def arithmetic_qa_problem(rng: np.random.Generator, digits: int = 2) -> tuple[str, str]:
+    """(question, answer), e.g. ("What is 37 + 48?", "85"): ``arithmetic_problem``'s draw, in words."""
+    question, answer = arithmetic_problem(rng, digits)
+    a, op, b = re.fullmatch(r"(\d+)([+-])(\d+)=", question).groups()
+    return f"What is {a} {op} {b}?", answer
 
 
 def pattern_problem(rng: np.random.Generator, pool: str = PATTERN_POOL, letters: int = PATTERN_LETTERS
@@ -63,12 +76,13 @@ def pattern_score(allowed: str, completion: str, window: int = PATTERN_WINDOW) -
 
 
 def iter_problems(task: str, seed: int, split: str = "train", **kw) -> Iterator[Problem]:
-    """Endless, deterministic stream of ``task`` problems; ``kw`` goes to the task's generator."""
+    """Endless, deterministic stream of ``task`` problems; ``kw`` goes to the task's generator (``digits`` for the
+    arithmetic tasks)."""
     if task not in TASKS:
         raise ValueError(f"synthetic task {task!r} is invalid; allowed: {' | '.join(TASKS)}")
     if split not in SPLITS:
         raise ValueError(f"split {split!r} is invalid; allowed: {' | '.join(SPLITS)}")
-    make = arithmetic_problem if task == "arithmetic" else pattern_problem
+    make = {"arithmetic": arithmetic_problem, "arithmetic_qa": arithmetic_qa_problem, "pattern": pattern_problem}[task]
     rng = np.random.default_rng([seed, SPLITS.index(split)])  # split in the seed: test never replays train
     for i in itertools.count():
         question, answer = make(rng, **kw)

@@ -75,3 +75,18 @@ def test_pattern_reward_ladder():
     assert uniform == pytest.approx(4 / 50, abs=0.01)
     assert unigram == pytest.approx(0.5, abs=0.02)
     assert copy == 1.0
+
+
+def test_arithmetic_qa_asks_the_arithmetic_sums_in_words_and_gsm8k_answer_judges_them():
+    from fp8rl_jax.data.prompts import PromptRecord
+    from fp8rl_jax.rl.rewards import gsm8k_answer
+
+    plain = synthetic.synthetic_problems("arithmetic", 3, 50, "test", digits=1)
+    words = synthetic.synthetic_problems("arithmetic_qa", 3, 50, "test", digits=1)
+    for p, q in zip(plain, words, strict=True):  # the same draws, asked differently
+        a, op, b = p.question[0], p.question[1], p.question[2]
+        assert q.question == f"What is {a} {op} {b}?" and q.answer == p.answer
+    assert {q.answer for q in words} >= {"-1", "9"}  # negatives come up
+    record = PromptRecord("x", (1,), "", words[0].answer, "arithmetic_qa", words[0].question)
+    assert gsm8k_answer([record] * 3, [f"so #### {words[0].answer}", "#### 99", f"it is {words[0].answer}."]) == [
+        1.0, 0.0, 1.0]

@@ -1,0 +1,279 @@
+"""The fidelity study: the same GRPO run in each precision mode, with and without TIS, side by side.
+
+    python benchmarks/accuracy_study.py                       # configs/smollm2_arith.py, every mode, on one GPU
+    python benchmarks/accuracy_study.py --collect              # tables and plots again from the runs' metrics
+
+Each mode is ``python -m fp8rl_jax.main`` in its own process with the same config, seed and data order; only
+``precision.mode`` and ``rl.is_correction`` differ (``MODES``). ``--parallel`` runs that many at once: the
+135M model leaves an H100 mostly idle, so five runs share it (each told to take its share of GPU memory).
+The config's periodic evaluation gives the accuracy before training (step 0) and after it (the last step).
+
+Written: ``--out`` (``benchmarks/results/accuracy.json``)::
+
+    {"model", "task", "steps", "config", "device", "commit", "command", "seconds",
+     "modes": {mode: {"acc_before", "acc_after", "mismatch_kl", "token_mult_prob_error", ...}}}
+
+``mismatch_kl`` and ``token_mult_prob_error`` are means over the run's steps of the trainer's own records
+(``mismatch_kl_k3``: the sampler's logprobs against the trainer's, per completion token); also the reward at the
+start and the end (mean of the first and the last 5 steps), the IS-weight statistics and the step time. And
+``--docs`` (``docs/``): ``accuracy.md`` (the table, how it was made) and the plots ``accuracy_*.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+# mode -> config overrides; the rest of the config is the same for all
+MODES = {
+    "bf16": {"precision.mode": "bf16", "rl.is_correction": "none"},
+    "fp8_rollout": {"precision.mode": "fp8_rollout", "rl.is_correction": "none"},
+    "fp8_rollout_tis": {"precision.mode": "fp8_rollout", "rl.is_correction": "tis"},
+    "fp8_e2e": {"precision.mode": "fp8_e2e", "rl.is_correction": "none"},
+    "fp8_e2e_tis": {"precision.mode": "fp8_e2e", "rl.is_correction": "tis"},
+    # the FP8 KV cache on top (the fastest rollout), with TIS
+    "fp8_e2e_kv_tis": {"precision.mode": "fp8_e2e", "precision.kv_cache_dtype": "float8_e4m3fn",
+                       "rl.is_correction": "tis"},
+}
+DEFAULT_MODES = ("bf16", "fp8_rollout", "fp8_rollout_tis", "fp8_e2e", "fp8_e2e_tis")
+PLOTS = {  # file -> (metric, title)
+    "accuracy_reward.png": ("reward_mean", "mean reward of the rollouts"),
+    "accuracy_eval.png": ("eval_accuracy", "greedy accuracy (test problems)"),
+    "accuracy_mismatch.png": ("mismatch_kl_k3", "mismatch KL (k3), sampler vs trainer"),
+    "accuracy_is_weight.png": ("is_weight_max", "largest per-token IS weight r_t (before the cap)"),
+}
+TAIL = 5  # steps averaged for the reward at the start and at the end
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def _device() -> str:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=30).stdout.strip().splitlines()
+        return f"{len(out)} x {out[0]}" if out else "cpu"
+    except (OSError, subprocess.TimeoutExpired):
+        return "cpu"
+
+
+def run_modes(args, modes: list[str]) -> dict[str, int]:
+    """Launch every mode (``args.parallel`` at a time), wait, return each one's exit status."""
+    env = dict(os.environ)
+    env.setdefault("PYTHONPATH", str(REPO))
+    if args.parallel > 1:  # several JAX processes on one GPU: each takes its share, not 75%
+        env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{0.9 / args.parallel:.2f}")
+    pending, running, status = list(modes), {}, {}
+    deadline = time.monotonic() + args.timeout
+    while pending or running:
+        while pending and len(running) < args.parallel:
+            mode = pending.pop(0)
+            workdir = Path(args.workdir) / mode
+            cmd = [sys.executable, "-m", "fp8rl_jax.main", f"--config={args.config}", f"--config.seed={args.seed}",
+                   f"--config.workdir={workdir}", "--config.logging.progress=False",
+                   "--config.logging.plots=False",
+                   "--config.checkpoint.every=0", "--config.checkpoint.save_final=False"]
+            cmd += [f"--config.steps={args.steps}"] if args.steps else []
+            cmd += [f"--config.{k}={v}" for k, v in MODES[mode].items()]
+            cmd += [f"--config.{kv}" for kv in args.set]
+            workdir.mkdir(parents=True, exist_ok=True)
+            (workdir / "metrics.jsonl").unlink(missing_ok=True)  # a fresh run, not a resume of an old one
+            log = open(workdir.parent / f"{mode}.log", "w")
+            print(f"[{mode}] {shlex.join(cmd)}", flush=True)
+            running[mode] = (subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT), log)
+        time.sleep(2)
+        for mode, (proc, log) in list(running.items()):
+            if proc.poll() is None and time.monotonic() > deadline:
+                proc.kill()
+                print(f"[{mode}] killed at --timeout={args.timeout}s", flush=True)
+            if proc.poll() is not None:
+                log.close()
+                status[mode] = proc.returncode
+                print(f"[{mode}] exit {proc.returncode}", flush=True)
+                del running[mode]
+    return status
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def summarize(records: list[dict]) -> dict:
+    """One mode's row of accuracy.json from its metrics.jsonl records."""
+    steps = [r for r in records if r.get("step", 0) > 0 and "reward_mean" in r]
+    evals = [r for r in records if "eval_accuracy" in r]
+    col = lambda key, rows=steps: [r[key] for r in rows if key in r]  # noqa: E731
+    row = {
+        "acc_before": evals[0]["eval_accuracy"] if evals and evals[0]["step"] == 0 else None,
+        "acc_after": evals[-1]["eval_accuracy"] if evals and evals[-1]["step"] > 0 else None,
+        "acc_after_step": evals[-1]["step"] if evals else None,
+        "eval_problems": evals[-1].get("eval_problems") if evals else None,
+        "mismatch_kl": _mean(col("mismatch_kl_k3")),
+        "token_mult_prob_error": _mean(col("token_mult_prob_error")),
+        "reward_start": _mean(col("reward_mean")[:TAIL]),
+        "reward_end": _mean(col("reward_mean")[-TAIL:]),
+        "is_weight_mean": _mean(col("is_weight_mean")),
+        "is_weight_max": max(col("is_weight_max"), default=None),
+        "is_clipped_fraction": _mean(col("is_clipped_fraction")),
+        "step_seconds": _mean(col("time/step")[1:]),  # the first step compiles
+        "steps": len(steps),
+        "skipped_updates": sum(col("skipped_updates")),
+    }
+    return row
+
+
+def _read(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def plot(curves: dict[str, list[dict]], docs: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    for name, (key, title) in PLOTS.items():
+        fig, ax = plt.subplots(figsize=(6.4, 3.8))
+        for mode, records in curves.items():
+            have = [r for r in records if key in r]
+            if have:
+                ax.plot([r["step"] for r in have], [r[key] for r in have], marker="." if len(have) < 30 else None,
+                        label=mode)
+        ax.set_title(title)
+        ax.set_xlabel("RL step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(docs / name, dpi=100)
+        plt.close(fig)
+        written.append(name)
+    # mismatch against response length: one point per step (its mean KL and mean completion length)
+    fig, ax = plt.subplots(figsize=(6.4, 3.8))
+    for mode, records in curves.items():
+        have = [r for r in records if "mismatch_kl_k3" in r and "response_length_mean" in r]
+        ax.scatter([r["response_length_mean"] for r in have], [r["mismatch_kl_k3"] for r in have], s=10, label=mode)
+    ax.set_title("mismatch KL (k3) per step against the step's mean response length")
+    ax.set_xlabel("mean response length (tokens)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(docs / "accuracy_mismatch_vs_length.png", dpi=100)
+    plt.close(fig)
+    return [*written, "accuracy_mismatch_vs_length.png"]
+
+
+def _fmt(v, pct=False) -> str:
+    if v is None:
+        return "–"
+    return f"{100 * v:.1f}%" if pct else (f"{v:.3g}" if isinstance(v, float) else str(v))
+
+
+def markdown(result: dict, plots: list[str]) -> str:
+    lines = [
+        "# Fidelity study: GRPO in BF16 and FP8, with and without TIS",
+        "",
+        f"{result['model']}, task `{result['task']}`, {result['steps']} RL steps per mode, same seed and data order; "
+        f"device {result['device']}, commit `{result['commit'][:7]}`, {result['seconds']:.0f} s in all.",
+        "",
+        f"Command: `{result['command']}`",
+        "",
+        "| mode | acc before | acc after | reward start → end | mismatch KL (k3) | token_mult_prob_error | "
+        "IS weight max | s/step |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for mode, r in result["modes"].items():
+        lines.append(f"| {mode} | {_fmt(r['acc_before'], True)} | {_fmt(r['acc_after'], True)} | "
+                     f"{_fmt(r['reward_start'])} → {_fmt(r['reward_end'])} | {_fmt(r['mismatch_kl'])} | "
+                     f"{_fmt(r['token_mult_prob_error'])} | {_fmt(r['is_weight_max'])} | {_fmt(r['step_seconds'])} |")
+    lines += ["", "Accuracy: greedy pass@1 on the first test problems (`data.num_eval`), before the first step and "
+              "after the last. Mismatch KL and token_mult_prob_error: means over the steps of the trainer's records "
+              "(sampler logprobs against the trainer's forward, per completion token).", ""]
+    lines += [f"![{p}]({p})" for p in plots]
+    return "\n".join(lines) + "\n"
+
+
+def collect(args, modes: list[str], seconds: float, command: str) -> dict:
+    from fp8rl_jax.config import load_config_file
+
+    path, _, arg = args.config.partition(":")
+    config = load_config_file(str(REPO / path), arg or None)  # relative to the repository, as the runs read it
+    curves = {m: _read(Path(args.workdir) / m / "metrics.jsonl") for m in modes}
+    curves = {m: r for m, r in curves.items() if r}
+    if not curves:
+        raise SystemExit(f"no metrics.jsonl under {args.workdir} for modes {', '.join(modes)}")
+    # rebuilding (--collect) keeps what the runs' own invocation recorded: where, at which commit, how
+    previous = json.loads(Path(args.out).read_text()) if args.collect and Path(args.out).exists() else {}
+    made = {"device": _device(), "commit": _commit(), "command": command, "seconds": seconds}
+    made = {k: previous.get(k, v) for k, v in made.items()}
+    result = {
+        "model": {"smollm2": "SmolLM2-135M-Instruct", "preset": config.model.preset}.get(config.model.source,
+                                                                                          config.model.source),
+        "task": f"{config.data.dataset}" + (f" (digits={config.data.digits})"
+                                            if config.data.dataset.startswith("arithmetic") else ""),
+        "steps": max(summarize(r)["steps"] for r in curves.values()),
+        "config": args.config, "overrides": list(args.set), "seed": args.seed,
+        **made,
+        "modes": {m: {**summarize(r), "overrides": MODES[m]} for m, r in curves.items()},
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    docs = Path(args.docs)
+    docs.mkdir(parents=True, exist_ok=True)
+    try:
+        plots = plot(curves, docs)
+    except ImportError as e:  # a GPU image without matplotlib: the table now, the plots later with --collect
+        print(f"no plots ({e}); rebuild them with --collect where matplotlib is installed", flush=True)
+        plots = []
+    (docs / "accuracy.md").write_text(markdown(result, plots))
+    print(markdown(result, []), flush=True)
+    print(f"wrote {out}, {docs / 'accuracy.md'} and {len(plots)} plots", flush=True)
+    return result
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--config", default="configs/smollm2_arith.py")
+    p.add_argument("--modes", default=",".join(DEFAULT_MODES), help=f"from: {', '.join(MODES)}")
+    p.add_argument("--steps", type=int, default=0, help="RL steps (0: the config's)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="another config override for every mode, e.g. --set optim.lr=1e-5")
+    p.add_argument("--parallel", type=int, default=5, help="modes run at once")
+    p.add_argument("--timeout", type=float, default=3600, help="seconds for all the runs")
+    p.add_argument("--workdir", default="runs/accuracy_study")
+    p.add_argument("--out", default="benchmarks/results/accuracy.json")
+    p.add_argument("--docs", default="docs")
+    p.add_argument("--collect", action="store_true", help="only rebuild the outputs from the runs in --workdir")
+    args = p.parse_args(argv)
+    modes = args.modes.split(",")
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        p.error(f"--modes: {', '.join(unknown)} unknown; allowed: {', '.join(MODES)}")
+    command = shlex.join(["python", "benchmarks/accuracy_study.py", *(sys.argv[1:] if argv is None else argv)])
+    t = time.time()
+    failed = {}
+    if not args.collect:
+        failed = {m: s for m, s in run_modes(args, modes).items() if s != 0}
+        for m in failed:
+            log = Path(args.workdir) / f"{m}.log"
+            print(f"[{m}] failed; the end of {log}:\n" + "".join(log.read_text().splitlines(True)[-15:]), flush=True)
+    collect(args, modes, time.time() - t, command)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,40 @@
+"""The fidelity study's task: SmolLM2-135M-Instruct doing GRPO on one-digit sums asked in words (GPU).
+
+    python -m fp8rl_jax.main --config=configs/smollm2_arith.py --config.precision.mode=bf16
+    python benchmarks/accuracy_study.py          # every precision mode, with and without TIS
+
+"What is 7 - 9?" with the GSM8K system prompt, judged like GSM8K (the number after '####', else the last number;
+0.1 for the '####' line). Greedy accuracy starts near 44% (``fp8rl_jax.data.synthetic``), so a GRPO run has room
+to move it within a few dozen steps, which GSM8K (3% for this model) does not give.
+"""
+
+from fp8rl_jax.config import base_config
+
+
+def get_config(arg=None):
+    c = base_config()
+    c.steps = int(arg) if arg else 40
+    c.workdir = "runs/smollm2_arith"
+    c.model.source = "smollm2"
+    c.precision.mode = "fp8_e2e"
+    c.data.dataset = "arithmetic_qa"
+    c.data.prompt_format = "chat"
+    c.data.system_prompt = (
+        "Solve the math problem step by step. Put the final answer after '####', e.g. '#### 42'."
+    )
+    c.reward.fns = ("gsm8k_answer", "gsm8k_format")
+    c.reward.weights = (1.0, 0.1)
+    c.data.digits = 1
+    c.data.max_prompt_tokens = 128
+    c.data.num_eval = 256  # greedy accuracy on the first 256 test problems
+    c.data.eval_every = 10
+    c.rollout.prompts_per_step = 16
+    c.rollout.samples_per_prompt = 8
+    c.rollout.max_new_tokens = 64
+    c.rollout.decode_slots = 128
+    c.rl.microbatch_sequences = 32  # 4 microbatches: the train step fits a fifth of an H100 (5 modes at once)
+    c.optim.lr = 5e-6
+    c.checkpoint.every = 0
+    c.logging.tensorboard = False
+    c.mesh.fsdp = 1
+    return c
