@@ -1,22 +1,26 @@
 """The fidelity study: the same GRPO run in each precision mode, with and without TIS, side by side.
 
-    python benchmarks/accuracy_study.py                       # configs/smollm2_arith.py, every mode, on one GPU
-    python benchmarks/accuracy_study.py --collect              # tables and plots again from the runs' metrics
+    python benchmarks/accuracy_study.py --seeds 0,1,2,3,4     # configs/smollm2_arith.py, every mode, one GPU
+    python benchmarks/accuracy_study.py --seeds 0,1,2,3,4 --collect   # tables and plots again from the runs
 
-Each mode is ``python -m fp8rl_jax.main`` in its own process with the same config, seed and data order; only
-``precision.mode`` and ``rl.is_correction`` differ (``MODES``). ``--parallel`` runs that many at once: the
-135M model leaves an H100 mostly idle, so five runs share it (each told to take its share of GPU memory).
-The config's periodic evaluation gives the accuracy before training (step 0) and after it (the last step).
+Each (seed, mode) is ``python -m fp8rl_jax.main`` in its own process; within a seed every mode has the same
+config, seed and data order, and only ``precision.mode`` and ``rl.is_correction`` differ (``MODES``). The seed
+also draws the synthetic task's problems, test split included: each seed is a replicate of the whole
+experiment. ``--parallel`` runs that many at once: the 135M model leaves an H100 mostly idle, so five runs
+share it (each told to take its share of GPU memory). The config's periodic evaluation gives the accuracy
+before training (step 0) and after it (the last step). Runs go to ``--workdir``/seed<S>/<mode>/.
 
 Written: ``--out`` (``benchmarks/results/accuracy.json``)::
 
-    {"model", "task", "steps", "config", "device", "commit", "command", "seconds",
-     "modes": {mode: {"acc_before", "acc_after", "mismatch_kl", "token_mult_prob_error", ...}}}
+    {"model", "task", "steps", "seeds", "config", "device", "commit", "command", "seconds",
+     "modes": {mode: {"acc_before", "acc_after", "acc_after_std", "mismatch_kl", "token_mult_prob_error",
+                      ..., "per_seed": {seed: {...}}}}}
 
-``mismatch_kl`` and ``token_mult_prob_error`` are means over the run's steps of the trainer's own records
-(``mismatch_kl_k3``: the sampler's logprobs against the trainer's, per completion token); also the reward at the
-start and the end (mean of the first and the last 5 steps), the IS-weight statistics and the step time. And
-``--docs`` (``docs/``): ``accuracy.md`` (the table, how it was made) and the plots ``accuracy_*.png``.
+Per seed, ``mismatch_kl`` and ``token_mult_prob_error`` are means over the run's steps of the trainer's own
+records (``mismatch_kl_k3``: the sampler's logprobs against the trainer's, per completion token); also the
+reward at the start and the end (mean of the first and the last 5 steps), the IS-weight statistics and the step
+time. A mode's top-level values are the means over its seeds (``seeds_run`` of them). And ``--docs``
+(``docs/``): ``accuracy.md`` (the table, how it was made) and the plots ``accuracy_*.png`` (means over seeds).
 """
 
 from __future__ import annotations
@@ -49,6 +53,8 @@ PLOTS = {  # file -> (metric, title)
     "accuracy_mismatch.png": ("mismatch_kl_k3", "mismatch KL (k3), sampler vs trainer"),
     "accuracy_is_weight.png": ("is_weight_max", "largest per-token IS weight r_t (before the cap)"),
 }
+# accuracy.md below this line is written by hand (what the numbers mean); rebuilding the table keeps it
+FINDINGS = "<!-- findings: kept when the table is rebuilt -->"
 TAIL = 5  # steps averaged for the reward at the start and at the end
 
 
@@ -69,19 +75,20 @@ def _device() -> str:
         return "cpu"
 
 
-def run_modes(args, modes: list[str]) -> dict[str, int]:
-    """Launch every mode (``args.parallel`` at a time), wait, return each one's exit status."""
+def run_modes(args, modes: list[str]) -> dict[tuple[int, str], int]:
+    """Launch every (seed, mode) (``args.parallel`` at a time), wait, return each one's exit status."""
     env = dict(os.environ)
     env.setdefault("PYTHONPATH", str(REPO))
     if args.parallel > 1:  # several JAX processes on one GPU: each takes its share, not 75%
         env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{0.9 / args.parallel:.2f}")
-    pending, running, status = list(modes), {}, {}
+    pending = [(seed, mode) for seed in args.seeds for mode in modes]
+    running, status = {}, {}
     deadline = time.monotonic() + args.timeout
     while pending or running:
         while pending and len(running) < args.parallel:
-            mode = pending.pop(0)
-            workdir = Path(args.workdir) / mode
-            cmd = [sys.executable, "-m", "fp8rl_jax.main", f"--config={args.config}", f"--config.seed={args.seed}",
+            seed, mode = run = pending.pop(0)
+            workdir = Path(args.workdir) / f"seed{seed}" / mode
+            cmd = [sys.executable, "-m", "fp8rl_jax.main", f"--config={args.config}", f"--config.seed={seed}",
                    f"--config.workdir={workdir}", "--config.logging.progress=False",
                    "--config.logging.plots=False",
                    "--config.checkpoint.every=0", "--config.checkpoint.save_final=False"]
@@ -91,18 +98,18 @@ def run_modes(args, modes: list[str]) -> dict[str, int]:
             workdir.mkdir(parents=True, exist_ok=True)
             (workdir / "metrics.jsonl").unlink(missing_ok=True)  # a fresh run, not a resume of an old one
             log = open(workdir.parent / f"{mode}.log", "w")
-            print(f"[{mode}] {shlex.join(cmd)}", flush=True)
-            running[mode] = (subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT), log)
+            print(f"[seed {seed} {mode}] {shlex.join(cmd)}", flush=True)
+            running[run] = (subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT), log)
         time.sleep(2)
-        for mode, (proc, log) in list(running.items()):
+        for (seed, mode), (proc, log) in list(running.items()):
             if proc.poll() is None and time.monotonic() > deadline:
                 proc.kill()
-                print(f"[{mode}] killed at --timeout={args.timeout}s", flush=True)
+                print(f"[seed {seed} {mode}] killed at --timeout={args.timeout}s", flush=True)
             if proc.poll() is not None:
                 log.close()
-                status[mode] = proc.returncode
-                print(f"[{mode}] exit {proc.returncode}", flush=True)
-                del running[mode]
+                status[seed, mode] = proc.returncode
+                print(f"[seed {seed} {mode}] exit {proc.returncode}", flush=True)
+                del running[seed, mode]
     return status
 
 
@@ -138,7 +145,15 @@ def _read(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
-def plot(curves: dict[str, list[dict]], docs: Path) -> list[str]:
+def mean_curve(runs: list[list[dict]], key: str) -> tuple[list[int], list[float]]:
+    """(steps, mean over the runs) of ``key`` at the steps where every run has it."""
+    per_run = [{r["step"]: r[key] for r in records if key in r} for records in runs]
+    steps = sorted(set.intersection(*(set(d) for d in per_run))) if per_run else []
+    return steps, [sum(d[t] for d in per_run) / len(per_run) for t in steps]
+
+
+def plot(curves: dict[str, dict[int, list[dict]]], docs: Path) -> list[str]:
+    """The plots, each curve the mean over a mode's seeds; ``curves``: mode -> seed -> records."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -147,12 +162,11 @@ def plot(curves: dict[str, list[dict]], docs: Path) -> list[str]:
     written = []
     for name, (key, title) in PLOTS.items():
         fig, ax = plt.subplots(figsize=(6.4, 3.8))
-        for mode, records in curves.items():
-            have = [r for r in records if key in r]
-            if have:
-                ax.plot([r["step"] for r in have], [r[key] for r in have], marker="." if len(have) < 30 else None,
-                        label=mode)
-        ax.set_title(title)
+        for mode, by_seed in curves.items():
+            steps, values = mean_curve(list(by_seed.values()), key)
+            if steps:
+                ax.plot(steps, values, marker="." if len(steps) < 30 else None, label=f"{mode} ({len(by_seed)})")
+        ax.set_title(f"{title}, mean over seeds", fontsize=10)
         ax.set_xlabel("RL step")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
@@ -160,13 +174,15 @@ def plot(curves: dict[str, list[dict]], docs: Path) -> list[str]:
         fig.savefig(docs / name, dpi=100)
         plt.close(fig)
         written.append(name)
-    # mismatch against response length: one point per step (its mean KL and mean completion length)
+    # mismatch against response length: one point per step and seed (its mean KL and mean completion length)
     fig, ax = plt.subplots(figsize=(6.4, 3.8))
-    for mode, records in curves.items():
-        have = [r for r in records if "mismatch_kl_k3" in r and "response_length_mean" in r]
-        ax.scatter([r["response_length_mean"] for r in have], [r["mismatch_kl_k3"] for r in have], s=10, label=mode)
-    ax.set_title("mismatch KL (k3) per step against the step's mean response length")
+    for mode, by_seed in curves.items():
+        have = [r for records in by_seed.values() for r in records
+                if "mismatch_kl_k3" in r and "response_length_mean" in r]
+        ax.scatter([r["response_length_mean"] for r in have], [r["mismatch_kl_k3"] for r in have], s=6, label=mode)
+    ax.set_title("mismatch KL (k3) of each step against its mean response length", fontsize=10)
     ax.set_xlabel("mean response length (tokens)")
+    ax.set_yscale("log")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -182,27 +198,59 @@ def _fmt(v, pct=False) -> str:
 
 
 def markdown(result: dict, plots: list[str]) -> str:
+    seeds = result["seeds"]
     lines = [
         "# Fidelity study: GRPO in BF16 and FP8, with and without TIS",
         "",
-        f"{result['model']}, task `{result['task']}`, {result['steps']} RL steps per mode, same seed and data order; "
-        f"device {result['device']}, commit `{result['commit'][:7]}`, {result['seconds']:.0f} s in all.",
+        f"{result['model']}, task `{result['task']}`, {result['steps']} RL steps per run, seeds "
+        f"{', '.join(map(str, seeds))} (within a seed every mode has the same data order); device "
+        f"{result['device']}, commit `{result['commit'][:7]}`.",
         "",
         f"Command: `{result['command']}`",
+        "",
+        "Means over seeds (their number in brackets; ± the standard deviation of the final accuracy over seeds):",
         "",
         "| mode | acc before | acc after | reward start → end | mismatch KL (k3) | token_mult_prob_error | "
         "IS weight max | s/step |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for mode, r in result["modes"].items():
-        lines.append(f"| {mode} | {_fmt(r['acc_before'], True)} | {_fmt(r['acc_after'], True)} | "
-                     f"{_fmt(r['reward_start'])} → {_fmt(r['reward_end'])} | {_fmt(r['mismatch_kl'])} | "
-                     f"{_fmt(r['token_mult_prob_error'])} | {_fmt(r['is_weight_max'])} | {_fmt(r['step_seconds'])} |")
-    lines += ["", "Accuracy: greedy pass@1 on the first test problems (`data.num_eval`), before the first step and "
-              "after the last. Mismatch KL and token_mult_prob_error: means over the steps of the trainer's records "
-              "(sampler logprobs against the trainer's forward, per completion token).", ""]
+        spread = f" ± {100 * r['acc_after_std']:.1f}" if r.get("acc_after_std") is not None else ""
+        lines.append(f"| {mode} ({r['seeds_run']}) | {_fmt(r['acc_before'], True)} | "
+                     f"{_fmt(r['acc_after'], True)}{spread} | {_fmt(r['reward_start'])} → {_fmt(r['reward_end'])} | "
+                     f"{_fmt(r['mismatch_kl'])} | {_fmt(r['token_mult_prob_error'])} | {_fmt(r['is_weight_max'])} | "
+                     f"{_fmt(r['step_seconds'])} |")
+    lines += ["", "Final accuracy per seed:", "", "| mode | " + " | ".join(f"seed {s}" for s in seeds) + " |",
+              "|---|" + "---|" * len(seeds)]
+    for mode, r in result["modes"].items():
+        cells = [_fmt(r["per_seed"][str(s)]["acc_after"], True) if str(s) in r["per_seed"] else "–" for s in seeds]
+        lines.append(f"| {mode} | " + " | ".join(cells) + " |")
+    lines += ["", "Accuracy: greedy pass@1 on the first test problems (`data.num_eval`) with the mode's own sampler, "
+              "before the first step and after the last. Mismatch KL and token_mult_prob_error: means over the steps "
+              "of the trainer's records (sampler logprobs against the trainer's forward, per completion token).", ""]
     lines += [f"![{p}]({p})" for p in plots]
     return "\n".join(lines) + "\n"
+
+
+MEAN_KEYS = ("acc_before", "acc_after", "mismatch_kl", "token_mult_prob_error", "reward_start", "reward_end",
+             "is_weight_mean", "is_clipped_fraction", "step_seconds")
+
+
+def aggregate(per_seed: dict[int, dict]) -> dict:
+    """A mode's row: means over its seeds (``MEAN_KEYS``), the spread of the final accuracy, the largest IS weight,
+    and every seed's own row."""
+    rows = list(per_seed.values())
+    out = {}
+    for key in MEAN_KEYS:
+        values = [r[key] for r in rows if r[key] is not None]
+        out[key] = _mean(values) if len(values) == len(rows) else None  # a seed without it: no mean
+    finals = [r["acc_after"] for r in rows if r["acc_after"] is not None]
+    out["acc_after_std"] = ((sum((a - out["acc_after"]) ** 2 for a in finals) / (len(finals) - 1)) ** 0.5
+                            if len(finals) > 1 and out["acc_after"] is not None else None)
+    out["is_weight_max"] = max((r["is_weight_max"] for r in rows if r["is_weight_max"] is not None), default=None)
+    out["seeds_run"] = len(rows)
+    out["per_seed"] = {str(seed): row for seed, row in per_seed.items()}
+    return out
 
 
 def collect(args, modes: list[str], seconds: float, command: str) -> dict:
@@ -210,23 +258,29 @@ def collect(args, modes: list[str], seconds: float, command: str) -> dict:
 
     path, _, arg = args.config.partition(":")
     config = load_config_file(str(REPO / path), arg or None)  # relative to the repository, as the runs read it
-    curves = {m: _read(Path(args.workdir) / m / "metrics.jsonl") for m in modes}
-    curves = {m: r for m, r in curves.items() if r}
+    curves = {}  # mode -> seed -> records
+    for mode in modes:
+        by_seed = {seed: _read(Path(args.workdir) / f"seed{seed}" / mode / "metrics.jsonl") for seed in args.seeds}
+        if any(by_seed.values()):
+            curves[mode] = {seed: records for seed, records in by_seed.items() if records}
     if not curves:
-        raise SystemExit(f"no metrics.jsonl under {args.workdir} for modes {', '.join(modes)}")
+        raise SystemExit(f"no metrics.jsonl under {args.workdir}/seed<S>/<mode> for seeds {args.seeds} and modes "
+                         f"{', '.join(modes)}")
     # rebuilding (--collect) keeps what the runs' own invocation recorded: where, at which commit, how
     previous = json.loads(Path(args.out).read_text()) if args.collect and Path(args.out).exists() else {}
     made = {"device": _device(), "commit": _commit(), "command": command, "seconds": seconds}
     made = {k: previous.get(k, v) for k, v in made.items()}
+    per_seed = {m: {seed: summarize(records) for seed, records in by_seed.items()} for m, by_seed in curves.items()}
     result = {
         "model": {"smollm2": "SmolLM2-135M-Instruct", "preset": config.model.preset}.get(config.model.source,
                                                                                           config.model.source),
         "task": f"{config.data.dataset}" + (f" (digits={config.data.digits})"
                                             if config.data.dataset.startswith("arithmetic") else ""),
-        "steps": max(summarize(r)["steps"] for r in curves.values()),
-        "config": args.config, "overrides": list(args.set), "seed": args.seed,
+        "steps": max(row["steps"] for rows in per_seed.values() for row in rows.values()),
+        "seeds": sorted({seed for by_seed in curves.values() for seed in by_seed}),
+        "config": args.config, "overrides": list(args.set),
         **made,
-        "modes": {m: {**summarize(r), "overrides": MODES[m]} for m, r in curves.items()},
+        "modes": {m: {**aggregate(rows), "overrides": MODES[m]} for m, rows in per_seed.items()},
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -238,7 +292,9 @@ def collect(args, modes: list[str], seconds: float, command: str) -> dict:
     except ImportError as e:  # a GPU image without matplotlib: the table now, the plots later with --collect
         print(f"no plots ({e}); rebuild them with --collect where matplotlib is installed", flush=True)
         plots = []
-    (docs / "accuracy.md").write_text(markdown(result, plots))
+    page = docs / "accuracy.md"
+    kept = page.read_text().split(FINDINGS, 1)[1] if page.exists() and FINDINGS in page.read_text() else ""
+    page.write_text(markdown(result, plots) + (f"\n{FINDINGS}{kept}" if kept else ""))  # the findings stay
     print(markdown(result, []), flush=True)
     print(f"wrote {out}, {docs / 'accuracy.md'} and {len(plots)} plots", flush=True)
     return result
@@ -249,16 +305,17 @@ def main(argv=None) -> int:
     p.add_argument("--config", default="configs/smollm2_arith.py")
     p.add_argument("--modes", default=",".join(DEFAULT_MODES), help=f"from: {', '.join(MODES)}")
     p.add_argument("--steps", type=int, default=0, help="RL steps (0: the config's)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seeds", default="0", help="comma-separated: each seed runs every mode")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="another config override for every mode, e.g. --set optim.lr=1e-5")
-    p.add_argument("--parallel", type=int, default=5, help="modes run at once")
+    p.add_argument("--parallel", type=int, default=5, help="runs at once")
     p.add_argument("--timeout", type=float, default=3600, help="seconds for all the runs")
     p.add_argument("--workdir", default="runs/accuracy_study")
     p.add_argument("--out", default="benchmarks/results/accuracy.json")
     p.add_argument("--docs", default="docs")
     p.add_argument("--collect", action="store_true", help="only rebuild the outputs from the runs in --workdir")
     args = p.parse_args(argv)
+    args.seeds = [int(x) for x in args.seeds.split(",")]
     modes = args.modes.split(",")
     unknown = [m for m in modes if m not in MODES]
     if unknown:
@@ -267,10 +324,11 @@ def main(argv=None) -> int:
     t = time.time()
     failed = {}
     if not args.collect:
-        failed = {m: s for m, s in run_modes(args, modes).items() if s != 0}
-        for m in failed:
-            log = Path(args.workdir) / f"{m}.log"
-            print(f"[{m}] failed; the end of {log}:\n" + "".join(log.read_text().splitlines(True)[-15:]), flush=True)
+        failed = [run for run, status in run_modes(args, modes).items() if status != 0]
+        for seed, mode in failed:
+            log = Path(args.workdir) / f"seed{seed}" / f"{mode}.log"
+            print(f"[seed {seed} {mode}] failed; the end of {log}:\n" + "".join(log.read_text().splitlines(True)[-15:]),
+                  flush=True)
     collect(args, modes, time.time() - t, command)
     return 1 if failed else 0
 

@@ -66,10 +66,10 @@ EOF
         notebooks/cluster.ipynb "$OUT/cluster_executed.ipynb" 2>&1 | grep -v "^W\|Warn" | tail -5 ;;
     study) # the fidelity study (configs/smollm2_arith.py): every precision mode at once on this GPU, then the table
       name=${STUDY_NAME:-study}
-      timeout 590 python3 benchmarks/accuracy_study.py --timeout ${STUDY_TIMEOUT:-480} --workdir /tmp/$name \
+      timeout 590 python3 benchmarks/accuracy_study.py --seeds ${STUDY_SEEDS:-0} --timeout ${STUDY_TIMEOUT:-480} --workdir /tmp/$name \
         --out "$OUT/$name.json" --docs "$OUT/${name}_docs" ${STUDY_ARGS:-} 2>&1 | grep -v "^W\|Warn\|legend" | tail -14
-      for m in /tmp/$name/*/; do cp "$m/metrics.jsonl" "$OUT/${name}_$(basename "$m").jsonl" 2>/dev/null; done
-      tail -n 2 /tmp/$name/*.log ;;
+      # the runs in one file (the device tool brings back only a few files per call)
+      tar czf "$OUT/${name}_runs.tgz" -C /tmp/$name . && rm -rf "$OUT/${name}_docs" ;;
     rollout_xla) # the decode GEMMs through XLA's FP8 dot against TE's, with the decode kernel, batch 256, 1k tokens
       timeout 400 python3 -m fp8rl_jax.bench rollout --new_tokens 1024 --batches 256 --modes bf16,fp8_kv,fp8_kv_te \
         --out "$OUT/rollout_xla_vs_te.json" 2>&1 | grep -vi warn | tee "$OUT/rollout_xla.log" | tail -8 ;;

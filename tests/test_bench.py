@@ -82,10 +82,13 @@ def test_accuracy_study_runs_a_mode_and_writes_table_and_plots(tmp_path):
     assert study.main(args) == 0
     result = json.loads((tmp_path / "accuracy.json").read_text())
     row = result["modes"]["fp8_e2e_tis"]
-    assert result["steps"] == 2 and row["steps"] == 2 and row["eval_problems"] == 4.0
-    assert row["acc_after_step"] == 2 and 0.0 <= row["acc_before"] <= 1.0 and 0.0 <= row["acc_after"] <= 1.0
+    one = row["per_seed"]["0"]  # the one seed's own row; the mode's values are means over seeds
+    assert result["steps"] == 2 and result["seeds"] == [0] and row["seeds_run"] == 1
+    assert one["steps"] == 2 and one["eval_problems"] == 4.0 and one["acc_after_step"] == 2
+    assert 0.0 <= row["acc_before"] <= 1.0 and row["acc_after"] == one["acc_after"] and row["acc_after_std"] is None
     assert row["mismatch_kl"] >= 0.0 and row["token_mult_prob_error"] >= 1.0
     assert row["overrides"] == {"precision.mode": "fp8_e2e", "rl.is_correction": "tis"}
+    assert (tmp_path / "runs" / "seed0" / "fp8_e2e_tis" / "metrics.jsonl").exists()
     assert "| fp8_e2e_tis |" in (tmp_path / "docs" / "accuracy.md").read_text()
     assert (tmp_path / "docs" / "accuracy_eval.png").stat().st_size > 0
     # --collect rebuilds from the runs and keeps the invocation's record
@@ -93,3 +96,8 @@ def test_accuracy_study_runs_a_mode_and_writes_table_and_plots(tmp_path):
     (tmp_path / "accuracy.json").write_text(json.dumps(saved))
     assert study.main([*args, "--collect"]) == 0
     assert json.loads((tmp_path / "accuracy.json").read_text())["device"] == "NVIDIA H100 80GB HBM3"
+    # and so does the hand-written part of the page
+    page = tmp_path / "docs" / "accuracy.md"
+    page.write_text(page.read_text() + f"\n{study.FINDINGS}\nwhat it means\n")
+    assert study.main([*args, "--collect"]) == 0
+    assert page.read_text().endswith(f"{study.FINDINGS}\nwhat it means\n") and "| fp8_e2e_tis (1) |" in page.read_text()
