@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One GPU session on the lent H100 (or an H200 host): install Transformer Engine and the project's wheels once, then
 # the stages named on the command line. Results land in $OUT (or ./gpu_out).
-#   usage: bash benchmarks/gpu_session.sh [install] [tests] [decode] [llama1b:MODE] [rollout1k] [gemm] [train] [e2e] [profile] [cluster_nb] [study] [rollout_xla]...
+#   usage: bash benchmarks/gpu_session.sh [install] [tests] [decode] [llama1b:MODE] [rollout1k] [gemm] [train] [e2e] [profile] [cluster_nb] [study] [rollout_xla] [rollout_head]
+#          [rollout8b] [agreement]...
 # TE arrives in pieces (see ../shared/gpu/README.md): .gpu/te/wheels + .gpu/install_te.sh, the core wheel's five
 # parts already copied to /root/te by earlier calls; the other wheels in .gpu/wheels; a tokenizer in .gpu/smollm2_tok.
 set -uo pipefail
@@ -73,6 +74,17 @@ EOF
     rollout_xla) # the decode GEMMs through XLA's FP8 dot against TE's, with the decode kernel, batch 256, 1k tokens
       timeout 400 python3 -m fp8rl_jax.bench rollout --new_tokens 1024 --batches 256 --modes bf16,fp8_kv,fp8_kv_te \
         --out "$OUT/rollout_xla_vs_te.json" 2>&1 | grep -vi warn | tee "$OUT/rollout_xla.log" | tail -8 ;;
+    rollout_head) # the LM head in FP8 too: decode speed at batch 64 and 256 (cuBLAS for the BF16 GEMMs)
+      XLA_FLAGS=--xla_gpu_enable_triton_gemm=false timeout 500 python3 -m fp8rl_jax.bench rollout --new_tokens 1024 \
+        --batches 64,256 --modes bf16,fp8_kv_te,fp8_kv_te_head --out "$OUT/rollout_head_h100.json" 2>&1 \
+        | grep -vi warn | tee "$OUT/rollout_head.log" | grep "^{" ;;
+    rollout8b) # the Llama-3.1-8B shape on one GPU (an H200: bf16 8B does not fit an H100 with 256 sequences)
+      XLA_FLAGS=--xla_gpu_enable_triton_gemm=false timeout 560 python3 -m fp8rl_jax.bench rollout --model llama3_8b \
+        --new_tokens 1024 --batches ${R8B_BATCHES:-64,256} --modes ${R8B_MODES:-bf16,fp8_kv_te} \
+        --out "$OUT/rollout_8b.json" 2>&1 | grep -vi warn | tee "$OUT/rollout_8b.log" | grep "^{\|Error" ;;
+    agreement) # rollout vs scoring logprobs per precision variant (SmolLM2, 6 GSM8K solutions, teacher-forced)
+      timeout 400 python3 -m fp8rl_jax.bench agreement --precisions ${AGREE_PRECISIONS:-bf16,fp8,fp8_head,fp8_te} \
+        --out "$OUT/agreement.json" 2>&1 | grep -v "^W\|Warn" | tee "$OUT/agreement.log" | grep "^{\|Error" | cut -c1-300 ;;
     gemm) timeout 420 python3 -m fp8rl_jax.bench gemm --out "$OUT/gemm_h100.json" 2>&1 | grep -vi warn | tee "$OUT/gemm.log" | tail -3 ;;
     train) for mode in fp8_e2e bf16; do
         timeout 240 python3 -m fp8rl_jax.main --config=configs/tiny.py:$mode --config.precision.backend=te \

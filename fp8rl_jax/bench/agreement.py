@@ -44,6 +44,8 @@ PRECISIONS = {
     "fp8_f32": Precision(backend="xla", compute_dtype="float32"),
     # Transformer Engine's GEMMs (GPU only), the trainer's default backend there
     "fp8_te": Precision(backend="te"),
+    # the LM head in FP8 too (precision.lm_head_fp8): its logprob error on top of the blocks'
+    "fp8_head": Precision(backend="xla", lm_head_fp8=True),
 }
 MAX_PREFILL = 1024  # prompts longer than this are an error
 

@@ -57,16 +57,18 @@ def bench_rollout(model_name: str, batches: list[int], new_tokens: list[int], mo
     print(f"copy bandwidth: {bw / 1e12:.2f} TB/s", flush=True)
     rows = []
     for mode in modes:
-        backend = "te" if "te" in mode.split("_") else "xla"
+        parts = mode.split("_")
+        backend = "te" if "te" in parts else "xla"
+        head = "head" in parts  # the LM head in FP8 too (precision.lm_head_fp8)
         precision = {
             "bf16": Precision(),
-            "fp8": Precision(backend=backend),
-            "fp8_kv": Precision(backend=backend, kv_cache_dtype="float8_e4m3fn"),
-        }[mode.replace("_te", "")]
+            "fp8": Precision(backend=backend, lm_head_fp8=head),
+            "fp8_kv": Precision(backend=backend, kv_cache_dtype="float8_e4m3fn", lm_head_fp8=head),
+        }["_".join(p for p in parts if p not in ("te", "head"))]
         fp8_state = llama.init_fp8_state(cfg, precision) if precision.fp8 else None
         if fp8_state is not None:  # plausible scales: weights ~N(0, 0.02), activations O(1)
             fp8_state = jax.tree.map(lambda a: a, fp8_state)
-            for lin in fp8_state["blocks"].values():
+            for lin in [*fp8_state["blocks"].values(), *([fp8_state["lm_head"]] if head else [])]:
                 lin["kernel"]["scale"] = jnp.full_like(lin["kernel"]["scale"], 448.0 / 0.1)
                 lin["x"]["scale"] = jnp.full_like(lin["x"]["scale"], 448.0 / 8.0)
         kv_scales = kvq.init_kv_scales(cfg.num_layers) if precision.kv_fp8 else None
@@ -109,5 +111,6 @@ def bench_rollout(model_name: str, batches: list[int], new_tokens: list[int], mo
 
 def _weight_bytes(cfg, precision) -> float:
     blocks = cfg.num_params() - cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_embeddings else 2)
-    head = cfg.vocab_size * cfg.hidden_size * 2  # the head reads the whole table each step (BF16)
+    # the head reads the whole table each step, in BF16 unless lm_head_fp8
+    head = cfg.vocab_size * cfg.hidden_size * (1 if precision.lm_head_fp8 else 2)
     return blocks * (1 if precision.fp8 else 2) + head
