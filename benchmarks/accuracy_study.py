@@ -29,6 +29,7 @@ import argparse
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -55,6 +56,7 @@ PLOTS = {  # file -> (metric, title)
 }
 # accuracy.md below this line is written by hand (what the numbers mean); rebuilding the table keeps it
 FINDINGS = "<!-- findings: kept when the table is rebuilt -->"
+EVAL_BF16 = "eval_bf16"  # a run's folder of its final checkpoint evaluated with the BF16 sampler (--eval_bf16)
 TAIL = 5  # steps averaged for the reward at the start and at the end
 
 
@@ -75,41 +77,70 @@ def _device() -> str:
         return "cpu"
 
 
+def _pool(jobs: list[tuple[tuple, list[str], Path]], args, env: dict, deadline: float) -> dict[tuple, int]:
+    """Run ``(key, command, log)`` jobs, ``args.parallel`` at a time, until done or ``deadline``; exit statuses."""
+    pending, running, status = list(jobs), {}, {}
+    while pending or running:
+        while pending and len(running) < args.parallel:
+            key, cmd, log_path = pending.pop(0)
+            log = open(log_path, "w")
+            print(f"[{' '.join(map(str, key))}] {shlex.join(cmd)}", flush=True)
+            running[key] = (subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT), log)
+        time.sleep(2)
+        for key, (proc, log) in list(running.items()):
+            if proc.poll() is None and time.monotonic() > deadline:
+                proc.kill()
+                print(f"[{' '.join(map(str, key))}] killed at --timeout={args.timeout}s", flush=True)
+            if proc.poll() is not None:
+                log.close()
+                status[key] = proc.returncode
+                print(f"[{' '.join(map(str, key))}] exit {proc.returncode}", flush=True)
+                del running[key]
+    return status
+
+
 def run_modes(args, modes: list[str]) -> dict[tuple[int, str], int]:
-    """Launch every (seed, mode) (``args.parallel`` at a time), wait, return each one's exit status."""
+    """Train every (seed, mode) (``args.parallel`` at a time) and, with ``--eval_bf16``, evaluate each FP8 run's
+    final checkpoint with the BF16 sampler; return each run's exit status (a failed evaluation counts)."""
     env = dict(os.environ)
     env.setdefault("PYTHONPATH", str(REPO))
     if args.parallel > 1:  # several JAX processes on one GPU: each takes its share, not 75%
         env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{0.9 / args.parallel:.2f}")
-    pending = [(seed, mode) for seed in args.seeds for mode in modes]
-    running, status = {}, {}
     deadline = time.monotonic() + args.timeout
-    while pending or running:
-        while pending and len(running) < args.parallel:
-            seed, mode = run = pending.pop(0)
+    jobs = []
+    for seed in args.seeds:
+        for mode in modes:
             workdir = Path(args.workdir) / f"seed{seed}" / mode
             cmd = [sys.executable, "-m", "fp8rl_jax.main", f"--config={args.config}", f"--config.seed={seed}",
                    f"--config.workdir={workdir}", "--config.logging.progress=False",
-                   "--config.logging.plots=False",
-                   "--config.checkpoint.every=0", "--config.checkpoint.save_final=False"]
+                   "--config.logging.plots=False", "--config.checkpoint.every=0",
+                   f"--config.checkpoint.save_final={args.eval_bf16}"]
             cmd += [f"--config.steps={args.steps}"] if args.steps else []
             cmd += [f"--config.{k}={v}" for k, v in MODES[mode].items()]
             cmd += [f"--config.{kv}" for kv in args.set]
-            workdir.mkdir(parents=True, exist_ok=True)
-            (workdir / "metrics.jsonl").unlink(missing_ok=True)  # a fresh run, not a resume of an old one
-            log = open(workdir.parent / f"{mode}.log", "w")
-            print(f"[seed {seed} {mode}] {shlex.join(cmd)}", flush=True)
-            running[run] = (subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT), log)
-        time.sleep(2)
-        for (seed, mode), (proc, log) in list(running.items()):
-            if proc.poll() is None and time.monotonic() > deadline:
-                proc.kill()
-                print(f"[seed {seed} {mode}] killed at --timeout={args.timeout}s", flush=True)
-            if proc.poll() is not None:
-                log.close()
-                status[seed, mode] = proc.returncode
-                print(f"[seed {seed} {mode}] exit {proc.returncode}", flush=True)
-                del running[seed, mode]
+            shutil.rmtree(workdir, ignore_errors=True)  # a fresh run, not a resume of an old one
+            workdir.mkdir(parents=True)
+            jobs.append(((seed, mode), cmd, workdir.parent / f"{mode}.log"))
+    status = _pool(jobs, args, env, deadline)
+    if args.eval_bf16:
+        from fp8rl_jax.config import load_config_file
+
+        path, _, arg = args.config.partition(":")
+        num = load_config_file(str(REPO / path), arg or None).data.num_eval
+        num = next((int(kv.split("=", 1)[1]) for kv in args.set if kv.startswith("data.num_eval=")), num)
+        evals = []
+        for (seed, mode), code in status.items():
+            if code != 0 or MODES[mode]["precision.mode"] == "bf16":
+                continue
+            workdir = Path(args.workdir) / f"seed{seed}" / mode
+            # the same test problems as the run's own evaluation: the seed draws them, num_eval counts them
+            cmd = [sys.executable, "-m", "fp8rl_jax.eval", f"--config={args.config}", f"--config.seed={seed}",
+                   f"--checkpoint={workdir}", "--config.precision.mode=bf16", f"--out={workdir / EVAL_BF16}"]
+            cmd += [f"--num={num}"] if num else []
+            cmd += [f"--config.{kv}" for kv in args.set]
+            evals.append(((seed, mode, "eval_bf16"), cmd, workdir.parent / f"{mode}_eval_bf16.log"))
+        for (seed, mode, _), code in _pool(evals, args, env, deadline).items():
+            status[seed, mode] = status[seed, mode] or code
     return status
 
 
@@ -117,8 +148,8 @@ def _mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def summarize(records: list[dict]) -> dict:
-    """One mode's row of accuracy.json from its metrics.jsonl records."""
+def summarize(records: list[dict], eval_bf16: Path | None = None) -> dict:
+    """One run's row of accuracy.json from its metrics.jsonl records (and its ``--eval_bf16`` results, if any)."""
     steps = [r for r in records if r.get("step", 0) > 0 and "reward_mean" in r]
     evals = [r for r in records if "eval_accuracy" in r]
     col = lambda key, rows=steps: [r[key] for r in rows if key in r]  # noqa: E731
@@ -138,6 +169,9 @@ def summarize(records: list[dict]) -> dict:
         "steps": len(steps),
         "skipped_updates": sum(col("skipped_updates")),
     }
+    if eval_bf16 is not None and (eval_bf16 / "results.json").exists():
+        # the run's final weights through the BF16 sampler: what training learned, apart from FP8 at test time
+        row["acc_after_bf16"] = json.loads((eval_bf16 / "results.json").read_text())["pass@1"]
     return row
 
 
@@ -214,8 +248,15 @@ def markdown(result: dict, plots: list[str]) -> str:
         "IS weight max | s/step |",
         "|---|---|---|---|---|---|---|---|",
     ]
+    bf16_sampler = any("acc_after_bf16" in r for r in result["modes"].values())
+    if bf16_sampler:
+        lines[-2] = lines[-2].replace("| reward start", "| acc after, BF16 sampler | reward start")
+        lines[-1] += "---|"
     for mode, r in result["modes"].items():
         spread = f" ± {100 * r['acc_after_std']:.1f}" if r.get("acc_after_std") is not None else ""
+        if bf16_sampler:  # a BF16 run's own evaluation is already the BF16 sampler's
+            own = r["acc_after"] if MODES[mode]["precision.mode"] == "bf16" else r.get("acc_after_bf16")
+            spread += f" | {_fmt(own, True)}"
         lines.append(f"| {mode} ({r['seeds_run']}) | {_fmt(r['acc_before'], True)} | "
                      f"{_fmt(r['acc_after'], True)}{spread} | {_fmt(r['reward_start'])} → {_fmt(r['reward_end'])} | "
                      f"{_fmt(r['mismatch_kl'])} | {_fmt(r['token_mult_prob_error'])} | {_fmt(r['is_weight_max'])} | "
@@ -226,7 +267,8 @@ def markdown(result: dict, plots: list[str]) -> str:
         cells = [_fmt(r["per_seed"][str(s)]["acc_after"], True) if str(s) in r["per_seed"] else "–" for s in seeds]
         lines.append(f"| {mode} | " + " | ".join(cells) + " |")
     lines += ["", "Accuracy: greedy pass@1 on the first test problems (`data.num_eval`) with the mode's own sampler, "
-              "before the first step and after the last. Mismatch KL and token_mult_prob_error: means over the steps "
+              "before the first step and after the last (with `--eval_bf16`, also the FP8 runs' final weights through "
+              "the BF16 sampler). Mismatch KL and token_mult_prob_error: means over the steps "
               "of the trainer's records (sampler logprobs against the trainer's forward, per completion token).", ""]
     lines += [f"![{p}]({p})" for p in plots]
     return "\n".join(lines) + "\n"
@@ -247,6 +289,9 @@ def aggregate(per_seed: dict[int, dict]) -> dict:
     finals = [r["acc_after"] for r in rows if r["acc_after"] is not None]
     out["acc_after_std"] = ((sum((a - out["acc_after"]) ** 2 for a in finals) / (len(finals) - 1)) ** 0.5
                             if len(finals) > 1 and out["acc_after"] is not None else None)
+    bf16_evals = [r.get("acc_after_bf16") for r in rows]
+    if all(v is not None for v in bf16_evals):
+        out["acc_after_bf16"] = _mean(bf16_evals)
     out["is_weight_max"] = max((r["is_weight_max"] for r in rows if r["is_weight_max"] is not None), default=None)
     out["seeds_run"] = len(rows)
     out["per_seed"] = {str(seed): row for seed, row in per_seed.items()}
@@ -270,7 +315,8 @@ def collect(args, modes: list[str], seconds: float, command: str) -> dict:
     previous = json.loads(Path(args.out).read_text()) if args.collect and Path(args.out).exists() else {}
     made = {"device": _device(), "commit": _commit(), "command": command, "seconds": seconds}
     made = {k: previous.get(k, v) for k, v in made.items()}
-    per_seed = {m: {seed: summarize(records) for seed, records in by_seed.items()} for m, by_seed in curves.items()}
+    per_seed = {m: {seed: summarize(records, Path(args.workdir) / f"seed{seed}" / m / EVAL_BF16)
+                    for seed, records in by_seed.items()} for m, by_seed in curves.items()}
     result = {
         "model": {"smollm2": "SmolLM2-135M-Instruct", "preset": config.model.preset}.get(config.model.source,
                                                                                           config.model.source),
@@ -313,6 +359,8 @@ def main(argv=None) -> int:
     p.add_argument("--workdir", default="runs/accuracy_study")
     p.add_argument("--out", default="benchmarks/results/accuracy.json")
     p.add_argument("--docs", default="docs")
+    p.add_argument("--eval_bf16", action="store_true",
+                   help="save each run's final checkpoint and evaluate the FP8 runs' with the BF16 sampler too")
     p.add_argument("--collect", action="store_true", help="only rebuild the outputs from the runs in --workdir")
     args = p.parse_args(argv)
     args.seeds = [int(x) for x in args.seeds.split(",")]

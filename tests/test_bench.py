@@ -79,7 +79,7 @@ def test_accuracy_study_runs_a_mode_and_writes_table_and_plots(tmp_path):
     args = ["--config", "configs/tiny.py", "--steps", "2", "--modes", "fp8_e2e_tis", "--parallel", "1",
             "--set", "data.num_eval=4", "--set", "data.eval_every=2", "--workdir", str(tmp_path / "runs"),
             "--out", str(tmp_path / "accuracy.json"), "--docs", str(tmp_path / "docs")]
-    assert study.main(args) == 0
+    assert study.main([*args, "--eval_bf16"]) == 0
     result = json.loads((tmp_path / "accuracy.json").read_text())
     row = result["modes"]["fp8_e2e_tis"]
     one = row["per_seed"]["0"]  # the one seed's own row; the mode's values are means over seeds
@@ -88,6 +88,10 @@ def test_accuracy_study_runs_a_mode_and_writes_table_and_plots(tmp_path):
     assert 0.0 <= row["acc_before"] <= 1.0 and row["acc_after"] == one["acc_after"] and row["acc_after_std"] is None
     assert row["mismatch_kl"] >= 0.0 and row["token_mult_prob_error"] >= 1.0
     assert row["overrides"] == {"precision.mode": "fp8_e2e", "rl.is_correction": "tis"}
+    # --eval_bf16: the final checkpoint through the BF16 sampler, on the same 4 test problems
+    bf16_eval = json.loads((tmp_path / "runs" / "seed0" / "fp8_e2e_tis" / "eval_bf16" / "results.json").read_text())
+    assert bf16_eval["precision_mode"] == "bf16" and bf16_eval["num_problems"] == 4 and bf16_eval["step"] == 2
+    assert row["acc_after_bf16"] == one["acc_after_bf16"] == bf16_eval["pass@1"]
     assert (tmp_path / "runs" / "seed0" / "fp8_e2e_tis" / "metrics.jsonl").exists()
     assert "| fp8_e2e_tis |" in (tmp_path / "docs" / "accuracy.md").read_text()
     assert (tmp_path / "docs" / "accuracy_eval.png").stat().st_size > 0
