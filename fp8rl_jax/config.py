@@ -50,6 +50,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.precision.amax_history_len = 16
     c.precision.amax_compute_algo = "max"  # max | most_recent
     c.precision.fp8_format = "hybrid"  # hybrid (E4M3 fwd, E5M2 grads) | e4m3
+    # forward scaling: tensor (delayed, per tensor) | rowwise (per token x per output channel, current; xla backend)
+    c.precision.scaling = "tensor"
     c.precision.bf16_first_layers = 0
     c.precision.bf16_last_layers = 0
     c.precision.bf16_layers = ()  # more blocks kept in BF16, by index: (11, 28, 29)
@@ -238,6 +240,9 @@ def validate(c: ml_collections.ConfigDict, known_rewards: Callable[[], Sequence[
     _one_of(c, "precision.compute_dtype", ("bfloat16", "float32"))
     _one_of(c, "precision.amax_compute_algo", ("max", "most_recent"))
     _one_of(c, "precision.fp8_format", ("hybrid", "e4m3"))
+    _one_of(c, "precision.scaling", ("tensor", "rowwise"))
+    _check(c.precision.scaling == "tensor" or c.precision.backend == "xla", "precision.scaling", c.precision.scaling,
+           "tensor, or rowwise with precision.backend=xla (Transformer Engine scales per tensor here)")
     _one_of(c, "precision.kv_cache_dtype", ("bfloat16", "float8_e4m3fn"))
     _positive(c, "precision.amax_history_len")
     for key in ("precision.margin", "precision.kv_margin", "precision.bf16_first_layers",

@@ -39,6 +39,9 @@ def test_every_config_loads_and_validates(path, tmp_path):
         ("reward.weights", ("1.0,x",), "config.reward.weights"),
         ("precision.bf16_layers", ("1,a",), "config.precision.bf16_layers"),
         ("precision.bf16_linears", ("w_down,w_up",), "config.precision.bf16_linears"),
+        ("precision.scaling", "blockwise", "config.precision.scaling='blockwise'"),
+        # rowwise is built in the xla backend only; the default backend (auto) may pick te
+        ("precision.scaling", "rowwise", "rowwise with precision.backend=xla"),
     ],
 )
 def test_bad_values_are_named(key, value, message):

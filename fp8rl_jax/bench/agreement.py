@@ -26,7 +26,7 @@ import numpy as np
 
 from fp8rl_jax.fp8 import kv as kvq
 from fp8rl_jax.fp8.policy import Precision
-from fp8rl_jax.fp8.recipe import update_state
+from fp8rl_jax.fp8.recipe import Fp8Recipe, update_state
 from fp8rl_jax.model import llama
 from fp8rl_jax.model.config import LlamaConfig
 from fp8rl_jax.rl.metrics import mismatch_metrics
@@ -46,6 +46,8 @@ PRECISIONS = {
     "fp8_te": Precision(backend="te"),
     # the LM head in FP8 too (precision.lm_head_fp8): its logprob error on top of the blocks'
     "fp8_head": Precision(backend="xla", lm_head_fp8=True),
+    # per-token x per-output-channel current scales in the forward (precision.scaling=rowwise)
+    "fp8_rowwise": Precision(backend="xla", recipe=Fp8Recipe(scaling="rowwise")),
 }
 MAX_PREFILL = 1024  # prompts longer than this are an error
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -49,17 +50,19 @@ def _gemm_paths(paths: list[str], recipe) -> dict:
     out = {}
     for path in paths:
         name = path.split("_")[0]
+        # "..._rowwise": per-token x per-output-channel current scales in the forward (xla only)
+        r = dataclasses.replace(recipe, scaling="rowwise") if "rowwise" in path.split("_") else recipe
         if path.startswith("bf16"):
             out[path] = (lambda x, w, s: jnp.dot(x, w, preferred_element_type=jnp.bfloat16), None, 2)
         elif name in backends and path.endswith("prequant"):
             b = backends[name]
             out[path] = (
-                lambda x, qw, s, b=b: b.prequantized_matmul(x, qw, s["x"]["scale"], recipe).astype(x.dtype),
-                lambda w, s: xla_fp8.quantize_kernel(w, s["kernel"], recipe),
+                lambda x, qw, s, b=b, r=r: b.prequantized_matmul(x, qw, s["x"]["scale"], r).astype(x.dtype),
+                lambda w, s, r=r: xla_fp8.quantize_kernel(w, s["kernel"], r),
                 1,
             )
         elif name in backends:
-            out[path] = (lambda x, w, s, b=backends[name]: b.fp8_matmul(x, w, s, recipe), None, 2)
+            out[path] = (lambda x, w, s, b=backends[name], r=r: b.fp8_matmul(x, w, s, r), None, 2)
     return out
 
 

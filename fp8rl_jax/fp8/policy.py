@@ -49,6 +49,9 @@ class Precision:
             raise ValueError(f"compute_dtype={self.compute_dtype!r}; allowed: {COMPUTE_DTYPES}")
         if self.bf16_first_layers < 0 or self.bf16_last_layers < 0:
             raise ValueError("bf16_first_layers and bf16_last_layers must be >= 0")
+        if self.recipe.scaling != "tensor" and self.backend == "te":
+            raise ValueError(f"FP8 scaling={self.recipe.scaling!r} is built in the xla backend only; the te backend "
+                             "scales per tensor")
 
     @property
     def fp8(self) -> bool:
@@ -118,7 +121,7 @@ def from_config(config, role: str) -> Precision:
     p = config.precision
     fp8 = p.mode == "fp8_e2e" or (p.mode == "fp8_rollout" and role == "rollout")
     recipe = Fp8Recipe(margin=p.margin, amax_history_len=p.amax_history_len,
-                       amax_compute_algo=p.amax_compute_algo, fp8_format=p.fp8_format)
+                       amax_compute_algo=p.amax_compute_algo, fp8_format=p.fp8_format, scaling=p.scaling)
     return Precision(
         backend=resolve_backend(p.backend) if fp8 else "bf16",
         recipe=recipe,

@@ -58,6 +58,9 @@ Fp8Meta = dict[str, jax.Array]  # {"scale": f32[], "amax_history": f32[H]}
 Fp8LinearState = dict[str, Fp8Meta]  # {"x": Fp8Meta, "kernel": Fp8Meta, "grad": Fp8Meta}
 
 
+SCALINGS = ("tensor", "rowwise")
+
+
 def fp8_max(dtype: Any) -> float:
     """Largest finite value of an FP8 dtype (448 for E4M3, 57344 for E5M2)."""
     return float(ml_dtypes.finfo(dtype).max)
@@ -71,8 +74,13 @@ class Fp8Recipe:
     amax_history_len: int = 16
     amax_compute_algo: str = "max"
     fp8_format: str = "hybrid"
+    # forward GEMM scaling: "tensor" (one delayed scale per tensor) | "rowwise" (each token's activation row and each
+    # output channel of the kernel scaled by its own current amax; the backward stays per tensor; xla backend only)
+    scaling: str = "tensor"
 
     def __post_init__(self):
+        if self.scaling not in SCALINGS:
+            raise ValueError(f"scaling={self.scaling!r}; allowed: {SCALINGS}")
         if self.fp8_format not in FORMATS:
             raise ValueError(f"fp8_format={self.fp8_format!r}; allowed: {FORMATS}")
         if self.amax_compute_algo not in AMAX_ALGOS:

@@ -15,6 +15,7 @@ Two forms of the same GEMM, chosen at trace time (``gemm_form``):
            f32 -> f8 -> f32 round trip away.
 
 Forward:  y  = (q(x) . q(w))            / (s_x s_w)      q() = E4M3 with the role's delayed scale
+          (``rowwise`` scaling: s_x per token row and s_w per output channel, each from its current amax)
 Backward: dx = (q(g) . q(w)^T)          / (s_g s_w)      q(g) = E5M2 (hybrid) or E4M3
           dw = (q(x)^T . q(g))          / (s_x s_g)
 The quantized x and w of the forward are the residuals, so the backward re-uses them (and keeps activations in
@@ -30,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fp8rl_jax.fp8.recipe import Fp8LinearState, Fp8Recipe, amax, observations, quantize
+from fp8rl_jax.fp8.recipe import Fp8LinearState, Fp8Recipe, amax, fp8_max, observations, quantize, scale_from_amax
 
 GEMM_FORMS = ("f8", "f32")
 
@@ -75,10 +76,24 @@ class QuantizedKernel:
 
 
 def quantize_kernel(kernel: jax.Array, kernel_meta, recipe: Fp8Recipe, form: str | None = None) -> QuantizedKernel:
-    """[K, N] kernel -> FP8 [N, K] with its delayed scale, stored in ``form``'s dtype (see ``gemm_form``)."""
+    """[K, N] kernel -> FP8 [N, K] with its delayed scale (``scale_inv`` a scalar), stored in ``form``'s dtype (see
+    ``gemm_form``). With ``rowwise`` scaling each output channel n gets its own current scale
+    ``fp8_max / amax(kernel[:, n])`` (``scale_inv`` [N])."""
+    if recipe.scaling == "rowwise":
+        data, scale_inv = _rowwise_quantize(jnp.swapaxes(kernel, -1, -2), recipe.fwd_dtype)  # [N, K], [N]
+        return QuantizedKernel(gemm_operand(data, recipe.fwd_dtype, gemm_form(form)), scale_inv)
     scale = kernel_meta["scale"]
     data = jnp.swapaxes(quantize(kernel, scale, recipe.fwd_dtype), -1, -2)
     return QuantizedKernel(gemm_operand(data, recipe.fwd_dtype, gemm_form(form)), 1.0 / scale.astype(jnp.float32))
+
+
+def _rowwise_quantize(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+    """Each row of ``x`` [..., R, C] with its own current scale ``fp8_max / amax(row)`` (1 for an all-zero row):
+    (FP8 values [..., R, C], inverse scales [..., R]). A row's amax is a max, which no reduction order changes, so
+    a token quantizes the same in a decode step (M=1) and in a full-sequence forward (M=T)."""
+    row_amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1)
+    scale = scale_from_amax(row_amax, 1.0, fp8_max(dtype))
+    return quantize(x, scale[..., None], dtype), 1.0 / scale
 
 
 def _mm(a: jax.Array, b: jax.Array, a_contract: int, b_contract: int) -> jax.Array:
@@ -97,8 +112,12 @@ def prequantized_matmul(
     training forward run the same arithmetic on the same FP8 operands.
     """
     form = gemm_form(form)
-    qx = gemm_operand(quantize(x, x_scale, recipe.fwd_dtype), recipe.fwd_dtype, form)
     qw = gemm_operand(kernel.data, recipe.fwd_dtype, form)
+    if recipe.scaling == "rowwise":  # x_scale unused: each token's row has its own current scale
+        qx, x_scale_inv = _rowwise_quantize(x, recipe.fwd_dtype)
+        # [M, K] . [N, K] -> [M, N], scaled back per token and per output channel
+        return _mm(gemm_operand(qx, recipe.fwd_dtype, form), qw, 1, 1) * (x_scale_inv[:, None] * kernel.scale_inv)
+    qx = gemm_operand(quantize(x, x_scale, recipe.fwd_dtype), recipe.fwd_dtype, form)
     # [M, K] . [N, K] -> [M, N]
     return _mm(qx, qw, 1, 1) * ((1.0 / x_scale.astype(jnp.float32)) * kernel.scale_inv)
 
@@ -117,7 +136,9 @@ def _fp8_matmul_fn(x_dtype, w_dtype, out_dtype, recipe: Fp8Recipe, form: str):
         x_scale = state["x"]["scale"]
         operand = QuantizedKernel(gemm_operand(qk.data, fwd_dtype, form), qk.scale_inv)
         y = prequantized_matmul(x, operand, x_scale, recipe, form).astype(out_dtype)
-        qx = quantize(x, x_scale, fwd_dtype)  # CSE'd with the one inside prequantized_matmul
+        if recipe.scaling == "rowwise":  # the backward's operands: per tensor, with the delayed scales
+            qk = quantize_kernel(kernel, state["kernel"], dataclasses.replace(recipe, scaling="tensor"), "f8")
+        qx = quantize(x, x_scale, fwd_dtype)  # CSE'd with the one inside prequantized_matmul (per-tensor)
         # the residuals stay float8 (one byte per value) in either form
         residuals = (qx, qk.data, state, amax(x), amax(kernel))
         return y, residuals

@@ -8,7 +8,7 @@ import pytest
 from fp8rl_jax.fp8 import kv as kvq
 from fp8rl_jax.fp8 import xla
 from fp8rl_jax.fp8.policy import Precision
-from fp8rl_jax.fp8.recipe import update_state
+from fp8rl_jax.fp8.recipe import Fp8Recipe, update_state
 from fp8rl_jax.fp8.xla import QuantizedKernel
 from fp8rl_jax.model import llama
 from fp8rl_jax.model.config import preset
@@ -38,6 +38,8 @@ POLICIES = {
     "fp8_kv": Precision(backend="xla", kv_cache_dtype="float8_e4m3fn"),
     "bf16_layer_and_down": Precision(backend="xla", bf16_layers=(2,), bf16_linears=("w_down",)),
     "bf16": Precision(),
+    # per-token x per-output-channel current scales in the forward (xla backend)
+    "rowwise_fp8_head": Precision(backend="xla", recipe=Fp8Recipe(scaling="rowwise"), lm_head_fp8=True),
 }
 
 
