@@ -46,6 +46,9 @@ MODES = {
     # the FP8 KV cache on top (the fastest rollout), with TIS
     "fp8_e2e_kv_tis": {"precision.mode": "fp8_e2e", "precision.kv_cache_dtype": "float8_e4m3fn",
                        "rl.is_correction": "tis"},
+    # finer scaling: per token x per output channel in the forward (xla backend only)
+    "fp8_e2e_rowwise_tis": {"precision.mode": "fp8_e2e", "precision.backend": "xla", "precision.scaling": "rowwise",
+                            "rl.is_correction": "tis"},
 }
 DEFAULT_MODES = ("bf16", "fp8_rollout", "fp8_rollout_tis", "fp8_e2e", "fp8_e2e_tis")
 PLOTS = {  # file -> (metric, title)

@@ -1,6 +1,8 @@
 """The benchmark entry points run end to end on tiny shapes (the GPU numbers come from the GPU host)."""
 
+import importlib.util
 import json
+import os
 
 from fp8rl_jax.bench.__main__ import main
 
@@ -68,14 +70,20 @@ def test_e2e_measures_a_mode_and_summarizes_against_the_best_bf16():
     assert summary["hbm_bound_fraction"] == 0.5 and summary["device"] == "d" and summary["modes"] == rows
 
 
-def test_accuracy_study_runs_a_mode_and_writes_table_and_plots(tmp_path):
-    import importlib.util
-    import os
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "accuracy_study.py")
+
+def _study_module():
+    """benchmarks/accuracy_study.py (a script, not a package module)."""
+    path = os.path.join(REPO, "benchmarks", "accuracy_study.py")
     spec = importlib.util.spec_from_file_location("accuracy_study", path)
     study = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(study)
+    return study
+
+
+def test_accuracy_study_runs_a_mode_and_writes_table_and_plots(tmp_path):
+    study = _study_module()
     args = ["--config", "configs/tiny.py", "--steps", "2", "--modes", "fp8_e2e_tis", "--parallel", "1",
             "--set", "data.num_eval=4", "--set", "data.eval_every=2", "--workdir", str(tmp_path / "runs"),
             "--out", str(tmp_path / "accuracy.json"), "--docs", str(tmp_path / "docs")]
@@ -105,3 +113,14 @@ def test_accuracy_study_runs_a_mode_and_writes_table_and_plots(tmp_path):
     page.write_text(page.read_text() + f"\n{study.FINDINGS}\nwhat it means\n")
     assert study.main([*args, "--collect"]) == 0
     assert page.read_text().endswith(f"{study.FINDINGS}\nwhat it means\n") and "| fp8_e2e_tis (1) |" in page.read_text()
+
+
+def test_every_accuracy_study_mode_is_a_valid_config():
+    from fp8rl_jax.config import load_config_file, validate
+
+    study = _study_module()
+    assert set(study.DEFAULT_MODES) <= set(study.MODES)
+    for overrides in study.MODES.values():
+        config = load_config_file(os.path.join(REPO, "configs", "smollm2_arith.py"))
+        config.update_from_flattened_dict(overrides)
+        validate(config)
