@@ -25,21 +25,29 @@ _STEPS = flags.DEFINE_integer(
 _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Validate the config, print it and exit.")
 
 
+def _validated_config(**validate_kw):
+    """The ``--config``, checked by ``config.validate(**validate_kw)``; None after printing the one-line error."""
+    from fp8rl_jax.config import ConfigError, validate
+
+    try:
+        config = _CONFIG.value
+        config.get("seed")  # a config file that failed to load raises its error on first access
+        validate(config, **validate_kw)
+    except (ConfigError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return None
+    return config
+
+
 def tool_config(argv, *, training: bool = True):
     """The ``--config`` of a non-training entry point (export, serve), validated: ``(config, None)``, or
     ``(None, exit_code)`` when it should stop (a one-line error: 2; ``--dry_run``: the config printed, 0)."""
-    from fp8rl_jax.config import ConfigError, validate
-
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     if _STEPS.value is not None:
         raise app.UsageError("--steps is a trainer flag")
-    try:
-        config = _CONFIG.value
-        config.get("seed")  # a config file that failed to load raises its error on first access
-        validate(config, training=training)
-    except (ConfigError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    config = _validated_config(training=training)
+    if config is None:
         return None, 2
     if _DRY_RUN.value:
         print(config)
@@ -55,16 +63,10 @@ def main(argv) -> int:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     logging.set_verbosity(logging.WARNING)  # Orbax logs every file it writes at INFO
-    from fp8rl_jax.config import ConfigError, validate
+    from fp8rl_jax.rl.rewards import reward_names
 
-    try:
-        config = _CONFIG.value
-        config.get("seed")  # a config file that failed to load raises its error on first access
-        from fp8rl_jax.rl.rewards import reward_names
-
-        validate(config, known_rewards=reward_names)
-    except (ConfigError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    config = _validated_config(known_rewards=reward_names)
+    if config is None:
         return 2
     if _STEPS.value is not None:
         if _STEPS.value < 1:
@@ -86,6 +88,7 @@ def main(argv) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    from fp8rl_jax.config import ConfigError
     from fp8rl_jax.trainer import Trainer
 
     try:
