@@ -8,22 +8,20 @@
 to move it within a few dozen steps, which GSM8K (3% for this model) does not give.
 """
 
-from fp8rl_jax.config import base_config
+import os
+
+from fp8rl_jax.config import load_config_file
+
+# the embedded default's model, precision, GSM8K system prompt and rewards; read by path, so that this file loads
+# from any working directory (an import of configs.smollm2_gsm8k needs the repository on sys.path)
+GSM8K = os.path.join(os.path.dirname(os.path.abspath(__file__)), "smollm2_gsm8k.py")
 
 
 def get_config(arg=None):
-    c = base_config()
+    c = load_config_file(GSM8K)  # locked: keys are set here, none added
     c.steps = int(arg) if arg else 40
     c.workdir = "runs/smollm2_arith"
-    c.model.source = "smollm2"
-    c.precision.mode = "fp8_e2e"
     c.data.dataset = "arithmetic_qa"
-    c.data.prompt_format = "chat"
-    c.data.system_prompt = (
-        "Solve the math problem step by step. Put the final answer after '####', e.g. '#### 42'."
-    )
-    c.reward.fns = ("gsm8k_answer", "gsm8k_format")
-    c.reward.weights = (1.0, 0.1)
     c.data.digits = 1
     c.data.max_prompt_tokens = 128
     c.data.num_eval = 256  # greedy accuracy on the first 256 test problems
@@ -34,7 +32,5 @@ def get_config(arg=None):
     c.rollout.decode_slots = 128
     c.rl.microbatch_sequences = 32  # 4 microbatches: the train step fits a fifth of an H100 (5 modes at once)
     c.optim.lr = 5e-6
-    c.checkpoint.every = 0
     c.logging.tensorboard = False
-    c.mesh.fsdp = 1
     return c
