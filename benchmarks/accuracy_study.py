@@ -80,6 +80,15 @@ def _device() -> str:
         return "cpu"
 
 
+def _config(args):
+    """The study's config file (``path[:arg]``, relative to the repository, as the runs read it), without the
+    ``--set`` overrides."""
+    from fp8rl_jax.config import load_config_file
+
+    path, _, arg = args.config.partition(":")
+    return load_config_file(str(REPO / path), arg or None)
+
+
 def _pool(jobs: list[tuple[tuple, list[str], Path]], args, env: dict, deadline: float) -> dict[tuple, int]:
     """Run ``(key, command, log)`` jobs, ``args.parallel`` at a time, until done or ``deadline``; exit statuses."""
     pending, running, status = list(jobs), {}, {}
@@ -126,10 +135,7 @@ def run_modes(args, modes: list[str]) -> dict[tuple[int, str], int]:
             jobs.append(((seed, mode), cmd, workdir.parent / f"{mode}.log"))
     status = _pool(jobs, args, env, deadline)
     if args.eval_bf16:
-        from fp8rl_jax.config import load_config_file
-
-        path, _, arg = args.config.partition(":")
-        num = load_config_file(str(REPO / path), arg or None).data.num_eval
+        num = _config(args).data.num_eval
         num = next((int(kv.split("=", 1)[1]) for kv in args.set if kv.startswith("data.num_eval=")), num)
         evals = []
         for (seed, mode), code in status.items():
@@ -302,10 +308,7 @@ def aggregate(per_seed: dict[int, dict]) -> dict:
 
 
 def collect(args, modes: list[str], seconds: float, command: str) -> dict:
-    from fp8rl_jax.config import load_config_file
-
-    path, _, arg = args.config.partition(":")
-    config = load_config_file(str(REPO / path), arg or None)  # relative to the repository, as the runs read it
+    config = _config(args)
     curves = {}  # mode -> seed -> records
     for mode in modes:
         by_seed = {seed: _read(Path(args.workdir) / f"seed{seed}" / mode / "metrics.jsonl") for seed in args.seeds}
