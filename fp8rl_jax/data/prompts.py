@@ -21,7 +21,7 @@ import grain
 
 from fp8rl_jax.data import gsm8k, synthetic
 
-DATASETS = ("gsm8k", "arithmetic", "arithmetic_qa", "pattern")
+DATASETS = ("gsm8k", *synthetic.TASKS)
 SPLITS = ("train", "test")
 PROMPT_FORMATS = ("chat", "plain")
 GSM8K_PLAIN_TEMPLATE = "Question: {question}\nAnswer:"

@@ -32,7 +32,6 @@ Why a 2-layer d=64 model learns it from reward alone in ~30 GRPO steps (8 prompt
 from __future__ import annotations
 
 import itertools
-import re
 from collections.abc import Iterator
 
 import numpy as np
@@ -46,18 +45,23 @@ PATTERN_LETTERS = 4
 PATTERN_WINDOW = 8
 
 
-def arithmetic_problem(rng: np.random.Generator, digits: int = 2) -> tuple[str, str]:
-    """(question, answer), e.g. ("37+48=", "85")."""
+def _arithmetic_draw(rng: np.random.Generator, digits: int) -> tuple[int, str, int, str]:
+    """(a, "+" or "-", b, the answer) with operands below ``10**digits``."""
     a, b = (int(x) for x in rng.integers(0, 10**digits, size=2))
     if rng.integers(2):
-        return f"{a}+{b}=", str(a + b)
-    return f"{a}-{b}=", str(a - b)
+        return a, "+", b, str(a + b)
+    return a, "-", b, str(a - b)
+
+
+def arithmetic_problem(rng: np.random.Generator, digits: int = 2) -> tuple[str, str]:
+    """(question, answer), e.g. ("37+48=", "85")."""
+    a, op, b, answer = _arithmetic_draw(rng, digits)
+    return f"{a}{op}{b}=", answer
 
 
 def arithmetic_qa_problem(rng: np.random.Generator, digits: int = 2) -> tuple[str, str]:
     """(question, answer), e.g. ("What is 37 + 48?", "85"): ``arithmetic_problem``'s draw, in words."""
-    question, answer = arithmetic_problem(rng, digits)
-    a, op, b = re.fullmatch(r"(\d+)([+-])(\d+)=", question).groups()
+    a, op, b, answer = _arithmetic_draw(rng, digits)
     return f"What is {a} {op} {b}?", answer
 
 
