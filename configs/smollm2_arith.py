@@ -4,7 +4,7 @@
     python benchmarks/accuracy_study.py          # every precision mode, with and without TIS
 
 "What is 7 - 9?" with the GSM8K system prompt, judged like GSM8K (the number after '####', else the last number;
-0.1 for the '####' line). Greedy accuracy starts near 44% (``fp8rl_jax.data.synthetic``), so a GRPO run has room
+0.1 for the '####' line). Greedy accuracy starts near 28% (benchmarks/RESULTS.md), so a GRPO run has room
 to move it within a few dozen steps, which GSM8K (3% for this model) does not give.
 """
 
