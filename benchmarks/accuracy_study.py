@@ -49,6 +49,9 @@ MODES = {
     # finer scaling: per token x per output channel in the forward (xla backend only)
     "fp8_e2e_rowwise_tis": {"precision.mode": "fp8_e2e", "precision.backend": "xla", "precision.scaling": "rowwise",
                             "rl.is_correction": "tis"},
+    # the exact sampler (rollout.exact): rollouts drawn by the trainer's own forward, sampler == trainer bit for bit
+    "fp8_e2e_exact": {"precision.mode": "fp8_e2e", "rollout.exact": True, "rl.is_correction": "none"},
+    "bf16_exact": {"precision.mode": "bf16", "rollout.exact": True, "rl.is_correction": "none"},
 }
 DEFAULT_MODES = ("bf16", "fp8_rollout", "fp8_rollout_tis", "fp8_e2e", "fp8_e2e_tis")
 PLOTS = {  # file -> (metric, title)

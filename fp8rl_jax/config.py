@@ -89,6 +89,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.rollout.decode_slots = 32  # concurrent sequences in the decode batch
     # decode attention: pallas (length-aware kernel over the filled cache, GPU) | xla (whole-cache einsum) | auto
     c.rollout.decode_attention = "auto"
+    # True: draw the RL rollouts with the trainer's own scoring forward (no KV cache: a full forward of the
+    # microbatch per token), so the sampler's logprobs equal the trainer's bit for bit (fp8rl_jax/rollout/exact.py);
+    # precision.mode bf16 or fp8_e2e, one device
+    c.rollout.exact = False
 
     c.rl = ml_collections.ConfigDict()
     c.rl.advantage = "grpo"  # grpo (std-normalised) | drgrpo (mean only) | rloo
@@ -256,6 +260,10 @@ def validate(c: ml_collections.ConfigDict, known_rewards: Callable[[], Sequence[
     _one_of(c, "model.param_dtype", ("float32", "bfloat16"))
     _one_of(c, "model.preset_vocab", ("tokenizer", "preset"))
     _one_of(c, "rollout.decode_attention", ("auto", "pallas", "xla"))
+    _check(isinstance(c.rollout.exact, bool), "rollout.exact", c.rollout.exact, "True or False")
+    _check(not c.rollout.exact or c.precision.mode in ("bf16", "fp8_e2e"), "rollout.exact", c.rollout.exact,
+           f"False with precision.mode={c.precision.mode!r}: the exact sampler is the trainer's forward, so the "
+           f"rollout and training precisions must be one (bf16 or fp8_e2e)")
     _one_of(c, "model.remat", ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable"))
 
     src = c.model.source

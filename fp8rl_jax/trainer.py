@@ -51,7 +51,7 @@ from fp8rl_jax.rl.advantages import group_advantages
 from fp8rl_jax.rl.metrics import mismatch_metrics, reduce_metric
 from fp8rl_jax.rl.rewards import combined_rewards, reward_names
 from fp8rl_jax.rl.step import LossConfig, build_optimizer, make_calibrate, make_score, make_train_step
-from fp8rl_jax.rollout import driver
+from fp8rl_jax.rollout import driver, exact
 from fp8rl_jax.rollout.sampler import Sampler
 from fp8rl_jax.rollout.sampling import SamplingParams
 
@@ -92,9 +92,12 @@ def load_policy(config, directory: str | Path | None = None, step: int | None = 
     return model, policy["params"], policy["fp8_state"], policy["kv_scales"], tokenizer
 
 
-def right_pad(rows: list, pad_id: int, multiple: int = 32) -> np.ndarray:
-    """Token rows right-padded into [len(rows), T], T a multiple of ``multiple`` (few shapes to compile)."""
-    t = -(-max(len(r) for r in rows) // multiple) * multiple
+def right_pad(rows: list, pad_id: int, multiple: int = 32, width: int = 0) -> np.ndarray:
+    """Token rows right-padded into [len(rows), T], T a multiple of ``multiple`` (few shapes to compile), or
+    ``width`` where given (it must hold every row)."""
+    t = width or -(-max(len(r) for r in rows) // multiple) * multiple
+    if max(len(r) for r in rows) > t:
+        raise ValueError(f"a row of {max(len(r) for r in rows)} tokens does not fit width {t}")
     out = np.full((len(rows), t), pad_id, np.int32)
     for i, r in enumerate(rows):
         out[i, : len(r)] = r
@@ -211,8 +214,15 @@ class Trainer:
                                          observe_fp8=not self.train_precision.fp8, remat=c.model.remat, **on_mesh)
         # RL rollouts, sample() and evaluate() draw through one sampler: an engine per sampling setup
         self.sampler = Sampler(c, self.model, self.tokenizer, self.rollout_precision, self.mesh)
-        self.engine = self.sampler.engine(SamplingParams(temperature=c.rollout.temperature, top_k=c.rollout.top_k,
-                                                         top_p=c.rollout.top_p), c.rollout.max_new_tokens)
+        rl_sampling = SamplingParams(temperature=c.rollout.temperature, top_k=c.rollout.top_k, top_p=c.rollout.top_p)
+        self.engine = self.sampler.engine(rl_sampling, c.rollout.max_new_tokens)
+        self.exact_sampler = None  # rollout.exact: the RL rollouts drawn by the train precision's scoring forward
+        if c.rollout.exact:
+            if self.mesh.size > 1:
+                raise ConfigError(f"config.rollout.exact=True runs on one device; the mesh has {self.mesh.size}")
+            self.exact_sampler = exact.ExactSampler(self.model, self.train_precision, rl_sampling,
+                                      max_new_tokens=c.rollout.max_new_tokens, microbatch=self.microbatch,
+                                      stop_ids=tuple(self.tokenizer.stop_ids), pad_id=self.tokenizer.pad_id or 0)
         self.bad_steps = 0
 
         self.checkpointer = Checkpointer(self.workdir / "checkpoints", keep=c.checkpoint.keep,
@@ -230,6 +240,12 @@ class Trainer:
         if primary:
             self._write_run_json()
         self.reporter.message(f"precision: {c.precision.mode}, FP8 backend {self.backend} ({self.backend_reason})")
+        if self.exact_sampler is not None:
+            self.reporter.message("rollout.exact: the rollouts are drawn by the trainer's own forward")
+            if exact.cpu_flag_missing():
+                self.reporter.message(f"rollout.exact on XLA:CPU: set XLA_FLAGS={exact.CPU_XLA_FLAG} before starting "
+                                      "for bit-for-bit agreement (without it a few percent of the logprobs are "
+                                      "1 ulp off)")
         if resumed:
             self.reporter.message(f"resumed from {self.workdir / 'checkpoints'} at step {self.step_count}")
         if self.prompts.dropped:
@@ -263,12 +279,16 @@ class Trainer:
         records = self.prompts.take(c.rollout.prompts_per_step)
         key = jax.random.fold_in(self.state["rng"], step)
 
-        with timed(times, "weights"):  # the sampler's copy of the policy: FP8 kernels quantized once per step
-            params = jax.block_until_ready(self.sampler.weights(self.engine, self.state))
-        with timed(times, "rollout"):
-            batch = self.sampler.rollout(self.engine, self.state, [r.prompt_ids for r in records], self.group, key,
-                                         params=params)
-        del params
+        prompts = [r.prompt_ids for r in records]
+        if self.exact_sampler is not None:  # the trainer's own forward, on its own weights
+            with timed(times, "rollout"):
+                batch = self.exact_sampler.rollout(self.state, prompts, self.group, key)
+        else:
+            with timed(times, "weights"):  # the sampler's copy of the policy: FP8 kernels quantized once per step
+                params = jax.block_until_ready(self.sampler.weights(self.engine, self.state))
+            with timed(times, "rollout"):
+                batch = self.sampler.rollout(self.engine, self.state, prompts, self.group, key, params=params)
+            del params
         memory = {"rollout": peak_memory_gib()}  # None on CPU (no allocator statistics)
 
         with timed(times, "reward"):
@@ -400,7 +420,7 @@ class Trainer:
         """Right-padded prompt + completion rows and their per-token masks and rollout logprobs, put on the device
         once (built on the host, where the rollout's tokens are), with the (device) advantages [rows]."""
         rows = [[*records[p].prompt_ids, *batch.completion(i)] for i, p in enumerate(batch.prompt_index)]
-        tokens = right_pad(rows, self.tokenizer.pad_id or 0)
+        tokens = right_pad(rows, self.tokenizer.pad_id or 0, width=batch.width)  # an exact rollout's width
         mask = np.zeros(tokens.shape, np.float32)
         rollout_logp = np.zeros(tokens.shape, np.float32)
         for i, p in enumerate(batch.prompt_index):

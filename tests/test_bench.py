@@ -49,6 +49,30 @@ def test_agreement_rollout_path_equals_scoring_in_f32():
         assert 1 / bound * (1 - 1e-6) <= r["is_weight_min"] <= r["is_weight_max"] <= bound * (1 + 1e-6)
 
 
+def test_agreement_exact_variants_agree_with_scoring_bit_for_bit():
+    """``<precision>_exact``: the exact sampler's logprobs (each token scored with it and its successors padded
+    out) against the scoring program: 0 in BF16 and FP8, where the engine's are not."""
+    import jax
+    import numpy as np
+
+    from fp8rl_jax.bench.agreement import bench_agreement
+    from fp8rl_jax.fp8.policy import Precision
+    from fp8rl_jax.model import llama
+    from fp8rl_jax.model.config import preset
+
+    model = preset("tiny")
+    params = llama.init_params(model, jax.random.PRNGKey(0), std=0.1)
+    rng = np.random.RandomState(1)
+    sequences = [(rng.randint(3, model.vocab_size, n).tolist(), rng.randint(3, model.vocab_size, m).tolist())
+                 for n, m in ((5, 7), (11, 4))]
+    rows = bench_agreement(model, params, sequences, {"bf16": Precision(), "bf16_exact": Precision(),
+                                                      "fp8_exact": Precision(backend="xla")})
+    assert rows[0]["decode_vs_full_max"] > 0  # the KV-cache engine rounds differently
+    for r in rows[1:]:
+        assert r["tokens"] == 11 and r["decode_vs_full_max"] == 0 and r["token_mult_prob_error"] == 1
+    assert rows[2]["vs_f32_mean"] > 1e-3  # FP8, and yet no mismatch
+
+
 def test_e2e_measures_a_mode_and_summarizes_against_the_best_bf16():
     """One mode in-process on the tiny config (the CLI runs each in a child), then the summary's arithmetic."""
     import argparse

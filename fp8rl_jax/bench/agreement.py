@@ -10,6 +10,10 @@ Teacher-forced on GSM8K test problems with their reference solutions, SmolLM2-13
   ``token_mult_prob_error``, chi2) and the spread of the per-token importance weights exp(scoring - rollout);
 - ``vs_f32``: |log p| of the scoring forward in this precision against the f32 model.
 
+A variant named ``<precision>_exact`` (``fp8_te_exact``) takes the exact sampler's path (``rollout.exact``,
+``rollout/exact.py``) for the rollout instead: each token's logprob from the scoring forward over the whole batch
+with that token and the ones after it replaced by padding, as the exact sampler computes it when it draws.
+
 FP8 scales come from one calibration pass over the same sequences (``rl.step.make_calibrate``, as the trainer
 calibrates before its first rollout), and FP8 KV-cache scales from a second pass under those FP8 scales.
 """
@@ -30,8 +34,8 @@ from fp8rl_jax.fp8.recipe import Fp8Recipe, update_state
 from fp8rl_jax.model import llama
 from fp8rl_jax.model.config import LlamaConfig
 from fp8rl_jax.rl.metrics import mismatch_metrics
-from fp8rl_jax.rl.scoring import token_logprobs
-from fp8rl_jax.rl.step import make_calibrate
+from fp8rl_jax.rl.scoring import sample_next_token, token_logprobs
+from fp8rl_jax.rl.step import make_calibrate, make_score
 from fp8rl_jax.rollout.engine import DecodeState, Engine, EngineConfig, prefill_bucket
 from fp8rl_jax.rollout.sampling import SamplingParams
 
@@ -50,6 +54,7 @@ PRECISIONS = {
     "fp8_rowwise": Precision(backend="xla", recipe=Fp8Recipe(scaling="rowwise")),
 }
 MAX_PREFILL = 1024  # prompts longer than this are an error
+EXACT = "_exact"  # a variant's suffix: the rollout is the exact sampler's
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -63,16 +68,18 @@ def run(args) -> list[dict]:
     from fp8rl_jax.model import assets, weights
     from fp8rl_jax.model.tokenizer import Tokenizer
 
-    unknown = [p for p in args.precisions.split(",") if p not in PRECISIONS]
+    unknown = [p for p in args.precisions.split(",") if p.removesuffix(EXACT) not in PRECISIONS]
     if unknown:
-        raise SystemExit(f"--precisions: {unknown} unknown; allowed: {', '.join(PRECISIONS)}")
+        raise SystemExit(f"--precisions: {unknown} unknown; allowed: {', '.join(PRECISIONS)}, each with or without "
+                         f"{EXACT}")
     path = assets.smollm2_gguf()
     model, params = weights.load_gguf(path)
     tokenizer = Tokenizer.from_gguf(path)
     problems = load_gsm8k(default_gsm8k_path("test"))[: args.num]
     sequences = [(tokenizer.encode_chat([{"role": "user", "content": p.question}]),
                   tokenizer.encode(p.solution)[: args.completion_tokens]) for p in problems]
-    return bench_agreement(model, params, sequences, {name: PRECISIONS[name] for name in args.precisions.split(",")})
+    return bench_agreement(model, params, sequences,
+                           {name: PRECISIONS[name.removesuffix(EXACT)] for name in args.precisions.split(",")})
 
 
 class TeacherForcedEngine(Engine):
@@ -107,6 +114,24 @@ def rollout_logprobs(engine: TeacherForcedEngine, params: dict, prompt: list[int
     return np.asarray(jax.device_get(got), np.float32)
 
 
+def exact_logprobs(model: LlamaConfig, precision: Precision, params: dict, fp8_state, kv_scales, batch: jax.Array,
+                   sequences: list[tuple[list[int], list[int]]]) -> list[np.ndarray]:
+    """log pi_T of each completion token as the exact sampler computes it when it draws that token: the scoring
+    forward over the whole ``batch`` [N, T] with the token and every one after it replaced by padding (0)."""
+    step = jax.jit(lambda tokens, at, forced: sample_next_token(
+        params, tokens, at, jax.random.split(jax.random.PRNGKey(0), len(at)), config=model, precision=precision,
+        sampling=SamplingParams(), fp8_state=fp8_state, kv_scales=kv_scales, forced=forced)[1])
+    n, width = batch.shape
+    starts = np.asarray([len(prompt) for prompt, _ in sequences])
+    steps = max(len(completion) for _, completion in sequences)
+    got = np.zeros((n, steps), np.float32)
+    for g in range(steps):
+        at = np.minimum(starts + g, width - 1)
+        hidden_from = jnp.arange(width)[None, :] >= jnp.asarray(at)[:, None]
+        got[:, g] = np.asarray(step(jnp.where(hidden_from, 0, batch), jnp.asarray(at), batch[jnp.arange(n), at]))
+    return [got[i, : len(completion)] for i, (_, completion) in enumerate(sequences)]
+
+
 def calibrated(model: LlamaConfig, precision: Precision, params: dict, tokens: jax.Array):
     """``(fp8_state, kv_scales)`` for ``precision`` from calibration passes over ``tokens`` (None where unused)."""
     fp8_state = llama.init_fp8_state(model, precision) if precision.fp8 else None
@@ -134,16 +159,19 @@ def bench_agreement(model: LlamaConfig, params: dict, sequences: list[tuple[list
     rows = []
     for name, precision in precisions.items():
         fp8_state, kv_scales = calibrated(model, precision, params, batch)
-        full = np.asarray(token_logprobs(params, batch, config=model, precision=precision, fp8_state=fp8_state,
-                                         kv_scales=kv_scales)[0])
-        engine = TeacherForcedEngine(model, precision, EngineConfig(
-            max_concurrent_decodes=1, max_prefill_length=max_prefill,
-            max_new_tokens=max(len(completion) for _, completion in sequences), sampling=SamplingParams()))
-        engine_params = engine.load_params(params, fp8_state, kv_scales)
-        sampler, trainer, f32_d = [], [], []  # per token of the completions
+        # the trainer's scoring program (jitted: an op-by-op forward rounds differently from any compiled one)
+        full = np.asarray(make_score(model, precision, 1.0)(params, fp8_state, kv_scales, batch))
+        if name.endswith(EXACT):
+            sampler = exact_logprobs(model, precision, params, fp8_state, kv_scales, batch, sequences)
+        else:
+            engine = TeacherForcedEngine(model, precision, EngineConfig(
+                max_concurrent_decodes=1, max_prefill_length=max_prefill,
+                max_new_tokens=max(len(completion) for _, completion in sequences), sampling=SamplingParams()))
+            engine_params = engine.load_params(params, fp8_state, kv_scales)
+            sampler = [rollout_logprobs(engine, engine_params, prompt, completion) for prompt, completion in sequences]
+        trainer, f32_d = [], []  # per token of the completions
         for i, (prompt, completion) in enumerate(sequences):
             span = slice(len(prompt), len(prompt) + len(completion))
-            sampler.append(rollout_logprobs(engine, engine_params, prompt, completion))
             trainer.append(full[i, span])
             f32_d.append(np.abs(full[i, span] - ref[i, span]))
         sampler, trainer, e = np.concatenate(sampler), np.concatenate(trainer), np.concatenate(f32_d)

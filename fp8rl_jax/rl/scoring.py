@@ -38,6 +38,9 @@ from fp8rl_jax.fp8.policy import Precision
 from fp8rl_jax.model import llama
 from fp8rl_jax.model.config import LlamaConfig
 from fp8rl_jax.rl.losses import entropy_from_logits
+from fp8rl_jax.rollout.sampling import SamplingParams, sample
+
+HEAD_CHUNK = 256  # sequence positions per chunk of the head: the [B, C, V] logits live at once
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
@@ -108,23 +111,27 @@ def _head_forward(hidden, w, targets, spec: _HeadSpec):
 
     def chunk(xs):
         h, y = xs
-        z = _scaled_logits(h, w, spec)  # [B, C, V]
-        m = jnp.max(z, axis=-1)
-        shifted = z - m[..., None]
-        e = jnp.exp(shifted)
-        lse = jnp.log(jnp.sum(e, axis=-1))
-        # the target's logit gathered, then shifted: the same float ops as log_softmax followed by the gather
-        logp = (jnp.take_along_axis(z, y[..., None], axis=-1)[..., 0] - m) - lse
-        if spec.with_entropy:
-            # H = lse - sum(e * shifted) / sum(e): one pass with the normaliser, and no cancellation (lse >= 0 and
-            # shifted <= 0); e * shifted is 0 where e underflows, even against a -inf logit
-            es = jnp.sum(jnp.where(e > 0, e * shifted, 0.0), axis=-1)
-            ent = lse - es / jnp.sum(e, axis=-1)
-        else:
-            ent = jnp.zeros_like(logp)
-        return logp, ent, m, lse
+        return _chunk_logprobs(_scaled_logits(h, w, spec), y, spec.with_entropy)  # logits [B, C, V]
 
     return lax.map(chunk, (hidden, targets))
+
+
+def _chunk_logprobs(z: jax.Array, y: jax.Array, with_entropy: bool):
+    """One chunk's ``(logp, entropy, max, lse)`` [B, C] of targets ``y`` [B, C] under scaled logits ``z`` [B, C, V]."""
+    m = jnp.max(z, axis=-1)
+    shifted = z - m[..., None]
+    e = jnp.exp(shifted)
+    lse = jnp.log(jnp.sum(e, axis=-1))
+    # the target's logit gathered, then shifted: the same float ops as log_softmax followed by the gather
+    logp = (jnp.take_along_axis(z, y[..., None], axis=-1)[..., 0] - m) - lse
+    if with_entropy:
+        # H = lse - sum(e * shifted) / sum(e): one pass with the normaliser, and no cancellation (lse >= 0 and
+        # shifted <= 0); e * shifted is 0 where e underflows, even against a -inf logit
+        es = jnp.sum(jnp.where(e > 0, e * shifted, 0.0), axis=-1)
+        ent = lse - es / jnp.sum(e, axis=-1)
+    else:
+        ent = jnp.zeros_like(logp)
+    return logp, ent, m, lse
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -179,8 +186,15 @@ def _chunked_head_bwd(spec: _HeadSpec, res, cotangents):
 _chunked_head.defvjp(_chunked_head_fwd, _chunked_head_bwd, symbolic_zeros=True)
 
 
+def _head_spec(kernel: jax.Array, *, temperature: float, with_entropy: bool, kernel_nk: bool, dtype) -> _HeadSpec:
+    dtype = jnp.dtype(dtype)
+    return _HeadSpec(temperature=temperature, with_entropy=with_entropy, kernel_nk=kernel_nk, dtype=dtype,
+                     operand_dtype=jnp.dtype(jnp.float32) if jax.default_backend() == "cpu" else dtype,
+                     kernel_dtype=jnp.dtype(kernel.dtype))
+
+
 def chunked_head_logprobs(hidden: jax.Array, kernel: jax.Array, targets: jax.Array, *, temperature: float = 1.0,
-                          chunk: int = 256, with_entropy: bool = False, kernel_nk: bool = False,
+                          chunk: int = HEAD_CHUNK, with_entropy: bool = False, kernel_nk: bool = False,
                           dtype=jnp.bfloat16):
     """``log pi_T(targets | hidden)`` and the entropy of pi_T, chunk by chunk over the sequence axis.
 
@@ -190,10 +204,7 @@ def chunked_head_logprobs(hidden: jax.Array, kernel: jax.Array, targets: jax.Arr
     """
     n = targets.shape[1]
     c = min(chunk, n)
-    dtype = jnp.dtype(dtype)
-    spec = _HeadSpec(temperature=temperature, with_entropy=with_entropy, kernel_nk=kernel_nk, dtype=dtype,
-                     operand_dtype=jnp.dtype(jnp.float32) if jax.default_backend() == "cpu" else dtype,
-                     kernel_dtype=jnp.dtype(kernel.dtype))
+    spec = _head_spec(kernel, temperature=temperature, with_entropy=with_entropy, kernel_nk=kernel_nk, dtype=dtype)
     hidden = hidden.astype(spec.dtype)
     logp, ent = _chunked_head(_to_chunks(hidden, c), kernel, _to_chunks(targets, c), spec)
     return _from_chunks(logp, n), (_from_chunks(ent, n) if with_entropy else None)
@@ -204,7 +215,7 @@ def chunked_head_logprobs(hidden: jax.Array, kernel: jax.Array, targets: jax.Arr
 
 
 def autodiff_head_logprobs(params: dict, hidden: jax.Array, targets: jax.Array, *, precision: Precision,
-                           head_state: dict | None = None, temperature: float = 1.0, chunk: int = 256,
+                           head_state: dict | None = None, temperature: float = 1.0, chunk: int = HEAD_CHUNK,
                            with_entropy: bool = False):
     """As ``chunked_head_logprobs``, through ``llama.logits_from_hidden`` per chunk (FP8 with ``head_state``).
 
@@ -239,7 +250,7 @@ def token_logprobs(
     temperature: float = 1.0,
     fp8_state: dict | None = None,
     kv_scales: dict | None = None,
-    chunk: int = 256,
+    chunk: int = HEAD_CHUNK,
     with_entropy: bool = False,
     remat: str = "none",
 ):
@@ -270,3 +281,59 @@ def token_logprobs(
     logp = jnp.concatenate([zero, logp], axis=1)
     entropy = jnp.concatenate([zero, ent], axis=1) if with_entropy else None
     return logp, entropy, kv_amax
+
+
+def sample_next_token(
+    params: dict,
+    tokens: jax.Array,
+    at: jax.Array,
+    keys: jax.Array,
+    *,
+    config: LlamaConfig,
+    precision: Precision,
+    sampling: SamplingParams,
+    fp8_state: dict | None = None,
+    kv_scales: dict | None = None,
+    chunk: int = HEAD_CHUNK,
+    forced: jax.Array | None = None,
+):
+    """Draw ``tokens[b, at[b]]`` from pi_T given ``tokens[b, :at[b]]``, with ``token_logprobs``'s own arithmetic.
+
+    tokens [B, T] right-padded (what stands at ``at`` and after it does not matter), at [B] in [1, T), keys [B]
+    (one PRNG key per row). The whole [B, T] batch runs through the scoring forward, and the head's GEMM is the
+    [B, C, V] GEMM of the chunk that holds position ``at - 1``, exactly as ``token_logprobs`` computes them for a
+    [B, T] batch. Causal attention gives a position nothing from the ones after it (their weights are exact
+    zeros), so ``token_logprobs`` of the finished sequences, at this shape, sees the same logits at ``at - 1``:
+    the sampler's distribution and logprob are the scorer's, bit for bit, as long as the two XLA programs round
+    alike (``rollout.exact``; ``tests/rollout/test_exact.py`` checks it).
+
+    Returns ``(token [B] int32, logp [B] f32)``; ``logp`` is the token's ``log pi_T`` by the scoring head's
+    formula. ``sampling.temperature`` is pi_T's T; top-k / top-p / greedy choose the token as ``sample`` does.
+    ``forced`` [B]: take these tokens instead of drawing (teacher forcing, ``bench agreement``); ``keys`` unused.
+    """
+    b, t = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    hidden, _, _ = llama.forward_hidden(params, tokens, positions, config=config, precision=precision,
+                                        fp8_state=fp8_state, kv_scales=kv_scales)
+    hidden = hidden[:, :-1]  # position t - 1 predicts token t, as in token_logprobs
+    c = min(chunk, t - 1)
+    rows = jnp.arange(b)
+    k, r = (at - 1) // c, (at - 1) % c  # the chunk that holds position at - 1, and its place in it
+    head_state = fp8_state.get("lm_head") if (fp8_state is not None and precision.lm_head_fp8) else None
+    draw = dataclasses.replace(sampling, temperature=1.0)  # z below is already logits / T
+    if head_state is not None:  # autodiff_head_logprobs' chunk
+        h = _to_chunks(hidden, c)[k, rows]  # [B, C, D]
+        z = llama.logits_from_hidden(params, h, precision=precision, fp8_state={"lm_head": head_state})
+        logp_all = jax.nn.log_softmax(z / sampling.temperature, axis=-1)  # [B, C, V]
+        token = sample((z / sampling.temperature)[rows, r], keys, draw)[0] if forced is None else forced
+        return token, logp_all[rows, r, token]
+    tied = "lm_head" not in params  # chunked_head_logprobs' chunk
+    kernel = params["embed"] if tied else params["lm_head"]
+    spec = _head_spec(kernel, temperature=sampling.temperature, with_entropy=False, kernel_nk=tied,
+                      dtype=precision.dtype)
+    h = _operand(_to_chunks(hidden.astype(spec.dtype), c)[k, rows], spec)  # [B, C, D]
+    z = _scaled_logits(h, _operand(kernel, spec), spec)  # [B, C, V]
+    token = sample(z[rows, r], keys, draw)[0] if forced is None else forced
+    targets = jnp.zeros((b, c), jnp.int32).at[rows, r].set(token)
+    logp, _, _, _ = _chunk_logprobs(z, targets, with_entropy=False)
+    return token, logp[rows, r]

@@ -33,6 +33,8 @@ class RolloutBatch:
     lengths: np.ndarray  # [N] int
     finish_reasons: list[str]  # "stop" (a stop token, included in tokens) | "length"
     stats: dict[str, float]
+    # the [rows, T] width the trainer must score the rows at (an exact rollout, ``rollout.exact``); 0 = any
+    width: int = 0
 
     def completion(self, i: int) -> np.ndarray:
         return self.tokens[i, : self.lengths[i]]

@@ -1,0 +1,128 @@
+"""The exact sampler (``rollout.exact``): every token drawn by the trainer's own scoring forward.
+
+The KV-cache engine (``engine.py``) is fast, but its arithmetic is not the trainer's: one-token decode GEMMs and
+attention over a cache against the scoring forward's [B * T]-row GEMMs and full causal attention. Rounding the two
+differently is harmless in BF16 and is not in FP8, where every quantizer turns a last-bit difference into an FP8
+step; the rollout's logprobs end up 0.17 nats per token from the trainer's on SmolLM2 (docs/accuracy.md).
+
+This sampler runs no other arithmetic than the trainer's. At every step it runs ``rl.scoring.sample_next_token``:
+the scoring forward over the whole [microbatch, T] batch, with the trainer's master weights, FP8 state, KV scales
+and precision, T fixed for the whole rollout, then the head's chunk GEMM, and draws each row's next token from
+those logits. The trainer scores the finished sequences at the same [microbatch, T] shape (``RolloutBatch.width``),
+so by causality it computes the very logits each token was drawn from, and the rollout's logprobs equal the
+trainer's bit for bit, so long as XLA compiles the sampler's and the train step's forward to the same arithmetic
+(measured: the tests on CPU, the study on the GPU).
+
+The price is compute: each new token costs a full forward of its microbatch, O(T) forwards per sequence instead
+of one, and no KV cache. It is meant for short completions, for studies, and as the reference the fast engine is
+measured against. Every sequence draws with its own key, ``fold_in(rng, row)``, split once per token.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fp8rl_jax.fp8.policy import Precision
+from fp8rl_jax.model.config import LlamaConfig
+from fp8rl_jax.parallel.distributed import host_get
+from fp8rl_jax.rl.scoring import sample_next_token
+from fp8rl_jax.rollout.driver import RolloutBatch
+from fp8rl_jax.rollout.sampling import SamplingParams
+
+WIDTH_MULTIPLE = 32  # the trainer's right_pad multiple: few shapes to compile
+# XLA:CPU (jaxlib 0.10): YNNPACK's reduce fusion sums the head's softmax normaliser in a different order in the
+# sampler's program and in the train step's (1 ulp on a few percent of the logprobs); without it they agree. Read
+# when the CPU backend starts, so it goes in the environment before the first JAX computation.
+CPU_XLA_FLAG = "--xla_cpu_experimental_ynn_fusion_type=-reduce"
+
+
+def cpu_flag_missing() -> bool:
+    """True on the CPU backend without ``CPU_XLA_FLAG`` in ``XLA_FLAGS``: the exact sampler is 1 ulp off there."""
+    return jax.default_backend() == "cpu" and CPU_XLA_FLAG not in os.environ.get("XLA_FLAGS", "")
+
+
+def sequence_width(prompt_lengths, max_new_tokens: int, multiple: int = WIDTH_MULTIPLE) -> int:
+    """The fixed [rows, T] width of an exact rollout: the longest prompt plus ``max_new_tokens``, rounded up."""
+    return -(-(max(prompt_lengths) + max_new_tokens) // multiple) * multiple
+
+
+class ExactSampler:
+    """Rollouts drawn with the scoring forward of ``precision`` at the trainer's microbatch shape."""
+
+    def __init__(self, model: LlamaConfig, precision: Precision, sampling: SamplingParams, *, max_new_tokens: int,
+                 microbatch: int, stop_ids: tuple[int, ...] = (), pad_id: int = 0):
+        self.model, self.precision, self.sampling = model, precision, sampling
+        self.max_new_tokens, self.microbatch = max_new_tokens, microbatch
+        self.stop_ids, self.pad_id = tuple(stop_ids), pad_id
+        self._generate = jax.jit(self._generate_impl)
+
+    def rollout(self, state: dict, prompts: list, n: int, key: jax.Array) -> RolloutBatch:
+        """``n`` completions of each prompt (token ids) from the policy ``state`` (the trainer's state dict: its
+        ``params``, ``fp8_state``, ``kv_scales``); rows are sample-major within each prompt (row = p * n + s)."""
+        total = len(prompts) * n
+        if total % self.microbatch:
+            raise ValueError(f"{total} sequences are not a whole number of {self.microbatch}-sequence microbatches")
+        width = sequence_width([len(p) for p in prompts], self.max_new_tokens)
+        tokens = np.full((total, width), self.pad_id, np.int32)
+        starts = np.zeros(total, np.int32)
+        for row in range(total):
+            prompt = prompts[row // n]
+            tokens[row, : len(prompt)] = prompt
+            starts[row] = len(prompt)
+        keys = jax.vmap(functools.partial(jax.random.fold_in, key))(jnp.arange(total))
+        t0 = time.perf_counter()
+        out = self._generate(state["params"], state["fp8_state"] if self.precision.fp8 else None,
+                             state["kv_scales"] if self.precision.kv_fp8 else None, jnp.asarray(tokens),
+                             jnp.asarray(starts), keys)
+        out_tokens, out_logprobs, lengths = host_get(out)
+        seconds = time.perf_counter() - t0
+        stop = set(self.stop_ids)
+        reasons = ["stop" if length and out_tokens[i, length - 1] in stop else "length"
+                   for i, length in enumerate(lengths)]
+        generated = float(lengths.sum())
+        return RolloutBatch(
+            prompt_index=np.repeat(np.arange(len(prompts)), n), tokens=out_tokens, logprobs=out_logprobs,
+            lengths=lengths.astype(np.int64), finish_reasons=reasons,
+            stats={"rollout_seconds": seconds, "prefill_seconds": 0.0, "generated_tokens": generated,
+                   "tokens_per_second": generated / max(seconds, 1e-9)},
+            width=width)
+
+    def _generate_impl(self, params, fp8_state, kv_scales, tokens, starts, keys):
+        """tokens [N, T] (prompts, then pad), starts [N] (prompt lengths), keys [N] -> (completion tokens
+        [N, max_new], their logprobs [N, max_new], lengths [N]). Stops when every row is done."""
+        n, t = tokens.shape
+        mb, max_new = self.microbatch, self.max_new_tokens
+        stop = jnp.asarray(self.stop_ids or (-1,), jnp.int32)
+        rows = jnp.arange(n)
+
+        def draw(xs):  # one microbatch: [mb, T] -> next tokens [mb], logprobs [mb]
+            tok, at, k = xs
+            return sample_next_token(params, tok, at, k, config=self.model, precision=self.precision,
+                                     sampling=self.sampling, fp8_state=fp8_state, kv_scales=kv_scales)
+
+        def step(carry):
+            tokens, count, done, keys, out_tokens, out_logp = carry
+            split = jax.vmap(jax.random.split)(keys)  # [N, 2, ...]: this token's key, and the rest of the stream
+            keys, sub = split[:, 0], split[:, 1]
+            at = jnp.minimum(starts + count, t - 1)
+            grouped = (tokens.reshape(-1, mb, t), at.reshape(-1, mb), sub.reshape(-1, mb, *sub.shape[1:]))
+            token, logp = (x.reshape(n) for x in jax.lax.map(draw, grouped))
+            live = ~done
+            tokens = tokens.at[rows, at].set(jnp.where(live, token, tokens[rows, at]))
+            slot = jnp.minimum(count, max_new - 1)
+            out_tokens = out_tokens.at[rows, slot].set(jnp.where(live, token, out_tokens[rows, slot]))
+            out_logp = out_logp.at[rows, slot].set(jnp.where(live, logp, out_logp[rows, slot]))
+            count = count + live
+            done = done | (live & jnp.isin(token, stop)) | (count >= max_new) | (starts + count >= t)
+            return tokens, count, done, keys, out_tokens, out_logp
+
+        carry = (tokens, jnp.zeros(n, jnp.int32), starts >= t, keys, jnp.zeros((n, max_new), jnp.int32),
+                 jnp.zeros((n, max_new), jnp.float32))
+        _, count, _, _, out_tokens, out_logp = jax.lax.while_loop(lambda c: ~jnp.all(c[2]), step, carry)
+        return out_tokens, out_logp, count
