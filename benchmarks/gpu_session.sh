@@ -2,7 +2,7 @@
 # One GPU session on the lent H100 (or an H200 host): install Transformer Engine and the project's wheels once, then
 # the stages named on the command line. Results land in $OUT (or ./gpu_out).
 #   usage: bash benchmarks/gpu_session.sh [install] [tests] [decode] [llama1b:MODE] [rollout1k] [gemm] [train] [e2e] [profile] [cluster_nb] [study] [rollout_xla] [rollout_head]
-#          [rollout8b] [agreement]...
+#          [rollout8b] [agreement] [exact]...
 # TE arrives in pieces (see ../shared/gpu/README.md): .gpu/te/wheels + .gpu/install_te.sh, the core wheel's five
 # parts already copied to /root/te by earlier calls; the other wheels in .gpu/wheels; a tokenizer in .gpu/smollm2_tok.
 set -uo pipefail
@@ -82,6 +82,8 @@ EOF
       XLA_FLAGS=--xla_gpu_enable_triton_gemm=false timeout 560 python3 -m fp8rl_jax.bench rollout --model llama3_8b \
         --new_tokens 1024 --batches ${R8B_BATCHES:-64,256} --modes ${R8B_MODES:-bf16,fp8_kv_te} \
         --out "$OUT/rollout_8b.json" 2>&1 | grep -vi warn | tee "$OUT/rollout_8b.log" | grep "^{\|Error" ;;
+    exact) # the exact sampler's tests on the GPU: BF16, XLA FP8 and the FP8 head as on CPU, and TE's GEMMs
+      timeout 400 python3 -m pytest -q -p no:cacheprovider tests/rollout/test_exact.py 2>&1 | tee "$OUT/exact_tests.log" | tail -25 ;;
     agreement) # rollout vs scoring logprobs per precision variant (SmolLM2, 6 GSM8K solutions, teacher-forced)
       timeout 400 python3 -m fp8rl_jax.bench agreement --precisions ${AGREE_PRECISIONS:-bf16,fp8,fp8_head,fp8_te} \
         --out "$OUT/agreement.json" 2>&1 | grep -v "^W\|Warn" | tee "$OUT/agreement.log" | grep "^{\|Error" | cut -c1-300 ;;
