@@ -222,7 +222,8 @@ class Trainer:
                 raise ConfigError(f"config.rollout.exact=True runs on one device; the mesh has {self.mesh.size}")
             self.exact_sampler = exact.ExactSampler(self.model, self.train_precision, rl_sampling,
                                       max_new_tokens=c.rollout.max_new_tokens, microbatch=self.microbatch,
-                                      stop_ids=tuple(self.tokenizer.stop_ids), pad_id=self.tokenizer.pad_id or 0)
+                                      stop_ids=tuple(self.tokenizer.stop_ids), pad_id=self.tokenizer.pad_id or 0,
+                                              mesh=self.mesh)
         self.bad_steps = 0
 
         self.checkpointer = Checkpointer(self.workdir / "checkpoints", keep=c.checkpoint.keep,

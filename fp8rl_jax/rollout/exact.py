@@ -31,6 +31,7 @@ import numpy as np
 from fp8rl_jax.fp8.policy import Precision
 from fp8rl_jax.model.config import LlamaConfig
 from fp8rl_jax.parallel.distributed import host_get
+from fp8rl_jax.parallel.mesh import mesh_context
 from fp8rl_jax.rl.scoring import sample_next_token
 from fp8rl_jax.rollout.driver import RolloutBatch
 from fp8rl_jax.rollout.sampling import SamplingParams
@@ -56,8 +57,9 @@ class ExactSampler:
     """Rollouts drawn with the scoring forward of ``precision`` at the trainer's microbatch shape."""
 
     def __init__(self, model: LlamaConfig, precision: Precision, sampling: SamplingParams, *, max_new_tokens: int,
-                 microbatch: int, stop_ids: tuple[int, ...] = (), pad_id: int = 0):
-        self.model, self.precision, self.sampling = model, precision, sampling
+                 microbatch: int, stop_ids: tuple[int, ...] = (), pad_id: int = 0,
+                 mesh: jax.sharding.Mesh | None = None):
+        self.model, self.precision, self.sampling, self.mesh = model, precision, sampling, mesh
         self.max_new_tokens, self.microbatch = max_new_tokens, microbatch
         self.stop_ids, self.pad_id = tuple(stop_ids), pad_id
         self._generate = jax.jit(self._generate_impl)
@@ -77,10 +79,11 @@ class ExactSampler:
             starts[row] = len(prompt)
         keys = jax.vmap(functools.partial(jax.random.fold_in, key))(jnp.arange(total))
         t0 = time.perf_counter()
-        out = self._generate(state["params"], state["fp8_state"] if self.precision.fp8 else None,
-                             state["kv_scales"] if self.precision.kv_fp8 else None, jnp.asarray(tokens),
-                             jnp.asarray(starts), keys)
-        out_tokens, out_logprobs, lengths = host_get(out)
+        with mesh_context(self.mesh, self.precision.backend):  # traced as the train step is (its mesh, TE's axes)
+            out = self._generate(state["params"], state["fp8_state"] if self.precision.fp8 else None,
+                                 state["kv_scales"] if self.precision.kv_fp8 else None, jnp.asarray(tokens),
+                                 jnp.asarray(starts), keys)
+            out_tokens, out_logprobs, lengths = host_get(out)
         seconds = time.perf_counter() - t0
         stop = set(self.stop_ids)
         reasons = ["stop" if length and out_tokens[i, length - 1] in stop else "length"

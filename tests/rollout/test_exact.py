@@ -127,7 +127,9 @@ def test_exact_greedy_matches_the_engine_in_f32(params):
     np.testing.assert_array_equal(got.lengths, want.lengths)
     for i in range(len(PROMPTS)):
         np.testing.assert_array_equal(got.completion(i), want.completion(i))
-    np.testing.assert_allclose(_sampled_logp(got), _sampled_logp(want), atol=1e-5)
+    # f32 GEMMs run as TF32 on the GPU by default
+    np.testing.assert_allclose(_sampled_logp(got), _sampled_logp(want),
+                               atol=1e-5 if jax.default_backend() == "cpu" else 5e-3)
     assert got.finish_reasons == want.finish_reasons
 
 
