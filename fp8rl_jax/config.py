@@ -90,7 +90,7 @@ def base_config() -> ml_collections.ConfigDict:
     # decode attention: pallas (length-aware kernel over the filled cache, GPU) | xla (whole-cache einsum) | auto
     c.rollout.decode_attention = "auto"
     # True: draw the RL rollouts with the trainer's own scoring forward (no KV cache: a full forward of the
-    # microbatch per token), so the sampler's logprobs equal the trainer's bit for bit (fp8rl_jax/rollout/exact.py);
+    # microbatch per token), so the sampler's logprobs equal the scoring program's bit for bit (rollout/exact.py);
     # precision.mode bf16 or fp8_e2e, one device
     c.rollout.exact = False
 

@@ -305,7 +305,7 @@ def sample_next_token(
     [B, T] batch. Causal attention gives a position nothing from the ones after it (their weights are exact
     zeros), so ``token_logprobs`` of the finished sequences, at this shape, sees the same logits at ``at - 1``:
     the sampler's distribution and logprob are the scorer's, bit for bit, as long as the two XLA programs round
-    alike (``rollout.exact``; ``tests/rollout/test_exact.py`` checks it).
+    alike (``rollout.exact``; ``tests/rollout/test_exact.py`` checks it: they do, on CPU and GPU).
 
     Returns ``(token [B] int32, logp [B] f32)``; ``logp`` is the token's ``log pi_T`` by the scoring head's
     formula. ``sampling.temperature`` is pi_T's T; top-k / top-p / greedy choose the token as ``sample`` does.

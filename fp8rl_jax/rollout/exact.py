@@ -9,9 +9,12 @@ This sampler runs no other arithmetic than the trainer's. At every step it runs 
 the scoring forward over the whole [microbatch, T] batch, with the trainer's master weights, FP8 state, KV scales
 and precision, T fixed for the whole rollout, then the head's chunk GEMM, and draws each row's next token from
 those logits. The trainer scores the finished sequences at the same [microbatch, T] shape (``RolloutBatch.width``),
-so by causality it computes the very logits each token was drawn from, and the rollout's logprobs equal the
-trainer's bit for bit, so long as XLA compiles the sampler's and the train step's forward to the same arithmetic
-(measured: the tests on CPU, the study on the GPU).
+so by causality it computes the very logits each token was drawn from.
+
+Measured (tests/rollout/test_exact.py, docs/accuracy.md): the rollout's logprobs equal the scoring program's bit
+for bit on CPU and on the H100 (BF16, XLA FP8, TE FP8). The train step's forward is a third program, a gradient
+one: equal on CPU (with ``CPU_XLA_FLAG``); on the GPU XLA rounds some op of it differently, which FP8 amplifies
+(0.13 nats per token on SmolLM2), so there the mismatch is reduced four-fold, not removed.
 
 The price is compute: each new token costs a full forward of its microbatch, O(T) forwards per sequence instead
 of one, and no KV cache. It is meant for short completions, for studies, and as the reference the fast engine is
