@@ -95,9 +95,10 @@ def load_policy(config, directory: str | Path | None = None, step: int | None = 
 def right_pad(rows: list, pad_id: int, multiple: int = 32, width: int = 0) -> np.ndarray:
     """Token rows right-padded into [len(rows), T], T a multiple of ``multiple`` (few shapes to compile), or
     ``width`` where given (it must hold every row)."""
-    t = width or -(-max(len(r) for r in rows) // multiple) * multiple
-    if max(len(r) for r in rows) > t:
-        raise ValueError(f"a row of {max(len(r) for r in rows)} tokens does not fit width {t}")
+    longest = max(len(r) for r in rows)
+    t = width or -(-longest // multiple) * multiple
+    if longest > t:
+        raise ValueError(f"a row of {longest} tokens does not fit width {t}")
     out = np.full((len(rows), t), pad_id, np.int32)
     for i, r in enumerate(rows):
         out[i, : len(r)] = r
@@ -220,10 +221,10 @@ class Trainer:
         if c.rollout.exact:
             if self.mesh.size > 1:
                 raise ConfigError(f"config.rollout.exact=True runs on one device; the mesh has {self.mesh.size}")
-            self.exact_sampler = exact.ExactSampler(self.model, self.train_precision, rl_sampling,
-                                      max_new_tokens=c.rollout.max_new_tokens, microbatch=self.microbatch,
-                                      stop_ids=tuple(self.tokenizer.stop_ids), pad_id=self.tokenizer.pad_id or 0,
-                                              mesh=self.mesh)
+            self.exact_sampler = exact.ExactSampler(
+                self.model, self.train_precision, rl_sampling, max_new_tokens=c.rollout.max_new_tokens,
+                microbatch=self.microbatch, stop_ids=tuple(self.tokenizer.stop_ids),
+                pad_id=self.tokenizer.pad_id or 0, mesh=self.mesh)
         self.bad_steps = 0
 
         self.checkpointer = Checkpointer(self.workdir / "checkpoints", keep=c.checkpoint.keep,

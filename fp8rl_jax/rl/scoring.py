@@ -323,10 +323,10 @@ def sample_next_token(
     draw = dataclasses.replace(sampling, temperature=1.0)  # z below is already logits / T
     if head_state is not None:  # autodiff_head_logprobs' chunk
         h = _to_chunks(hidden, c)[k, rows]  # [B, C, D]
-        z = llama.logits_from_hidden(params, h, precision=precision, fp8_state={"lm_head": head_state})
-        logp_all = jax.nn.log_softmax(z / sampling.temperature, axis=-1)  # [B, C, V]
-        token = sample((z / sampling.temperature)[rows, r], keys, draw)[0] if forced is None else forced
-        return token, logp_all[rows, r, token]
+        logits = llama.logits_from_hidden(params, h, precision=precision, fp8_state={"lm_head": head_state})
+        z = logits / sampling.temperature  # [B, C, V]
+        token = sample(z[rows, r], keys, draw)[0] if forced is None else forced
+        return token, jax.nn.log_softmax(z, axis=-1)[rows, r, token]
     tied = "lm_head" not in params  # chunked_head_logprobs' chunk
     kernel = params["embed"] if tied else params["lm_head"]
     spec = _head_spec(kernel, temperature=sampling.temperature, with_entropy=False, kernel_nk=tied,
