@@ -12,55 +12,13 @@ families (GEMM, FP8 cast/amax, attention, elementwise/fusion, copies, collective
 from __future__ import annotations
 
 import argparse
-import collections
-import glob
-import gzip
 import json
 import os
 import subprocess
 import sys
 import tempfile
 
-FAMILIES = (  # first match wins; names are lower-cased kernel names
-    ("gemm", ("gemm", "cublas", "cutlass", "sm90_xmma", "nvjet", "triton_gemm", "dot")),
-    ("attention", ("attention", "flash", "fmha", "softmax", "decode_attention")),
-    ("fp8_cast_amax", ("cast", "quantize", "amax", "transpose_kernel", "fp8")),
-    ("collective", ("nccl", "all_reduce", "all_gather", "reduce_scatter")),
-    ("copy", ("memcpy", "memset", "copy", "dynamic_update_slice", "dynamic-update-slice")),
-    ("fusion", ("fusion", "loop_", "input_", "reduce", "triton")),
-)
-
-
-def family(name: str) -> str:
-    low = name.lower()
-    return next((f for f, keys in FAMILIES if any(k in low for k in keys)), "other")
-
-
-def summarize_trace(trace_dir: str, top: int = 25) -> dict:
-    """GPU kernel time by name from the newest ``*.trace.json.gz`` under ``trace_dir``."""
-    files = sorted(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True))
-    if not files:
-        return {"error": f"no trace under {trace_dir}"}
-    events = json.load(gzip.open(files[-1]))["traceEvents"]
-    names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
-    gpu = {pid for pid, n in names.items() if "/device:GPU" in n}
-    by_name, count = collections.Counter(), collections.Counter()
-    for e in events:
-        if e.get("ph") == "X" and e.get("pid") in gpu:
-            by_name[e["name"]] += e["dur"] / 1e3
-            count[e["name"]] += 1
-    total = sum(by_name.values())
-    if not total:
-        return {"error": "no GPU kernels in the trace", "processes": sorted(names.values())}
-    families = collections.Counter()
-    for n, ms in by_name.items():
-        families[family(n)] += ms
-    return {
-        "total_kernel_ms": round(total, 3), "kernels": sum(count.values()),
-        "families": {f: {"ms": round(ms, 3), "share": round(ms / total, 3)} for f, ms in families.most_common()},
-        "top": [{"name": n[:160], "ms": round(ms, 3), "calls": count[n], "share": round(ms / total, 3),
-                 "family": family(n)} for n, ms in by_name.most_common(top)],
-    }
+from fp8rl_jax.bench.trace import summarize_trace
 
 
 def profile_mode(config: str, mode: str, sets: list[str], trace_root: str) -> dict:

@@ -16,6 +16,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--modes", default="bf16,fp8,fp8_kv")
     parser.add_argument("--prompt_len", type=int, default=64)
     parser.add_argument("--chunk", type=int, default=64)
+    parser.add_argument("--options", default="auto",
+                        help="the engine's compiler_options, comma-separated: auto (the decode options), none")
+    parser.add_argument("--layer_loops", default="auto", help="the engine's layer_loop: auto, scan, unrolled")
+    parser.add_argument("--profile", action="store_true",
+                        help="also trace one chunk: kernel and idle time per step, top kernels")
     parser.add_argument("--smoke", action="store_true")
 
 
@@ -24,7 +29,8 @@ def run(args) -> list[dict]:
         args.model, args.batches, args.new_tokens, args.prompt_len, args.chunk = "tiny", "4", "9", 16, 4
     return bench_rollout(args.model, [int(b) for b in args.batches.split(",")],
                          [int(n) for n in args.new_tokens.split(",")], args.modes.split(","), args.prompt_len,
-                         args.chunk, copy_gib=0.01 if args.smoke else 2.0)
+                         args.chunk, copy_gib=0.01 if args.smoke else 2.0, options=args.options.split(","),
+                         layer_loops=args.layer_loops.split(","), profile=args.profile)
 
 
 def copy_bandwidth(gib: float = 2.0) -> float:
@@ -39,7 +45,10 @@ def copy_bandwidth(gib: float = 2.0) -> float:
 
 
 def bench_rollout(model_name: str, batches: list[int], new_tokens: list[int], modes: list[str], prompt_len: int,
-                  chunk: int, copy_gib: float = 2.0) -> list[dict]:
+                  chunk: int, copy_gib: float = 2.0, options: tuple[str, ...] = ("auto",),
+                  layer_loops: tuple[str, ...] = ("auto",), profile: bool = False) -> list[dict]:
+    import itertools
+
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -72,41 +81,67 @@ def bench_rollout(model_name: str, batches: list[int], new_tokens: list[int], mo
                 lin["kernel"]["scale"] = jnp.full_like(lin["kernel"]["scale"], 448.0 / 0.1)
                 lin["x"]["scale"] = jnp.full_like(lin["x"]["scale"], 448.0 / 8.0)
         kv_scales = kvq.init_kv_scales(cfg.num_layers) if precision.kv_fp8 else None
-        for new in new_tokens:
-            for batch in batches:
-                engine_config = EngineConfig(max_concurrent_decodes=batch, max_prefill_length=prompt_len,
-                                             max_new_tokens=new, sampling=SamplingParams())
-                engine = Engine(cfg, precision, engine_config)
-                p = engine.load_params(params, fp8_state, kv_scales)
-                state = engine.init_decode_state()
-                prompt = np.arange(1, prompt_len + 1, dtype=np.int32) % cfg.vocab_size
-                prefix = engine.prefill(p, prompt, prompt_len, jax.random.PRNGKey(1))
-                for slot in range(batch):
-                    state = engine.insert(prefix, state, slot, jax.random.PRNGKey(slot))
-                jax.block_until_ready(state)
-                # the first chunk compiles the loop; time the rest
+        for new, batch, option, layer_loop in itertools.product(new_tokens, batches, options, layer_loops):
+            engine_config = EngineConfig(max_concurrent_decodes=batch, max_prefill_length=prompt_len,
+                                         max_new_tokens=new, sampling=SamplingParams(), compiler_options=option,
+                                         layer_loop=layer_loop)
+            engine = Engine(cfg, precision, engine_config)
+            p = engine.load_params(params, fp8_state, kv_scales)
+            state = engine.init_decode_state()
+            prompt = np.arange(1, prompt_len + 1, dtype=np.int32) % cfg.vocab_size
+            prefix = engine.prefill(p, prompt, prompt_len, jax.random.PRNGKey(1))
+            for slot in range(batch):
+                state = engine.insert(prefix, state, slot, jax.random.PRNGKey(slot))
+            jax.block_until_ready(state)
+            # the first chunk compiles the loop; time the rest
+            state = engine.generate_steps(p, state, chunk)[0]
+            jax.block_until_ready(state)
+            steps = new - 1 - chunk  # the first token came from the prefill
+            t = time.perf_counter()
+            for _ in range(steps // chunk):
                 state = engine.generate_steps(p, state, chunk)[0]
-                jax.block_until_ready(state)
-                steps = new - 1 - chunk  # the first token came from the prefill
-                t = time.perf_counter()
-                for _ in range(steps // chunk):
-                    state = engine.generate_steps(p, state, chunk)[0]
-                jax.block_until_ready(state)
-                sec = time.perf_counter() - t
-                done_steps = (steps // chunk) * chunk
-                tok_s = batch * done_steps / sec
-                weight_bytes = _weight_bytes(cfg, precision)
-                kv_bytes_per_pos = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * (1 if precision.kv_fp8 else 2)
-                avg_ctx = prompt_len + chunk + done_steps / 2
-                step_bytes = weight_bytes + batch * avg_ctx * kv_bytes_per_pos
-                bound_tok_s = batch / (step_bytes / bw)
-                rows.append({"batch": batch, "new_tokens": new, "mode": mode, "tokens_per_s": round(tok_s, 1),
-                             "hbm_bound_tokens_per_s": round(bound_tok_s, 1),
-                             "hbm_bound_fraction": round(tok_s / bound_tok_s, 3), "model": model_name,
-                             "ms_per_step": round(1e3 * sec / done_steps, 3)})
-                print(json.dumps(rows[-1]), flush=True)
-                del state, p, engine
+            jax.block_until_ready(state)
+            sec = time.perf_counter() - t
+            done_steps = (steps // chunk) * chunk
+            tok_s = batch * done_steps / sec
+            weight_bytes = _weight_bytes(cfg, precision)
+            kv_bytes_per_pos = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * (1 if precision.kv_fp8 else 2)
+            avg_ctx = prompt_len + chunk + done_steps / 2
+            step_bytes = weight_bytes + batch * avg_ctx * kv_bytes_per_pos
+            bound_tok_s = batch / (step_bytes / bw)
+            rows.append({"batch": batch, "new_tokens": new, "mode": mode, "tokens_per_s": round(tok_s, 1),
+                         "hbm_bound_tokens_per_s": round(bound_tok_s, 1),
+                         "hbm_bound_fraction": round(tok_s / bound_tok_s, 3), "model": model_name,
+                         "ms_per_step": round(1e3 * sec / done_steps, 3), "compiler_options": option,
+                         "layer_loop": layer_loop})
+            if profile:  # one more chunk, traced (the cache is fuller than the timed average: late in the rollout)
+                rows[-1]["profile"] = _profile_chunk(engine, p, state, chunk)
+            print(json.dumps({k: v for k, v in rows[-1].items() if k != "profile"}), flush=True)
+            if profile:
+                prof = rows[-1]["profile"]
+                print(json.dumps({k: v for k, v in prof.items() if k != "top"}), flush=True)
+            del state, p, engine
     return rows
+
+
+def _profile_chunk(engine, params, state, chunk: int) -> dict:
+    """One ``generate_steps`` chunk under ``jax.profiler``: kernel, busy and idle milliseconds per decode step."""
+    import tempfile
+
+    import jax
+
+    from fp8rl_jax.bench.trace import summarize_trace
+
+    with tempfile.TemporaryDirectory() as d:
+        jax.profiler.start_trace(d)
+        jax.block_until_ready(engine.generate_steps(params, state, chunk))
+        jax.profiler.stop_trace()
+        summary = summarize_trace(d, top=15)
+    if "error" in summary:
+        return summary
+    per_step = {f"{k}_per_step": round(summary[k] / chunk, 4)
+                for k in ("total_kernel_ms", "span_ms", "busy_ms", "idle_ms", "kernels")}
+    return {**per_step, "families": summary["families"], "top": summary["top"]}
 
 
 def _weight_bytes(cfg, precision) -> float:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from typing import Any
 
 import jax
@@ -45,6 +46,29 @@ from fp8rl_jax.rollout.sampling import SamplingParams, sample
 from fp8rl_jax.rollout.weights import per_layer, rollout_params
 
 PREFILL_BUCKETS = tuple(2**i for i in range(4, 16))  # 16 .. 32768, JetStream's convention
+
+# XLA:GPU options for the programs that decode (prefill, generate, generate_steps), passed per jit so the trainer's
+# programs keep the process's defaults. XLA records as CUDA graphs only the straight-line runs of a program by default
+# and launches every iteration of a while loop (the scan over layers, the loop over decode steps) from the host,
+# kernel by kernel: hundreds of launches per decode step, each a few microseconds of idle GPU. With WHILE and
+# CONDITIONAL the loops go into the graph as well. Decode GEMMs (M = the batch) take cuBLAS rather than Triton.
+DECODE_GPU_OPTIONS = {
+    "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL",
+    "xla_gpu_enable_triton_gemm": False,
+}
+COMPILER_OPTIONS = ("auto", "none")
+LAYER_LOOPS = ("auto", "scan", "unrolled")
+
+
+def decode_compiler_options(choice: str = "auto", backend: str | None = None) -> dict:
+    """The XLA options the decode programs compile with: ``DECODE_GPU_OPTIONS`` on a GPU for ``auto``, minus any
+    option the user's ``XLA_FLAGS`` sets (theirs wins); ``{}`` for ``none`` or elsewhere."""
+    if choice not in COMPILER_OPTIONS:
+        raise ValueError(f"EngineConfig.compiler_options={choice!r}; allowed: {COMPILER_OPTIONS}")
+    if choice == "none" or (backend or jax.default_backend()) != "gpu":
+        return {}
+    flags = os.environ.get("XLA_FLAGS", "")
+    return {k: v for k, v in DECODE_GPU_OPTIONS.items() if f"--{k}=" not in flags}
 
 
 def prefill_bucket(length: int, max_prefill_length: int) -> int:
@@ -105,11 +129,20 @@ class EngineConfig:
     # attention of the decode step: "pallas" reads each sequence's filled cache only (a Triton kernel, GPU),
     # "xla" scores the whole cache (masked), "auto" = pallas on GPU, xla elsewhere; "pallas_interpret" (tests)
     decode_attention: str = "auto"
+    # XLA options of the decoding programs: "auto" = DECODE_GPU_OPTIONS on a GPU, "none" = the process's defaults
+    compiler_options: str = "auto"
+    # the decode step's layers: "unrolled" reads per-layer weights and cache in place (one straight-line program),
+    # "scan" loops over stacked ones; "auto" = unrolled on a CPU, scan elsewhere. Unrolled needs a single device.
+    layer_loop: str = "auto"
 
     def __post_init__(self):
         if self.decode_attention not in DECODE_ATTENTION_IMPLS:
             raise ValueError(f"EngineConfig.decode_attention={self.decode_attention!r}; "
                              f"allowed: {DECODE_ATTENTION_IMPLS}")
+        if self.compiler_options not in COMPILER_OPTIONS:
+            raise ValueError(f"EngineConfig.compiler_options={self.compiler_options!r}; allowed: {COMPILER_OPTIONS}")
+        if self.layer_loop not in LAYER_LOOPS:
+            raise ValueError(f"EngineConfig.layer_loop={self.layer_loop!r}; allowed: {LAYER_LOOPS}")
 
     @property
     def max_cache_length(self) -> int:
@@ -124,17 +157,24 @@ class Engine:
         self.model, self.precision, self.config = model, precision, config
         self.tokenizer = tokenizer
         self.mesh = mesh
+        self.compiler_options = decode_compiler_options(config.compiler_options)
+        decode_jit = functools.partial(jax.jit, compiler_options=self.compiler_options or None)
         self._init_state = self._new_decode_state
-        self._prefill = jax.jit(self._prefill_impl)
+        self._prefill = decode_jit(self._prefill_impl)
         self._insert = jax.jit(self._insert_impl, donate_argnums=(1,))
-        self._generate = jax.jit(self._generate_impl, donate_argnums=(1,))
-        self._generate_steps = jax.jit(self._generate_steps_impl, donate_argnums=(1,), static_argnums=(2,))
+        self._generate = decode_jit(self._generate_impl, donate_argnums=(1,))
+        self._generate_steps = decode_jit(self._generate_steps_impl, donate_argnums=(1,), static_argnums=(2,))
         load = functools.partial(rollout_params, precision=precision, num_layers=model.num_layers)
-        # CPU, one device: weights as one tree per layer, which the decode step reads in place (a scan over
-        # stacked weights has XLA:CPU copy each layer's slice: as many bytes again as the GEMMs read); the decode
-        # state then holds the cache as one array of bits per layer (llama.cache_layers), which a decode step
-        # writes in place (XLA:CPU would otherwise convert the whole cache to its bits and back in every step)
-        self._per_layer = jax.default_backend() == "cpu" and (mesh is None or mesh.size == 1)
+        # unrolled layers (the CPU's default, one device): weights as one tree per layer, which the decode step
+        # reads in place (a scan over stacked weights has XLA:CPU copy each layer's slice: as many bytes again as
+        # the GEMMs read); the decode state then holds the cache as one array of bits per layer
+        # (llama.cache_layers), which a decode step writes in place (XLA:CPU would otherwise convert the whole
+        # cache to its bits and back in every step)
+        one_device = mesh is None or mesh.size == 1
+        if config.layer_loop == "unrolled" and not one_device:
+            raise ValueError(f"EngineConfig.layer_loop='unrolled' needs a single device; the mesh has {mesh.size}")
+        self._per_layer = one_device and (config.layer_loop == "unrolled" or (
+            config.layer_loop == "auto" and jax.default_backend() == "cpu"))
         self._load = jax.jit((lambda p, s: per_layer(load(p, s))) if self._per_layer else load)
         # with per-layer weights the blocks' FP8 state and the KV scales come per layer too (llama.forward_hidden):
         # the unrolled layers are then identical computations, compiled once
@@ -150,10 +190,11 @@ class Engine:
         state = rules.decode_state_shardings(jax.eval_shape(self._new_decode_state), mesh)
         rep = rules.replicated(mesh)  # what the host reads back each call: tokens, logprobs, flags
         self._init_state = jax.jit(self._new_decode_state, out_shardings=state)
+        decode_jit = functools.partial(jax.jit, compiler_options=self.compiler_options or None)
         self._insert = jax.jit(self._insert_impl, donate_argnums=(1,), out_shardings=state)
-        self._generate = jax.jit(self._generate_impl, donate_argnums=(1,), out_shardings=(state, rep))
-        self._generate_steps = jax.jit(self._generate_steps_impl, donate_argnums=(1,), static_argnums=(2,),
-                                       out_shardings=(state, rep, rep, rep))
+        self._generate = decode_jit(self._generate_impl, donate_argnums=(1,), out_shardings=(state, rep))
+        self._generate_steps = decode_jit(self._generate_steps_impl, donate_argnums=(1,), static_argnums=(2,),
+                                          out_shardings=(state, rep, rep, rep))
         load = self._load
 
         def load_on_mesh(params, fp8_state):
