@@ -47,6 +47,7 @@ MODELS = {  # name: (kv heads K, query heads per kv head G, head dim H, layers L
     "tiny": (2, 2, 16, 2),  # the CPU check (--interpret)
 }
 SWEEP_TILES = {"block_k": (32, 64, 128, 256), "k_splits": (1, 2, 4, 8)}  # first stage
+SWEEP_DOT_DTYPES = {"bf16": (None,), "fp8": (None, "float16")}  # also first stage, per KV dtype
 SWEEP_LAUNCH = {"num_warps": (4, 8), "num_stages": (2, 3, 4)}  # second stage, at the best tiles
 SWEEP_SHAPES = (  # model, batch, cache_len, fill, kv
     ("1b", 64, 1088, 0.5, "fp8"), ("1b", 256, 1088, 0.5, "fp8"), ("1b", 256, 4160, 0.5, "fp8"),
@@ -184,7 +185,8 @@ def bench_shape(model, batch, cache_len, fill, kv, impls, *, tunings, repeats, w
                 block_k = tuning.get("block_k") or da.default_block_k(head_dim, itemsize, cache_len)
                 row.update(block_k=block_k,
                            k_splits=tuning.get("k_splits") or da.default_k_splits(batch * kv_heads, cache_len, block_k),
-                           num_warps=tuning.get("num_warps", 4), num_stages=tuning.get("num_stages", 2))
+                           num_warps=tuning.get("num_warps", 4), num_stages=tuning.get("num_stages", 2),
+                           dot_dtype=tuning.get("dot_dtype") or "bfloat16")
                 row["max_abs_diff_vs_xla"] = diffs[i]
             try:
                 seconds, k_cache, v_cache = _time_layers(fn, k_cache, v_cache, (q_layers, lengths_dev, scale, scale),
@@ -227,6 +229,9 @@ def main(argv=None):
     p.add_argument("--impls", nargs="+", default=("xla", "pallas", "scatter_only"),
                    choices=("xla", "pallas", "scatter_only"))
     p.add_argument("--sweep", action="store_true", help="also tune the kernel on SWEEP_SHAPES")
+    p.add_argument("--sweep_filter", default="", help="only the sweep shapes whose model/kv matches, e.g. 1b/fp8")
+    p.add_argument("--sweep_block_k", default="", help="comma-separated block_k values instead of SWEEP_TILES'")
+    p.add_argument("--sweep_k_splits", default="", help="comma-separated k_splits values instead of SWEEP_TILES'")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--max_layers", type=int, default=None)
@@ -246,18 +251,25 @@ def main(argv=None):
     sweep = []
     if args.sweep:
         shapes = [("tiny", 4, 40, 0.5, "fp8")] if args.interpret else SWEEP_SHAPES
-        tiles = [dict(zip(SWEEP_TILES, v, strict=True)) for v in itertools.product(*SWEEP_TILES.values())]
+        shapes = [sh for sh in shapes if args.sweep_filter in f"{sh[0]}/{sh[4]}"]
+        grid = dict(SWEEP_TILES)
+        for key, arg in (("block_k", args.sweep_block_k), ("k_splits", args.sweep_k_splits)):
+            if arg:
+                grid[key] = tuple(int(v) for v in arg.split(","))
         launch = [dict(zip(SWEEP_LAUNCH, v, strict=True)) for v in itertools.product(*SWEEP_LAUNCH.values())]
-        if args.interpret:  # the interpreter ignores launch settings; two tilings show the path works
-            tiles, launch = tiles[:2], launch[:1]
         for shape in shapes:
+            tiles = [{**dict(zip(grid, v, strict=True)), "dot_dtype": dt}
+                     for v in itertools.product(*grid.values()) for dt in SWEEP_DOT_DTYPES[shape[4]]]
+            if args.interpret:  # the interpreter ignores launch settings; a few tilings show the path works
+                tiles, launch = [tiles[0], tiles[-1]], launch[:1]
             first = bench_shape(*shape, ("xla", "pallas"), tunings=tiles, **common)
             timed = [r for r in first if r.get("impl") == "pallas" and "us_per_layer" in r]
             sweep += first
             if timed:
                 best = min(timed, key=lambda r: r["us_per_layer"])
-                around = [{"block_k": best["block_k"], "k_splits": best["k_splits"], **lc} for lc in launch
-                          if (lc["num_warps"], lc["num_stages"]) != (4, 2)]
+                dot_dtype = None if best["dot_dtype"] == "bfloat16" else best["dot_dtype"]
+                around = [{"block_k": best["block_k"], "k_splits": best["k_splits"], "dot_dtype": dot_dtype, **lc}
+                          for lc in launch if (lc["num_warps"], lc["num_stages"]) != (4, 2)]
                 second = bench_shape(*shape, ("pallas",), tunings=around, **common)
                 xla = [r["us_per_layer"] for r in first if r.get("impl") == "xla" and "us_per_layer" in r]
                 for row in second:
@@ -276,8 +288,8 @@ def main(argv=None):
         if row.get("impl") == "pallas" and "us_per_layer" in row:
             key = f'{row["model"]}/b{row["batch"]}/s{row["cache_len"]}/f{row["fill"]}/{row["kv_dtype"]}'
             if key not in best or row["us_per_layer"] < best[key]["us_per_layer"]:
-                best[key] = {k: row[k] for k in ("block_k", "k_splits", "num_warps", "num_stages", "us_per_layer",
-                                                 "gb_per_s_needed")}
+                best[key] = {k: row[k] for k in ("block_k", "k_splits", "num_warps", "num_stages", "dot_dtype",
+                                                 "us_per_layer", "gb_per_s_needed")}
     result["sweep_best"] = best
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
