@@ -14,11 +14,12 @@ blocks), not the cache length, so every split has work at any fill level; a spli
 sequence) runs no iteration. Each split writes its unnormalised partial row max, row sum and
 accumulator (f32, the G real rows only); four XLA ops combine the splits.
 
-FP8 K/V. E4M3 values convert to BF16 exactly, so the kernel casts the stored E4M3 values to the query dtype for
-the dots and applies the per-layer scales in f32 where they cost least: ``1/k_scale`` joins the softmax scale on
-the [G, block_k] scores and ``1/v_scale`` multiplies the combined [G, H] output. That is the dequantization
-``q8 * (1/scale)`` in exact arithmetic, with one BF16 rounding fewer than the XLA path (which rounds the
-dequantized K/V to BF16 before its dots). No BF16 copy of the cache is made.
+FP8 K/V. E4M3 values convert to F16 exactly, so the kernel casts the stored E4M3 values to F16 for the dots (a
+BF16 query is rounded to F16 once; F16 operands measured 10-22% faster than BF16 ones on the H100: Hopper
+converts E4M3 pairs to F16 in one instruction) and applies the per-layer scales in f32 where they cost least:
+``1/k_scale`` joins the softmax scale on the [G, block_k] scores and ``1/v_scale`` multiplies the combined [G, H]
+output. That is the dequantization ``q8 * (1/scale)`` in exact arithmetic, with one rounding fewer than the XLA
+path (which rounds the dequantized K/V to BF16 before its dots). No BF16 copy of the cache is made.
 
 The cache is read in place. The kernel takes the whole stacked cache [L, B, K, S, H] and the layer index (a
 traced scalar inside the layer scan) and indexes the layer itself: slicing one layer out of the scan's carried
@@ -39,8 +40,12 @@ Defaults (H100; ``benchmarks/decode_attention.py`` sweeps them):
   several times the ~25 KiB per SM that 3.35 TB/s at ~1 us of latency needs. (Compiled on CPU with Triton
   3.9 for sm_90: 39 KiB of shared memory and 72 registers a thread at H=64 FP8; 55 KiB and 142 at H=128 BF16,
   72 KiB and 86 at H=128 FP8; no spills.)
-- ``k_splits``: enough programs for ~8 per SM (132 SMs): 1024 / (B*K) rounded up, between 1 and 16. Batch 256
-  at K=8 already gives 2048 programs (1 split, no combine traffic); batch 64 gives 512 (2 splits).
+- ``k_splits``: enough programs for ~16 per SM (132 SMs): 2048 / (B*K) rounded up, between 1 and 16, and at
+  least 2 for a cache of 32 blocks or more. Batch 256 at K=8 already gives 2048 programs (1 split, no combine
+  traffic) up to 4k positions (2 splits); batch 64 gives 512 (4 splits). Chosen from the H100 sweep
+  (``benchmarks/decode_attention.py --sweep``, ``results/decode_sweep_h100.json``): block_k 64 / 128 / 256 x
+  1 / 2 / 4 splits x BF16 / F16 operands, then warps and stages. 256-position blocks were always slower; 8 warps
+  and 3-4 stages never won by more than the noise.
 - ``num_warps=4``: 128 threads for a [16, block_k] score tile and one [block_k, H] load per tensor; the
   benchmark tries 8.
 
@@ -96,10 +101,23 @@ def default_block_k(head_dim: int, cache_itemsize: int, cache_len: int) -> int:
     return min(block_k, max(_pow2_ceil(cache_len), 16))
 
 
+LONG_CACHE_BLOCKS = 32  # a cache of this many blocks or more gets at least two splits
+
+
 def default_k_splits(rows: int, cache_len: int, block_k: int) -> int:
-    """About 1024 programs in all (~8 per H100 SM), 1..16 splits, no more splits than cache blocks."""
-    splits = min(max(-(-1024 // rows), 1), 16)
-    return max(min(splits, -(-cache_len // block_k)), 1)
+    """About 2048 programs in all (~16 per H100 SM), 1..16 splits, at least 2 for a long cache
+    (``LONG_CACHE_BLOCKS``), no more splits than cache blocks."""
+    blocks = -(-cache_len // block_k)
+    splits = min(max(-(-2048 // rows), 2 if blocks >= LONG_CACHE_BLOCKS else 1), 16)
+    return max(min(splits, blocks), 1)
+
+
+def default_dot_dtype(q_dtype, cache_dtype):
+    """float16 for a BF16 query over an FP8 cache (measured 10-22% faster on the H100 than BF16 operands,
+    ``benchmarks/results/decode_sweep_h100.json``); the query's dtype otherwise."""
+    if jnp.dtype(cache_dtype).itemsize == 1 and jnp.dtype(q_dtype) == jnp.bfloat16:
+        return jnp.dtype(jnp.float16)
+    return jnp.dtype(q_dtype)
 
 
 def pallas_unsupported(head_dim: int) -> str | None:
@@ -263,9 +281,9 @@ def decode_attention_pallas(q, k_cache, v_cache, lengths, *, layer=None, k_scale
                             num_stages: int = 2, dot_dtype=None, interpret: bool = False) -> jax.Array:
     """The Pallas kernel (see the module note); ``interpret=True`` runs it on any backend through Pallas'
     interpreter (tests). ``block_k`` / ``k_splits`` default from the shapes (``default_block_k`` /
-    ``default_k_splits``). ``dot_dtype``: the dots' operand dtype, q's by default; ``float16`` with an FP8 cache
-    (every E4M3 value is exact in f16, and the conversion is one instruction per two values on Hopper) takes the
-    query rounded to f16 (clipped to its range) and the probabilities in f16."""
+    ``default_k_splits``). ``dot_dtype``: the dots' operand dtype (default ``default_dot_dtype``); ``float16``
+    with an FP8 cache (every E4M3 value is exact in f16, and the conversion is one instruction per two values on
+    Hopper) takes the query rounded to f16 (clipped to its range) and the probabilities in f16."""
     (k_cache, _), (v_cache, layer) = _stacked(k_cache, layer), _stacked(v_cache, layer)
     _check(q, k_cache, v_cache, lengths, k_scale, v_scale)
     reason = pallas_unsupported(q.shape[-1])
@@ -284,7 +302,7 @@ def decode_attention_pallas(q, k_cache, v_cache, lengths, *, layer=None, k_scale
                       stacklevel=2)
         k_cache, v_cache, layer = k_cache[layer][None], v_cache[layer][None], jnp.int32(0)
         n_layers = 1
-    compute_dtype = jnp.dtype(dot_dtype or q.dtype)
+    compute_dtype = jnp.dtype(dot_dtype or default_dot_dtype(q.dtype, k_cache.dtype))
     if compute_dtype == jnp.float16 and q.dtype != jnp.float16:
         f16_max = float(jnp.finfo(jnp.float16).max)
         q_dot = jnp.clip(q.astype(jnp.float32), -f16_max, f16_max).astype(jnp.float16)

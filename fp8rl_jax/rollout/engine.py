@@ -47,15 +47,11 @@ from fp8rl_jax.rollout.weights import per_layer, rollout_params
 
 PREFILL_BUCKETS = tuple(2**i for i in range(4, 16))  # 16 .. 32768, JetStream's convention
 
-# XLA:GPU options for the programs that decode (prefill, generate, generate_steps), passed per jit so the trainer's
-# programs keep the process's defaults. XLA records as CUDA graphs only the straight-line runs of a program by default
-# and launches every iteration of a while loop (the scan over layers, the loop over decode steps) from the host,
-# kernel by kernel: hundreds of launches per decode step, each a few microseconds of idle GPU. With WHILE and
-# CONDITIONAL the loops go into the graph as well. Decode GEMMs (M = the batch) take cuBLAS rather than Triton.
-DECODE_GPU_OPTIONS = {
-    "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL",
-    "xla_gpu_enable_triton_gemm": False,
-}
+# XLA:GPU options for the programs that decode (prefill, generate, generate_steps), passed per jit so that the
+# trainer's programs keep the process's defaults: the decode GEMMs (M = the batch) take cuBLAS rather than Triton,
+# 1.4x the BF16 rollout on the H100 (benchmarks/RESULTS.md). Measured and left out: while loops inside CUDA graphs
+# (xla_gpu_enable_command_buffer with WHILE, CONDITIONAL) changed nothing; the GPU idles under 7% of a decode step.
+DECODE_GPU_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
 COMPILER_OPTIONS = ("auto", "none")
 LAYER_LOOPS = ("auto", "scan", "unrolled")
 
@@ -132,7 +128,7 @@ class EngineConfig:
     # XLA options of the decoding programs: "auto" = DECODE_GPU_OPTIONS on a GPU, "none" = the process's defaults
     compiler_options: str = "auto"
     # the decode step's layers: "unrolled" reads per-layer weights and cache in place (one straight-line program),
-    # "scan" loops over stacked ones; "auto" = unrolled on a CPU, scan elsewhere. Unrolled needs a single device.
+    # "scan" loops over stacked ones; "auto" = unrolled on a single device, scan on a larger mesh
     layer_loop: str = "auto"
 
     def __post_init__(self):
@@ -165,16 +161,16 @@ class Engine:
         self._generate = decode_jit(self._generate_impl, donate_argnums=(1,))
         self._generate_steps = decode_jit(self._generate_steps_impl, donate_argnums=(1,), static_argnums=(2,))
         load = functools.partial(rollout_params, precision=precision, num_layers=model.num_layers)
-        # unrolled layers (the CPU's default, one device): weights as one tree per layer, which the decode step
-        # reads in place (a scan over stacked weights has XLA:CPU copy each layer's slice: as many bytes again as
-        # the GEMMs read); the decode state then holds the cache as one array of bits per layer
-        # (llama.cache_layers), which a decode step writes in place (XLA:CPU would otherwise convert the whole
-        # cache to its bits and back in every step)
+        # unrolled layers (the default on one device): weights as one tree per layer, which the decode step reads
+        # in place, and the cache as one array (of bits) per layer (llama.cache_layers), which it writes in place.
+        # On a CPU a scan over stacked weights has XLA copy each layer's slice (as many bytes again as the GEMMs
+        # read) and convert the whole cache to its bits and back in every step; on the H100 the unrolled step has
+        # fewer copies and kernels, 10% faster in FP8 (benchmarks/RESULTS.md). Not yet under a mesh of several
+        # devices, whose shardings are laid out for the stacked trees.
         one_device = mesh is None or mesh.size == 1
         if config.layer_loop == "unrolled" and not one_device:
             raise ValueError(f"EngineConfig.layer_loop='unrolled' needs a single device; the mesh has {mesh.size}")
-        self._per_layer = one_device and (config.layer_loop == "unrolled" or (
-            config.layer_loop == "auto" and jax.default_backend() == "cpu"))
+        self._per_layer = one_device and config.layer_loop != "scan"
         self._load = jax.jit((lambda p, s: per_layer(load(p, s))) if self._per_layer else load)
         # with per-layer weights the blocks' FP8 state and the KV scales come per layer too (llama.forward_hidden):
         # the unrolled layers are then identical computations, compiled once

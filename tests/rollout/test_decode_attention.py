@@ -5,7 +5,8 @@ Tolerances (max |got - reference| <= atol + rtol |reference|):
 - f32 query and f32 or FP8 K/V: 1e-5 / 1e-5. The FP8 values are exact in f32 and the scales are applied in f32.
 - BF16 query with BF16 or FP8 K/V: 1e-2 / 1e-2. The reference is computed from the very BF16 / E4M3 values the
   kernel reads (dequantized in float64), so what is left is the BF16 rounding of the probabilities before the
-  P.V dot and of the output (2**-9 relative each).
+  P.V dot and of the output (2**-9 relative each). Over an FP8 cache the dots take F16 operands by default (the
+  BF16 query is exact in F16 here; the probabilities round to 2**-12); ``fp8_bf16dot`` checks BF16 operands.
 """
 
 import functools
@@ -20,7 +21,7 @@ from fp8rl_jax.kernels import decode_attention as da
 
 B, K, H, S = 4, 2, 16, 40
 LENGTHS = np.array([1, 16, 23, S], np.int32)  # one token, a block multiple, a ragged block, the full cache
-TOL = {"f32": 1e-5, "bf16": 1e-2, "fp8": 1e-2, "fp8_f32q": 1e-5}
+TOL = {"f32": 1e-5, "bf16": 1e-2, "fp8": 1e-2, "fp8_f32q": 1e-5, "fp8_bf16dot": 1e-2}
 
 
 def _inputs(kind: str, g: int, seed: int = 0, layers: int | None = None):
@@ -56,8 +57,8 @@ def _reference(q, k, v, lengths):
 
 
 @functools.cache
-def _jitted(impl: str, block_k: int | None, k_splits: int | None, stacked: bool):
-    tuning = {} if impl == "xla" else {"block_k": block_k, "k_splits": k_splits}
+def _jitted(impl: str, block_k: int | None, k_splits: int | None, stacked: bool, dot_dtype: str | None = None):
+    tuning = {} if impl == "xla" else {"block_k": block_k, "k_splits": k_splits, "dot_dtype": dot_dtype}
 
     def run(q, k, v, lengths, k_scale, v_scale, layer):
         return da.decode_attention(q, k, v, lengths, layer=layer if stacked else None, k_scale=k_scale,
@@ -66,8 +67,8 @@ def _jitted(impl: str, block_k: int | None, k_splits: int | None, stacked: bool)
     return jax.jit(run)
 
 
-def _attend(impl, q, k, v, lengths, k_scale, v_scale, *, block_k=16, k_splits=2, layer=None):
-    f = _jitted(impl, block_k, k_splits, layer is not None)
+def _attend(impl, q, k, v, lengths, k_scale, v_scale, *, block_k=16, k_splits=2, layer=None, dot_dtype=None):
+    f = _jitted(impl, block_k, k_splits, layer is not None, dot_dtype)
     return np.asarray(f(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(lengths), k_scale, v_scale,
                         layer), np.float64)
 
@@ -82,6 +83,7 @@ CASES = [  # kind, G, block_k, k_splits
     ("fp8", 4, 16, 2),
     ("fp8", 8, 16, 3),
     ("fp8_f32q", 4, 16, 2),
+    ("fp8_bf16dot", 4, 16, 2),  # BF16 dot operands instead of the default F16
 ]
 
 
@@ -89,7 +91,8 @@ CASES = [  # kind, G, block_k, k_splits
 def test_kernel_matches_float64_reference(kind, g, block_k, k_splits):
     q, k, v, k_scale, v_scale, q64, k64, v64 = _inputs(kind, g)
     want = _reference(q64, k64, v64, LENGTHS)
-    got = _attend("pallas_interpret", q, k, v, LENGTHS, k_scale, v_scale, block_k=block_k, k_splits=k_splits)
+    got = _attend("pallas_interpret", q, k, v, LENGTHS, k_scale, v_scale, block_k=block_k, k_splits=k_splits,
+                  dot_dtype="bfloat16" if kind == "fp8_bf16dot" else None)
     tol = TOL[kind]
     np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
 
@@ -137,11 +140,17 @@ def test_defaults_hand_derived():
     assert da.default_block_k(64, 2, 4160) == 128
     assert da.default_block_k(64, 1, 4160) == 128
     assert da.default_block_k(16, 4, 26) == 32  # no bigger than the cache rounded up to a power of two
-    # ~1024 programs: 2048 rows need 1 split, 512 rows 2, 8 rows 16 (the cap), unless the cache has fewer blocks
-    assert da.default_k_splits(2048, 1088, 64) == 1
-    assert da.default_k_splits(512, 1088, 128) == 2
+    # ~2048 programs: 2048 rows need 1 split, 512 rows 4, 8 rows 16 (the cap), unless the cache has fewer blocks;
+    # a cache of 32 blocks or more gets 2 at least
+    assert da.default_k_splits(2048, 1088, 128) == 1
+    assert da.default_k_splits(2048, 4160, 128) == 2
+    assert da.default_k_splits(512, 1088, 128) == 4
     assert da.default_k_splits(8, 1088, 64) == 16
     assert da.default_k_splits(8, 40, 16) == 3
+    # F16 dot operands for a BF16 query over an FP8 cache only
+    assert da.default_dot_dtype(jnp.bfloat16, jnp.float8_e4m3fn) == jnp.float16
+    assert da.default_dot_dtype(jnp.float32, jnp.float8_e4m3fn) == jnp.float32
+    assert da.default_dot_dtype(jnp.bfloat16, jnp.bfloat16) == jnp.bfloat16
 
 
 def test_bad_options_name_the_key():
@@ -326,7 +335,8 @@ def test_large_fp8_cache_gets_64_bit_offsets():
 @pytest.mark.parametrize("kind,g,block_k,k_splits", CASES)
 def test_gpu_kernel_matches_float64_reference(kind, g, block_k, k_splits):
     q, k, v, k_scale, v_scale, q64, k64, v64 = _inputs(kind, g)
-    got = _attend("pallas", q, k, v, LENGTHS, k_scale, v_scale, block_k=block_k, k_splits=k_splits)
+    got = _attend("pallas", q, k, v, LENGTHS, k_scale, v_scale, block_k=block_k, k_splits=k_splits,
+                  dot_dtype="bfloat16" if kind == "fp8_bf16dot" else None)
     np.testing.assert_allclose(got, _reference(q64, k64, v64, LENGTHS), rtol=TOL[kind], atol=TOL[kind])
 
 
