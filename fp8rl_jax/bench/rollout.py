@@ -89,10 +89,17 @@ def bench_rollout(model_name: str, batches: list[int], new_tokens: list[int], mo
             p = engine.load_params(params, fp8_state, kv_scales)
             state = engine.init_decode_state()
             prompt = np.arange(1, prompt_len + 1, dtype=np.int32) % cfg.vocab_size
-            prefix = engine.prefill(p, prompt, prompt_len, jax.random.PRNGKey(1))
-            for slot in range(batch):
+            jax.block_until_ready(engine.prefill(p, prompt, prompt_len, jax.random.PRNGKey(1)))  # compiles
+            t = time.perf_counter()
+            prefix = jax.block_until_ready(engine.prefill(p, prompt, prompt_len, jax.random.PRNGKey(1)))
+            prefill_ms = 1e3 * (time.perf_counter() - t)
+            state = jax.block_until_ready(engine.insert(prefix, state, 0, jax.random.PRNGKey(0)))  # compiles
+            insert_temp = _temp_bytes(engine._insert, prefix, state, 0, jax.random.PRNGKey(0))
+            t = time.perf_counter()
+            for slot in range(1, batch):
                 state = engine.insert(prefix, state, slot, jax.random.PRNGKey(slot))
             jax.block_until_ready(state)
+            insert_ms = 1e3 * (time.perf_counter() - t) / max(batch - 1, 1)
             # the first chunk compiles the loop; time the rest
             state = engine.generate_steps(p, state, chunk)[0]
             jax.block_until_ready(state)
@@ -113,7 +120,8 @@ def bench_rollout(model_name: str, batches: list[int], new_tokens: list[int], mo
                          "hbm_bound_tokens_per_s": round(bound_tok_s, 1),
                          "hbm_bound_fraction": round(tok_s / bound_tok_s, 3), "model": model_name,
                          "ms_per_step": round(1e3 * sec / done_steps, 3), "compiler_options": option,
-                         "layer_loop": layer_loop})
+                         "layer_loop": layer_loop, "prefill_ms": round(prefill_ms, 3), "insert_ms": round(insert_ms, 3),
+                         "insert_temp_bytes": insert_temp})
             if profile:  # one more chunk, traced (the cache is fuller than the timed average: late in the rollout)
                 rows[-1]["profile"] = _profile_chunk(engine, p, state, chunk)
             print(json.dumps({k: v for k, v in rows[-1].items() if k != "profile"}), flush=True)
@@ -122,6 +130,15 @@ def bench_rollout(model_name: str, batches: list[int], new_tokens: list[int], mo
                 print(json.dumps({k: v for k, v in prof.items() if k != "top"}), flush=True)
             del state, p, engine
     return rows
+
+
+def _temp_bytes(jitted, *args) -> int | None:
+    """Scratch bytes XLA allocates for one call of ``jitted`` (None where the backend does not say)."""
+    import jax.numpy as jnp
+
+    args = tuple(jnp.int32(a) if isinstance(a, int) else a for a in args)
+    stats = jitted.lower(*args).compile().memory_analysis()
+    return getattr(stats, "temp_size_in_bytes", None)
 
 
 def _profile_chunk(engine, params, state, chunk: int) -> dict:
