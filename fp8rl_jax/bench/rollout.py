@@ -95,11 +95,20 @@ def bench_rollout(model_name: str, batches: list[int], new_tokens: list[int], mo
             prefill_ms = 1e3 * (time.perf_counter() - t)
             state = jax.block_until_ready(engine.insert(prefix, state, 0, jax.random.PRNGKey(0)))  # compiles
             insert_temp = _temp_bytes(engine._insert, prefix, state, 0, jax.random.PRNGKey(0))
+            singles = range(1, min(batch, 9))  # a few one-slot inserts, then the rest in one insert_samples call
             t = time.perf_counter()
-            for slot in range(1, batch):
+            for slot in singles:
                 state = engine.insert(prefix, state, slot, jax.random.PRNGKey(slot))
             jax.block_until_ready(state)
-            insert_ms = 1e3 * (time.perf_counter() - t) / max(batch - 1, 1)
+            insert_ms = 1e3 * (time.perf_counter() - t) / max(len(singles), 1)
+            rest = list(range(len(singles) + 1, batch))
+            samples_ms = None
+            if rest:
+                keys = jnp.stack([jax.random.PRNGKey(slot) for slot in rest])
+                jax.block_until_ready(engine.insert_samples(prefix, engine.init_decode_state(), rest, keys))  # compiles
+                t = time.perf_counter()
+                state = jax.block_until_ready(engine.insert_samples(prefix, state, rest, keys))
+                samples_ms = round(1e3 * (time.perf_counter() - t), 3)
             # the first chunk compiles the loop; time the rest
             state = engine.generate_steps(p, state, chunk)[0]
             jax.block_until_ready(state)
@@ -121,7 +130,8 @@ def bench_rollout(model_name: str, batches: list[int], new_tokens: list[int], mo
                          "hbm_bound_fraction": round(tok_s / bound_tok_s, 3), "model": model_name,
                          "ms_per_step": round(1e3 * sec / done_steps, 3), "compiler_options": option,
                          "layer_loop": layer_loop, "prefill_ms": round(prefill_ms, 3), "insert_ms": round(insert_ms, 3),
-                         "insert_temp_bytes": insert_temp})
+                         "insert_temp_bytes": insert_temp, "insert_samples_slots": len(rest),
+                         "insert_samples_ms": samples_ms})
             if profile:  # one more chunk, traced (the cache is fuller than the timed average: late in the rollout)
                 rows[-1]["profile"] = _profile_chunk(engine, p, state, chunk)
             print(json.dumps({k: v for k, v in rows[-1].items() if k != "profile"}), flush=True)

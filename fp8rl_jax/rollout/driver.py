@@ -105,11 +105,15 @@ def generate(
     pending = None
     while queue or pending is not None or any(r >= 0 for r in slot_row):
         inserted = []
+        by_prompt: dict[int, list[tuple[int, int]]] = {}  # prompt -> its (slot, row) pairs this round, in order
         for slot in range(engine.max_concurrent_decodes):
             if slot_row[slot] >= 0 or not queue:
                 continue
             row = queue.popleft()
-            p = row // n
+            by_prompt.setdefault(row // n, []).append((slot, row))
+            slot_row[slot] = row
+            inserted.append(slot)
+        for p, pairs in by_prompt.items():
             if p not in prefixes:
                 t = time.perf_counter()
                 prompt = prompts[p]
@@ -117,12 +121,12 @@ def generate(
                 padded[: len(prompt)] = prompt
                 prefixes[p] = engine.prefill(params, padded, len(prompt), jax.random.fold_in(rng, 2**30 + p))
                 prefill_s += time.perf_counter() - t
-            state = engine.insert(prefixes[p], state, slot, jax.random.fold_in(rng, row))
-            remaining[p] -= 1
+            # the prompt's samples in one dispatch; sample (p, s) draws with fold_in(rng, row) as before
+            slots, rows = zip(*pairs, strict=True)
+            state = engine.insert_samples(prefixes[p], state, slots, _row_keys(rng, rows))
+            remaining[p] -= len(pairs)
             if remaining[p] == 0:
                 del prefixes[p]
-            slot_row[slot] = row
-            inserted.append(slot)
         dispatched = None
         if any(r >= 0 for r in slot_row):
             # the first tokens come from the inserts: read with the chunk, before its tokens
@@ -152,6 +156,16 @@ def generate(
         },
     )
 
+
+
+@jax.jit
+def _fold_in_rows(rng: jax.Array, rows: jax.Array) -> jax.Array:
+    return jax.vmap(lambda r: jax.random.fold_in(rng, r))(rows)
+
+
+def _row_keys(rng: jax.Array, rows) -> jax.Array:
+    """``fold_in(rng, row)`` for each row, in one dispatch ([len(rows), 2] uint32 keys)."""
+    return _fold_in_rows(rng, jnp.asarray(rows, jnp.int32))
 
 
 def _read(dispatched, take) -> int:

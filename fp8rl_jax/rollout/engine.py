@@ -6,6 +6,7 @@ rollout weights (FP8 kernels quantized once per RL step, ``rollout.weights``) an
 
     prefill(params, padded_tokens, true_length, rng)  -> Prefix (the prompt's KV cache + its first token)
     insert(prefix, decode_state, slot[, rng])         -> decode_state with the prefix in ``slot``
+    insert_samples(prefix, decode_state, slots, rngs) -> the same for several samples of the prompt, one dispatch
     generate(params, decode_state)                    -> (decode_state, ResultTokens): one token for every slot
     generate_steps(params, decode_state, n)           -> n steps in one compiled loop (the RL driver's path)
 
@@ -158,6 +159,7 @@ class Engine:
         self._init_state = self._new_decode_state
         self._prefill = decode_jit(self._prefill_impl)
         self._insert = jax.jit(self._insert_impl, donate_argnums=(1,))
+        self._insert_samples = jax.jit(self._insert_samples_impl, donate_argnums=(1,))
         self._generate = decode_jit(self._generate_impl, donate_argnums=(1,))
         self._generate_steps = decode_jit(self._generate_steps_impl, donate_argnums=(1,), static_argnums=(2,))
         load = functools.partial(rollout_params, precision=precision, num_layers=model.num_layers)
@@ -188,6 +190,7 @@ class Engine:
         self._init_state = jax.jit(self._new_decode_state, out_shardings=state)
         decode_jit = functools.partial(jax.jit, compiler_options=self.compiler_options or None)
         self._insert = jax.jit(self._insert_impl, donate_argnums=(1,), out_shardings=state)
+        self._insert_samples = jax.jit(self._insert_samples_impl, donate_argnums=(1,), out_shardings=state)
         self._generate = decode_jit(self._generate_impl, donate_argnums=(1,), out_shardings=(state, rep))
         self._generate_steps = decode_jit(self._generate_steps_impl, donate_argnums=(1,), static_argnums=(2,),
                                           out_shardings=(state, rep, rep, rep))
@@ -268,6 +271,24 @@ class Engine:
         with mesh_context(self.mesh, self.precision.backend):
             return self._insert(prefix, decode_state, jnp.int32(slot), rng)
 
+    def insert_samples(self, prefix: Prefix, decode_state: DecodeState, slots, rngs) -> DecodeState:
+        """Several samples of one prompt in one call: ``prefix`` into every slot of ``slots``, slot ``i`` re-drawing
+        its first token with ``rngs[i]``. The same state as ``insert(prefix, state, slots[i], rngs[i])`` in turn,
+        in one dispatch instead of len(slots). The slots are padded to a power of two (fewer programs to compile);
+        the padding writes nowhere."""
+        slots = np.asarray(slots, np.int32).reshape(-1)
+        rngs = jnp.asarray(rngs, jnp.uint32).reshape(-1, 2)
+        if len(slots) != rngs.shape[0]:
+            raise ValueError(f"{len(slots)} slots and {rngs.shape[0]} keys")
+        if len(slots) != len(set(slots.tolist())) or not all(0 <= s < self.max_concurrent_decodes for s in slots):
+            raise ValueError(f"slots must be distinct, in [0, {self.max_concurrent_decodes}): {slots.tolist()}")
+        m = 1 << max(len(slots) - 1, 0).bit_length()
+        padded = np.full((m,), self.max_concurrent_decodes, np.int32)  # out of range: the scatters drop it
+        padded[: len(slots)] = slots
+        rngs = jnp.concatenate([rngs, jnp.zeros((m - len(slots), 2), jnp.uint32)])
+        with mesh_context(self.mesh, self.precision.backend):
+            return self._insert_samples(prefix, decode_state, jnp.asarray(padded), rngs)
+
     def generate(self, params: dict, decode_state: DecodeState) -> tuple[DecodeState, ResultTokens]:
         with mesh_context(self.mesh, self.precision.backend):
             return self._generate(params, decode_state)
@@ -343,6 +364,36 @@ class Engine:
             generated=set_(state.generated, 1),
             done=set_(state.done, self._is_done(token, 1, prefix.length)),
             keys=set_(state.keys, key),
+        )
+
+    def _insert_samples_impl(self, prefix: Prefix, state: DecodeState, slots, rngs):
+        tokens, logprobs, keys = self._draw(jnp.broadcast_to(prefix.logits, (slots.shape[0], prefix.logits.shape[0])),
+                                            rngs)
+        m, p = slots.shape[0], prefix.cache["k"].shape[3]
+        # the prompt's [K, P, H] per layer, written at (slot, :, 0:P, :) of every slot; out-of-range slots dropped
+        if isinstance(state.cache["k"], tuple):  # one array of bits per layer (see __init__)
+            parts = llama.cache_layers({n: a.astype(self.cache_dtype) for n, a in prefix.cache.items()}, as_bits=True)
+            # [1, K, P, H] -> [M, K, P, H] per layer
+            cache = {name: tuple(layer.at[slots, :, :p, :].set(jnp.broadcast_to(part, (m, *part.shape[1:])),
+                                                               mode="drop")
+                                 for layer, part in zip(state.cache[name], parts[name], strict=True))
+                     for name in ("k", "v")}
+        else:
+            # [L, 1, K, P, H] -> [L, M, K, P, H]
+            cache = {name: state.cache[name].at[:, slots, :, :p, :].set(
+                jnp.broadcast_to(prefix.cache[name], (prefix.cache[name].shape[0], m, *prefix.cache[name].shape[2:]))
+                .astype(state.cache[name].dtype), mode="drop") for name in ("k", "v")}
+        set_ = lambda arr, values: arr.at[slots].set(values, mode="drop")
+        first = jnp.ones_like(slots)
+        length = jnp.broadcast_to(prefix.length, slots.shape)
+        return DecodeState(
+            cache=cache,
+            tokens=set_(state.tokens, tokens),
+            logprobs=set_(state.logprobs, logprobs),
+            positions=set_(state.positions, length),
+            generated=set_(state.generated, first),
+            done=set_(state.done, self._is_done(tokens, first, length)),
+            keys=set_(state.keys, keys),
         )
 
     def _step(self, params, state: DecodeState):

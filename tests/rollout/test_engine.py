@@ -143,3 +143,29 @@ def test_prefill_buckets():
     assert prefill_bucket(40, 48) == 48
     with pytest.raises(ValueError, match="max_prefill_length=48"):
         prefill_bucket(49, 48)
+
+
+@pytest.mark.parametrize("layer_loop", ["unrolled", "scan"])
+def test_insert_samples_equals_inserts_one_by_one(params, layer_loop):
+    """Several samples of a prompt inserted in one call: the same decode state, bit for bit, as one insert per slot
+    (FP8 KV cache, both cache layouts), and the same tokens after decoding; the padding writes nowhere."""
+    precision = Precision(backend="xla", kv_cache_dtype="float8_e4m3fn")
+    engine = Engine(CONFIG, precision, EngineConfig(max_concurrent_decodes=6, max_prefill_length=16,
+                                                    max_new_tokens=8, layer_loop=layer_loop))
+    p = engine.load_params(params, llama.init_fp8_state(CONFIG, precision), kvq.init_kv_scales(CONFIG.num_layers))
+    prefix = engine.prefill(p, np.asarray(PROMPTS[3] + [0] * 4, np.int32), len(PROMPTS[3]), jax.random.PRNGKey(1))
+    slots, keys = [4, 1, 2], jnp.stack([jax.random.PRNGKey(10 + i) for i in range(3)])  # 3 slots: padded to 4
+    one_by_one = engine.init_decode_state()
+    for slot, key in zip(slots, keys, strict=True):
+        one_by_one = engine.insert(prefix, one_by_one, slot, key)
+    together = engine.insert_samples(prefix, engine.init_decode_state(), slots, keys)
+    for a, b in zip(jax.tree.leaves(one_by_one), jax.tree.leaves(together), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    steps_a = engine.generate_steps(p, one_by_one, 3)[1:]
+    steps_b = engine.generate_steps(p, together, 3)[1:]
+    for a, b in zip(steps_a, steps_b, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(ValueError, match="distinct"):
+        engine.insert_samples(prefix, engine.init_decode_state(), [1, 1], keys[:2])
+    with pytest.raises(ValueError, match=r"in \[0, 6\)"):
+        engine.insert_samples(prefix, engine.init_decode_state(), [6], keys[:1])
