@@ -5,8 +5,10 @@ different lengths run. The decode steps run in chunks of ``steps_per_sync`` (one
 always in flight: the next chunk is dispatched before the host reads the last one, so the device does not wait
 for the host's bookkeeping. A slot that finishes inside a chunk idles until the end of the next one.
 
-The n samples of a prompt share one prefill. Sample s of prompt p draws with ``fold_in(rng, p * n + s)``, so
-its tokens do not depend on the slot or on the batch it ran in.
+The n samples of a prompt share one prefill, and go into their slots in one ``insert_samples`` call. Prompts are
+prefilled several per call (``prefill_group``: a fixed number per prompt bucket, padded). Sample s of prompt p
+draws with ``fold_in(rng, p * n + s)``, so its tokens do not depend on the slot, on the batch it ran in, or on
+the prompts that shared its prefill.
 """
 
 from __future__ import annotations
@@ -113,17 +115,14 @@ def generate(
             by_prompt.setdefault(row // n, []).append((slot, row))
             slot_row[slot] = row
             inserted.append(slot)
+        t = time.perf_counter()
+        prefixes.update(_prefill(engine, params, prompts, [p for p in by_prompt if p not in prefixes], rng))
+        prefill_s += time.perf_counter() - t
         for p, pairs in by_prompt.items():
-            if p not in prefixes:
-                t = time.perf_counter()
-                prompt = prompts[p]
-                padded = np.zeros(prefill_bucket(len(prompt), cfg.max_prefill_length), np.int32)
-                padded[: len(prompt)] = prompt
-                prefixes[p] = engine.prefill(params, padded, len(prompt), jax.random.fold_in(rng, 2**30 + p))
-                prefill_s += time.perf_counter() - t
-            # the prompt's samples in one dispatch; sample (p, s) draws with fold_in(rng, row) as before
+            # the prompt's samples in one dispatch; sample (p, s) draws with fold_in(rng, p * n + s)
             slots, rows = zip(*pairs, strict=True)
-            state = engine.insert_samples(prefixes[p], state, slots, _row_keys(rng, rows))
+            batch, i = prefixes[p]
+            state = engine.insert_samples(batch, state, slots, _row_keys(rng, rows), row=i)
             remaining[p] -= len(pairs)
             if remaining[p] == 0:
                 del prefixes[p]
@@ -156,6 +155,38 @@ def generate(
         },
     )
 
+
+
+PREFILL_TOKENS = 1024  # positions per prefill call: 16 prompts of a 64-token bucket, 2 of a 512 one (at most 16)
+
+
+def prefill_group(bucket: int) -> int:
+    """Prompts per prefill call for a bucket: fixed per bucket (padded with dummy prompts), so that a prompt's prefix
+    does not depend on which prompts shared its call."""
+    return max(1, min(16, PREFILL_TOKENS // bucket))
+
+
+def _prefill(engine: Engine, params: dict, prompts: list[list[int]], needed: list[int], rng: jax.Array) -> dict:
+    """Prefill the ``needed`` prompts in groups of ``prefill_group(bucket)`` per call: {prompt: (Prefix batch, row)}.
+    Prompt p's first token is drawn with ``fold_in(rng, 2**30 + p)``."""
+    cfg = engine.config
+    by_bucket: dict[int, list[int]] = {}
+    for p in needed:
+        by_bucket.setdefault(prefill_bucket(len(prompts[p]), cfg.max_prefill_length), []).append(p)
+    out = {}
+    for bucket, ps in by_bucket.items():
+        g = prefill_group(bucket)
+        for start in range(0, len(ps), g):
+            group = ps[start:start + g]
+            padded = np.zeros((g, bucket), np.int32)
+            lengths = np.ones((g,), np.int32)  # the padding prompts: one token 0 each
+            for i, p in enumerate(group):
+                padded[i, : len(prompts[p])] = prompts[p]
+                lengths[i] = len(prompts[p])
+            keys = _row_keys(rng, [2**30 + p for p in group] + [0] * (g - len(group)))
+            batch = engine.prefill_batch(params, padded, lengths, keys)
+            out.update({p: (batch, i) for i, p in enumerate(group)})
+    return out
 
 
 @jax.jit

@@ -5,6 +5,7 @@ JetStream server (``fp8rl_jax.serve``). It runs the model's one forward (``llama
 rollout weights (FP8 kernels quantized once per RL step, ``rollout.weights``) and a BF16 or FP8 KV cache.
 
     prefill(params, padded_tokens, true_length, rng)  -> Prefix (the prompt's KV cache + its first token)
+    prefill_batch(params, padded [N, P], lengths, rngs) -> the same for N prompts in one forward (the RL driver)
     insert(prefix, decode_state, slot[, rng])         -> decode_state with the prefix in ``slot``
     insert_samples(prefix, decode_state, slots, rngs) -> the same for several samples of the prompt, one dispatch
     generate(params, decode_state)                    -> (decode_state, ResultTokens): one token for every slot
@@ -158,6 +159,7 @@ class Engine:
         decode_jit = functools.partial(jax.jit, compiler_options=self.compiler_options or None)
         self._init_state = self._new_decode_state
         self._prefill = decode_jit(self._prefill_impl)
+        self._prefill_batch = decode_jit(self._prefill_batch_impl)
         self._insert = jax.jit(self._insert_impl, donate_argnums=(1,))
         self._insert_samples = jax.jit(self._insert_samples_impl, donate_argnums=(1,))
         self._generate = decode_jit(self._generate_impl, donate_argnums=(1,))
@@ -271,11 +273,21 @@ class Engine:
         with mesh_context(self.mesh, self.precision.backend):
             return self._insert(prefix, decode_state, jnp.int32(slot), rng)
 
-    def insert_samples(self, prefix: Prefix, decode_state: DecodeState, slots, rngs) -> DecodeState:
+    def prefill_batch(self, params: dict, padded_tokens, true_lengths, rngs) -> Prefix:
+        """Several prompts, right-padded to one bucket [N, P], in one forward: a ``Prefix`` whose every field has a
+        leading N (cache [L, N, K, P, H]); prompt ``i`` is drawn with ``rngs[i]``. ``insert_samples(..., row=i)``
+        inserts prompt ``i``. A prompt's prefix depends on the batch's shape, not on the other prompts in it (its
+        rows of every GEMM are its own), so callers that keep N fixed per bucket keep their rollouts reproducible."""
+        with mesh_context(self.mesh, self.precision.backend):
+            return self._prefill_batch(params, jnp.asarray(padded_tokens, jnp.int32),
+                                       jnp.asarray(true_lengths, jnp.int32), jnp.asarray(rngs, jnp.uint32))
+
+    def insert_samples(self, prefix: Prefix, decode_state: DecodeState, slots, rngs, row: int | None = None
+                       ) -> DecodeState:
         """Several samples of one prompt in one call: ``prefix`` into every slot of ``slots``, slot ``i`` re-drawing
         its first token with ``rngs[i]``. The same state as ``insert(prefix, state, slots[i], rngs[i])`` in turn,
         in one dispatch instead of len(slots). The slots are padded to a power of two (fewer programs to compile);
-        the padding writes nowhere."""
+        the padding writes nowhere. ``row``: ``prefix`` came from ``prefill_batch`` and this is its prompt ``row``."""
         slots = np.asarray(slots, np.int32).reshape(-1)
         rngs = jnp.asarray(rngs, jnp.uint32).reshape(-1, 2)
         if len(slots) != rngs.shape[0]:
@@ -286,8 +298,13 @@ class Engine:
         padded = np.full((m,), self.max_concurrent_decodes, np.int32)  # out of range: the scatters drop it
         padded[: len(slots)] = slots
         rngs = jnp.concatenate([rngs, jnp.zeros((m - len(slots), 2), jnp.uint32)])
+        if row is not None:
+            n = prefix.token.shape[0]
+            if not 0 <= row < n:
+                raise ValueError(f"row={row} outside the prefill batch of {n} prompts")
+            row = jnp.int32(row)
         with mesh_context(self.mesh, self.precision.backend):
-            return self._insert_samples(prefix, decode_state, jnp.asarray(padded), rngs)
+            return self._insert_samples(prefix, decode_state, jnp.asarray(padded), rngs, row)
 
     def generate(self, params: dict, decode_state: DecodeState) -> tuple[DecodeState, ResultTokens]:
         with mesh_context(self.mesh, self.precision.backend):
@@ -319,19 +336,24 @@ class Engine:
         return tokens, logprobs, split[:, 0]
 
     def _prefill_impl(self, params, padded_tokens, true_length, rng):
-        p = padded_tokens.shape[0]
-        cache = llama.init_cache(self.model, 1, p, self.cache_dtype)
+        prefix = self._prefill_batch_impl(params, padded_tokens[None], true_length[None], rng[None])
+        return Prefix(prefix.cache, *(a[0] for a in (prefix.logits, prefix.token, prefix.logprob, prefix.length,
+                                                    prefix.key)))
+
+    def _prefill_batch_impl(self, params, padded_tokens, true_lengths, rngs):
+        n, p = padded_tokens.shape
+        cache = llama.init_cache(self.model, n, p, self.cache_dtype)
         if self._per_layer:  # one array of bits per layer, as in the decode state (see __init__)
             cache = llama.cache_layers(cache, as_bits=True)
-        positions = jnp.arange(p, dtype=jnp.int32)[None]
-        hidden, cache, _ = self._forward(params, padded_tokens[None], positions, cache)
+        positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32)[None], (n, p))
+        hidden, cache, _ = self._forward(params, padded_tokens, positions, cache)
         if self._per_layer:
             cache = llama.cache_stack(cache, self.cache_dtype)
-        # [1, P, D] -> [1, D]: only the last real position needs logits
-        last = jax.lax.dynamic_index_in_dim(hidden[0], true_length - 1, axis=0, keepdims=True)
-        logits = self._logits(params, last)  # [1, V]
-        token, logprob, key = self._draw(logits, rng[None])
-        return Prefix(cache, logits[0], token[0], logprob[0], true_length, key[0])
+        # [N, P, D] -> [N, D]: only each prompt's last real position needs logits
+        last = jnp.take_along_axis(hidden, (true_lengths - 1)[:, None, None], axis=1)[:, 0]
+        logits = self._logits(params, last)  # [N, V]
+        token, logprob, key = self._draw(logits, rngs)
+        return Prefix(cache, logits, token, logprob, true_lengths, key)
 
     def _is_done(self, tokens, generated, positions):
         stop = jnp.isin(tokens, jnp.asarray(self.config.stop_ids or (-1,), jnp.int32))
@@ -366,7 +388,12 @@ class Engine:
             keys=set_(state.keys, key),
         )
 
-    def _insert_samples_impl(self, prefix: Prefix, state: DecodeState, slots, rngs):
+    def _insert_samples_impl(self, prefix: Prefix, state: DecodeState, slots, rngs, row=None):
+        if row is not None:  # prompt ``row`` of a prefill_batch: the single-prompt layout (cache [L, 1, K, P, H])
+            take = lambda a: jax.lax.dynamic_index_in_dim(a, row, axis=0, keepdims=False)
+            prefix = Prefix({n: jax.lax.dynamic_index_in_dim(a, row, axis=1) for n, a in prefix.cache.items()},
+                            *(take(a) for a in (prefix.logits, prefix.token, prefix.logprob, prefix.length,
+                                                prefix.key)))
         tokens, logprobs, keys = self._draw(jnp.broadcast_to(prefix.logits, (slots.shape[0], prefix.logits.shape[0])),
                                             rngs)
         m, p = slots.shape[0], prefix.cache["k"].shape[3]

@@ -169,3 +169,40 @@ def test_insert_samples_equals_inserts_one_by_one(params, layer_loop):
         engine.insert_samples(prefix, engine.init_decode_state(), [1, 1], keys[:2])
     with pytest.raises(ValueError, match=r"in \[0, 6\)"):
         engine.insert_samples(prefix, engine.init_decode_state(), [6], keys[:1])
+
+
+def test_prefill_batch_equals_prefill_per_prompt(params):
+    """N prompts in one forward: each prompt's cache equals its own prefill's bit for bit, its last-position logits
+    to f32 rounding (the head's GEMM has N rows instead of 1); ``insert_samples(row=i)`` inserts prompt i."""
+    precision = Precision(backend="xla", kv_cache_dtype="float8_e4m3fn")
+    engine = _engine(precision, 6, SamplingParams(), 8, ())
+    p = engine.load_params(params, llama.init_fp8_state(CONFIG, precision), kvq.init_kv_scales(CONFIG.num_layers))
+    padded = np.zeros((len(PROMPTS), 16), np.int32)
+    for i, prompt in enumerate(PROMPTS):
+        padded[i, : len(prompt)] = prompt
+    keys = jnp.stack([jax.random.PRNGKey(i) for i in range(len(PROMPTS))])
+    batch = engine.prefill_batch(p, padded, [len(x) for x in PROMPTS], keys)
+    for i, prompt in enumerate(PROMPTS):
+        one = engine.prefill(p, padded[i], len(prompt), keys[i])
+        for name in ("k", "v"):
+            np.testing.assert_array_equal(np.asarray(one.cache[name][:, 0]), np.asarray(batch.cache[name][:, i]))
+        np.testing.assert_allclose(np.asarray(one.logits), np.asarray(batch.logits[i]), rtol=0, atol=1e-5)
+        assert int(batch.length[i]) == len(prompt)
+    from_batch = engine.insert_samples(batch, engine.init_decode_state(), [5, 0], keys[:2], row=2)
+    assert np.asarray(from_batch.positions)[[5, 0]].tolist() == [len(PROMPTS[2])] * 2
+    with pytest.raises(ValueError, match="row=4 outside"):
+        engine.insert_samples(batch, engine.init_decode_state(), [0], keys[:1], row=4)
+
+
+def test_rollout_does_not_depend_on_the_prompts_sharing_its_prefill(params):
+    """The driver prefills prompts several per call; replacing one prompt changes nothing in the others' rows."""
+    bf16 = Precision()
+    engine = _engine(bf16, 16, SamplingParams(), 10, ())
+    p = engine.load_params(params)
+    assert driver.prefill_group(prefill_bucket(12, 16)) >= len(PROMPTS)  # all four share one call
+    other = [*PROMPTS[:3], list(np.random.RandomState(9).randint(3, CONFIG.vocab_size, size=7))]
+    a = driver.generate(engine, p, PROMPTS, 2, jax.random.PRNGKey(1), steps_per_sync=4)
+    b = driver.generate(engine, p, other, 2, jax.random.PRNGKey(1), steps_per_sync=4)
+    rows = slice(0, 6)  # prompts 0-2, two samples each
+    np.testing.assert_array_equal(a.tokens[rows], b.tokens[rows])
+    np.testing.assert_array_equal(a.logprobs[rows], b.logprobs[rows])
