@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import string
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -223,8 +225,9 @@ def _convert_gguf_tokenizer(path: Path, out: Path) -> None:
 
     tokens = reader.fields["tokenizer.ggml.tokens"]
     bos, eos = field("tokenizer.ggml.bos_token_id"), field("tokenizer.ggml.eos_token_id")
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # a folder of this process's own beside the target: several processes sharing a cache may convert at once
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", suffix=".tmp", dir=out.parent))
     hf.backend_tokenizer.save(str(tmp / "tokenizer.json"))
     meta = {
         "bos_token": None if bos is None else tokens.contents(bos),
@@ -233,4 +236,9 @@ def _convert_gguf_tokenizer(path: Path, out: Path) -> None:
         "chat_template": field("tokenizer.chat_template"),
     }
     (tmp / "tokenizer_config.json").write_text(json.dumps(meta, indent=2))
-    os.replace(tmp, out)  # atomic: a half-written cache never looks complete
+    try:
+        os.replace(tmp, out)  # atomic: a half-written cache never looks complete
+    except OSError:
+        if not (out / "tokenizer.json").exists():  # not another process's finished conversion: a real failure
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)

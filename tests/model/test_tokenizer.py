@@ -25,6 +25,20 @@ def test_gguf_tokenizer_matches_transformers(smollm2):
     assert tok.stop_ids == (ref.eos_token_id,)
 
 
+def test_gguf_conversion_that_loses_the_race_keeps_the_finished_cache(smollm2, tmp_path):
+    """Two processes sharing a cache may convert at once: the one that finishes second finds the folder there,
+    keeps it, and leaves no temporary folder behind."""
+    from fp8rl_jax.model.tokenizer import Tokenizer, _convert_gguf_tokenizer
+
+    path, out = assets.smollm2_gguf(), tmp_path / "tok"
+    _convert_gguf_tokenizer(path, out)
+    first = (out / "tokenizer.json").read_bytes()
+    _convert_gguf_tokenizer(path, out)  # as if another process had finished first
+    assert (out / "tokenizer.json").read_bytes() == first
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tok"]
+    assert Tokenizer.from_folder(out).encode("72") == smollm2[2].encode("72")
+
+
 def test_missing_tokenizer_file_is_named(tmp_path):
     from fp8rl_jax.model.tokenizer import Tokenizer
 
