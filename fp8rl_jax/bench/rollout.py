@@ -61,7 +61,9 @@ def bench_rollout(model_name: str, batches: list[int], new_tokens: list[int], mo
     from fp8rl_jax.rollout.sampling import SamplingParams
 
     cfg = preset(model_name)
-    params = llama.init_params(cfg, jax.random.PRNGKey(0))
+    # BF16 master weights: the rollout weights come from them as from f32 ones, and an 8B model's f32 copy (32 GB)
+    # would crowd out the rollout's own memory on one GPU
+    params = llama.init_params(cfg, jax.random.PRNGKey(0), dtype=jnp.bfloat16)
     bw = copy_bandwidth(copy_gib)
     print(f"copy bandwidth: {bw / 1e12:.2f} TB/s", flush=True)
     rows = []
@@ -105,8 +107,8 @@ def bench_rollout(model_name: str, batches: list[int], new_tokens: list[int], mo
             samples_ms = None
             if rest:
                 keys = jnp.stack([jax.random.PRNGKey(slot) for slot in rest])
-                jax.block_until_ready(engine.insert_samples(prefix, engine.init_decode_state(), rest, keys))  # compiles
-                t = time.perf_counter()
+                state = jax.block_until_ready(engine.insert_samples(prefix, state, rest, keys))  # compiles
+                t = time.perf_counter()  # the same slots again
                 state = jax.block_until_ready(engine.insert_samples(prefix, state, rest, keys))
                 samples_ms = round(1e3 * (time.perf_counter() - t), 3)
             # the first chunk compiles the loop; time the rest
