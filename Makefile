@@ -5,8 +5,6 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 DEMO_ARGS ?=
-# pytest-xdist processes for `make test`: the suite is mostly XLA compiles, one core each
-TEST_WORKERS ?= 2
 
 .PHONY: demo test test-gpu lint clean-venv
 
@@ -28,7 +26,7 @@ demo: $(VENV)/.run-deps
 	$(BIN)/python -m fp8rl_jax.main --config=configs/smollm2_gsm8k.py $(DEMO_ARGS)
 
 test: $(VENV)/.dev-deps
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m "not gpu" tests
+	$(BIN)/python -m pytest -q -m "not gpu" tests
 
 # on a GPU host (Transformer Engine installed): the GPU-marked tests
 test-gpu:
