@@ -122,7 +122,8 @@ def generate(
             # the prompt's samples in one dispatch; sample (p, s) draws with fold_in(rng, p * n + s)
             slots, rows = zip(*pairs, strict=True)
             batch, i = prefixes[p]
-            state = engine.insert_samples(batch, state, slots, _row_keys(rng, rows), row=i)
+            # padded to n: one compiled insert (and key derivation) for any number of a prompt's samples
+            state = engine.insert_samples(batch, state, slots, _row_keys(rng, rows, n), row=i, size=n)
             remaining[p] -= len(pairs)
             if remaining[p] == 0:
                 del prefixes[p]
@@ -160,9 +161,12 @@ def generate(
 PREFILL_TOKENS = 1024  # positions per prefill call: 16 prompts of a 64-token bucket, 2 of a 512 one (at most 16)
 
 
-def prefill_group(bucket: int) -> int:
+def prefill_group(bucket: int, backend: str | None = None) -> int:
     """Prompts per prefill call for a bucket: fixed per bucket (padded with dummy prompts), so that a prompt's prefix
-    does not depend on which prompts shared its call."""
+    does not depend on which prompts shared its call. One on a CPU, where the padding's compute is what costs (a GPU
+    pays per dispatch and reads the weights once per call)."""
+    if (backend or jax.default_backend()) == "cpu":
+        return 1
     return max(1, min(16, PREFILL_TOKENS // bucket))
 
 
@@ -183,7 +187,8 @@ def _prefill(engine: Engine, params: dict, prompts: list[list[int]], needed: lis
             for i, p in enumerate(group):
                 padded[i, : len(prompts[p])] = prompts[p]
                 lengths[i] = len(prompts[p])
-            keys = _row_keys(rng, [2**30 + p for p in group] + [0] * (g - len(group)))
+            keys = _row_keys(rng, [2**30 + p for p in group], g)
+            keys = jnp.concatenate([keys, jnp.zeros((g - len(group), 2), keys.dtype)]) if len(group) < g else keys
             batch = engine.prefill_batch(params, padded, lengths, keys)
             out.update({p: (batch, i) for i, p in enumerate(group)})
     return out
@@ -194,9 +199,12 @@ def _fold_in_rows(rng: jax.Array, rows: jax.Array) -> jax.Array:
     return jax.vmap(lambda r: jax.random.fold_in(rng, r))(rows)
 
 
-def _row_keys(rng: jax.Array, rows) -> jax.Array:
-    """``fold_in(rng, row)`` for each row, in one dispatch ([len(rows), 2] uint32 keys)."""
-    return _fold_in_rows(rng, jnp.asarray(rows, jnp.int32))
+def _row_keys(rng: jax.Array, rows, size: int | None = None) -> jax.Array:
+    """``fold_in(rng, row)`` for each row, in one dispatch ([len(rows), 2] uint32 keys); computed for ``size`` rows
+    (padded with row 0) so that one compiled program serves every count up to it."""
+    padded = np.zeros((max(size or 0, len(rows)),), np.int32)
+    padded[: len(rows)] = rows
+    return _fold_in_rows(rng, jnp.asarray(padded))[: len(rows)]
 
 
 def _read(dispatched, take) -> int:

@@ -282,19 +282,22 @@ class Engine:
             return self._prefill_batch(params, jnp.asarray(padded_tokens, jnp.int32),
                                        jnp.asarray(true_lengths, jnp.int32), jnp.asarray(rngs, jnp.uint32))
 
-    def insert_samples(self, prefix: Prefix, decode_state: DecodeState, slots, rngs, row: int | None = None
-                       ) -> DecodeState:
+    def insert_samples(self, prefix: Prefix, decode_state: DecodeState, slots, rngs, row: int | None = None,
+                       size: int | None = None) -> DecodeState:
         """Several samples of one prompt in one call: ``prefix`` into every slot of ``slots``, slot ``i`` re-drawing
         its first token with ``rngs[i]``. The same state as ``insert(prefix, state, slots[i], rngs[i])`` in turn,
-        in one dispatch instead of len(slots). The slots are padded to a power of two (fewer programs to compile);
-        the padding writes nowhere. ``row``: ``prefix`` came from ``prefill_batch`` and this is its prompt ``row``."""
+        in one dispatch instead of len(slots). The slots are padded to ``size`` (default: the next power of two),
+        so that one compiled program serves every count up to it; the padding writes nowhere. ``row``: ``prefix``
+        came from ``prefill_batch`` and this is its prompt ``row``."""
         slots = np.asarray(slots, np.int32).reshape(-1)
         rngs = jnp.asarray(rngs, jnp.uint32).reshape(-1, 2)
         if len(slots) != rngs.shape[0]:
             raise ValueError(f"{len(slots)} slots and {rngs.shape[0]} keys")
         if len(slots) != len(set(slots.tolist())) or not all(0 <= s < self.max_concurrent_decodes for s in slots):
             raise ValueError(f"slots must be distinct, in [0, {self.max_concurrent_decodes}): {slots.tolist()}")
-        m = 1 << max(len(slots) - 1, 0).bit_length()
+        m = size or 1 << max(len(slots) - 1, 0).bit_length()
+        if m < len(slots):
+            raise ValueError(f"size={size} is smaller than the {len(slots)} slots")
         padded = np.full((m,), self.max_concurrent_decodes, np.int32)  # out of range: the scatters drop it
         padded[: len(slots)] = slots
         rngs = jnp.concatenate([rngs, jnp.zeros((m - len(slots), 2), jnp.uint32)])

@@ -194,11 +194,15 @@ def test_prefill_batch_equals_prefill_per_prompt(params):
         engine.insert_samples(batch, engine.init_decode_state(), [0], keys[:1], row=4)
 
 
-def test_rollout_does_not_depend_on_the_prompts_sharing_its_prefill(params):
+def test_rollout_does_not_depend_on_the_prompts_sharing_its_prefill(params, monkeypatch):
     """The driver prefills prompts several per call; replacing one prompt changes nothing in the others' rows."""
     bf16 = Precision()
     engine = _engine(bf16, 16, SamplingParams(), 10, ())
     p = engine.load_params(params)
+    assert driver.prefill_group(16, backend="gpu") == 16 and driver.prefill_group(512, backend="gpu") == 2
+    assert driver.prefill_group(16, backend="cpu") == 1  # on a CPU the padding's compute is what costs
+    group = functools.partial(driver.prefill_group, backend="gpu")  # the GPU's grouping, here on any backend
+    monkeypatch.setattr(driver, "prefill_group", group)
     assert driver.prefill_group(prefill_bucket(12, 16)) >= len(PROMPTS)  # all four share one call
     other = [*PROMPTS[:3], list(np.random.RandomState(9).randint(3, CONFIG.vocab_size, size=7))]
     a = driver.generate(engine, p, PROMPTS, 2, jax.random.PRNGKey(1), steps_per_sync=4)
