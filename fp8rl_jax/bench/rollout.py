@@ -134,12 +134,10 @@ def bench_rollout(model_name: str, batches: list[int], new_tokens: list[int], mo
                          "layer_loop": layer_loop, "prefill_ms": round(prefill_ms, 3), "insert_ms": round(insert_ms, 3),
                          "insert_temp_bytes": insert_temp, "insert_samples_slots": len(rest),
                          "insert_samples_ms": samples_ms})
+            print(json.dumps(rows[-1]), flush=True)
             if profile:  # one more chunk, traced (the cache is fuller than the timed average: late in the rollout)
                 rows[-1]["profile"] = _profile_chunk(engine, p, state, chunk)
-            print(json.dumps({k: v for k, v in rows[-1].items() if k != "profile"}), flush=True)
-            if profile:
-                prof = rows[-1]["profile"]
-                print(json.dumps({k: v for k, v in prof.items() if k != "top"}), flush=True)
+                print(json.dumps({k: v for k, v in rows[-1]["profile"].items() if k != "top"}), flush=True)
             del state, p, engine
     return rows
 

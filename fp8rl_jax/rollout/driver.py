@@ -123,7 +123,8 @@ def generate(
             slots, rows = zip(*pairs, strict=True)
             batch, i = prefixes[p]
             # padded to n: one compiled insert (and key derivation) for any number of a prompt's samples
-            state = engine.insert_samples(batch, state, slots, _row_keys(rng, rows, n), row=i, size=n)
+            keys = _row_keys(rng, rows, n)[: len(rows)]
+            state = engine.insert_samples(batch, state, slots, keys, row=i, size=n)
             remaining[p] -= len(pairs)
             if remaining[p] == 0:
                 del prefixes[p]
@@ -187,9 +188,8 @@ def _prefill(engine: Engine, params: dict, prompts: list[list[int]], needed: lis
             for i, p in enumerate(group):
                 padded[i, : len(prompts[p])] = prompts[p]
                 lengths[i] = len(prompts[p])
-            keys = _row_keys(rng, [2**30 + p for p in group], g)
-            keys = jnp.concatenate([keys, jnp.zeros((g - len(group), 2), keys.dtype)]) if len(group) < g else keys
-            batch = engine.prefill_batch(params, padded, lengths, keys)
+            # g keys: the padding prompts draw with fold_in(rng, 0), which nothing reads
+            batch = engine.prefill_batch(params, padded, lengths, _row_keys(rng, [2**30 + p for p in group], g))
             out.update({p: (batch, i) for i, p in enumerate(group)})
     return out
 
@@ -199,12 +199,12 @@ def _fold_in_rows(rng: jax.Array, rows: jax.Array) -> jax.Array:
     return jax.vmap(lambda r: jax.random.fold_in(rng, r))(rows)
 
 
-def _row_keys(rng: jax.Array, rows, size: int | None = None) -> jax.Array:
-    """``fold_in(rng, row)`` for each row, in one dispatch ([len(rows), 2] uint32 keys); computed for ``size`` rows
-    (padded with row 0) so that one compiled program serves every count up to it."""
-    padded = np.zeros((max(size or 0, len(rows)),), np.int32)
+def _row_keys(rng: jax.Array, rows, size: int) -> jax.Array:
+    """``fold_in(rng, row)`` for each row, then for row 0 up to ``size`` keys ([size, 2] uint32), in one dispatch:
+    one compiled program serves every count up to ``size``."""
+    padded = np.zeros((max(size, len(rows)),), np.int32)
     padded[: len(rows)] = rows
-    return _fold_in_rows(rng, jnp.asarray(padded))[: len(rows)]
+    return _fold_in_rows(rng, jnp.asarray(padded))
 
 
 def _read(dispatched, take) -> int:

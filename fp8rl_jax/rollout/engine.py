@@ -88,6 +88,13 @@ class Prefix:
     length: jax.Array  # [] int32, the true prompt length
     key: jax.Array  # the sequence's key after drawing ``token``
 
+    def row(self, i) -> Prefix:
+        """Prompt ``i`` (an int or a traced scalar) of a ``prefill_batch`` result, whose every field has a leading N
+        (cache [L, N, K, P, H]): the single-prompt layout above."""
+        take = lambda a: jax.lax.dynamic_index_in_dim(a, i, axis=0, keepdims=False)
+        return Prefix({n: jax.lax.dynamic_index_in_dim(a, i, axis=1) for n, a in self.cache.items()},
+                      *(take(a) for a in (self.logits, self.token, self.logprob, self.length, self.key)))
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
@@ -156,7 +163,8 @@ class Engine:
         self.tokenizer = tokenizer
         self.mesh = mesh
         self.compiler_options = decode_compiler_options(config.compiler_options)
-        decode_jit = functools.partial(jax.jit, compiler_options=self.compiler_options or None)
+        # jit for the programs that decode: with the decode options (see DECODE_GPU_OPTIONS)
+        self._decode_jit = decode_jit = functools.partial(jax.jit, compiler_options=self.compiler_options or None)
         self._init_state = self._new_decode_state
         self._prefill = decode_jit(self._prefill_impl)
         self._prefill_batch = decode_jit(self._prefill_batch_impl)
@@ -190,7 +198,7 @@ class Engine:
         state = rules.decode_state_shardings(jax.eval_shape(self._new_decode_state), mesh)
         rep = rules.replicated(mesh)  # what the host reads back each call: tokens, logprobs, flags
         self._init_state = jax.jit(self._new_decode_state, out_shardings=state)
-        decode_jit = functools.partial(jax.jit, compiler_options=self.compiler_options or None)
+        decode_jit = self._decode_jit
         self._insert = jax.jit(self._insert_impl, donate_argnums=(1,), out_shardings=state)
         self._insert_samples = jax.jit(self._insert_samples_impl, donate_argnums=(1,), out_shardings=state)
         self._generate = decode_jit(self._generate_impl, donate_argnums=(1,), out_shardings=(state, rep))
@@ -339,9 +347,7 @@ class Engine:
         return tokens, logprobs, split[:, 0]
 
     def _prefill_impl(self, params, padded_tokens, true_length, rng):
-        prefix = self._prefill_batch_impl(params, padded_tokens[None], true_length[None], rng[None])
-        return Prefix(prefix.cache, *(a[0] for a in (prefix.logits, prefix.token, prefix.logprob, prefix.length,
-                                                    prefix.key)))
+        return self._prefill_batch_impl(params, padded_tokens[None], true_length[None], rng[None]).row(0)
 
     def _prefill_batch_impl(self, params, padded_tokens, true_lengths, rngs):
         n, p = padded_tokens.shape
@@ -392,11 +398,8 @@ class Engine:
         )
 
     def _insert_samples_impl(self, prefix: Prefix, state: DecodeState, slots, rngs, row=None):
-        if row is not None:  # prompt ``row`` of a prefill_batch: the single-prompt layout (cache [L, 1, K, P, H])
-            take = lambda a: jax.lax.dynamic_index_in_dim(a, row, axis=0, keepdims=False)
-            prefix = Prefix({n: jax.lax.dynamic_index_in_dim(a, row, axis=1) for n, a in prefix.cache.items()},
-                            *(take(a) for a in (prefix.logits, prefix.token, prefix.logprob, prefix.length,
-                                                prefix.key)))
+        if row is not None:  # prompt ``row`` of a prefill_batch
+            prefix = prefix.row(row)
         tokens, logprobs, keys = self._draw(jnp.broadcast_to(prefix.logits, (slots.shape[0], prefix.logits.shape[0])),
                                             rngs)
         m, p = slots.shape[0], prefix.cache["k"].shape[3]
