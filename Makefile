@@ -26,7 +26,7 @@ demo: $(VENV)/.run-deps
 	$(BIN)/python -m fp8rl_jax.main --config=configs/smollm2_gsm8k.py $(DEMO_ARGS)
 
 test: $(VENV)/.dev-deps
-	$(BIN)/python -m pytest -q -m "not gpu" tests
+	$(BIN)/python -m pytest -q -m "not gpu" --durations=30 tests
 
 # on a GPU host (Transformer Engine installed): the GPU-marked tests
 test-gpu:

@@ -12,6 +12,7 @@ from fp8rl_jax.fp8.recipe import Fp8Recipe
 BACKENDS = ("bf16", "xla", "te")
 KV_DTYPES = ("bfloat16", "float32", "float8_e4m3fn")
 COMPUTE_DTYPES = ("bfloat16", "float32")
+ATTENTION_IMPLS = ("auto", "xla", "cudnn")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,6 +29,9 @@ class Precision:
     lm_head_fp8: run the output projection in FP8 too (off by default: logits are precision-sensitive).
     kv_cache_dtype: ``float8_e4m3fn`` stores K/V in FP8 with per-layer scales; the full-sequence forward then
       rounds K/V through the same FP8 values, so scoring sees what rollout saw.
+    attention: the full-sequence (no-cache) attention of scoring and training: ``xla`` (the masked einsum, the
+      [T, S] scores in memory), ``cudnn`` (cuDNN's fused flash attention through ``jax.nn.dot_product_attention``,
+      GPU, BF16) or ``auto`` (cudnn where it runs, else xla; ``fp8rl_jax.model.llama.resolve_attention``).
     """
 
     backend: str = "bf16"
@@ -39,8 +43,11 @@ class Precision:
     bf16_linears: tuple[str, ...] = ()
     lm_head_fp8: bool = False
     kv_cache_dtype: str = "bfloat16"
+    attention: str = "auto"
 
     def __post_init__(self):
+        if self.attention not in ATTENTION_IMPLS:
+            raise ValueError(f"precision attention={self.attention!r}; allowed: {ATTENTION_IMPLS}")
         if self.backend not in BACKENDS:
             raise ValueError(f"precision backend={self.backend!r}; allowed: {BACKENDS}")
         if self.kv_cache_dtype not in KV_DTYPES:
@@ -132,4 +139,5 @@ def from_config(config, role: str) -> Precision:
         bf16_linears=config_list(p.bf16_linears, str),
         lm_head_fp8=p.lm_head_fp8 and fp8,
         kv_cache_dtype=p.kv_cache_dtype if fp8 else p.compute_dtype,
+        attention=p.attention,
     )

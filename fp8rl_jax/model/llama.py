@@ -165,6 +165,27 @@ def attention(q, k, v, q_pos, k_pos) -> jax.Array:
     return out.reshape(b, t, n, h).astype(q.dtype)
 
 
+def resolve_attention(impl: str, dtype, head_dim: int, backend: str | None = None) -> str:
+    """The full-sequence attention ``Precision.attention=impl`` runs: ``auto`` -> ``cudnn`` on a GPU backend for a
+    BF16 / F16 compute dtype and a head dim cuDNN's flash attention takes (a multiple of 8, at most 128), else
+    ``xla``; ``cudnn`` and ``xla`` as asked (``cudnn`` where it cannot run: jax's error at trace time)."""
+    if impl != "auto":
+        return impl
+    ok = jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and head_dim % 8 == 0 and head_dim <= 128
+    return "cudnn" if ok and (backend or jax.default_backend()) == "gpu" else "xla"
+
+
+def flash_attention(q, k, v, implementation: str = "cudnn") -> jax.Array:
+    """Causal GQA self-attention of sequences at positions 0..T-1 through ``jax.nn.dot_product_attention``:
+    ``cudnn`` is cuDNN's fused flash attention (GPU; no [T, S] scores in memory, softmax in f32 inside the kernel),
+    ``xla`` jax's reference of the same call (tests). Right padding needs no mask: a padding position attends only
+    to what precedes it, and nothing reads its output.
+
+    q [B, T, N, H]; k, v [B, T, K, H] (q's dtype)  ->  [B, T, N, H]
+    """
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # blocks
 
@@ -256,7 +277,7 @@ def split_layers(blocks) -> tuple:
 
 
 def _block(x, layer, fp8, idx, positions, cache, kv_scales, config: LlamaConfig, precision: Precision, inv_freq,
-           decode_impl: str = "xla", cache_dtype=None):
+           decode_impl: str = "xla", cache_dtype=None, attention_impl: str = "xla"):
     """One transformer block. Returns the new residual stream, the updated cache and this layer's K/V amax.
 
     ``cache`` holds a ``cache_dtype`` cache, on CPU as its bits (see ``forward_hidden``)."""
@@ -280,10 +301,10 @@ def _block(x, layer, fp8, idx, positions, cache, kv_scales, config: LlamaConfig,
     if precision.kv_fp8:
         k_scale, v_scale = kv_scales["k"][idx], kv_scales["v"][idx]
     if cache is None:
+        if precision.kv_fp8:
+            k, v = kvq.round_trip(k, k_scale), kvq.round_trip(v, v_scale)
         # [B, T, K, H] -> [B, K, T, H]
         keys, values, k_pos = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), positions
-        if precision.kv_fp8:
-            keys, values = kvq.round_trip(keys, k_scale), kvq.round_trip(values, v_scale)
     else:
         ck, cv = cache["k"], cache["v"]
         if precision.kv_fp8:
@@ -314,6 +335,8 @@ def _block(x, layer, fp8, idx, positions, cache, kv_scales, config: LlamaConfig,
                                               layer=None if layered else idx, impl=decode_impl, **scales)
         # [B, K, G, H] -> [B, 1, N, H]
         attn = attn.reshape(b, 1, c.num_heads, c.head_dim)
+    elif cache is None and attention_impl != "xla":
+        attn = flash_attention(q, k.astype(q.dtype), v.astype(q.dtype), attention_impl)
     else:
         attn = attention(q, keys.astype(q.dtype), values.astype(q.dtype), positions, k_pos)
     # [B, T, N, H] -> [B, T, N H]
@@ -354,9 +377,11 @@ def forward_hidden(
     """Run the blocks and the final norm.
 
     tokens, positions: [B, T] int32. Sequences are right-padded; positions count from 0 at each sequence's
-    first token. With ``cache`` the new K/V are written at ``positions`` and attention reads the whole cache,
-    except in decode (T == 1) with ``decode_attention`` ``pallas`` / ``pallas_interpret`` (``auto``: pallas on a
-    GPU backend), which reads positions 0..position of each sequence only (``fp8rl_jax.kernels.decode_attention``).
+    first token (without a cache they must be 0..T-1 in every row: ``precision.attention`` ``cudnn``, or ``auto``
+    on a GPU, masks causally by index, not by position). With ``cache`` the new K/V are written at ``positions``
+    and attention reads the whole cache, except in decode (T == 1) with ``decode_attention`` ``pallas`` /
+    ``pallas_interpret`` (``auto``: pallas on a GPU backend), which reads positions 0..position of each sequence
+    only (``fp8rl_jax.kernels.decode_attention``).
 
     A precision segment of ``blocks`` may come as a tuple of per-layer trees (``split_layers``: the CPU's rollout
     weights, see ``Engine``): its layers then run as an unrolled loop that reads each layer's weights in place, where a
@@ -375,6 +400,7 @@ def forward_hidden(
         raise ValueError("an FP8 KV cache needs kv_scales")
     c = config
     decode_impl = decode_kernel.resolve_impl(decode_attention)
+    attention_impl = resolve_attention(precision.attention, precision.dtype, c.head_dim)
     inv_freq = rope_inv_freq(c)
     # the residual stream stays in f32: only the GEMM inputs are rounded to the compute dtype, so the rounding
     # is the same whatever the batch and sequence shapes (decode vs full sequence) and errors do not pile up
@@ -416,7 +442,7 @@ def forward_hidden(
                 if fp8 is not None:
                     fp8_layer = fp8[i] if fp8_per_layer else jax.tree.map(lambda a, i=i: a[i], fp8)
                 x, cache, (ak, av) = _block(x, layer, fp8_layer, start + i, positions, cache, kv_scales, c,
-                                            precision, inv_freq, decode_impl, cache_dtype)
+                                            precision, inv_freq, decode_impl, cache_dtype, attention_impl)
                 x = constrain(x, RESIDUAL_AXES)
                 amax_k.append(ak[None])
                 amax_v.append(av[None])
@@ -428,7 +454,7 @@ def forward_hidden(
             x, cache = carry
             layer, fp8_layer, idx = xs
             x, cache, amax = _block(x, layer, fp8_layer, idx, positions, cache, kv_scales, c, precision, inv_freq,
-                                    decode_impl, cache_dtype)
+                                    decode_impl, cache_dtype, attention_impl)
             return (constrain(x, RESIDUAL_AXES), cache), amax
 
         body = _remat(body, remat)

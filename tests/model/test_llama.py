@@ -154,3 +154,96 @@ def test_gguf_smollm2_greedy_answer(smollm2):
     answer = tok.decode(out)
     print(f"SmolLM2-135M-Instruct, greedy: 'What is 2+3?' -> {answer!r}")
     assert "5" in answer
+
+
+# ----------------------------------------------------------------------------------------------------------
+# full-sequence attention: the masked einsum and the flash-attention call (cuDNN on a GPU)
+
+
+def _qkv(dtype, b=2, t=19, n=8, kh=2, h=16, seed=0):
+    rng = np.random.RandomState(seed)
+    q, k, v = (jnp.asarray(rng.randn(b, t, heads, h), dtype) for heads in (n, kh, kh))
+    return q, k, v
+
+
+@pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 1e-2)])
+def test_flash_attention_call_equals_masked_einsum(dtype, tol):
+    """The flash call's layout (K/V as [B, T, K, H], causal by index, GQA) against the model's einsum over
+    positions 0..T-1; on CPU through jax's reference of the same call."""
+    q, k, v = _qkv(dtype)
+    pos = jnp.broadcast_to(jnp.arange(q.shape[1]), q.shape[:2])
+    ref = llama.attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), pos, pos)
+    out = llama.flash_attention(q, k, v, "xla")
+    assert out.shape == q.shape and out.dtype == q.dtype
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), rtol=tol, atol=tol)
+
+
+def test_resolve_attention():
+    assert llama.resolve_attention("auto", jnp.bfloat16, 64, backend="gpu") == "cudnn"
+    assert llama.resolve_attention("auto", jnp.bfloat16, 128, backend="gpu") == "cudnn"
+    assert llama.resolve_attention("auto", jnp.float32, 64, backend="gpu") == "xla"  # cuDNN's is BF16 / F16
+    assert llama.resolve_attention("auto", jnp.bfloat16, 256, backend="gpu") == "xla"
+    assert llama.resolve_attention("auto", jnp.bfloat16, 64, backend="cpu") == "xla"
+    assert llama.resolve_attention("xla", jnp.bfloat16, 64, backend="gpu") == "xla"
+    assert llama.resolve_attention("cudnn", jnp.bfloat16, 64, backend="cpu") == "cudnn"
+    assert Precision().attention == "auto"
+    with pytest.raises(ValueError, match="attention='flash'"):
+        Precision(attention="flash")
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "float8_e4m3fn"])
+def test_forward_through_the_flash_branch(monkeypatch, kv_dtype):
+    """The model's flash branch (q, k, v kept in [B, T, heads, H]; FP8 K/V rounded first, as the cache would) gives
+    the einsum branch's logits. On CPU the branch is forced and runs jax's reference of the cuDNN call."""
+    config = preset("tiny")
+    params = llama.init_params(config, jax.random.PRNGKey(3), std=0.1)
+    precision = Precision(compute_dtype="float32", kv_cache_dtype=kv_dtype, attention="xla")
+    kw = {"config": config, "precision": precision}
+    if precision.kv_fp8:
+        kw["kv_scales"] = {"k": jnp.full((config.num_layers,), 4.0), "v": jnp.full((config.num_layers,), 8.0)}
+    tokens = jnp.asarray(np.random.RandomState(1).randint(0, config.vocab_size, (3, 21)))
+    ref, _, _ = llama.forward(params, tokens, **kw)
+    seen = []
+    flash = llama.flash_attention
+
+    def reference_flash(q, k, v, implementation):
+        seen.append(implementation)
+        return flash(q, k, v, "xla")
+
+    monkeypatch.setattr(llama, "resolve_attention", lambda *a, **k: "cudnn")
+    monkeypatch.setattr(llama, "flash_attention", reference_flash)
+    out, _, _ = llama.forward(params, tokens, **kw)
+    assert seen == ["cudnn"] * config.num_layers or seen == ["cudnn"]  # unrolled or scanned layers
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5)
+    if precision.kv_fp8:  # the FP8 rounding of K/V is there in both branches: without it the logits move
+        plain, _, _ = llama.forward(params, tokens, config=config,
+                                    precision=precision.replace(kv_cache_dtype="float32"))
+        assert float(jnp.max(jnp.abs(plain - out))) > 1e-3
+
+
+@pytest.mark.gpu
+def test_gpu_cudnn_attention_matches_the_einsum():
+    """cuDNN flash attention in the BF16 forward and its gradient: as close to the f32 reference as the einsum path
+    (Llama-like head dim 64, GQA, a length that is no multiple of a tile)."""
+    config = preset("tiny").replace(head_dim=64, num_heads=8, num_kv_heads=2)
+    params = llama.init_params(config, jax.random.PRNGKey(0), std=0.1)
+    tokens = jnp.asarray(np.random.RandomState(0).randint(0, config.vocab_size, (3, 200)))
+
+    def loss(p, precision):
+        logits, _, _ = llama.forward(p, tokens, config=config, precision=precision)
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        return -jnp.mean(jnp.take_along_axis(logp[:, :-1], tokens[:, 1:, None], axis=-1)), logits
+
+    def run(precision):
+        (value, logits), grads = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)(params, precision)
+        return np.asarray(logits, np.float32), np.concatenate([np.ravel(g) for g in jax.tree.leaves(grads)])
+
+    ref_logits, ref_grads = run(Precision(compute_dtype="float32", attention="xla"))
+    errors = {}
+    for impl in ("xla", "cudnn"):
+        logits, grads = run(Precision(attention=impl))
+        errors[impl] = (np.abs(logits - ref_logits).mean(),
+                        np.linalg.norm(grads - ref_grads) / np.linalg.norm(ref_grads))
+    print(errors)
+    assert errors["cudnn"][0] <= 1.5 * errors["xla"][0] + 1e-3
+    assert errors["cudnn"][1] <= 1.5 * errors["xla"][1] + 1e-3
