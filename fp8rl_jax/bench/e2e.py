@@ -95,6 +95,7 @@ def measure(config_path: str, mode: str, sets: list[str], warmup: int, steps: in
 
     from fp8rl_jax.bench import device_name
     from fp8rl_jax.bench.rollout import _weight_bytes, copy_bandwidth
+    from fp8rl_jax.model import llama
     from fp8rl_jax.trainer import Trainer
 
     path, _, arg = config_path.partition(":")
@@ -115,6 +116,7 @@ def measure(config_path: str, mode: str, sets: list[str], warmup: int, steps: in
            "warmup": warmup, "steps": steps, "sequences": c.rollout.prompts_per_step * c.rollout.samples_per_prompt,
            "max_new_tokens": c.rollout.max_new_tokens, "decode_slots": c.rollout.decode_slots,
            "device": device_name(), "devices": jax.device_count(),
+           "attention": llama.resolve_attention(precision.attention, precision.dtype, model.head_dim),
            **{f"time_{p}": mean(f"time/{p}") for p in PHASES if f"time/{p}" in timed[0]},
            "response_length_mean": mean("response_length_mean"),
            "rollout_tokens_per_s": mean("rollout_tokens_per_s")}
