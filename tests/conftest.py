@@ -11,7 +11,7 @@ if os.environ["JAX_PLATFORMS"] == "cpu":
 
 import pytest  # noqa: E402
 
-if os.environ["JAX_PLATFORMS"] != "cpu":
+if os.environ["JAX_PLATFORMS"] != "cpu" and not os.environ.get("FP8RL_TEST_NO_TE"):
     # Transformer Engine must load before JAX starts its GPU backend (a cuDNN symbol clash otherwise), and
     # collecting the test modules can start it (module-level arrays): so import TE here, before collection
     from fp8rl_jax.fp8 import te  # noqa: E402

@@ -77,13 +77,14 @@ def test_e2e_measures_a_mode_and_summarizes_against_the_best_bf16():
     """One mode in-process on the tiny config (the CLI runs each in a child), then the summary's arithmetic."""
     import argparse
 
-    import jax
+    import jax.numpy as jnp
 
     from fp8rl_jax.bench import e2e
+    from fp8rl_jax.model import llama
 
     row = e2e.measure("configs/tiny.py", "fp8_e2e", ["rollout.max_new_tokens=6"], warmup=1, steps=1)
     assert row["mode"] == "fp8_e2e" and row["steps"] == 1 and row["max_new_tokens"] == 6
-    assert row["attention"] == ("cudnn" if jax.default_backend() == "gpu" else "xla")
+    assert row["attention"] == llama.resolve_attention("auto", jnp.bfloat16, 16)  # the tiny config's head dim
     assert all(row[f"time_{p}"] > 0 for p in ("weights", "rollout", "train", "step"))
     assert row["train_tflops"] > 0 and row["rollout_tokens_per_s"] > 0
 

@@ -28,6 +28,7 @@ G = N / K, H head dim, F mlp hidden, V vocab, L layers.
 from __future__ import annotations
 
 import math
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -165,14 +166,23 @@ def attention(q, k, v, q_pos, k_pos) -> jax.Array:
     return out.reshape(b, t, n, h).astype(q.dtype)
 
 
-def resolve_attention(impl: str, dtype, head_dim: int, backend: str | None = None) -> str:
+def resolve_attention(impl: str, dtype, head_dim: int, backend: str | None = None,
+                      te_loaded: bool | None = None) -> str:
     """The full-sequence attention ``Precision.attention=impl`` runs: ``auto`` -> ``cudnn`` on a GPU backend for a
-    BF16 / F16 compute dtype and a head dim cuDNN's flash attention takes (a multiple of 8, at most 128), else
-    ``xla``; ``cudnn`` and ``xla`` as asked (``cudnn`` where it cannot run: jax's error at trace time)."""
+    BF16 / F16 compute dtype and a head dim cuDNN's flash attention takes (a multiple of 8, at most 128), in a
+    process without Transformer Engine; else ``xla``. ``cudnn`` and ``xla`` as asked.
+
+    Why not with Transformer Engine: TE's core library loads the cuDNN it was built against, and JAX's cuDNN then
+    runs with parts of the other one. On the H100 image (TE built on the system's cuDNN 9.14, JAX's wheel 9.19)
+    the flash attention's forward ran and its backward failed to load ("cudaErrorInvalidValue ... before calling
+    cuModuleGetFunction", which poisons the process). Where both agree, ``precision.attention=cudnn`` asks for it.
+    """
     if impl != "auto":
         return impl
+    if te_loaded is None:
+        te_loaded = "transformer_engine" in sys.modules
     ok = jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and head_dim % 8 == 0 and head_dim <= 128
-    return "cudnn" if ok and (backend or jax.default_backend()) == "gpu" else "xla"
+    return "cudnn" if ok and not te_loaded and (backend or jax.default_backend()) == "gpu" else "xla"
 
 
 def flash_attention(q, k, v, implementation: str = "cudnn") -> jax.Array:

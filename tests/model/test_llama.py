@@ -1,6 +1,7 @@
 """The model against the Hugging Face PyTorch implementation (float32, CPU), and the KV-cache decode path."""
 
 import json
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -179,10 +180,13 @@ def test_flash_attention_call_equals_masked_einsum(dtype, tol):
 
 
 def test_resolve_attention():
-    assert llama.resolve_attention("auto", jnp.bfloat16, 64, backend="gpu") == "cudnn"
-    assert llama.resolve_attention("auto", jnp.bfloat16, 128, backend="gpu") == "cudnn"
-    assert llama.resolve_attention("auto", jnp.float32, 64, backend="gpu") == "xla"  # cuDNN's is BF16 / F16
-    assert llama.resolve_attention("auto", jnp.bfloat16, 256, backend="gpu") == "xla"
+    gpu = {"backend": "gpu", "te_loaded": False}
+    assert llama.resolve_attention("auto", jnp.bfloat16, 64, **gpu) == "cudnn"
+    assert llama.resolve_attention("auto", jnp.bfloat16, 128, **gpu) == "cudnn"
+    assert llama.resolve_attention("auto", jnp.float32, 64, **gpu) == "xla"  # cuDNN's is BF16 / F16
+    assert llama.resolve_attention("auto", jnp.bfloat16, 256, **gpu) == "xla"
+    # Transformer Engine's cuDNN beside JAX's: the flash backward failed on the H100 image
+    assert llama.resolve_attention("auto", jnp.bfloat16, 64, backend="gpu", te_loaded=True) == "xla"
     assert llama.resolve_attention("auto", jnp.bfloat16, 64, backend="cpu") == "xla"
     assert llama.resolve_attention("xla", jnp.bfloat16, 64, backend="gpu") == "xla"
     assert llama.resolve_attention("cudnn", jnp.bfloat16, 64, backend="cpu") == "cudnn"
@@ -222,6 +226,9 @@ def test_forward_through_the_flash_branch(monkeypatch, kv_dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif("transformer_engine" in sys.modules,
+                    reason="Transformer Engine is loaded (conftest): its cuDNN beside JAX's breaks the flash backward "
+                           "on the H100 image; run alone with FP8RL_TEST_NO_TE=1")
 def test_gpu_cudnn_attention_matches_the_einsum():
     """cuDNN flash attention in the BF16 forward and its gradient: as close to the f32 reference as the einsum path
     (Llama-like head dim 64, GQA, a length that is no multiple of a tile)."""
