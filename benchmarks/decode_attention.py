@@ -15,8 +15,10 @@ and the achieved bandwidth on the K/V bytes a step actually needs, ``2 * K * H *
 layer. Lengths are ragged around ``fill * S`` (uniform in [0.5, 1.5] x fill x S, clipped to [1, S]; fill 1.0
 means all S). Caches that would not fit use fewer layers (``layers_timed``); the per-layer figure is the same.
 ``--sweep`` tunes the kernel on ``SWEEP_SHAPES``: block_k x k_splits (num_warps 4, num_stages 2), then num_warps x
-num_stages around the best pair. The full default run is ~150 timed configurations (each compiled once): split it
-with ``--models`` / ``--kv`` to keep each invocation within a few minutes.
+num_stages around the best pair; ``--sweep_heads_per_program 1,2,4`` crosses the first stage with the kernel's kv
+heads per program (values that do not divide a shape's K are left out for it). The full default run is ~150
+timed configurations (each compiled once): split it with ``--models`` / ``--kv`` to keep each invocation within a
+few minutes.
 """
 
 from __future__ import annotations
@@ -182,11 +184,13 @@ def bench_shape(model, batch, cache_len, fill, kv, impls, *, tunings, repeats, w
             row = {**base, "impl": impl, "layers_timed": layers_timed, "mean_length": float(lengths.mean()),
                    "kv_bytes_needed_per_layer": needed}
             if impl == "pallas":
-                block_k = tuning.get("block_k") or da.default_block_k(head_dim, itemsize, cache_len)
+                heads = tuning.get("heads_per_program", 1)
+                block_k = tuning.get("block_k") or da.default_block_k(head_dim, itemsize, cache_len, heads)
+                programs = batch * kv_heads // heads
                 row.update(block_k=block_k,
-                           k_splits=tuning.get("k_splits") or da.default_k_splits(batch * kv_heads, cache_len, block_k),
-                           num_warps=tuning.get("num_warps", 4), num_stages=tuning.get("num_stages", 2),
-                           dot_dtype=tuning.get("dot_dtype") or "bfloat16")
+                           k_splits=tuning.get("k_splits") or da.default_k_splits(programs, cache_len, block_k),
+                           heads_per_program=heads, num_warps=tuning.get("num_warps", 4),
+                           num_stages=tuning.get("num_stages", 2), dot_dtype=tuning.get("dot_dtype") or "bfloat16")
                 row["max_abs_diff_vs_xla"] = diffs[i]
             try:
                 seconds, k_cache, v_cache = _time_layers(fn, k_cache, v_cache, (q_layers, lengths_dev, scale, scale),
@@ -232,6 +236,8 @@ def main(argv=None):
     p.add_argument("--sweep_filter", default="", help="only the sweep shapes whose model/kv matches, e.g. 1b/fp8")
     p.add_argument("--sweep_block_k", default="", help="comma-separated block_k values instead of SWEEP_TILES'")
     p.add_argument("--sweep_k_splits", default="", help="comma-separated k_splits values instead of SWEEP_TILES'")
+    p.add_argument("--sweep_heads_per_program", default="1",
+                   help="comma-separated kv heads per kernel program to cross the first stage with, e.g. 1,2,4")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--max_layers", type=int, default=None)
@@ -256,19 +262,30 @@ def main(argv=None):
         for key, arg in (("block_k", args.sweep_block_k), ("k_splits", args.sweep_k_splits)):
             if arg:
                 grid[key] = tuple(int(v) for v in arg.split(","))
+        heads_per_program = tuple(int(v) for v in args.sweep_heads_per_program.split(","))
         launch = [dict(zip(SWEEP_LAUNCH, v, strict=True)) for v in itertools.product(*SWEEP_LAUNCH.values())]
         for shape in shapes:
-            tiles = [{**dict(zip(grid, v, strict=True)), "dot_dtype": dt}
-                     for v in itertools.product(*grid.values()) for dt in SWEEP_DOT_DTYPES[shape[4]]]
+            kv_heads = MODELS[shape[0]][0]
+            heads = [n for n in heads_per_program if kv_heads % n == 0]
+            if len(heads) < len(heads_per_program):
+                print(f"{shape}: heads_per_program {sorted(set(heads_per_program) - set(heads))} left out "
+                      f"(K={kv_heads})", flush=True)
+            tiles = [{**dict(zip(grid, v, strict=True)), "heads_per_program": n, "dot_dtype": dt}
+                     for v in itertools.product(*grid.values()) for n in heads for dt in SWEEP_DOT_DTYPES[shape[4]]]
             if args.interpret:  # the interpreter ignores launch settings; a few tilings show the path works
-                tiles, launch = [tiles[0], tiles[-1]], launch[:1]
+                picked = {}  # the first tiling of each heads_per_program, and the last one
+                for t in tiles:
+                    picked.setdefault(t["heads_per_program"], t)
+                tiles = [*picked.values()] + ([] if tiles[-1] in picked.values() else [tiles[-1]])
+                launch = launch[:1]
             first = bench_shape(*shape, ("xla", "pallas"), tunings=tiles, **common)
             timed = [r for r in first if r.get("impl") == "pallas" and "us_per_layer" in r]
             sweep += first
             if timed:
                 best = min(timed, key=lambda r: r["us_per_layer"])
                 dot_dtype = None if best["dot_dtype"] == "bfloat16" else best["dot_dtype"]
-                around = [{"block_k": best["block_k"], "k_splits": best["k_splits"], "dot_dtype": dot_dtype, **lc}
+                around = [{"block_k": best["block_k"], "k_splits": best["k_splits"], "dot_dtype": dot_dtype,
+                           "heads_per_program": best["heads_per_program"], **lc}
                           for lc in launch if (lc["num_warps"], lc["num_stages"]) != (4, 2)]
                 second = bench_shape(*shape, ("pallas",), tunings=around, **common)
                 xla = [r["us_per_layer"] for r in first if r.get("impl") == "xla" and "us_per_layer" in r]
@@ -288,8 +305,8 @@ def main(argv=None):
         if row.get("impl") == "pallas" and "us_per_layer" in row:
             key = f'{row["model"]}/b{row["batch"]}/s{row["cache_len"]}/f{row["fill"]}/{row["kv_dtype"]}'
             if key not in best or row["us_per_layer"] < best[key]["us_per_layer"]:
-                best[key] = {k: row[k] for k in ("block_k", "k_splits", "num_warps", "num_stages", "dot_dtype",
-                                                 "us_per_layer", "gb_per_s_needed")}
+                best[key] = {k: row[k] for k in ("block_k", "k_splits", "heads_per_program", "num_warps",
+                                                 "num_stages", "dot_dtype", "us_per_layer", "gb_per_s_needed")}
     result["sweep_best"] = best
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

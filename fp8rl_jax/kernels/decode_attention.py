@@ -14,6 +14,22 @@ blocks), not the cache length, so every split has work at any fill level; a spli
 sequence) runs no iteration. Each split writes its unnormalised partial row max, row sum and
 accumulator (f32, the G real rows only); four XLA ops combine the splits.
 
+Several kv heads per program (``heads_per_program`` P, off by default: P = 1 is the kernel above, unchanged). With
+G = 4 three quarters of the [16, block_k] score tile are padding, and the softmax's elementwise work (scale, mask,
+max, exp, sum) is spent on them too; per-element work, not bytes, appears to hold the FP8 kernel on the H100
+(2.25 TB/s against BF16's 2.7, ``benchmarks/NOTES.md``). With P > 1 a program takes P consecutive kv heads of one
+sequence (grid ``(B*K/P, k_splits)``, P divides K) and their P*G query rows as one tile (padded to a power of two,
+at least 16). Head j's QK dot takes that tile with every row outside head j zeroed, so its scores are exact zeros
+there and the P dots add up to one score tile in which every row is real; the online softmax runs once on it, and
+each head keeps its own [rows, H] accumulator (``p`` times its own V), of which only its own rows are stored. The
+dots do the same work as P programs of one head; the softmax's is divided by P (for P*G <= 16). The cost: P
+accumulators live in registers, and P K and V tiles per iteration (the default ``block_k`` keeps 16 KiB of K per
+iteration over the P heads, so the staged shared memory stays close to P = 1's). Compiled on CPU with Triton 3.9 for
+sm_90 at P = 4, G = 4 and the default block_k: 51 KiB of shared memory and 126 registers a thread at H=64 FP8
+(block_k 64), 58 KiB and 144 at H=128 FP8 (32), 54 KiB and 114 at H=128 BF16 (16); no spills (block_k 128 at P = 4
+and H=128 needs 184 KiB of shared memory in FP8, 315 in BF16). Not yet measured on the H100: off until
+``benchmarks/decode_attention.py --sweep_heads_per_program`` shows a gain.
+
 FP8 K/V. E4M3 values convert to F16 exactly, so the kernel casts the stored E4M3 values to F16 for the dots (a
 BF16 query is rounded to F16 once; F16 operands measured 10-22% faster than BF16 ones on the H100: Hopper
 converts E4M3 pairs to F16 in one instruction) and applies the per-layer scales in f32 where they cost least:
@@ -34,13 +50,13 @@ elements (a wrapper around one private lowering function, applied when such a ca
 function is missing the layer is sliced out instead (correct, at the cost of the copy above).
 
 Defaults (H100; ``benchmarks/decode_attention.py`` sweeps them):
-- ``block_k``: 16 KiB of K (and of V) per iteration: 64 positions at H=128 BF16, 128 at H=128 FP8 or H=64
-  (capped at 128: the f32 scores and the converted tile stay in registers). ``num_stages=2`` stages the next
+- ``block_k``: 16 KiB of K (and of V) per iteration (over the P heads): 64 positions at H=128 BF16, 128 at H=128
+  FP8 or H=64 (capped at 128: the f32 scores and the converted tile stay in registers). ``num_stages=2`` stages the next
   block's K/V in shared memory while this one computes: 32 KiB in flight per program, 3 to 5 programs per SM,
   several times the ~25 KiB per SM that 3.35 TB/s at ~1 us of latency needs. (Compiled on CPU with Triton
   3.9 for sm_90: 39 KiB of shared memory and 72 registers a thread at H=64 FP8; 55 KiB and 142 at H=128 BF16,
   72 KiB and 86 at H=128 FP8; no spills.)
-- ``k_splits``: enough programs for ~16 per SM (132 SMs): 2048 / (B*K) rounded up, between 1 and 16, and at
+- ``k_splits``: enough programs for ~16 per SM (132 SMs): 2048 / (B*K/P) rounded up, between 1 and 16, and at
   least 2 for a cache of 32 blocks or more. Batch 256 at K=8 already gives 2048 programs (1 split, no combine
   traffic) up to 4k positions (2 splits); batch 64 gives 512 (4 splits). Chosen from the H100 sweep
   (``benchmarks/decode_attention.py --sweep``, ``results/decode_sweep_h100.json``): block_k 64 / 128 / 256 x
@@ -95,9 +111,10 @@ def _pow2_floor(n: int) -> int:
     return 1 << (max(int(n), 1).bit_length() - 1)
 
 
-def default_block_k(head_dim: int, cache_itemsize: int, cache_len: int) -> int:
-    """16 KiB of K per iteration, a power of two in [16, 128], no larger than the cache (rounded up)."""
-    block_k = min(max(_pow2_floor(16 * 1024 // (head_dim * cache_itemsize)), 16), 128)
+def default_block_k(head_dim: int, cache_itemsize: int, cache_len: int, heads_per_program: int = 1) -> int:
+    """16 KiB of K per iteration (over the program's ``heads_per_program`` kv heads), a power of two in
+    [16, 128], no larger than the cache (rounded up)."""
+    block_k = min(max(_pow2_floor(16 * 1024 // (heads_per_program * head_dim * cache_itemsize)), 16), 128)
     return min(block_k, max(_pow2_ceil(cache_len), 16))
 
 
@@ -193,53 +210,80 @@ def decode_attention_xla(q, k_cache, v_cache, lengths, *, layer=None, k_scale=No
 
 
 def _kernel(layer_ref, lengths_ref, score_scale_ref, q_ref, k_ref, v_ref, acc_ref, row_max_ref, row_sum_ref, *,
-            kv_heads: int, groups: int, rows_padded: int, rows_per_layer: int, cache_len: int, block_k: int,
-            k_splits: int, compute_dtype, precision):
-    """One (sequence, kv head) row and one split. Refs (whole arrays, indexed here):
+            kv_heads: int, groups: int, heads_per_program: int, rows_padded: int, rows_per_layer: int,
+            cache_len: int, block_k: int, k_splits: int, compute_dtype, precision):
+    """``heads_per_program`` (P) consecutive kv heads of one sequence and one split. Refs (whole arrays, indexed
+    here):
 
     layer [1] i32; lengths [B] i32; score_scale [1] f32 (1/sqrt(H) / k_scale); q [B*K*G, H];
     k, v [L*B*K, S, H]; out: acc [k_splits, B*K*G, H] f32, row_max and row_sum [k_splits, B*K*G] f32.
+
+    P = 1: one kv head, its G query rows padded with zero rows. P > 1: the P*G query rows of the P heads are
+    one tile; head j's dot takes a copy of it with every row outside head j zeroed, so the P score tiles add up
+    to one tile whose rows are all real (each row gets its own head's scores, exact zeros from the others), the
+    online softmax runs once on it, and each head keeps its own accumulator (only its own rows of it are used).
     """
     row, split = pl.program_id(0), pl.program_id(1)
-    length = jnp.clip(lengths_ref[lax.div(row, kv_heads)], 0, cache_len)
+    n_heads = heads_per_program
+    length = jnp.clip(lengths_ref[lax.div(row, kv_heads // n_heads)], 0, cache_len)
     num_blocks = pl.cdiv(length, block_k)
     blocks_per_split = pl.cdiv(num_blocks, k_splits)
     first = split * blocks_per_split
     last = jnp.minimum(first + blocks_per_split, num_blocks)
-    cache_row = layer_ref[0] * rows_per_layer + row
+    # the cache row of this program's first kv head; head j's is j further
+    cache_row = layer_ref[0] * rows_per_layer + (row * n_heads if n_heads > 1 else row)
+    cache_rows = [cache_row + j if j else cache_row for j in range(n_heads)]
 
-    # the G query heads of this kv head, padded with zero rows up to the dot's minimum
-    head_ok = jnp.arange(rows_padded) < groups
-    heads = pl.ds(row * groups, rows_padded)
+    # the P*G query rows of these kv heads (consecutive in q), padded with zero rows up to the dot's minimum
+    real_rows = n_heads * groups
+    row_index = jnp.arange(rows_padded)
+    head_ok = row_index < real_rows
+    heads = pl.ds(row * real_rows, rows_padded)
     q = plgpu.load(q_ref.at[heads, :], mask=head_ok[:, None])
-    q = jnp.where(head_ok[:, None], q, 0).astype(compute_dtype)
+    if n_heads == 1:
+        head_rows = [head_ok]
+        qs = [jnp.where(head_ok[:, None], q, 0).astype(compute_dtype)]
+    else:  # head j's rows are j*G .. j*G+G-1; its dot operand has zeros everywhere else
+        head_rows = [(row_index >= j * groups) & (row_index < (j + 1) * groups) for j in range(n_heads)]
+        qs = [jnp.where(rows_j[:, None], q, 0).astype(compute_dtype) for rows_j in head_rows]
     score_scale = score_scale_ref[0]
     block_offsets = jnp.arange(block_k)
 
     def body(block, carry):
-        acc, row_max, row_sum = carry
+        accs, row_max, row_sum = carry
         start = block * block_k
         in_seq = start + block_offsets < length  # [block_k]
         positions = pl.ds(start, block_k)
+        # [Gp, H] x [block_k, H]^T -> [Gp, block_k], summed over the heads (each row has one head's scores);
         # masked loads never touch positions past the length (nor past the cache end)
-        k = plgpu.load(k_ref.at[cache_row, positions, :], mask=in_seq[:, None]).astype(compute_dtype)
-        # [Gp, H] x [block_k, H]^T -> [Gp, block_k]; masked columns may hold anything: replaced by -inf
-        s = plgpu.dot(q, k, trans_b=True, precision=precision) * score_scale
+        s = None
+        for q_j, cache_row_j in zip(qs, cache_rows, strict=True):
+            k = plgpu.load(k_ref.at[cache_row_j, positions, :], mask=in_seq[:, None]).astype(compute_dtype)
+            s_j = plgpu.dot(q_j, k, trans_b=True, precision=precision)
+            s = s_j if s is None else s + s_j
+        # masked columns may hold anything: replaced by -inf
+        s = s * score_scale
         s = jnp.where(in_seq[None, :], s, -jnp.inf)
         new_max = jnp.maximum(row_max, jnp.max(s, axis=1))  # finite: a visited block has a position
         correction = jnp.exp(row_max - new_max)
         p = jnp.exp(s - new_max[:, None])
         row_sum = correction * row_sum + jnp.sum(p, axis=1)
-        v = plgpu.load(v_ref.at[cache_row, positions, :], mask=in_seq[:, None]).astype(compute_dtype)
-        v = jnp.where(in_seq[:, None], v, 0)  # 0 * NaN would leak: masked rows of V must be zeros
-        # [Gp, block_k] x [block_k, H] -> [Gp, H]
-        acc = correction[:, None] * acc + plgpu.dot(p.astype(compute_dtype), v, precision=precision)
-        return acc, new_max, row_sum
+        new_accs = []
+        for acc, cache_row_j in zip(accs, cache_rows, strict=True):
+            v = plgpu.load(v_ref.at[cache_row_j, positions, :], mask=in_seq[:, None]).astype(compute_dtype)
+            v = jnp.where(in_seq[:, None], v, 0)  # 0 * NaN would leak: masked rows of V must be zeros
+            # [Gp, block_k] x [block_k, H] -> [Gp, H]
+            new_accs.append(correction[:, None] * acc + plgpu.dot(p.astype(compute_dtype), v, precision=precision))
+        return tuple(new_accs), new_max, row_sum
 
     h = q_ref.shape[-1]
-    init = (jnp.zeros((rows_padded, h), jnp.float32), jnp.full((rows_padded,), -jnp.inf, jnp.float32),
-            jnp.zeros((rows_padded,), jnp.float32))
-    acc, row_max, row_sum = lax.fori_loop(first, last, body, init)
+    init = (tuple(jnp.zeros((rows_padded, h), jnp.float32) for _ in range(n_heads)),
+            jnp.full((rows_padded,), -jnp.inf, jnp.float32), jnp.zeros((rows_padded,), jnp.float32))
+    accs, row_max, row_sum = lax.fori_loop(first, last, body, init)
+    # each head's rows from its own accumulator
+    acc = accs[0]
+    for rows_j, acc_j in zip(head_rows[1:], accs[1:], strict=True):
+        acc = jnp.where(rows_j[:, None], acc_j, acc)
     plgpu.store(acc_ref.at[split, heads, :], acc, mask=head_ok[:, None])
     plgpu.store(row_max_ref.at[split, heads], row_max, mask=head_ok)
     plgpu.store(row_sum_ref.at[split, heads], row_sum, mask=head_ok)
@@ -278,12 +322,15 @@ def _widen_byte_array_offsets() -> bool:
 
 def decode_attention_pallas(q, k_cache, v_cache, lengths, *, layer=None, k_scale=None, v_scale=None,
                             block_k: int | None = None, k_splits: int | None = None, num_warps: int = 4,
-                            num_stages: int = 2, dot_dtype=None, interpret: bool = False) -> jax.Array:
+                            num_stages: int = 2, dot_dtype=None, heads_per_program: int = 1,
+                            interpret: bool = False) -> jax.Array:
     """The Pallas kernel (see the module note); ``interpret=True`` runs it on any backend through Pallas'
     interpreter (tests). ``block_k`` / ``k_splits`` default from the shapes (``default_block_k`` /
     ``default_k_splits``). ``dot_dtype``: the dots' operand dtype (default ``default_dot_dtype``); ``float16``
     with an FP8 cache (every E4M3 value is exact in f16, and the conversion is one instruction per two values on
-    Hopper) takes the query rounded to f16 (clipped to its range) and the probabilities in f16."""
+    Hopper) takes the query rounded to f16 (clipped to its range) and the probabilities in f16.
+    ``heads_per_program``: P consecutive kv heads of a sequence per program (must divide K), their P*G query
+    rows sharing one score tile and one online softmax (the module note); 1, the default, is one kv head."""
     (k_cache, _), (v_cache, layer) = _stacked(k_cache, layer), _stacked(v_cache, layer)
     _check(q, k_cache, v_cache, lengths, k_scale, v_scale)
     reason = pallas_unsupported(q.shape[-1])
@@ -292,9 +339,13 @@ def decode_attention_pallas(q, k_cache, v_cache, lengths, *, layer=None, k_scale
     b, kh, g, h = q.shape
     n_layers, s = k_cache.shape[0], k_cache.shape[3]
     rows = b * kh
+    n_heads = heads_per_program
+    if not isinstance(n_heads, int) or n_heads < 1 or kh % n_heads:
+        raise ValueError(f"heads_per_program={n_heads!r} must be a positive integer dividing the kv heads K={kh}")
+    programs = rows // n_heads
     itemsize = jnp.dtype(k_cache.dtype).itemsize
-    block_k = block_k or default_block_k(h, itemsize, s)
-    k_splits = k_splits or default_k_splits(rows, s, block_k)
+    block_k = block_k or default_block_k(h, itemsize, s, n_heads)
+    k_splits = k_splits or default_k_splits(programs, s, block_k)
     if block_k < 16 or block_k & (block_k - 1):
         raise ValueError(f"block_k={block_k} must be a power of two >= 16")
     if itemsize == 1 and k_cache.size > 2**31 and not interpret and not _widen_byte_array_offsets():
@@ -312,7 +363,8 @@ def decode_attention_pallas(q, k_cache, v_cache, lengths, *, layer=None, k_scale
     score_scale = (1.0 / math.sqrt(h)) * _inverse_scale(k_scale)
 
     kernel = functools.partial(
-        _kernel, kv_heads=kh, groups=g, rows_padded=_pow2_ceil(max(g, MIN_DOT_ROWS)), rows_per_layer=rows,
+        _kernel, kv_heads=kh, groups=g, heads_per_program=n_heads,
+        rows_padded=_pow2_ceil(max(n_heads * g, MIN_DOT_ROWS)), rows_per_layer=rows,
         cache_len=s, block_k=block_k, k_splits=k_splits, compute_dtype=compute_dtype, precision=precision,
     )
     out_shape = (
@@ -322,7 +374,7 @@ def decode_attention_pallas(q, k_cache, v_cache, lengths, *, layer=None, k_scale
     )
     acc, row_max, row_sum = pl.pallas_call(
         kernel,
-        grid=(rows, k_splits),
+        grid=(programs, k_splits),
         out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
@@ -364,8 +416,8 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengt
 
     impl: ``pallas`` (the Triton kernel, GPU), ``pallas_interpret`` (the same kernel through Pallas'
     interpreter: any backend, slow, for tests), ``xla`` (the masked einsum), ``auto`` (pallas on a GPU backend
-    when the shapes allow it, else xla). ``tuning``: ``block_k``, ``k_splits``, ``num_warps``, ``num_stages``
-    for the kernel.
+    when the shapes allow it, else xla). ``tuning``: ``block_k``, ``k_splits``, ``num_warps``, ``num_stages``,
+    ``dot_dtype``, ``heads_per_program`` for the kernel.
     """
     requested, impl = impl, resolve_impl(impl)
     if requested == "auto" and impl == "pallas" and pallas_unsupported(q.shape[-1]):

@@ -24,14 +24,14 @@ LENGTHS = np.array([1, 16, 23, S], np.int32)  # one token, a block multiple, a r
 TOL = {"f32": 1e-5, "bf16": 1e-2, "fp8": 1e-2, "fp8_f32q": 1e-5, "fp8_bf16dot": 1e-2}
 
 
-def _inputs(kind: str, g: int, seed: int = 0, layers: int | None = None):
+def _inputs(kind: str, g: int, seed: int = 0, layers: int | None = None, kv_heads: int = K):
     """q [B, K, G, H]; k, v [(L,) B, K, S, H] in the cache dtype; scales; and float64 copies of what the kernel
     reads: q, and K / V after dequantization."""
     rng = np.random.default_rng(seed)
     lead = (layers,) if layers else ()
-    q = rng.standard_normal((B, K, g, H))
-    k = 2.0 * rng.standard_normal((*lead, B, K, S, H))
-    v = rng.standard_normal((*lead, B, K, S, H))
+    q = rng.standard_normal((B, kv_heads, g, H))
+    k = 2.0 * rng.standard_normal((*lead, B, kv_heads, S, H))
+    v = rng.standard_normal((*lead, B, kv_heads, S, H))
     q_dtype = jnp.float32 if kind in ("f32", "fp8_f32q") else jnp.bfloat16
     q = np.asarray(jnp.asarray(q, q_dtype))
     if kind.startswith("fp8"):
@@ -46,9 +46,12 @@ def _inputs(kind: str, g: int, seed: int = 0, layers: int | None = None):
 
 
 def _reference(q, k, v, lengths):
-    """Softmax attention over positions 0..length-1 of each sequence, float64. q [B, K, G, H]; k, v [B, K, S, H]."""
+    """Softmax attention over positions 0..length-1 of each sequence, float64 (zeros for length 0).
+    q [B, K, G, H]; k, v [B, K, S, H]."""
     out = np.zeros(q.shape)
     for b, n in enumerate(lengths):
+        if n == 0:
+            continue
         # [K, G, H] x [K, n, H] -> [K, G, n]
         scores = np.einsum("kgh,ksh->kgs", q[b], k[b, :, :n]) / np.sqrt(q.shape[-1])
         p = np.exp(scores - scores.max(-1, keepdims=True))
@@ -57,8 +60,10 @@ def _reference(q, k, v, lengths):
 
 
 @functools.cache
-def _jitted(impl: str, block_k: int | None, k_splits: int | None, stacked: bool, dot_dtype: str | None = None):
-    tuning = {} if impl == "xla" else {"block_k": block_k, "k_splits": k_splits, "dot_dtype": dot_dtype}
+def _jitted(impl: str, block_k: int | None, k_splits: int | None, stacked: bool, dot_dtype: str | None = None,
+            heads_per_program: int = 1):
+    tuning = {} if impl == "xla" else {"block_k": block_k, "k_splits": k_splits, "dot_dtype": dot_dtype,
+                                       "heads_per_program": heads_per_program}
 
     def run(q, k, v, lengths, k_scale, v_scale, layer):
         return da.decode_attention(q, k, v, lengths, layer=layer if stacked else None, k_scale=k_scale,
@@ -67,8 +72,9 @@ def _jitted(impl: str, block_k: int | None, k_splits: int | None, stacked: bool,
     return jax.jit(run)
 
 
-def _attend(impl, q, k, v, lengths, k_scale, v_scale, *, block_k=16, k_splits=2, layer=None, dot_dtype=None):
-    f = _jitted(impl, block_k, k_splits, layer is not None, dot_dtype)
+def _attend(impl, q, k, v, lengths, k_scale, v_scale, *, block_k=16, k_splits=2, layer=None, dot_dtype=None,
+            heads_per_program=1):
+    f = _jitted(impl, block_k, k_splits, layer is not None, dot_dtype, heads_per_program)
     return np.asarray(f(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(lengths), k_scale, v_scale,
                         layer), np.float64)
 
@@ -97,6 +103,45 @@ def test_kernel_matches_float64_reference(kind, g, block_k, k_splits):
     np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
 
 
+# several kv heads per program (``heads_per_program`` P): lengths 0 (zeros out), 1, a ragged block, the full cache
+PACKED_LENGTHS = np.array([0, 1, 23, S], np.int32)
+PACKED_CASES = [  # kind, G, K, P, block_k, k_splits
+    ("f32", 4, 4, 4, 16, 1),  # 16 rows: every row of the score tile real
+    ("f32", 2, 8, 2, 16, 3),  # 4 rows padded to 16; 3 splits (23 positions leave one split empty)
+    ("f32", 4, 8, 2, 32, 2),
+    ("f32", 4, 8, 8, 16, 2),  # P*G = 32 rows: the tile grows to 32
+    ("bf16", 4, 4, 2, 16, 3),
+    ("bf16", 2, 8, 4, 16, 1),
+    ("fp8", 4, 8, 4, 16, 2),
+    ("fp8", 2, 4, 2, 16, 1),
+    ("fp8", 2, 4, 4, 16, 3),
+    ("fp8_f32q", 4, 4, 4, 16, 3),
+    ("fp8_bf16dot", 4, 4, 2, 16, 2),
+]
+
+
+@pytest.mark.parametrize("kind,g,kv_heads,heads_per_program,block_k,k_splits", PACKED_CASES)
+def test_packed_heads_match_float64_reference(kind, g, kv_heads, heads_per_program, block_k, k_splits):
+    """P kv heads per program, one shared softmax: every head's output against the reference (a head that took
+    another head's K, V or accumulator rows would differ: the heads' data are independent draws)."""
+    q, k, v, k_scale, v_scale, q64, k64, v64 = _inputs(kind, g, seed=1, kv_heads=kv_heads)
+    want = _reference(q64, k64, v64, PACKED_LENGTHS)
+    got = _attend("pallas_interpret", q, k, v, PACKED_LENGTHS, k_scale, v_scale, block_k=block_k,
+                  k_splits=k_splits, dot_dtype="bfloat16" if kind == "fp8_bf16dot" else None,
+                  heads_per_program=heads_per_program)
+    tol = TOL[kind]
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+    assert not got[0].any()  # length 0
+
+
+def test_packed_heads_bad_count_names_the_key():
+    q, k, v, *_ = _inputs("f32", 2, kv_heads=4)
+    for bad in (3, 8, 0):
+        with pytest.raises(ValueError, match=f"heads_per_program={bad}"):
+            da.decode_attention_pallas(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(LENGTHS),
+                                       heads_per_program=bad, interpret=True)
+
+
 @pytest.mark.parametrize("kind", ["f32", "bf16", "fp8"])
 def test_xla_path_matches_float64_reference(kind):
     q, k, v, k_scale, v_scale, q64, k64, v64 = _inputs(kind, 4)
@@ -106,12 +151,13 @@ def test_xla_path_matches_float64_reference(kind):
     np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("impl", ["pallas_interpret", "xla"])
+@pytest.mark.parametrize("impl,heads_per_program", [("pallas_interpret", 1), ("pallas_interpret", 2), ("xla", 1)])
 @pytest.mark.parametrize("kind", ["bf16", "fp8"])
-def test_garbage_past_the_length_does_not_leak(impl, kind):
+def test_garbage_past_the_length_does_not_leak(impl, heads_per_program, kind):
     """NaN and huge values at positions >= length (and in another layer) change nothing, bit for bit."""
     q, k, v, k_scale, v_scale, *_ = _inputs(kind, 4, layers=2)
-    clean = _attend(impl, q, k, v, LENGTHS, k_scale, v_scale, layer=1)
+    attend = functools.partial(_attend, heads_per_program=heads_per_program)
+    clean = attend(impl, q, k, v, LENGTHS, k_scale, v_scale, layer=1)
     big = 448.0 if kind == "fp8" else 1e30
     k_bad, v_bad = k.astype(np.float32), v.astype(np.float32)
     for b, n in enumerate(LENGTHS):
@@ -120,7 +166,7 @@ def test_garbage_past_the_length_does_not_leak(impl, kind):
     k_bad[0], v_bad[0] = np.nan, np.nan
     k_bad, v_bad = k_bad.astype(k.dtype), v_bad.astype(v.dtype)
     assert np.isnan(k_bad.astype(np.float32)).any()
-    dirty = _attend(impl, q, k_bad, v_bad, LENGTHS, k_scale, v_scale, layer=1)
+    dirty = attend(impl, q, k_bad, v_bad, LENGTHS, k_scale, v_scale, layer=1)
     assert np.isfinite(dirty).all()
     np.testing.assert_array_equal(dirty, clean)
 
@@ -140,6 +186,10 @@ def test_defaults_hand_derived():
     assert da.default_block_k(64, 2, 4160) == 128
     assert da.default_block_k(64, 1, 4160) == 128
     assert da.default_block_k(16, 4, 26) == 32  # no bigger than the cache rounded up to a power of two
+    # several kv heads per program: 16 KiB of K over all of them
+    assert da.default_block_k(128, 1, 1088, heads_per_program=4) == 32
+    assert da.default_block_k(64, 1, 1088, heads_per_program=2) == 128
+    assert da.default_block_k(128, 2, 1088, heads_per_program=8) == 16
     # ~2048 programs: 2048 rows need 1 split, 512 rows 4, 8 rows 16 (the cap), unless the cache has fewer blocks;
     # a cache of 32 blocks or more gets 2 at least
     assert da.default_k_splits(2048, 1088, 128) == 1
@@ -312,6 +362,18 @@ def test_kernel_lowers_to_triton(cache_dtype, q_dtype):
     assert "tt.dot" in ttir and "scf.for" in ttir
     if cache_dtype == "float8_e4m3fn":
         assert "tt.fp_to_fp" in ttir and "f8E4M3FN" in ttir
+
+
+@pytest.mark.parametrize("cache_dtype,q_dtype", [("float8_e4m3fn", "bfloat16"), ("bfloat16", "bfloat16")])
+def test_packed_heads_kernel_lowers_to_triton(cache_dtype, q_dtype):
+    """Llama-3.2-1B shapes with 4 kv heads per program (16 query rows): one loop, 4 QK and 4 PV dots in it."""
+    q = jax.ShapeDtypeStruct((8, 8, 4, 64), jnp.dtype(q_dtype))
+    cache = jax.ShapeDtypeStruct((16, 8, 8, 1088, 64), jnp.dtype(cache_dtype))
+    fn = functools.partial(da.decode_attention_pallas, k_scale=jnp.float32(2.0), v_scale=jnp.float32(3.0),
+                           heads_per_program=4)
+    [ttir] = _triton_ir(lambda q, k, v, n, i: fn(q, k, v, n, layer=i), q, cache, cache,
+                        jax.ShapeDtypeStruct((8,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32))
+    assert ttir.count("scf.for") == 1 and ttir.count("tt.dot") == 8
 
 
 def test_large_fp8_cache_gets_64_bit_offsets():
