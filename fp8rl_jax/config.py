@@ -59,7 +59,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.precision.lm_head_fp8 = False
     c.precision.kv_cache_dtype = "bfloat16"  # bfloat16 | float8_e4m3fn
     c.precision.kv_margin = 0
-    # scoring and training attention: auto (cuDNN flash attention on a GPU, else xla) | cudnn | xla (masked einsum)
+    # scoring and training attention: auto (GPU: cuDNN flash attention, Pallas' beside Transformer Engine; else
+    # xla) | cudnn | pallas | xla (the masked einsum: [T, T] scores in memory)
     c.precision.attention = "auto"
     c.precision.kv_calibration_sequences = 8  # sequences of the last rollout used to recalibrate KV scales
 
@@ -250,7 +251,7 @@ def validate(c: ml_collections.ConfigDict, known_rewards: Callable[[], Sequence[
     _check(c.precision.scaling == "tensor" or c.precision.backend == "xla", "precision.scaling", c.precision.scaling,
            "tensor, or rowwise with precision.backend=xla (Transformer Engine scales per tensor here)")
     _one_of(c, "precision.kv_cache_dtype", ("bfloat16", "float8_e4m3fn"))
-    _one_of(c, "precision.attention", ("auto", "cudnn", "xla"))
+    _one_of(c, "precision.attention", ("auto", "cudnn", "pallas", "xla"))
     _positive(c, "precision.amax_history_len")
     for key in ("precision.margin", "precision.kv_margin", "precision.bf16_first_layers",
                 "precision.bf16_last_layers"):

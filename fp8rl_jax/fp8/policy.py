@@ -12,7 +12,7 @@ from fp8rl_jax.fp8.recipe import Fp8Recipe
 BACKENDS = ("bf16", "xla", "te")
 KV_DTYPES = ("bfloat16", "float32", "float8_e4m3fn")
 COMPUTE_DTYPES = ("bfloat16", "float32")
-ATTENTION_IMPLS = ("auto", "xla", "cudnn")
+ATTENTION_IMPLS = ("auto", "xla", "cudnn", "pallas")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,7 +31,8 @@ class Precision:
       rounds K/V through the same FP8 values, so scoring sees what rollout saw.
     attention: the full-sequence (no-cache) attention of scoring and training: ``xla`` (the masked einsum, the
       [T, S] scores in memory), ``cudnn`` (cuDNN's fused flash attention through ``jax.nn.dot_product_attention``,
-      GPU, BF16) or ``auto`` (cudnn where it runs, else xla; ``fp8rl_jax.model.llama.resolve_attention``).
+      GPU, BF16), ``pallas`` (JAX's Pallas Triton flash attention, GPU) or ``auto`` (a GPU: cudnn, or pallas
+      beside Transformer Engine; else xla: ``fp8rl_jax.model.llama.resolve_attention``).
     """
 
     backend: str = "bf16"

@@ -166,34 +166,62 @@ def attention(q, k, v, q_pos, k_pos) -> jax.Array:
     return out.reshape(b, t, n, h).astype(q.dtype)
 
 
+ATTENTION_BLOCK = 64  # the Pallas flash attention's tile along T (T is padded up to a multiple of it)
+
+
 def resolve_attention(impl: str, dtype, head_dim: int, backend: str | None = None,
                       te_loaded: bool | None = None) -> str:
-    """The full-sequence attention ``Precision.attention=impl`` runs: ``auto`` -> ``cudnn`` on a GPU backend for a
-    BF16 / F16 compute dtype and a head dim cuDNN's flash attention takes (a multiple of 8, at most 128), in a
-    process without Transformer Engine; else ``xla``. ``cudnn`` and ``xla`` as asked.
+    """The full-sequence attention ``Precision.attention=impl`` runs. ``auto`` on a GPU backend, for a BF16 / F16
+    compute dtype and a head dim of at most 128 (a multiple of 8; a power of two >= 16 for Pallas): ``cudnn`` in a
+    process without Transformer Engine, ``pallas`` in one with it; ``xla`` elsewhere. The others as asked.
 
-    Why not with Transformer Engine: TE's core library loads the cuDNN it was built against, and JAX's cuDNN then
-    runs with parts of the other one. On the H100 image (TE built on the system's cuDNN 9.14, JAX's wheel 9.19)
-    the flash attention's forward ran and its backward failed to load ("cudaErrorInvalidValue ... before calling
-    cuModuleGetFunction", which poisons the process). Where both agree, ``precision.attention=cudnn`` asks for it.
+    Why not cuDNN beside Transformer Engine: TE's core library loads the cuDNN it was built against, and JAX's
+    cuDNN then runs with parts of the other one. On the H100 image (TE built on the system's cuDNN 9.14, JAX's
+    wheel 9.19) the flash attention's forward ran and its backward failed to load ("cudaErrorInvalidValue ...
+    before calling cuModuleGetFunction", which poisons the process). Where both agree, ``cudnn`` asks for it.
     """
     if impl != "auto":
         return impl
     if te_loaded is None:
         te_loaded = "transformer_engine" in sys.modules
-    ok = jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and head_dim % 8 == 0 and head_dim <= 128
-    return "cudnn" if ok and not te_loaded and (backend or jax.default_backend()) == "gpu" else "xla"
+    if (backend or jax.default_backend()) != "gpu" or jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
+        return "xla"
+    if not te_loaded:
+        return "cudnn" if head_dim % 8 == 0 and head_dim <= 128 else "xla"
+    return "pallas" if 16 <= head_dim <= 128 and not head_dim & (head_dim - 1) else "xla"
 
 
 def flash_attention(q, k, v, implementation: str = "cudnn") -> jax.Array:
-    """Causal GQA self-attention of sequences at positions 0..T-1 through ``jax.nn.dot_product_attention``:
-    ``cudnn`` is cuDNN's fused flash attention (GPU; no [T, S] scores in memory, softmax in f32 inside the kernel),
-    ``xla`` jax's reference of the same call (tests). Right padding needs no mask: a padding position attends only
-    to what precedes it, and nothing reads its output.
+    """Causal GQA self-attention of sequences at positions 0..T-1 without the [T, S] scores in memory (softmax in
+    f32 inside the kernel). Right padding needs no mask: a padding position attends only to what precedes it, and
+    nothing reads its output.
+
+    ``cudnn``: cuDNN's fused flash attention (``jax.nn.dot_product_attention``; GPU). ``pallas``: JAX's Pallas
+    (Triton) flash attention with its Triton backward (``jax.experimental.pallas.ops.gpu.attention``; GPU): the kv
+    heads repeated to the query heads, T padded to a multiple of ``ATTENTION_BLOCK``. ``xla`` and
+    ``pallas_interpret``: the same two calls on any backend, as references (tests).
 
     q [B, T, N, H]; k, v [B, T, K, H] (q's dtype)  ->  [B, T, N, H]
     """
-    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
+    if implementation in ("cudnn", "xla"):
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
+    if implementation not in ("pallas", "pallas_interpret"):
+        raise ValueError(f"flash attention implementation={implementation!r}; allowed: cudnn | xla | pallas | "
+                         "pallas_interpret")
+    from jax.experimental.pallas.ops.gpu import attention as pallas_attention
+
+    b, t, n, h = q.shape
+    groups = n // k.shape[2]
+    # [B, T, K, H] -> [B, T, N, H]: query head i reads kv head i // G (the kernel takes one kv head per query head)
+    k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
+    pad = -t % ATTENTION_BLOCK
+    if pad:  # zero positions at the end: causal, so only the (discarded) padding queries see them
+        q, k, v = (jnp.pad(a, ((0, 0), (0, pad), (0, 0), (0, 0))) for a in (q, k, v))
+    blocks = pallas_attention.BlockSizes(block_q=ATTENTION_BLOCK, block_k=ATTENTION_BLOCK, block_q_dkv=32,
+                                         block_kv_dkv=32, block_q_dq=32, block_kv_dq=32)
+    out = pallas_attention.mha(q, k, v, None, sm_scale=1.0 / math.sqrt(h), causal=True, block_sizes=blocks,
+                               interpret=implementation == "pallas_interpret")
+    return out[:, :t]
 
 
 # ----------------------------------------------------------------------------------------------------------

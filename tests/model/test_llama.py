@@ -167,16 +167,25 @@ def _qkv(dtype, b=2, t=19, n=8, kh=2, h=16, seed=0):
     return q, k, v
 
 
+@pytest.mark.parametrize("impl", ["xla", "pallas_interpret"])
 @pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 1e-2)])
-def test_flash_attention_call_equals_masked_einsum(dtype, tol):
-    """The flash call's layout (K/V as [B, T, K, H], causal by index, GQA) against the model's einsum over
-    positions 0..T-1; on CPU through jax's reference of the same call."""
-    q, k, v = _qkv(dtype)
+def test_flash_attention_call_equals_masked_einsum(impl, dtype, tol):
+    """The flash calls' layout (K/V as [B, T, K, H], causal by index, GQA; for Pallas the kv heads repeated and T
+    padded to a tile) against the model's einsum over positions 0..T-1, forward and gradient; on CPU through jax's
+    reference of the cuDNN call and Pallas' interpreter."""
+    q, k, v = _qkv(dtype, n=4)
     pos = jnp.broadcast_to(jnp.arange(q.shape[1]), q.shape[:2])
-    ref = llama.attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), pos, pos)
-    out = llama.flash_attention(q, k, v, "xla")
+    einsum = lambda q, k, v: llama.attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), pos, pos)
+    flash = lambda q, k, v: llama.flash_attention(q, k, v, impl)
+    out, ref = flash(q, k, v), einsum(q, k, v)
     assert out.shape == q.shape and out.dtype == q.dtype
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), rtol=tol, atol=tol)
+    weights = jnp.asarray(np.random.RandomState(1).randn(*q.shape), jnp.float32)
+    loss = lambda f: lambda *a: jnp.sum(f(*a).astype(jnp.float32) * weights)
+    grads, ref_grads = jax.grad(loss(flash), (0, 1, 2))(q, k, v), jax.grad(loss(einsum), (0, 1, 2))(q, k, v)
+    for g, r in zip(grads, ref_grads, strict=True):
+        assert g.shape == r.shape
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r, np.float32), rtol=5 * tol, atol=5 * tol)
 
 
 def test_resolve_attention():
@@ -185,8 +194,11 @@ def test_resolve_attention():
     assert llama.resolve_attention("auto", jnp.bfloat16, 128, **gpu) == "cudnn"
     assert llama.resolve_attention("auto", jnp.float32, 64, **gpu) == "xla"  # cuDNN's is BF16 / F16
     assert llama.resolve_attention("auto", jnp.bfloat16, 256, **gpu) == "xla"
-    # Transformer Engine's cuDNN beside JAX's: the flash backward failed on the H100 image
-    assert llama.resolve_attention("auto", jnp.bfloat16, 64, backend="gpu", te_loaded=True) == "xla"
+    # Transformer Engine's cuDNN beside JAX's: the cuDNN flash backward failed on the H100 image; Pallas' then
+    te = {"backend": "gpu", "te_loaded": True}
+    assert llama.resolve_attention("auto", jnp.bfloat16, 64, **te) == "pallas"
+    assert llama.resolve_attention("auto", jnp.bfloat16, 96, **te) == "xla"  # Triton tiles: powers of two
+    assert llama.resolve_attention("auto", jnp.float32, 64, **te) == "xla"
     assert llama.resolve_attention("auto", jnp.bfloat16, 64, backend="cpu") == "xla"
     assert llama.resolve_attention("xla", jnp.bfloat16, 64, backend="gpu") == "xla"
     assert llama.resolve_attention("cudnn", jnp.bfloat16, 64, backend="cpu") == "cudnn"
@@ -226,12 +238,13 @@ def test_forward_through_the_flash_branch(monkeypatch, kv_dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif("transformer_engine" in sys.modules,
-                    reason="Transformer Engine is loaded (conftest): its cuDNN beside JAX's breaks the flash backward "
-                           "on the H100 image; run alone with FP8RL_TEST_NO_TE=1")
-def test_gpu_cudnn_attention_matches_the_einsum():
-    """cuDNN flash attention in the BF16 forward and its gradient: as close to the f32 reference as the einsum path
+@pytest.mark.parametrize("impl", ["cudnn", "pallas"])
+def test_gpu_flash_attention_matches_the_einsum(impl):
+    """Flash attention in the BF16 forward and its gradient: as close to the f32 reference as the einsum path
     (Llama-like head dim 64, GQA, a length that is no multiple of a tile)."""
+    if impl == "cudnn" and "transformer_engine" in sys.modules:
+        pytest.skip("Transformer Engine is loaded (conftest): its cuDNN beside JAX's breaks the cuDNN flash backward "
+                    "on the H100 image; run with FP8RL_TEST_NO_TE=1")
     config = preset("tiny").replace(head_dim=64, num_heads=8, num_kv_heads=2)
     params = llama.init_params(config, jax.random.PRNGKey(0), std=0.1)
     tokens = jnp.asarray(np.random.RandomState(0).randint(0, config.vocab_size, (3, 200)))
@@ -247,10 +260,10 @@ def test_gpu_cudnn_attention_matches_the_einsum():
 
     ref_logits, ref_grads = run(Precision(compute_dtype="float32", attention="xla"))
     errors = {}
-    for impl in ("xla", "cudnn"):
-        logits, grads = run(Precision(attention=impl))
-        errors[impl] = (np.abs(logits - ref_logits).mean(),
+    for name in ("xla", impl):
+        logits, grads = run(Precision(attention=name))
+        errors[name] = (np.abs(logits - ref_logits).mean(),
                         np.linalg.norm(grads - ref_grads) / np.linalg.norm(ref_grads))
     print(errors)
-    assert errors["cudnn"][0] <= 1.5 * errors["xla"][0] + 1e-3
-    assert errors["cudnn"][1] <= 1.5 * errors["xla"][1] + 1e-3
+    assert errors[impl][0] <= 1.5 * errors["xla"][0] + 1e-3
+    assert errors[impl][1] <= 1.5 * errors["xla"][1] + 1e-3
