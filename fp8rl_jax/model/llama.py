@@ -170,10 +170,12 @@ ATTENTION_BLOCK = 64  # the Pallas flash attention's tile along T (T is padded u
 
 
 def resolve_attention(impl: str, dtype, head_dim: int, backend: str | None = None,
-                      te_loaded: bool | None = None) -> str:
+                      te_loaded: bool | None = None, mesh_devices: int | None = None) -> str:
     """The full-sequence attention ``Precision.attention=impl`` runs. ``auto`` on a GPU backend, for a BF16 / F16
     compute dtype and a head dim of at most 128 (a multiple of 8; a power of two >= 16 for Pallas): ``cudnn`` in a
-    process without Transformer Engine, ``pallas`` in one with it; ``xla`` elsewhere. The others as asked.
+    process without Transformer Engine, ``pallas`` in one with it, except under a mesh of several devices
+    (``mesh_devices``, default: the mesh active at trace time), where the Pallas kernel would run unpartitioned
+    (XLA gathers its operands): ``xla`` there. ``xla`` elsewhere. The others as asked.
 
     Why not cuDNN beside Transformer Engine: TE's core library loads the cuDNN it was built against, and JAX's
     cuDNN then runs with parts of the other one. On the H100 image (TE built on the system's cuDNN 9.14, JAX's
@@ -186,8 +188,13 @@ def resolve_attention(impl: str, dtype, head_dim: int, backend: str | None = Non
         te_loaded = "transformer_engine" in sys.modules
     if (backend or jax.default_backend()) != "gpu" or jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
         return "xla"
-    if not te_loaded:
+    if not te_loaded:  # cuDNN's call carries partitioning rules (batch and heads)
         return "cudnn" if head_dim % 8 == 0 and head_dim <= 128 else "xla"
+    if mesh_devices is None:
+        mesh = jax.sharding.get_abstract_mesh()
+        mesh_devices = 1 if mesh.empty else mesh.size
+    if mesh_devices > 1:  # a shard_map over batch and heads would partition it: not built yet
+        return "xla"
     return "pallas" if 16 <= head_dim <= 128 and not head_dim & (head_dim - 1) else "xla"
 
 

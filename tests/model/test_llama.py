@@ -5,6 +5,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import pytest
 import torch
@@ -13,6 +14,7 @@ import transformers
 from fp8rl_jax.fp8.policy import Precision
 from fp8rl_jax.model import llama, weights
 from fp8rl_jax.model.config import RopeScaling, preset
+from fp8rl_jax.parallel.mesh import make_mesh, mesh_context
 
 F32 = Precision(compute_dtype="float32")
 
@@ -199,6 +201,13 @@ def test_resolve_attention():
     assert llama.resolve_attention("auto", jnp.bfloat16, 64, **te) == "pallas"
     assert llama.resolve_attention("auto", jnp.bfloat16, 96, **te) == "xla"  # Triton tiles: powers of two
     assert llama.resolve_attention("auto", jnp.float32, 64, **te) == "xla"
+    # the Pallas kernel is not partitioned: under a mesh of several devices the einsum (cuDNN's call is)
+    assert llama.resolve_attention("auto", jnp.bfloat16, 64, mesh_devices=8, **te) == "xla"
+    assert llama.resolve_attention("auto", jnp.bfloat16, 64, mesh_devices=8, **gpu) == "cudnn"
+    with mesh_context(make_mesh(ml_collections.ConfigDict({"data": 1, "fsdp": -1, "tensor": 1}))):
+        assert jax.sharding.get_abstract_mesh().size == jax.device_count()
+        expected = "xla" if jax.device_count() > 1 else "pallas"
+        assert llama.resolve_attention("auto", jnp.bfloat16, 64, **te) == expected
     assert llama.resolve_attention("auto", jnp.bfloat16, 64, backend="cpu") == "xla"
     assert llama.resolve_attention("xla", jnp.bfloat16, 64, backend="gpu") == "xla"
     assert llama.resolve_attention("cudnn", jnp.bfloat16, 64, backend="cpu") == "cudnn"
