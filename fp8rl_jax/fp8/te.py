@@ -16,12 +16,15 @@ the training forward.
 Transformer Engine is imported lazily; ``pip install "transformer-engine[jax]"`` on a CUDA host provides it.
 Import it (``preload()``) before JAX initialises its GPU backend: JAX loads its own cuDNN, and a TE core library
 linked against another cuDNN then fails to load ("undefined symbol ... libcudnn_graph.so.9", seen on the H100
-image). ``main`` and the benchmarks call ``preload()`` first.
+image). ``main`` and the benchmarks call ``preload()`` first. Before TE, the import loads the cuDNN of JAX's
+wheels (``_load_jax_cudnn``), so that both use one cuDNN: with two, cuDNN's flash attention failed in its backward.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -33,8 +36,36 @@ from fp8rl_jax.fp8.xla import QuantizedKernel
 quantize_kernel = xla.quantize_kernel  # same bits as TE's cast kernel; one place to get them from
 
 
+SHARES_JAX_CUDNN = False  # set when TE was imported after JAX's own cuDNN (``_load_jax_cudnn``)
+_CUDNN_LIBS = ("graph", "engines_precompiled", "engines_runtime_compiled", "heuristic", "ops", "cnn", "adv", "")
+
+
+def _load_jax_cudnn() -> bool:
+    """Load every library of the cuDNN that JAX's CUDA wheels ship (``nvidia.cudnn``) into the global namespace,
+    before Transformer Engine loads, so that TE's core binds to the cuDNN JAX uses. Otherwise TE's core brings the
+    system's cuDNN (9.14 on the H100 image against the wheel's 9.19), JAX's cuDNN front then runs on the other's
+    sub-libraries, and cuDNN's flash attention backward fails to load (measured: ``benchmarks/cudnn_te_check.py``).
+    False where the wheel is not there (TE then loads as before)."""
+    try:
+        import nvidia.cudnn
+    except ImportError:
+        return False
+    lib = os.path.join(list(nvidia.cudnn.__path__)[0], "lib")
+    paths = [os.path.join(lib, f"libcudnn{'_' + name if name else ''}.so.9") for name in _CUDNN_LIBS]
+    if not all(os.path.exists(p) for p in paths):
+        return False
+    try:
+        for p in paths:
+            ctypes.CDLL(p, mode=ctypes.RTLD_GLOBAL)
+    except OSError:
+        return False
+    return True
+
+
 @functools.cache
 def _te():
+    global SHARES_JAX_CUDNN
+    shared = _load_jax_cudnn()
     try:
         from transformer_engine.jax import cpp_extensions as tex
         from transformer_engine.jax.quantize import (
@@ -52,6 +83,7 @@ def _te():
             "If a cuDNN symbol is missing, import Transformer Engine before JAX starts its GPU backend "
             f"(fp8rl_jax.fp8.te.preload()). Import failed with: {e}"
         ) from e
+    SHARES_JAX_CUDNN = shared
     return {
         "tex": tex,
         "Quantizer": DelayedScaleQuantizer,

@@ -170,25 +170,27 @@ ATTENTION_BLOCK = 64  # the Pallas flash attention's tile along T (T is padded u
 
 
 def resolve_attention(impl: str, dtype, head_dim: int, backend: str | None = None,
-                      te_loaded: bool | None = None, mesh_devices: int | None = None) -> str:
+                      cudnn_clash: bool | None = None, mesh_devices: int | None = None) -> str:
     """The full-sequence attention ``Precision.attention=impl`` runs. ``auto`` on a GPU backend, for a BF16 / F16
-    compute dtype and a head dim of at most 128 (a multiple of 8; a power of two >= 16 for Pallas): ``cudnn`` in a
-    process without Transformer Engine, ``pallas`` in one with it, except under a mesh of several devices
-    (``mesh_devices``, default: the mesh active at trace time), where the Pallas kernel would run unpartitioned
-    (XLA gathers its operands): ``xla`` there. ``xla`` elsewhere. The others as asked.
+    compute dtype and a head dim of at most 128 (a multiple of 8; a power of two >= 16 for Pallas): ``cudnn``;
+    ``pallas`` where Transformer Engine loaded another cuDNN than JAX's (``cudnn_clash``, default: TE imported
+    without ``fp8.te.SHARES_JAX_CUDNN``), except under a mesh of several devices (``mesh_devices``, default: the
+    mesh active at trace time), where the Pallas kernel would run unpartitioned (XLA gathers its operands): ``xla``
+    there. ``xla`` elsewhere. The others as asked.
 
-    Why not cuDNN beside Transformer Engine: TE's core library loads the cuDNN it was built against, and JAX's
-    cuDNN then runs with parts of the other one. On the H100 image (TE built on the system's cuDNN 9.14, JAX's
-    wheel 9.19) the flash attention's forward ran and its backward failed to load ("cudaErrorInvalidValue ...
-    before calling cuModuleGetFunction", which poisons the process). Where both agree, ``cudnn`` asks for it.
+    Why not cuDNN beside a TE on another cuDNN: JAX's cuDNN front then runs on the other's sub-libraries. On the
+    H100 image (TE built on the system's cuDNN 9.14, JAX's wheel 9.19) the flash attention's forward ran and its
+    backward failed to load ("cudaErrorInvalidValue ... before calling cuModuleGetFunction", which poisons the
+    process). ``fp8.te`` loads JAX's cuDNN before TE to avoid it (``benchmarks/cudnn_te_check.py``).
     """
     if impl != "auto":
         return impl
-    if te_loaded is None:
-        te_loaded = "transformer_engine" in sys.modules
+    if cudnn_clash is None:
+        te = sys.modules.get("fp8rl_jax.fp8.te")
+        cudnn_clash = "transformer_engine" in sys.modules and not getattr(te, "SHARES_JAX_CUDNN", False)
     if (backend or jax.default_backend()) != "gpu" or jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
         return "xla"
-    if not te_loaded:  # cuDNN's call carries partitioning rules (batch and heads)
+    if not cudnn_clash:  # cuDNN's call carries partitioning rules (batch and heads)
         return "cudnn" if head_dim % 8 == 0 and head_dim <= 128 else "xla"
     if mesh_devices is None:
         mesh = jax.sharding.get_abstract_mesh()
