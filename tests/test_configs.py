@@ -40,6 +40,7 @@ def test_every_config_loads_and_validates(path, tmp_path):
         ("precision.bf16_layers", ("1,a",), "config.precision.bf16_layers"),
         ("precision.bf16_linears", ("w_down,w_up",), "config.precision.bf16_linears"),
         ("precision.scaling", "blockwise", "config.precision.scaling='blockwise'"),
+        ("precision.attention", "flash", "config.precision.attention='flash'"),
         # rowwise is built in the xla backend only; the default backend (auto) may pick te
         ("precision.scaling", "rowwise", "rowwise with precision.backend=xla"),
     ],
