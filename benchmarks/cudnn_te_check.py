@@ -1,31 +1,29 @@
 """Does cuDNN's flash attention (forward and backward) run in a process that loaded Transformer Engine?
 
-    python benchmarks/cudnn_te_check.py default|ldpath|ctypes
+    python benchmarks/cudnn_te_check.py te_first|preload|ldpath
 
-``default``: TE preloaded as ``main`` does. ``ctypes``: JAX's wheel cuDNN loaded (RTLD_GLOBAL) before TE, so TE's
-core binds to it. ``ldpath``: the same through LD_LIBRARY_PATH (set it to the wheel's cuDNN lib folder). Prints
-which cuDNN libraries the process mapped (``(sys)``: from /usr).
+``te_first``: TE imported before JAX's GPU backend with nothing else (what ``fp8.te.preload`` did before it loaded
+JAX's cuDNN first; measured as ``default`` at 077e23f). ``preload``: ``fp8.te.preload()``, which loads the cuDNN of
+JAX's wheels (RTLD_GLOBAL, ``fp8.te._load_jax_cudnn``) and then TE, so TE's core binds to it (measured as
+``ctypes``). ``ldpath``: TE first with LD_LIBRARY_PATH set to the wheel's cuDNN lib folder. Prints which cuDNN
+libraries the process mapped (``(sys)``: from /usr).
 """
 
-import ctypes
 import os
 import sys
 
 mode = sys.argv[1]
-if mode == "ctypes":
-    import nvidia.cudnn
-
-    lib = os.path.join(list(nvidia.cudnn.__path__)[0], "lib")
-    for name in ("graph", "engines_precompiled", "engines_runtime_compiled", "heuristic", "ops", "cnn", "adv", ""):
-        path = os.path.join(lib, f"libcudnn{'_' + name if name else ''}.so.9")
-        if os.path.exists(path):
-            ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
 try:
-    from fp8rl_jax.fp8 import te
+    if mode == "preload":
+        from fp8rl_jax.fp8 import te
 
-    te.preload()
-    te._te()
-    print(mode, "TE imports", flush=True)
+        te.preload()
+        te._te()
+        print(mode, "TE imports; shares JAX's cuDNN:", te.SHARES_JAX_CUDNN, flush=True)
+    else:
+        import transformer_engine.jax  # noqa: F401
+
+        print(mode, "TE imports", flush=True)
 except Exception as e:  # noqa: BLE001 - report whatever the import raised
     print(mode, "TE import FAILED", str(e)[:300])
     sys.exit()

@@ -59,8 +59,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.precision.lm_head_fp8 = False
     c.precision.kv_cache_dtype = "bfloat16"  # bfloat16 | float8_e4m3fn
     c.precision.kv_margin = 0
-    # scoring and training attention: auto (GPU: cuDNN flash attention, Pallas' beside Transformer Engine; else
-    # xla) | cudnn | pallas | xla (the masked einsum: [T, T] scores in memory)
+    # scoring and training attention: auto (GPU: cuDNN flash attention, Pallas' beside a Transformer Engine on
+    # another cuDNN; else xla) | cudnn | pallas | xla (the masked einsum: [T, T] scores in memory)
     c.precision.attention = "auto"
     c.precision.kv_calibration_sequences = 8  # sequences of the last rollout used to recalibrate KV scales
 
