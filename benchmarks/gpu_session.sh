@@ -87,9 +87,9 @@ EOF
         --batches 64,256 --modes bf16,fp8_kv_te,fp8_kv_te_head --out "$OUT/rollout_head_h100.json" 2>&1 \
         | grep -vi warn | tee "$OUT/rollout_head.log" | grep "^{" ;;
     rollout8b) # the Llama-3.1-8B shape on one GPU (an H200: bf16 8B does not fit an H100 with 256 sequences)
-      XLA_FLAGS=--xla_gpu_enable_triton_gemm=false timeout 560 python3 -m fp8rl_jax.bench rollout --model llama3_8b \
-        --new_tokens 1024 --batches ${R8B_BATCHES:-64,256} --modes ${R8B_MODES:-bf16,fp8_kv_te} \
-        --out "$OUT/rollout_8b.json" 2>&1 | grep -vi warn | tee "$OUT/rollout_8b.log" | grep "^{\|Error" ;;
+      XLA_FLAGS=--xla_gpu_enable_triton_gemm=false timeout ${R8B_TIMEOUT:-560} python3 -m fp8rl_jax.bench rollout --model llama3_8b \
+        --new_tokens 1024 --batches ${R8B_BATCHES:-64,256} --modes ${R8B_MODES:-bf16,fp8_kv_te} ${R8B_ARGS:-} \
+        --out "$OUT/rollout_8b${R8B_TAG:-}.json" 2>&1 | grep -vi warn | tee "$OUT/rollout_8b${R8B_TAG:-}.log" | grep "^{\|Error" | cut -c1-400 ;;
     exact) # the exact sampler's tests on the GPU: BF16, XLA FP8 and the FP8 head as on CPU, and TE's GEMMs
       timeout 400 python3 -m pytest -q -p no:cacheprovider tests/rollout/test_exact.py 2>&1 | tee "$OUT/exact_tests.log" | tail -25 ;;
     agreement) # rollout vs scoring logprobs per precision variant (SmolLM2, 6 GSM8K solutions, teacher-forced)

@@ -165,7 +165,9 @@ class Engine:
         self.compiler_options = decode_compiler_options(config.compiler_options)
         # jit for the programs that decode: with the decode options (see DECODE_GPU_OPTIONS)
         self._decode_jit = decode_jit = functools.partial(jax.jit, compiler_options=self.compiler_options or None)
-        self._init_state = self._new_decode_state
+        # jitted: eagerly, the zeroed [L, ...] cache, its bits and its per-layer slices would all be live at once
+        # (three times the cache: an 8B model's FP8 cache at batch 256 then overflowed an H100)
+        self._init_state = jax.jit(self._new_decode_state)
         self._prefill = decode_jit(self._prefill_impl)
         self._prefill_batch = decode_jit(self._prefill_batch_impl)
         self._insert = jax.jit(self._insert_impl, donate_argnums=(1,))
