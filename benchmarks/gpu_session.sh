@@ -49,8 +49,10 @@ for r in map(json.loads, open(sys.argv[1])):
     print({k: round(v, 2) for k, v in r.items() if k.startswith(("time/", "memory/")) or k in ("step", "rollout_tokens_per_s")})
 EOF
       rm -rf "$OUT/llama1b_$mode" ;;
-    rollout1k) timeout 500 python3 -m fp8rl_jax.bench rollout --new_tokens 1024 --modes bf16,fp8_kv_te \
-        --out "$OUT/rollout_1k.json" 2>&1 | grep -vi warn | tee "$OUT/rollout_1k.log" | tail -12 ;;
+    rollout1k) # R1K_ARGS: e.g. "--batches 64 --profile"
+      timeout ${R1K_TIMEOUT:-500} python3 -m fp8rl_jax.bench rollout --new_tokens 1024 --modes ${R1K_MODES:-bf16,fp8_kv_te} \
+        ${R1K_ARGS:-} --out "$OUT/rollout_1k${R1K_TAG:-}.json" 2>&1 | grep -vi warn | tee "$OUT/rollout_1k${R1K_TAG:-}.log" \
+        | grep "^{\|Error" | cut -c1-400 ;;
     e2e) # bench e2e on llama1b shapes (random weights), 32 prompts x 8 = 256 sequences: one decode wave of the
       # shipped 256 slots (the shipped 64 prompts take two waves and twice the device time per step)
       timeout 500 python3 -m fp8rl_jax.bench e2e --config configs/llama1b.py --set model.source=preset \
