@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -40,10 +42,10 @@ def linear(
     if fp8_state is None or not precision.fp8:
         if isinstance(kernel, QuantizedKernel):
             raise TypeError("a pre-quantized kernel needs its FP8 state (the input scale)")
-        return lax.dot_general(
-            x, kernel.astype(dtype), (((x.ndim - 1,), (1 if kernel_nk else 0,)), ((), ())),
-            preferred_element_type=out_dtype,
-        )
+        dims = (((x.ndim - 1,), (1 if kernel_nk else 0,)), ((), ()))
+        if out_dtype.itemsize > jnp.dtype(dtype).itemsize:
+            return _wide_dot(x, kernel.astype(dtype), dims, out_dtype)
+        return lax.dot_general(x, kernel.astype(dtype), dims, preferred_element_type=out_dtype)
     if kernel_nk and not isinstance(kernel, QuantizedKernel):
         kernel = kernel.T  # [N, K] -> [K, N]: the FP8 path quantizes (and lays out) the kernel itself
     k, n = kernel.shape
@@ -57,6 +59,31 @@ def linear(
         y = backend.fp8_matmul(x2, kernel, fp8_state, precision.recipe, out_dtype)
     # [M, N] -> [..., N]
     return y.reshape(*x.shape[:-1], n)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _wide_dot(x: jax.Array, kernel: jax.Array, dims, out_dtype) -> jax.Array:
+    """A BF16 GEMM with a wider (f32) output, whose backward GEMMs stay BF16.
+
+    Differentiated as it is, the f32 output's cotangent would make both backward GEMMs f32 x f32 (TF32 on a GPU,
+    half BF16's rate on twice the bytes: 0.32 s of a 1.67 s BF16 train minibatch at llama1b shapes,
+    benchmarks/RESULTS.md). The cotangent is rounded to the operands' dtype instead, as an autocast BF16 matmul
+    (whose output is BF16) or TE's BF16 GEMM would have it; the FP8 GEMMs round theirs to E5M2.
+    """
+    return lax.dot_general(x, kernel, dims, preferred_element_type=out_dtype)
+
+
+def _wide_dot_fwd(x, kernel, dims, out_dtype):
+    return _wide_dot(x, kernel, dims, out_dtype), (x, kernel)
+
+
+def _wide_dot_bwd(dims, out_dtype, residuals, g):
+    x, kernel = residuals
+    _, vjp = jax.vjp(lambda a, b: lax.dot_general(a, b, dims, preferred_element_type=x.dtype), x, kernel)
+    return vjp(g.astype(x.dtype))
+
+
+_wide_dot.defvjp(_wide_dot_fwd, _wide_dot_bwd)
 
 
 def quantize_kernel(kernel: jax.Array, fp8_state: Fp8LinearState, precision: Precision) -> QuantizedKernel:

@@ -1,0 +1,73 @@
+"""``linear`` outside FP8: a BF16 GEMM with an f32 output keeps BF16 operands in its backward GEMMs."""
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from fp8rl_jax.fp8.linear import linear
+from fp8rl_jax.fp8.policy import Precision
+
+BF16 = Precision()
+
+
+def _dots(fn, *args):
+    """(operand dtypes, output dtype) of every dot_general in ``fn``'s jaxpr, nested jaxprs included."""
+    found = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "dot_general":
+                found.append((tuple(str(v.aval.dtype) for v in eqn.invars), str(eqn.outvars[0].aval.dtype)))
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                walk(sub)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return found
+
+
+def _inputs():
+    x = jax.random.normal(jax.random.PRNGKey(0), (3, 5, 64), jnp.float32)
+    w = 0.1 * jax.random.normal(jax.random.PRNGKey(1), (64, 48), jnp.float32)
+    t = jax.random.normal(jax.random.PRNGKey(2), (3, 5, 48), jnp.float32)
+    return x, w, t
+
+
+def _loss(x, w, t, kernel_nk=False):
+    y = linear(x, w.T if kernel_nk else w, None, BF16, out_dtype=jnp.float32, kernel_nk=kernel_nk)
+    assert y.dtype == jnp.float32
+    return jnp.sum(jnp.sin(y) * t)
+
+
+def test_backward_gemms_of_an_f32_output_are_bf16():
+    assert BF16.dtype == jnp.bfloat16 and not BF16.fp8
+    x, w, t = _inputs()
+    dots = _dots(jax.grad(_loss, argnums=(0, 1)), x, w, t)
+    assert len(dots) >= 3  # the forward and both backward GEMMs
+    assert all(operands == ("bfloat16", "bfloat16") for operands, _ in dots), dots
+    # with the output in the compute dtype the GEMM is the plain one, as before
+    plain = _dots(jax.grad(lambda x, w: jnp.sum(linear(x, w, None, BF16).astype(jnp.float32)), argnums=(0, 1)), x, w)
+    assert all(operands == ("bfloat16", "bfloat16") for operands, _ in plain), plain
+
+
+@pytest.mark.parametrize("kernel_nk", [False, True], ids=["kn", "nk"])
+def test_forward_is_the_plain_gemm_and_gradients_match_float64(kernel_nk):
+    x, w, t = _inputs()
+    xb, wb = (np.asarray(a, ml_dtypes.bfloat16).astype(np.float64) for a in (x, w))
+    # forward: the BF16 operands' exact products, summed in f32 or wider: close to float64 on the rounded operands
+    y = np.asarray(linear(x, w.T if kernel_nk else w, None, BF16, out_dtype=jnp.float32, kernel_nk=kernel_nk))
+    y64 = xb @ wb
+    np.testing.assert_allclose(y, y64, rtol=1e-5, atol=1e-5)
+    # gradients: d/dy = cos(y) t, rounded to BF16 before the backward GEMMs (relative 2^-8), each output BF16
+    dx, dw = jax.grad(_loss, argnums=(0, 1))(x, w, t, kernel_nk)
+    gy = np.cos(y64) * np.asarray(t, np.float64)
+    dx64, dw64 = gy @ wb.T, np.einsum("btk,btn->kn", xb, gy)
+    for ours, ref in ((dx, dx64), (dw, dw64)):
+        err = np.max(np.abs(np.asarray(ours, np.float64) - ref)) / np.max(np.abs(ref))
+        assert err < 2e-2, err
+    # and the two kernel layouts give the same gradients
+    dx_other, dw_other = jax.grad(_loss, argnums=(0, 1))(x, w, t, not kernel_nk)
+    np.testing.assert_array_equal(np.asarray(dx), np.asarray(dx_other))
+    np.testing.assert_array_equal(np.asarray(dw), np.asarray(dw_other))
