@@ -57,8 +57,8 @@ EOF
       # shipped 256 slots (the shipped 64 prompts take two waves and twice the device time per step)
       timeout 500 python3 -m fp8rl_jax.bench e2e --config configs/llama1b.py --set model.source=preset \
         --set model.preset=llama3_1b --set model.tokenizer=.gpu/smollm2_tok --set model.preset_vocab=preset \
-        --set rollout.prompts_per_step=${E2E_PROMPTS:-32} --modes ${E2E_MODES:-fp8_e2e,bf16,fp8_rollout,bf16_cublas} \
-        --timeout ${E2E_MODE_TIMEOUT:-125} --out "$OUT/e2e_h100.json" 2>&1 | grep -v "^W\|Warn" | tee "$OUT/e2e.log" | tail -8 ;;
+        --set rollout.prompts_per_step=${E2E_PROMPTS:-32} ${E2E_SET:-} --modes ${E2E_MODES:-fp8_e2e,bf16,fp8_rollout,bf16_cublas} \
+        --timeout ${E2E_MODE_TIMEOUT:-125} --out "$OUT/e2e_h100${E2E_TAG:-}.json" 2>&1 | grep -v "^W\|Warn" | tee "$OUT/e2e${E2E_TAG:-}.log" | tail -8 ;;
     e2e_xla) # bench e2e in processes without Transformer Engine (FP8 on the xla backend): there `precision.attention`
       # auto is cuDNN flash attention (TE's cuDNN beside JAX's breaks its backward); E2E_SET adds --set overrides
       [ -d /tmp/site_note ] || python3 -m pip install -q --no-index --no-deps --target /tmp/site_note .gpu/wheels/*.whl
