@@ -152,3 +152,11 @@ def test_every_accuracy_study_mode_is_a_valid_config():
         config = load_config_file(os.path.join(REPO, "configs", "smollm2_arith.py"))
         config.update_from_flattened_dict(overrides)
         validate(config)
+
+
+def test_set_values_parse_as_on_the_main_command_line():
+    from fp8rl_jax.bench.e2e import _value
+
+    assert _value("true") is True and _value("False") is False and _value("TRUE") is True
+    assert _value("3") == 3 and _value("0.5") == 0.5 and _value("[1, 2]") == [1, 2]
+    assert _value("float8_e4m3fn") == "float8_e4m3fn" and _value(".gpu/smollm2_tok") == ".gpu/smollm2_tok"

@@ -148,9 +148,12 @@ def mean_of(records: list[dict], fn) -> float:
 
 
 def _value(text: str):
-    """A ``--set`` value: a Python literal where it parses as one, else the string."""
+    """A ``--set`` value: a Python literal where it parses as one (``true``/``false`` too, as on the main command
+    line), else the string."""
     import ast
 
+    if text.strip().lower() in ("true", "false"):
+        return text.strip().lower() == "true"
     try:
         return ast.literal_eval(text)
     except (ValueError, SyntaxError):
