@@ -23,8 +23,7 @@ export FP8RL_CACHE=${FP8RL_CACHE:-/root/fp8rl_cache}
 gguf="$FP8RL_CACHE/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 if [ ! -f "$gguf" ] && ls /root/gguf/gguf_part_* >/dev/null 2>&1; then
   mkdir -p "$FP8RL_CACHE/smollm2" && cat /root/gguf/gguf_part_* > "$gguf.partial" && mv "$gguf.partial" "$gguf"
-  cp -r .gpu/smollm2_tok "$FP8RL_CACHE/smollm2/SmolLM2-135M-Instruct.Q4_1.tokenizer"
-fi
+fi  # its tokenizer is converted from the GGUF on first use (gguf + tokenizers; no transformers needed)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # never NVLink multicast
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
 for what in "$@"; do

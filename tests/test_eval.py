@@ -133,14 +133,14 @@ def test_cli_gsm8k_prompts_and_grading(tmp_path):
     model with SmolLM2's tokenizer, in BF16: the test split's first problems, prompted and graded as in training."""
     from fp8rl_jax.data.gsm8k import default_gsm8k_path, load_gsm8k
     from fp8rl_jax.model import assets
-    from fp8rl_jax.model.tokenizer import Tokenizer
+    from fp8rl_jax.model.tokenizer import Tokenizer, gguf_tokenizer_cache
     from fp8rl_jax.rl.rewards import gsm8k_correct, read_gsm8k_answer
 
     gguf = assets.smollm2_gguf()
     tokenizer = Tokenizer.from_gguf(gguf)  # converted once, cached beside the GGUF file
     config = str(REPO / "configs" / "smollm2_gsm8k.py")
     results, rows = _eval(tmp_path, "--num=2", "--max_new_tokens=8", "--config.model.source=preset",
-                          "--config.model.preset=tiny", f"--config.model.tokenizer={gguf.with_suffix('.tokenizer')}",
+                          "--config.model.preset=tiny", f"--config.model.tokenizer={gguf_tokenizer_cache(gguf)}",
                           "--config.precision.mode=bf16", config=config, out=tmp_path / "gsm8k")
     problems = load_gsm8k(default_gsm8k_path("test"))[:2]
     assert [(r["id"], r["question"], r["gold"]) for r in rows] == [(p.id, p.question, p.answer) for p in problems]

@@ -1,9 +1,10 @@
 """Tokenizer: a Hugging Face ``tokenizers`` object plus special ids and the model's chat template.
 
 Loaded from ``tokenizer.json`` (+ ``tokenizer_config.json``) of a model folder, or from a GGUF file's metadata.
-A GGUF tokenizer is converted once with ``transformers`` and cached as ``tokenizer.json`` beside a small JSON of
-its special tokens, so later loads need only ``tokenizers`` (fast, no ``transformers`` import). ``char_tokenizer``
-is the synthetic tasks' one-token-per-character vocabulary (``config.model.tokenizer="char"``).
+A GGUF tokenizer is rebuilt from that metadata with ``gguf`` and ``tokenizers`` alone (``gguf_tokenizer.py``; no
+torch, no transformers) once, and cached beside the GGUF file as ``tokenizer.json`` + ``tokenizer_config.json``
+(``gguf_tokenizer_cache``). ``char_tokenizer`` is the synthetic tasks' one-token-per-character vocabulary
+(``config.model.tokenizer="char"``).
 """
 
 from __future__ import annotations
@@ -127,9 +128,10 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, path: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> Tokenizer:
-        """The tokenizer stored in a GGUF file's metadata (converted once, then cached)."""
+        """The tokenizer stored in a GGUF file's metadata (converted once into ``cache_dir``, by default
+        ``gguf_tokenizer_cache(path)``, then loaded from there)."""
         path = Path(path)
-        cache = Path(cache_dir) if cache_dir else path.with_suffix(".tokenizer")
+        cache = Path(cache_dir) if cache_dir else gguf_tokenizer_cache(path)
         if not (cache / "tokenizer.json").exists():
             _convert_gguf_tokenizer(path, cache)
         return cls.from_folder(cache)
@@ -210,35 +212,31 @@ class CharTokenizer(Tokenizer):
         return super().encode(text, add_bos)
 
 
+# the cache folder's suffix; its version changes whenever the conversion does, so that a cache written by an
+# older conversion (v1: transformers' AutoTokenizer) is never loaded in its place
+GGUF_TOKENIZER_CACHE_SUFFIX = ".tokenizer-v2"
+
+
+def gguf_tokenizer_cache(path: str | os.PathLike) -> Path:
+    """Where ``Tokenizer.from_gguf`` caches a GGUF file's converted tokenizer by default: beside the file,
+    ``model.gguf`` -> ``model.tokenizer-v2/`` (a folder that ``Tokenizer.from_folder`` loads)."""
+    return Path(path).with_suffix(GGUF_TOKENIZER_CACHE_SUFFIX)
+
+
 def _convert_gguf_tokenizer(path: Path, out: Path) -> None:
-    import gguf
-    from transformers import AutoTokenizer
+    from fp8rl_jax.model import gguf_tokenizer
 
-    if not path.exists():
-        raise FileNotFoundError(f"GGUF file {path} not found")
-    hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    reader = gguf.GGUFReader(str(path))
-
-    def field(key):
-        f = reader.fields.get(key)
-        return None if f is None else f.contents()
-
-    tokens = reader.fields["tokenizer.ggml.tokens"]
-    bos, eos = field("tokenizer.ggml.bos_token_id"), field("tokenizer.ggml.eos_token_id")
+    backend, meta = gguf_tokenizer.convert(path)  # raises, naming the file, before anything is written
     out.parent.mkdir(parents=True, exist_ok=True)
     # a folder of this process's own beside the target: several processes sharing a cache may convert at once
     tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", suffix=".tmp", dir=out.parent))
-    hf.backend_tokenizer.save(str(tmp / "tokenizer.json"))
-    meta = {
-        "bos_token": None if bos is None else tokens.contents(bos),
-        "eos_token": None if eos is None else tokens.contents(eos),
-        "add_bos_token": bool(field("tokenizer.ggml.add_bos_token")),
-        "chat_template": field("tokenizer.chat_template"),
-    }
-    (tmp / "tokenizer_config.json").write_text(json.dumps(meta, indent=2))
     try:
-        os.replace(tmp, out)  # atomic: a half-written cache never looks complete
-    except OSError:
-        if not (out / "tokenizer.json").exists():  # not another process's finished conversion: a real failure
-            raise
-        shutil.rmtree(tmp, ignore_errors=True)
+        backend.save(str(tmp / "tokenizer.json"))
+        (tmp / "tokenizer_config.json").write_text(json.dumps(meta, indent=2))
+        try:
+            os.replace(tmp, out)  # atomic: a half-written cache never looks complete
+        except OSError:
+            if not (out / "tokenizer.json").exists():  # not another process's finished conversion: a real failure
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone already after the rename; else what is left of it

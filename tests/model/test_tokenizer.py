@@ -1,4 +1,5 @@
-"""Tokenizer from GGUF metadata against transformers' own GGUF tokenizer; the synthetic tasks' char tokenizer."""
+"""The GGUF tokenizer's cache and folder loading; the synthetic tasks' char tokenizer (GGUF conversion itself:
+test_gguf_tokenizer.py)."""
 
 import string
 
@@ -7,22 +8,6 @@ import pytest
 from fp8rl_jax.model import assets
 from fp8rl_jax.model.config import PRESETS
 from fp8rl_jax.model.tokenizer import char_tokenizer
-
-
-def test_gguf_tokenizer_matches_transformers(smollm2):
-    from transformers import AutoTokenizer
-
-    _, _, tok = smollm2
-    path = assets.smollm2_gguf()
-    ref = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    messages = [{"role": "user", "content": "Natalia sold clips to 48 of her friends. How many?"}]
-    expected = ref.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    expected = expected["input_ids"] if hasattr(expected, "keys") else expected
-    assert tok.encode_chat(messages) == list(expected)
-    text = "The answer is 72.\n#### 72"
-    assert tok.encode(text) == ref.encode(text, add_special_tokens=False)
-    assert tok.decode(tok.encode(text)) == text
-    assert tok.stop_ids == (ref.eos_token_id,)
 
 
 def test_gguf_conversion_that_loses_the_race_keeps_the_finished_cache(smollm2, tmp_path):
