@@ -32,7 +32,7 @@ def _validated_config(**validate_kw):
     try:
         config = _CONFIG.value
         config.get("seed")  # a config file that failed to load raises its error on first access
-        validate(config, **validate_kw)
+        validate(config, config_file=_config_path(sys.argv).partition(":")[0], **validate_kw)
     except (ConfigError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return None
