@@ -41,7 +41,7 @@ if [[ ! -x .venv/bin/python ]]; then
     status=1
 elif .venv/bin/python -c "import torch" >/dev/null 2>&1; then
     by="$(.venv/bin/python -m pip show torch 2>/dev/null | sed -n 's/^Required-by: //p')"
-    torch="imports: FAIL (torch $(.venv/bin/python -c 'import torch; print(torch.__version__)'), required by: ${by:-nothing: installed by hand?})"
+    torch="succeeds: FAIL (torch $(.venv/bin/python -c 'import torch; print(torch.__version__)'), required by: ${by:-nothing: installed by hand?})"
     status=1
 else
     torch="fails: good (the run dependencies do not bring torch)"
