@@ -1,12 +1,13 @@
 # Two commands on a fresh machine (CPU is enough):
 #   make demo   # GRPO on GSM8K with the embedded SmolLM2-135M-Instruct, FP8 emulated on CPU
 #   make test   # the test suite
+#   make fresh-check   # the first of them as on a new machine: a clone of HEAD, a run-only venv, an empty model cache
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 DEMO_ARGS ?=
 
-.PHONY: demo test test-gpu lint clean-venv
+.PHONY: demo test test-gpu lint clean-venv fresh-check
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -37,3 +38,8 @@ lint: $(VENV)/.dev-deps
 
 clean-venv:
 	rm -rf $(VENV)
+
+# HEAD cloned into a temporary folder, make demo DEMO_ARGS=--steps=1 there with a new venv of the run dependencies
+# and an empty $$FP8RL_CACHE, then `import torch` must fail in that venv (.ci/fresh_check.sh; needs PyPI: minutes)
+fresh-check:
+	PYTHON=$(PYTHON) bash .ci/fresh_check.sh

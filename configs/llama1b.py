@@ -11,6 +11,7 @@ def get_config(arg=None):
     c.steps = 200
     c.workdir = "runs/llama1b_gsm8k"
     c.model.source = arg or ""  # a Hugging Face folder (config.json + safetensors + tokenizer.json)
+    c.model.preset = "llama3_1b"  # its shape, for random weights: --config.model.source=preset
     c.precision.mode = "fp8_e2e"
     c.precision.backend = "auto"
     c.precision.kv_cache_dtype = "float8_e4m3fn"

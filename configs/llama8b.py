@@ -11,6 +11,7 @@ def get_config(arg=None):
     c.steps = 500
     c.workdir = "runs/llama8b_gsm8k"
     c.model.source = arg or ""  # a Hugging Face folder (config.json + safetensors + tokenizer.json)
+    c.model.preset = "llama3_8b"  # its shape, for random weights: --config.model.source=preset
     c.model.param_dtype = "float32"
     c.precision.mode = "fp8_e2e"
     c.precision.backend = "auto"

@@ -27,13 +27,24 @@ its state as laid out on the current mesh (``fp8rl_jax.parallel.rules``), so a r
 
 Async saves. ``save`` copies the arrays to host memory and returns; the write runs in a background thread.
 ``save`` waits for the previous save first, ``wait`` blocks until it is committed, ``close`` stops the threads.
+
+A failed save (disk full, permission, quota) raises ``CheckpointSaveError`` from the call that learns of it: ``save``
+of the next step (the previous save's failure, named by that step), ``wait`` or ``close``. Its one line names the
+step, the folder, the OS error and the last complete step, from which a rerun resumes (the unfinished
+``<step>.orbax-checkpoint-tmp`` is never read, and removed by the next ``Checkpointer`` there). Orbax logs the same
+failure from each of its threads, with tracebacks, and its writer's callbacks meet a closed event loop; those
+duplicates are dropped (``_quiet_orbax_failures``), so the error is said once.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
+import re
+import sys
+import warnings
 from typing import Any
 
 import jax
@@ -54,6 +65,97 @@ def latest_complete_step(directory: str | os.PathLike) -> int | None:
     """
     steps = ocp.utils.checkpoint_steps(os.fspath(directory))
     return max(steps) if steps else None
+
+
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint could not be written. ``step``: the step being saved (None if unknown); ``directory``: the
+    checkpoints folder; ``cause``: the OS error (or the first line of the error) in one line; ``last_complete``:
+    the newest committed step there (None: none), where a rerun of the same command resumes."""
+
+    def __init__(self, step: int | None, directory: str, cause: str, last_complete: int | None):
+        self.step, self.directory, self.cause, self.last_complete = step, directory, cause, last_complete
+        what = f"checkpoint step {step}" if step is not None else "a checkpoint"
+        resume = (f"the last complete checkpoint is step {last_complete}: fix the cause and rerun the same command "
+                  "to resume from it" if last_complete is not None
+                  else "there is no complete checkpoint yet: a rerun starts the run over")
+        super().__init__(f"{what} could not be saved to {directory}: {cause}; {resume}")
+
+
+def _errors(e: BaseException):
+    """``e`` and the exceptions it was raised from or during, once each."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        yield e
+        e = e.__cause__ or e.__context__
+
+
+def _cause(e: BaseException) -> str:
+    """One line for a failed save: ``<OS error text> [ERRNO] (<file>)`` where an OS error is behind it (a Python
+    OSError, or tensorstore's ``... [os_error_code='28']`` in a ValueError), else the error's first line."""
+    for x in _errors(e):
+        if isinstance(x, OSError) and x.errno:
+            where = f" ({x.filename})" if x.filename else ""
+            return f"{x.strerror or os.strerror(x.errno)} [{errno.errorcode.get(x.errno, x.errno)}]{where}"
+    text = str(e)
+    if m := re.search(r"os_error_code='(\d+)'", text):
+        code = int(m.group(1))
+        files = re.findall(r'"(/[^"]+)"', text)  # tensorstore quotes the files it names; the last is the one
+        where = f" ({files[-1]})" if files else ""
+        return f"{os.strerror(code)} [{errno.errorcode.get(code, code)}]{where}"
+    first = text.strip().splitlines()[0] if text.strip() else ""
+    first = first if len(first) <= 300 else first[:297] + "..."
+    return f"{type(e).__name__}: {first}" if first else type(e).__name__
+
+
+_ORBAX_DIR = os.path.dirname(os.path.abspath(ocp.__file__)) + os.sep
+
+
+class _OrbaxRaisedFilter(logging.Filter):
+    """Drops Orbax's ERROR records that carry an exception: a failed save's exception is also raised to the caller
+    (``wait``, ``save``, ``close``), where it becomes one ``CheckpointSaveError``; Orbax logs it from each thread
+    it passes through, traceback and all."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno >= logging.ERROR and record.exc_info and record.pathname.startswith(_ORBAX_DIR))
+
+
+_ORBAX_RAISED_FILTER = _OrbaxRaisedFilter()
+
+
+def _make_unraisable_hook(previous):
+    """A ``sys.unraisablehook`` that drops the noise of a failed async save and passes anything else to
+    ``previous``: tensorstore's write callbacks reaching Orbax's event loop after the failure closed it
+    ("Event loop is closed" in ``call_soon_threadsafe``), and Orbax's unfinished write coroutines collected at
+    exit. It looks only at the exception and its frames: at exit, module globals may already be gone."""
+    orbax_dir = _ORBAX_DIR
+
+    def hook(unraisable):
+        exc, obj = unraisable.exc_value, unraisable.object
+        code = getattr(obj, "cr_code", None)
+        if code is not None and code.co_filename.startswith(orbax_dir):
+            return
+        if isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed":
+            tb, names = unraisable.exc_traceback, set()
+            while tb is not None:
+                names.add(tb.tb_frame.f_code.co_name)
+                tb = tb.tb_next
+            if "call_soon_threadsafe" in names:
+                return
+        previous(unraisable)
+
+    hook.fp8rl_orbax_quiet = True
+    return hook
+
+
+def _quiet_orbax_failures() -> None:
+    """Install the two filters above (once; again if something replaced the hook since), and drop the warning that
+    an abandoned write coroutine of a failed save was never awaited."""
+    logging.getLogger("absl").addFilter(_ORBAX_RAISED_FILTER)  # Orbax logs through absl.logging
+    warnings.filterwarnings("ignore", r"coroutine 'async_serialize_from_host\.<locals>\.write_fragment' was never "
+                            "awaited", RuntimeWarning)
+    if not getattr(sys.unraisablehook, "fp8rl_orbax_quiet", False):
+        sys.unraisablehook = _make_unraisable_hook(sys.unraisablehook)
 
 
 def _is_typed_key(x: Any) -> bool:
@@ -126,6 +228,9 @@ class Checkpointer:
             registry.add(item, save, handler)
             registry.add(item, restore, handler)
         self._manager = ocp.CheckpointManager(self.directory, options=options, handler_registry=registry)
+        self._pending: int | None = None  # the step of a started save not yet seen committed
+        self._failure: CheckpointSaveError | None = None
+        _quiet_orbax_failures()
 
     def should_save(self, step: int) -> bool:
         """Whether ``save(step)`` without ``force`` would write."""
@@ -141,6 +246,7 @@ class Checkpointer:
         """
         if not (force or self.should_save(step)):
             return False
+        self.wait()  # Orbax waits for the previous save anyway; a failure of it is reported as that step's
         latest = self.latest_step()
         if latest is not None and step <= latest:
             log.info("checkpoint: step %d not saved, %s already holds step %d", step, self.directory, latest)
@@ -162,10 +268,19 @@ class Checkpointer:
                 _KEYS: ocp.args.JsonSave(key_impls),
             }
         )
-        started = self._manager.save(step, args=args, force=True)
+        try:
+            started = self._manager.save(step, args=args, force=True)
+        except Exception as e:  # the synchronous part (a sync save, creating its folder) failed
+            raise self._failed(step, e) from e
         if started:
+            self._pending = step
             log.info("checkpoint: saving step %d to %s", step, self.directory)
         return bool(started)
+
+    def _failed(self, step: int | None, e: BaseException) -> CheckpointSaveError:
+        self._pending = None
+        self._failure = CheckpointSaveError(step, self.directory, _cause(e), latest_complete_step(self.directory))
+        return self._failure
 
     def latest_step(self) -> int | None:
         """The newest saved step, or None. A step whose async save is still running counts (``wait`` first to
@@ -226,12 +341,21 @@ class Checkpointer:
         return jax.tree.unflatten(treedef, out), dict(restored[_META])
 
     def wait(self) -> None:
-        """Blocks until every started save is committed (re-raises a failed background write)."""
-        self._manager.wait_until_finished()
+        """Blocks until every started save is committed; ``CheckpointSaveError`` if one failed."""
+        try:
+            self._manager.wait_until_finished()
+        except Exception as e:
+            raise self._failed(self._pending, e) from e
+        self._pending = None
 
     def close(self) -> None:
-        """Waits for pending saves, then stops Orbax's background threads."""
-        self._manager.close()
+        """Waits for pending saves (``CheckpointSaveError`` if one failed, unless a failure was raised already),
+        then stops Orbax's background threads."""
+        try:
+            self._manager.close()
+        except Exception as e:
+            if self._failure is None:
+                raise self._failed(self._pending, e) from e
 
     def __enter__(self) -> Checkpointer:
         return self

@@ -34,7 +34,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.model = ml_collections.ConfigDict()
     c.model.source = "smollm2"  # "smollm2" (embedded GGUF) | "preset" (random init) | HF folder | .gguf file
     c.model.preset = ""  # with source="preset": a name from fp8rl_jax.model.config.PRESETS
-    c.model.tokenizer = ""  # "" = from the model source; "char" = the synthetic tasks' character tokenizer
+    c.model.tokenizer = ""  # "" = from the model source | "char" (the synthetic tasks') | "smollm2" | a folder
     c.model.param_dtype = "float32"  # master weights
     c.model.init_std = 0.02  # random init only
     c.model.preset_vocab = "tokenizer"  # random init: cut the vocab to the tokenizer's | "preset": keep its shape
@@ -237,10 +237,27 @@ def check_fits_model(c: ml_collections.ConfigDict, max_positions: int, model: st
             "lower one of them")
 
 
+def missing_model_message(c: ml_collections.ConfigDict, config_file: str | None = None) -> str:
+    """What to do when ``config.model.source`` is empty (``configs/llama8b.py`` run without its model folder)."""
+    from fp8rl_jax.model.config import PRESETS
+
+    file = config_file or "<config file>"
+    if c.model.preset in PRESETS:
+        shape, preset = f" (preset {c.model.preset})", ""
+    else:
+        shape, preset = "", f" --config.model.preset=<{' | '.join(sorted(PRESETS))}>"
+    return (f"config.model.source is empty: {config_file or 'the config'} needs a model. Pass a Hugging Face folder "
+            f"(config.json, *.safetensors, tokenizer.json) as the config's argument, "
+            f"--config={file}:/path/to/model-folder, or as --config.model.source=/path/to/model-folder; or train "
+            f"random weights of its architecture{shape} with the demo model's tokenizer: "
+            f"--config.model.source=preset{preset} --config.model.tokenizer=smollm2")
+
+
 def validate(c: ml_collections.ConfigDict, known_rewards: Callable[[], Sequence[str]] | None = None, *,
-             training: bool = True) -> None:
+             training: bool = True, config_file: str | None = None) -> None:
     """Raise ``ConfigError`` naming the first bad key. ``training=False`` (serving, sampling) allows truncated
-    sampling (``rollout.top_p`` / ``rollout.top_k``), which RL training refuses."""
+    sampling (``rollout.top_p`` / ``rollout.top_k``), which RL training refuses. ``config_file``: the ``--config``
+    path, for messages that show a command line."""
     from fp8rl_jax.model.config import PRESETS
 
     _finite(c)
@@ -274,8 +291,13 @@ def validate(c: ml_collections.ConfigDict, known_rewards: Callable[[], Sequence[
 
     src = c.model.source
     _positive(c, "model.num_layers", allow_zero=True)
+    if src == "":
+        raise ConfigError(missing_model_message(c, config_file))
     if src == "preset":
         _check(c.model.preset in PRESETS, "model.preset", c.model.preset, ", ".join(sorted(PRESETS)))
+        _check(c.model.tokenizer != "", "model.tokenizer", c.model.tokenizer,
+               "smollm2 (the demo model's tokenizer), char (the synthetic tasks' characters) or a folder with "
+               "tokenizer.json: random weights (model.source=preset) bring no tokenizer")
     elif src != "smollm2":
         _check(os.path.exists(src), "model.source", src,
                "smollm2 | preset | an existing Hugging Face folder or .gguf file")

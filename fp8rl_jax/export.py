@@ -13,7 +13,9 @@ What it exports: with ``--checkpoint`` (a trainer's ``<workdir>/checkpoints``; `
 trained policy's params, else the model ``config.model`` loads (its initial weights). These are the master
 weights; the FP8 state is not exported: transformers runs the model in ``--dtype``, so an FP8-trained policy's
 exported logits are its master-weight logits, a little different from what its FP8 rollout sampled.
-The output folder must not exist or be empty (an export never overwrites files).
+The output folder must not exist or be empty (an export never overwrites files). An ``--out`` inside a run's
+workdir (``config.workdir``, or the one ``--checkpoint`` is in) is written only while no other process holds that
+workdir (``fp8rl_jax.workdir_lock``); under a live trainer the export stops with exit status 3, naming it.
 """
 
 from __future__ import annotations
@@ -72,15 +74,25 @@ def export_run(config, out: str | os.PathLike, *, checkpoint: str | None = None,
 def main(argv) -> int:
 
     from fp8rl_jax import main as cli
+    from fp8rl_jax.workdir_lock import WorkdirLockedError, lock_for_output
 
     config, code = cli.tool_config(argv)
     if config is None:
         return code
+    try:  # an export into a run's workdir: not while another process (a trainer) owns it
+        run_dirs = [Path(_CHECKPOINT.value).parent if _CHECKPOINT.value else None, config.workdir]
+        lock = lock_for_output(_OUT.value, run_dirs, alternative="--out=<a folder outside it>")
+    except WorkdirLockedError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 3
     try:
         out = export_run(config, _OUT.value, checkpoint=_CHECKPOINT.value, step=_STEP.value, dtype=_DTYPE.value)
     except (OSError, ValueError) as e:  # an existing output folder, a missing checkpoint or model file
         print(f"error: {e}", file=sys.stderr)
         return 1
+    finally:
+        if lock is not None:
+            lock.release()
     print(f"wrote {out} (config.json, model.safetensors, tokenizer.json, tokenizer_config.json)")
     return 0
 

@@ -3,6 +3,11 @@
 A thin shell over ``fp8rl_jax.trainer.Trainer``: parse and validate the config, build the trainer, run.
 Config keys are overridden as ``--config.rollout.temperature=0.7``; ``--config=file.py:arg`` passes ``arg`` to
 the file's ``get_config``.
+
+Exit status: 0 done; 2 bad flags or config (one ``error:`` line); 3 the workdir is in use by another run (the
+error names its host, pid and start); 4 a checkpoint could not be saved (disk full, permission, quota: the error
+names the step, the folder, the cause and the last complete step, from which rerunning the command resumes);
+1 anything else (a Python traceback).
 """
 
 from __future__ import annotations
@@ -11,6 +16,8 @@ import sys
 
 from absl import app, flags, logging
 from ml_collections import config_flags
+
+EXIT_CONFIG, EXIT_WORKDIR_IN_USE, EXIT_CHECKPOINT_SAVE = 2, 3, 4  # the module docstring says what each means
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config",
@@ -32,7 +39,7 @@ def _validated_config(**validate_kw):
     try:
         config = _CONFIG.value
         config.get("seed")  # a config file that failed to load raises its error on first access
-        validate(config, **validate_kw)
+        validate(config, config_file=_config_path(sys.argv).partition(":")[0], **validate_kw)
     except (ConfigError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return None
@@ -67,12 +74,12 @@ def main(argv) -> int:
 
     config = _validated_config(known_rewards=reward_names)
     if config is None:
-        return 2
+        return EXIT_CONFIG
     if _STEPS.value is not None:
         if _STEPS.value < 1:
             print(f"error: --steps={_STEPS.value} is invalid; allowed: a positive number, the run's total RL steps "
                   "(it overrides config.steps)", file=sys.stderr)
-            return 2
+            return EXIT_CONFIG
         config.steps = _STEPS.value
     if _DRY_RUN.value:
         print(config)
@@ -87,17 +94,33 @@ def main(argv) -> int:
         distributed.initialize(distributed.cluster_spec(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG
+    from fp8rl_jax.checkpoint import CheckpointSaveError
     from fp8rl_jax.config import ConfigError
     from fp8rl_jax.trainer import Trainer
+    from fp8rl_jax.workdir_lock import WorkdirLockedError
 
     try:
         trainer = Trainer(config)  # checks what needs the machine or the model: backend, positions, workdir
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
-    trainer.run()
-    trainer.close()
+        return EXIT_CONFIG
+    except WorkdirLockedError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_WORKDIR_IN_USE
+    failure = None
+    try:
+        trainer.run()
+    except CheckpointSaveError as e:
+        failure = e
+    finally:  # also on any other error: the pending save finishes, the workdir is released
+        try:
+            trainer.close()  # the final save's failure shows here
+        except CheckpointSaveError as e:
+            failure = failure or e
+    if failure is not None:
+        print(f"error: {failure}", file=sys.stderr)
+        return EXIT_CHECKPOINT_SAVE
     return 0
 
 

@@ -54,6 +54,7 @@ from fp8rl_jax.rl.step import LossConfig, build_optimizer, make_calibrate, make_
 from fp8rl_jax.rollout import driver, exact
 from fp8rl_jax.rollout.sampler import Sampler
 from fp8rl_jax.rollout.sampling import SamplingParams
+from fp8rl_jax.workdir_lock import LOCK_NAME, WorkdirLock, WorkdirLockedError
 
 
 def restore_policy(config, directory: str | Path | None = None, step: int | None = None):
@@ -168,8 +169,15 @@ class Trainer:
     def __init__(self, config, *, report: bool = True):
         validate(config, known_rewards=reward_names)
         self.config = config
-        c = config
-        self.workdir = Path(c.workdir)
+        self.workdir = Path(config.workdir)
+        self._workdir_lock = self._lock_workdir()  # before _prepare_workdir: an overwrite must not hit a live run
+        try:
+            self._build(config, report)
+        except BaseException:  # a Trainer that failed to start holds no workdir (notebooks keep the traceback)
+            self._release_workdir()
+            raise
+
+    def _build(self, c, report: bool) -> None:
         self._prepare_workdir()
         self.train_precision = from_config(c, "train")  # precision.backend=te where it cannot run fails here
         self.rollout_precision = from_config(c, "rollout")
@@ -248,6 +256,8 @@ class Trainer:
                 self.reporter.message(f"rollout.exact on XLA:CPU: set XLA_FLAGS={exact.CPU_XLA_FLAG} before starting "
                                       "for bit-for-bit agreement (without it a few percent of the logprobs are "
                                       "1 ulp off)")
+        if self._workdir_lock is not None and self._workdir_lock.took_over:
+            self.reporter.message(self._workdir_lock.took_over_message())
         if resumed:
             self.reporter.message(f"resumed from {self.workdir / 'checkpoints'} at step {self.step_count}")
         if self.prompts.dropped:
@@ -547,5 +557,33 @@ class Trainer:
         self.bad_steps = int(meta.get("bad_steps", 0))
 
     def close(self) -> None:
-        self.checkpointer.close()
-        self.reporter.close()
+        """Waits for the pending checkpoint save (a failed one raises ``CheckpointSaveError``), closes the
+        reporter and releases the workdir; idempotent."""
+        try:
+            self.checkpointer.close()
+        finally:
+            self.reporter.close()
+            self._release_workdir()
+
+    def _lock_workdir(self) -> WorkdirLock | None:
+        """One run per workdir (``fp8rl_jax.workdir_lock``). Process 0 holds the lock for its whole job; the other
+        processes learn whether it got it, so that all of them stop (rather than wait for it at a collective)."""
+        lock = error = None
+        if is_primary():
+            try:
+                lock = WorkdirLock.acquire(self.workdir, alternative="another config.workdir")
+            except Exception as e:  # raised below, once the other processes heard of it
+                error = e
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            if not int(multihost_utils.broadcast_one_to_all(np.int32(error is None))) and error is None:
+                error = WorkdirLockedError(f"config.workdir={str(self.workdir)!r}: process 0 of this job could not "
+                                           f"take {self.workdir / LOCK_NAME} (its error says why)")
+        if error is not None:
+            raise error
+        return lock
+
+    def _release_workdir(self) -> None:
+        if self._workdir_lock is not None:
+            self._workdir_lock.release()

@@ -1,14 +1,19 @@
-"""Checkpointer: bit-exact round trips, keep-N, save_every, a save killed by SIGKILL, helpful errors."""
+"""Checkpointer: bit-exact round trips, keep-N, save_every, a save killed by SIGKILL, a failed save, helpful errors."""
 
+import asyncio
+import builtins
+import errno
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
 import textwrap
 import threading
 import time
+import types
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +21,13 @@ import numpy as np
 import optax
 import pytest
 
-from fp8rl_jax.checkpoint import Checkpointer, latest_complete_step
+from fp8rl_jax.checkpoint import (
+    Checkpointer,
+    CheckpointSaveError,
+    _cause,
+    _make_unraisable_hook,
+    latest_complete_step,
+)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -270,3 +281,97 @@ def test_restore_in_a_new_process_is_quiet_and_checks_shapes(tmp_path, caplog):
     assert meta == metadata(2)
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert not [w for w in warnings if "could not be restored" in w], warnings
+
+
+# ----------------------------------------------------------------------------------------------------------
+# a failed save (disk full, permission): one CheckpointSaveError naming the step, folder, cause and last complete step
+
+
+def fail_writes_into(monkeypatch, step: int, code: int = errno.ENOSPC) -> None:
+    """``OSError(code)`` from every file opened for writing inside step ``step``'s unfinished folder: the JSON items
+    and metadata files Orbax writes from Python, in its background threads for async saves (tensorstore writes the
+    arrays in C++, out of reach here: a real full disk fails those too, the same way)."""
+    real_open = builtins.open
+    marker = f"{os.sep}{step}.orbax-checkpoint-tmp{os.sep}"
+
+    def failing_open(file, mode="r", *args, **kwargs):
+        if isinstance(file, (str, os.PathLike)) and marker in os.fspath(file) and set(mode) & set("wax+"):
+            raise OSError(code, os.strerror(code), os.fspath(file))
+        return real_open(file, mode, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", failing_open)
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_failed_save_is_one_error_and_the_last_complete_step_restores(tmp_path, monkeypatch, caplog, async_save):
+    directory = tmp_path / "ckpt"
+    ckpt = Checkpointer(directory, keep=5, async_save=async_save)
+    ckpt.save(1, make_state(1), metadata(1), force=True)
+    ckpt.wait()
+    fail_writes_into(monkeypatch, 2)
+    caplog.set_level(logging.WARNING)
+    with pytest.raises(CheckpointSaveError) as err:
+        ckpt.save(2, make_state(2), metadata(2), force=True)  # a sync save fails here
+        ckpt.save(3, make_state(3), metadata(3), force=True)  # an async one here: named as step 2's failure
+    e = err.value
+    assert (e.step, e.directory, e.last_complete) == (2, str(directory), 1)
+    assert re.fullmatch(rf"No space left on device \[ENOSPC\] \({re.escape(str(directory))}/2\.orbax-checkpoint-tmp/"
+                        r"\S+\)", e.cause), e.cause
+    assert str(e) == (f"checkpoint step 2 could not be saved to {directory}: {e.cause}; the last complete checkpoint "
+                      "is step 1: fix the cause and rerun the same command to resume from it")
+    # Orbax's own logs of the same exception (one per thread it crossed, with tracebacks) are dropped
+    orbax_errors = [r for r in caplog.records if r.levelno >= logging.ERROR and "orbax" in r.pathname]
+    assert orbax_errors == [], [r.getMessage()[:200] for r in orbax_errors]
+    ckpt.close()  # quiet: the failure was raised already
+    monkeypatch.undo()
+
+    assert latest_complete_step(directory) == 1
+    with Checkpointer(directory, keep=5, async_save=async_save) as again:  # the rerun
+        restored, meta = again.restore(like=make_state(0))
+        assert_bit_equal(restored, make_state(1))
+        assert meta == metadata(1)
+        assert again.save(2, make_state(2), metadata(2), force=True)
+    assert latest_complete_step(directory) == 2
+    assert sorted(os.listdir(directory)) == ["1", "2"]  # step 2's unfinished folder is gone
+
+
+def test_failed_final_async_save_raises_at_close(tmp_path, monkeypatch, caplog):
+    ckpt = Checkpointer(tmp_path, async_save=True)
+    fail_writes_into(monkeypatch, 1, errno.EACCES)
+    ckpt.save(1, make_state(1), metadata(1), force=True)
+    with pytest.raises(CheckpointSaveError) as err:
+        ckpt.close()
+    assert err.value.step == 1 and err.value.last_complete is None
+    assert err.value.cause.startswith("Permission denied [EACCES] (")
+    assert str(err.value).endswith("there is no complete checkpoint yet: a rerun starts the run over")
+
+
+def test_cause_of_a_tensorstore_write_error():
+    """The ValueError tensorstore raises on a full disk (this text from a 2 MB tmpfs), in one line."""
+    text = ('RESOURCE_EXHAUSTED: Error writing "a1/0" in OCDBT database at local file "/mnt/x/3.orbax-checkpoint-tmp/'
+            'train_state.orbax-checkpoint-tmp/ocdbt.process_0/": Failed writing: "/mnt/x/3.orbax-checkpoint-tmp/'
+            'train_state.orbax-checkpoint-tmp/ocdbt.process_0/d/8ba5": Failed to write 75496 bytes to file 4: No '
+            "space left on device [os_error_code='28']")
+    assert _cause(ValueError(text)) == ("No space left on device [ENOSPC] (/mnt/x/3.orbax-checkpoint-tmp/"
+                                        "train_state.orbax-checkpoint-tmp/ocdbt.process_0/d/8ba5)")
+    wrapped = RuntimeError("save failed")
+    wrapped.__cause__ = OSError(errno.EDQUOT, "Disk quota exceeded", "/q/f")
+    assert _cause(wrapped) == "Disk quota exceeded [EDQUOT] (/q/f)"
+    assert _cause(ValueError("first line\nsecond")) == "ValueError: first line"
+
+
+def test_unraisable_noise_of_a_failed_save_is_dropped_and_the_rest_passes():
+    seen = []
+    hook = _make_unraisable_hook(seen.append)
+    loop = asyncio.new_event_loop()
+    loop.close()
+    try:
+        loop.call_soon_threadsafe(print)  # what tensorstore's write callback meets after Orbax closed its loop
+    except RuntimeError as e:
+        closed = e
+    hook(types.SimpleNamespace(exc_value=closed, exc_traceback=closed.__traceback__, object=None))
+    other = RuntimeError("Event loop is closed")  # raised elsewhere: not the callback's
+    hook(types.SimpleNamespace(exc_value=other, exc_traceback=None, object=None))
+    unrelated = ValueError("x")
+    hook(types.SimpleNamespace(exc_value=unrelated, exc_traceback=None, object=None))
+    assert [u.exc_value for u in seen] == [other, unrelated]

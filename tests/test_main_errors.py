@@ -68,6 +68,40 @@ def test_cli_good_config_still_runs(tmp_path):
     assert "mode: bf16" in result.stdout
 
 
+@pytest.mark.parametrize("name, preset", [("llama8b", "llama3_8b"), ("llama1b", "llama3_1b")])
+def test_config_without_its_model_folder_says_what_to_pass(name, preset):
+    """``configs/llama8b.py`` takes the model folder as its argument; run without it, the one line says how to give
+    it, or how to run random weights of its architecture instead, and that second command line is valid."""
+    result = _main(f"--config=configs/{name}.py")
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr == (
+        f"error: config.model.source is empty: configs/{name}.py needs a model. Pass a Hugging Face folder "
+        f"(config.json, *.safetensors, tokenizer.json) as the config's argument, "
+        f"--config=configs/{name}.py:/path/to/model-folder, or as --config.model.source=/path/to/model-folder; or "
+        f"train random weights of its architecture (preset {preset}) with the demo model's tokenizer: "
+        "--config.model.source=preset --config.model.tokenizer=smollm2\n")
+    suggested = _main(f"--config=configs/{name}.py", "--config.model.source=preset",
+                      "--config.model.tokenizer=smollm2", "--dry_run")
+    assert suggested.returncode == 0, suggested.stderr
+    assert f"preset: {preset}" in suggested.stdout and "tokenizer: smollm2" in suggested.stdout
+    # random weights without a tokenizer: said at start-up, not as a traceback from the loader
+    no_tokenizer = _main(f"--config=configs/{name}.py", "--config.model.source=preset", "--dry_run")
+    assert no_tokenizer.returncode == 2
+    assert no_tokenizer.stderr.startswith("error: config.model.tokenizer='' is invalid; allowed: smollm2")
+
+
+def test_smollm2_tokenizer_for_random_weights():
+    """``model.tokenizer=smollm2``: the embedded model's tokenizer (SmolLM2's 49,152 tokens) for a preset."""
+    from fp8rl_jax.config import base_config
+    from fp8rl_jax.model.loading import load_tokenizer
+
+    config = base_config()
+    config.model.source, config.model.preset, config.model.tokenizer = "preset", "llama3_8b", "smollm2"
+    tokenizer = load_tokenizer(config.model, config.model.source)
+    assert tokenizer.vocab_size == 49152
+    assert tokenizer.decode(tokenizer.encode("What is 2+3?")).endswith("What is 2+3?")
+
+
 @pytest.mark.parametrize("body, message", RAISING_CONFIGS[:3])
 def test_load_config_file_names_the_file(tmp_path, body, message):
     path = _config_file(tmp_path, body)

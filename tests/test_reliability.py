@@ -1,13 +1,15 @@
 """Findings of the reliability pass (issue 10, items 5 and 6), each reproduced on the tiny config.
 
 Backend choice reported, never a quiet fallback; a workdir that holds a run is never overwritten unasked;
-non-finite hyperparameters and updates refused; ``--steps`` is the run's total; prompt + new tokens must fit
-the model; list keys and overrides parsed in one place.
+non-finite hyperparameters and updates refused; ``--steps`` is the run's total, and a failed checkpoint save is one
+error line after which the rerun resumes; prompt + new tokens must fit the model; list keys and overrides parsed in
+one place.
 """
 
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -165,6 +167,46 @@ def test_steps_must_be_positive(steps, tmp_path):
     assert result.returncode != 0
     assert f"--steps={steps}" in result.stderr and "positive" in result.stderr
     assert not any(tmp_path.iterdir())
+
+
+# The trainer's command line, with every file Orbax opens for writing inside step FAIL_STEP's unfinished folder
+# failing with ENOSPC (its JSON items and metadata, written from Orbax's background threads): a disk that fills up
+# during that save. tensorstore's array writes are C++ and go through; a real full disk fails those too.
+ENOSPC_MAIN = """
+import builtins, errno, os, sys
+real_open = builtins.open
+marker = os.sep + os.environ["FAIL_STEP"] + ".orbax-checkpoint-tmp" + os.sep
+def failing_open(file, mode="r", *args, **kwargs):
+    if isinstance(file, (str, os.PathLike)) and marker in os.fspath(file) and set(mode) & set("wax+"):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.fspath(file))
+    return real_open(file, mode, *args, **kwargs)
+builtins.open = failing_open
+from fp8rl_jax.main import run
+run()
+"""
+
+
+def test_a_failed_checkpoint_save_is_one_error_line_and_the_rerun_resumes(tmp_path):
+    workdir = tmp_path / "run"
+    args = [f"--config={TINY}", f"--config.workdir={workdir}", "--steps=3", "--config.checkpoint.every=1",
+            "--config.logging.progress=False", "--config.logging.plots=False"]
+    env = dict(os.environ, JAX_PLATFORMS="cpu", FAIL_STEP="2")
+    failed = subprocess.run([sys.executable, "-c", ENOSPC_MAIN, *args], cwd=REPO, env=env, capture_output=True,
+                            text=True, timeout=600)
+    assert failed.returncode == 4, failed.stderr[-3000:]
+    checkpoints = workdir / "checkpoints"
+    assert re.fullmatch(
+        rf"error: checkpoint step 2 could not be saved to {re.escape(str(checkpoints))}: No space left on device "
+        rf"\[ENOSPC\] \({re.escape(str(checkpoints))}/2\.orbax-checkpoint-tmp/\S+\); the last complete checkpoint "
+        r"is step 1: fix the cause and rerun the same command to resume from it\n", failed.stderr), failed.stderr
+    assert "Traceback" not in failed.stderr  # was 899 lines of Orbax and asyncio tracebacks, exit status 1
+    assert latest_complete_step(checkpoints) == 1 and not (workdir / "lock.json").exists()
+
+    again = _main(*args[1:])
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resumed from {checkpoints} at step 1" in again.stdout
+    assert latest_complete_step(checkpoints) == 3
+    assert [r["step"] for r in _metrics(workdir)] == [1, 2, 3]  # each once: the failed run's step 2 was dropped
 
 
 # ----------------------------------------------------------------------------------------------------------

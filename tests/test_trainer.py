@@ -146,8 +146,9 @@ def test_periodic_eval_is_in_the_metrics_file_from_step_0(tmp_path):
     assert 0.0 <= lines[2]["eval_accuracy"] <= 1.0
 
 
-def test_sigkill_mid_run_resumes_from_last_complete_checkpoint(tmp_path):
-    """A run killed with SIGKILL (here while it saves every step) resumes from its last complete checkpoint."""
+def test_sigkill_mid_run_resumes_from_last_complete_checkpoint(tmp_path, capsys):
+    """A run killed with SIGKILL (here while it saves every step) resumes from its last complete checkpoint, and
+    takes over the workdir lock the killed process left (``fp8rl_jax.workdir_lock``)."""
     workdir = tmp_path / "run"
     cmd = [sys.executable, "-m", "fp8rl_jax.main", f"--config={TINY}", f"--config.workdir={workdir}",
            "--config.steps=30", "--config.checkpoint.every=1", "--config.logging.progress=False",
@@ -167,11 +168,14 @@ def test_sigkill_mid_run_resumes_from_last_complete_checkpoint(tmp_path):
 
     last = latest_complete_step(checkpoints)
     assert last is not None and last >= 2
+    assert json.loads((workdir / "lock.json").read_text())["pid"] == child.pid  # SIGKILL: no release
     trainer = Trainer(_config(tmp_path, steps=last + 1, **{"checkpoint.every": 1}))
+    assert f"took over the stale lock {workdir / 'lock.json'} of host " in capsys.readouterr().out
     assert trainer.step_count == last
     trainer.run()
     trainer.close()
     assert latest_complete_step(checkpoints) == last + 1
+    assert not (workdir / "lock.json").exists()
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -34,7 +34,9 @@ same checkpoint in BF16 and in FP8:
 
 Bad input (flags, config keys, a checkpoint path that holds no checkpoint, a folder that is not a results folder)
 fails at start-up with one line ``error: ...`` and exit status 2; a failure while loading the model or the
-checkpoint exits with status 1.
+checkpoint exits with status 1. Results that would go into a run's workdir (the default ``--out``) are written
+only while no other process holds it (``fp8rl_jax.workdir_lock``): under a live trainer the evaluation stops at
+start-up with exit status 3 and names the trainer's host and pid; ``--out`` elsewhere evaluates a live run.
 """
 
 from __future__ import annotations
@@ -306,6 +308,7 @@ def main(argv: list[str]) -> int:
         print("\n".join(f"--{name}: {fv[name].help}" for name in fv))
         return 0
     logging.set_verbosity(logging.WARNING)  # Orbax logs every file it writes at INFO
+    from fp8rl_jax import main as train_cli
     from fp8rl_jax.config import ConfigError, validate
     from fp8rl_jax.rl.rewards import reward_names
 
@@ -321,20 +324,26 @@ def main(argv: list[str]) -> int:
         config.get("seed")  # a config file that failed to load raises its error on first access
         if values["max_new_tokens"] is not None:
             config.rollout.max_new_tokens = values["max_new_tokens"]
-        validate(config, known_rewards=reward_names, training=False)
+        validate(config, known_rewards=reward_names, training=False,
+                 config_file=train_cli._config_path(argv).partition(":")[0])
         values["checkpoint"], values["step"] = (resolve_checkpoint(values["checkpoint"]) if values["checkpoint"]
                                                 else (None, None))
         if values["compare"] is not None:
             read_results(values["compare"])  # a bad reference fails now, not after the evaluation
     except (UsageError, ConfigError, ResultsError, OSError) as e:
         return _error(e)
-    from fp8rl_jax import main as train_cli
-
     values["config_path"] = train_cli._config_path(argv)
     if values["out"] is None:
         where = values["checkpoint"].parent if values["checkpoint"] else Path(config.workdir)
         name = f"step{values['step']}" if values["checkpoint"] else "init"
         values["out"] = str(where / "eval" / f"{name}_{config.precision.mode}")
+    from fp8rl_jax.workdir_lock import WorkdirLockedError, lock_for_output
+
+    try:  # results written into a run's workdir: not while another process (a trainer) owns it
+        run_dirs = [values["checkpoint"].parent if values["checkpoint"] else None, config.workdir]
+        lock = lock_for_output(values["out"], run_dirs, alternative="--out=<a folder outside it>")
+    except WorkdirLockedError as e:
+        return _error(e, status=3)
     if config.precision.backend in ("te", "auto"):
         from fp8rl_jax.fp8 import te
 
@@ -345,6 +354,9 @@ def main(argv: list[str]) -> int:
         return _error(e)
     except (OSError, ValueError) as e:  # a model or checkpoint file that does not load
         return _error(e, status=1)
+    finally:
+        if lock is not None:
+            lock.release()
     print(results_markdown(results))
     print(f"wrote {folder}/results.json, results.md, completions.jsonl")
     if values["compare"] is not None:

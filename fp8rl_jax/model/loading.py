@@ -14,10 +14,13 @@ from fp8rl_jax.model.tokenizer import Tokenizer, char_tokenizer
 
 
 def load_tokenizer(model_config, source: str) -> Tokenizer:
-    """``config.model.tokenizer`` if set ("char" or a folder), else the tokenizer that comes with ``source``."""
+    """``config.model.tokenizer`` if set ("char", "smollm2": the embedded model's, or a folder), else the tokenizer
+    that comes with ``source``."""
     name = model_config.tokenizer
     if name == "char":
         return char_tokenizer()
+    if name == "smollm2":  # e.g. random weights of a Llama preset (model.source=preset) on GSM8K, nothing to download
+        return Tokenizer.from_gguf(assets.smollm2_gguf())
     if name:
         return Tokenizer.from_folder(name)
     if source.endswith(".gguf"):
@@ -25,7 +28,7 @@ def load_tokenizer(model_config, source: str) -> Tokenizer:
     if os.path.isdir(source):
         return Tokenizer.from_folder(source)
     raise ValueError(f"config.model.tokenizer is empty and model.source={source!r} brings no tokenizer; "
-                     "set config.model.tokenizer (a folder with tokenizer.json, or 'char')")
+                     "set config.model.tokenizer (a folder with tokenizer.json, 'smollm2' or 'char')")
 
 
 def load_model(config, key: jax.Array | None = None) -> tuple[LlamaConfig, dict, Tokenizer]:
