@@ -3,6 +3,10 @@
 A thin shell over ``fp8rl_jax.trainer.Trainer``: parse and validate the config, build the trainer, run.
 Config keys are overridden as ``--config.rollout.temperature=0.7``; ``--config=file.py:arg`` passes ``arg`` to
 the file's ``get_config``.
+
+Exit status: 0 done; 2 a bad flag, config key or value, or one the machine or model cannot run (one ``error:``
+line); 3 a device ran out of memory (one ``error:`` line naming the phase, its shapes, the device's memory and
+the config keys that lower it, ``fp8rl_jax.memory.DeviceOutOfMemory``).
 """
 
 from __future__ import annotations
@@ -89,6 +93,7 @@ def main(argv) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     from fp8rl_jax.config import ConfigError
+    from fp8rl_jax.memory import EXIT_OUT_OF_MEMORY, DeviceOutOfMemory
     from fp8rl_jax.trainer import Trainer
 
     try:
@@ -96,8 +101,16 @@ def main(argv) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    trainer.run()
-    trainer.close()
+    except DeviceOutOfMemory as e:  # the initial calibration's allocation failed: phase, shapes, knobs in one line
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_OUT_OF_MEMORY
+    try:
+        trainer.run()
+    except DeviceOutOfMemory as e:  # a phase of an RL step (or an evaluation) did not fit the device
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_OUT_OF_MEMORY
+    finally:
+        trainer.close()  # the metrics so far and any checkpoint being written are kept
     return 0
 
 
