@@ -17,6 +17,8 @@ from collections.abc import Callable, Sequence
 
 import ml_collections
 
+from fp8rl_jax.rl.microbatch import DEFAULT_MICROBATCH_TOKENS
+
 PRECISION_MODES = ("bf16", "fp8_rollout", "fp8_e2e")
 ADVANTAGES = ("grpo", "drgrpo", "rloo")
 LOSS_AGGS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
@@ -117,7 +119,12 @@ def base_config() -> ml_collections.ConfigDict:
     c.rl.icepop_low = 0.5
     c.rl.icepop_high = 5.0
     c.rl.minibatches = 1  # optimizer updates per RL step
-    c.rl.microbatch_sequences = 0  # gradient accumulation: sequences per microbatch (0 = whole minibatch)
+    # gradient accumulation (and the scoring, calibration and exact-sampler passes): a microbatch's rows fit a
+    # budget of tokens (sequences x the longest possible row, data.max_prompt_tokens + rollout.max_new_tokens padded
+    # to 32; 0 = no budget), fixed at start-up; the default keeps a train step near half of one 80 GB H100
+    # (fp8rl_jax/rl/microbatch.py has the arithmetic). microbatch_sequences > 0 sets the count instead and wins
+    c.rl.microbatch_tokens = DEFAULT_MICROBATCH_TOKENS
+    c.rl.microbatch_sequences = 0  # sequences per microbatch (0 = from microbatch_tokens)
 
     c.optim = ml_collections.ConfigDict()
     c.optim.lr = 1e-6
@@ -272,6 +279,7 @@ def validate(c: ml_collections.ConfigDict, known_rewards: Callable[[], Sequence[
     _one_of(c, "precision.kv_cache_dtype", ("bfloat16", "float8_e4m3fn"))
     _one_of(c, "precision.attention", ("auto", "cudnn", "pallas", "xla"))
     _positive(c, "precision.amax_history_len")
+    _positive(c, "precision.kv_calibration_sequences")
     for key in ("precision.margin", "precision.kv_margin", "precision.bf16_first_layers",
                 "precision.bf16_last_layers"):
         _positive(c, key, allow_zero=True)
@@ -341,7 +349,7 @@ def validate(c: ml_collections.ConfigDict, known_rewards: Callable[[], Sequence[
     _one_of(c, "rl.loss_agg", LOSS_AGGS)
     _one_of(c, "rl.kl_estimator", KL_ESTIMATORS)
     _one_of(c, "rl.is_correction", IS_CORRECTIONS)
-    for key in ("rl.clip_low", "rl.clip_high", "rl.kl_coef", "rl.microbatch_sequences"):
+    for key in ("rl.clip_low", "rl.clip_high", "rl.kl_coef", "rl.microbatch_sequences", "rl.microbatch_tokens"):
         _positive(c, key, allow_zero=True)
     _positive(c, "rl.is_cap")
     for band in ("mis", "icepop"):
@@ -353,7 +361,7 @@ def validate(c: ml_collections.ConfigDict, known_rewards: Callable[[], Sequence[
            f"a divisor of prompts_per_step * samples_per_prompt = {seqs}")
     mb = c.rl.microbatch_sequences
     _check(mb == 0 or (seqs // c.rl.minibatches) % mb == 0, "rl.microbatch_sequences", mb,
-           f"0 or a divisor of the minibatch size {seqs // c.rl.minibatches}")
+           f"0 (from rl.microbatch_tokens) or a divisor of the minibatch size {seqs // c.rl.minibatches}")
 
     _one_of(c, "optim.schedule", SCHEDULES)
     _positive(c, "optim.lr", allow_zero=True)

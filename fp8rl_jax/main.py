@@ -4,10 +4,12 @@ A thin shell over ``fp8rl_jax.trainer.Trainer``: parse and validate the config, 
 Config keys are overridden as ``--config.rollout.temperature=0.7``; ``--config=file.py:arg`` passes ``arg`` to
 the file's ``get_config``.
 
-Exit status: 0 done; 2 bad flags or config (one ``error:`` line); 3 the workdir is in use by another run (the
-error names its host, pid and start); 4 a checkpoint could not be saved (disk full, permission, quota: the error
-names the step, the folder, the cause and the last complete step, from which rerunning the command resumes);
-1 anything else (a Python traceback).
+Exit status: 0 done; 2 a bad flag, config key or value, or one the machine or model cannot run (one ``error:``
+line); 3 the workdir is in use by another run (the error names its host, pid and start); 4 a checkpoint could not
+be saved (disk full, permission, quota: the error names the step, the folder, the cause and the last complete step,
+from which rerunning the command resumes); 5 a device ran out of memory (one ``error:`` line naming the phase, its
+shapes, the device's memory and the config keys that lower it, ``fp8rl_jax.memory.DeviceOutOfMemory``); 1 anything
+else (a Python traceback).
 """
 
 from __future__ import annotations
@@ -97,6 +99,7 @@ def main(argv) -> int:
         return EXIT_CONFIG
     from fp8rl_jax.checkpoint import CheckpointSaveError
     from fp8rl_jax.config import ConfigError
+    from fp8rl_jax.memory import EXIT_OUT_OF_MEMORY, DeviceOutOfMemory
     from fp8rl_jax.trainer import Trainer
     from fp8rl_jax.workdir_lock import WorkdirLockedError
 
@@ -108,10 +111,13 @@ def main(argv) -> int:
     except WorkdirLockedError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_WORKDIR_IN_USE
+    except DeviceOutOfMemory as e:  # the initial calibration's allocation failed: phase, shapes, knobs in one line
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_OUT_OF_MEMORY
     failure = None
     try:
         trainer.run()
-    except CheckpointSaveError as e:
+    except (CheckpointSaveError, DeviceOutOfMemory) as e:  # a save, or a phase of an RL step that did not fit
         failure = e
     finally:  # also on any other error: the pending save finishes, the workdir is released
         try:
@@ -120,7 +126,7 @@ def main(argv) -> int:
             failure = failure or e
     if failure is not None:
         print(f"error: {failure}", file=sys.stderr)
-        return EXIT_CHECKPOINT_SAVE
+        return EXIT_OUT_OF_MEMORY if isinstance(failure, DeviceOutOfMemory) else EXIT_CHECKPOINT_SAVE
     return 0
 
 

@@ -40,6 +40,8 @@ from fp8rl_jax.eval import evaluate_policy
 from fp8rl_jax.fp8 import kv as kvq
 from fp8rl_jax.fp8.policy import Precision, choose_backend, from_config
 from fp8rl_jax.fp8.recipe import update_state
+from fp8rl_jax.memory import DeviceOutOfMemory as DeviceOutOfMemory  # raised by Trainer: one line, phase and knobs
+from fp8rl_jax.memory import out_of_memory_report
 from fp8rl_jax.model import llama
 from fp8rl_jax.model.loading import load_model
 from fp8rl_jax.parallel import rules
@@ -49,6 +51,7 @@ from fp8rl_jax.parallel.state import init_sharded, load_model_sharded
 from fp8rl_jax.reporting import Reporter
 from fp8rl_jax.rl.advantages import group_advantages
 from fp8rl_jax.rl.metrics import mismatch_metrics, reduce_metric
+from fp8rl_jax.rl.microbatch import longest_row_tokens, microbatch_sequences, microbatch_source
 from fp8rl_jax.rl.rewards import combined_rewards, reward_names
 from fp8rl_jax.rl.step import LossConfig, build_optimizer, make_calibrate, make_score, make_train_step
 from fp8rl_jax.rollout import driver, exact
@@ -127,13 +130,15 @@ def initial_calibration(config, model, precision: Precision, state: dict, tokens
     """The scales a policy samples with before its first update, from ``tokens`` (the first training prompts): two
     passes, the second with the first one's scales; with ``gradients`` (FP8 training) a real backward pass, so that
     the first update's gradients are quantized with an observed scale, not 1 (``make_calibrate``). ``fp8`` / ``kv``
-    (default: what ``precision`` uses) say which scales to set: the FP8 state's, the KV cache's."""
+    (default: what ``precision`` uses) say which scales to set: the FP8 state's, the KV cache's. The rows go
+    ``microbatch_sequences(config, rows, width)`` at a time (``rl.microbatch_tokens``), like the train step's."""
     fp8 = precision.fp8 if fp8 is None else fp8
     kv = precision.kv_fp8 if kv is None else kv
     if not (fp8 or kv):
         return state
     calibrate = make_calibrate(model, precision, config.precision.kv_margin, gradients=gradients,
                                temperature=config.rollout.temperature, passes=2, remat=config.model.remat,
+                               microbatch=microbatch_sequences(config, *np.shape(tokens)),
                                state_sharding=state_sharding)
     return calibrate_state(state, calibrate, tokens, precision, fp8=fp8, kv=kv)
 
@@ -194,7 +199,10 @@ class Trainer:
         self.group = c.rollout.samples_per_prompt
         self.sequences = c.rollout.prompts_per_step * self.group
         self.minibatch = self.sequences // c.rl.minibatches
-        self.microbatch = c.rl.microbatch_sequences or self.minibatch
+        # fixed here for the longest row the run can make: one microbatch shape per row width, whatever a step draws
+        self.row_tokens = longest_row_tokens(c)
+        self.microbatch = microbatch_sequences(c, self.minibatch, self.row_tokens)
+        self.calibration_rows = min(c.precision.kv_calibration_sequences, self.sequences)  # what step() recalibrates on
         self.reward_fns = config_list(c.reward.fns)
         self.reward_weights = config_list(c.reward.weights, float)
 
@@ -220,7 +228,9 @@ class Trainer:
                                            old_logp_from_forward=self._own_old_logp, remat=c.model.remat, **on_mesh)
         # after an update: FP8 observations only where training does not make them (fp8_rollout), and K/V amaxes
         self._calibrate = make_calibrate(self.model, self.rollout_precision, c.precision.kv_margin,
-                                         observe_fp8=not self.train_precision.fp8, remat=c.model.remat, **on_mesh)
+                                         observe_fp8=not self.train_precision.fp8, remat=c.model.remat,
+                                         microbatch=microbatch_sequences(c, self.calibration_rows, self.row_tokens),
+                                         **on_mesh)
         # RL rollouts, sample() and evaluate() draw through one sampler: an engine per sampling setup
         self.sampler = Sampler(c, self.model, self.tokenizer, self.rollout_precision, self.mesh)
         rl_sampling = SamplingParams(temperature=c.rollout.temperature, top_k=c.rollout.top_k, top_p=c.rollout.top_p)
@@ -250,6 +260,9 @@ class Trainer:
         if primary:
             self._write_run_json()
         self.reporter.message(f"precision: {c.precision.mode}, FP8 backend {self.backend} ({self.backend_reason})")
+        if self.microbatch < self.minibatch:
+            self.reporter.message(f"microbatches of {self.microbatch} sequences x up to {self.row_tokens} tokens "
+                                  f"({microbatch_source(c)}), {self.minibatch // self.microbatch} per update")
         if self.exact_sampler is not None:
             self.reporter.message("rollout.exact: the rollouts are drawn by the trainer's own forward")
             if exact.cpu_flag_missing():
@@ -293,24 +306,24 @@ class Trainer:
 
         prompts = [r.prompt_ids for r in records]
         if self.exact_sampler is not None:  # the trainer's own forward, on its own weights
-            with timed(times, "rollout"):
+            with self._phase(times, "rollout"):
                 batch = self.exact_sampler.rollout(self.state, prompts, self.group, key)
         else:
-            with timed(times, "weights"):  # the sampler's copy of the policy: FP8 kernels quantized once per step
+            with self._phase(times, "weights"):  # the sampler's copy of the policy: FP8 kernels quantized once
                 params = jax.block_until_ready(self.sampler.weights(self.engine, self.state))
-            with timed(times, "rollout"):
+            with self._phase(times, "rollout"):
                 batch = self.sampler.rollout(self.engine, self.state, prompts, self.group, key, params=params)
             del params
         memory = {"rollout": peak_memory_gib()}  # None on CPU (no allocator statistics)
 
-        with timed(times, "reward"):
+        with self._phase(times, "reward"):
             texts = self.sampler.texts(batch)
             per_row = [records[p] for p in batch.prompt_index]
             rewards, per_fn = combined_rewards(self.reward_fns, self.reward_weights, per_row, texts)
             # [prompts * group] -> [prompts, group] -> advantages [prompts * group]
             advantages = group_advantages(jnp.asarray(rewards).reshape(-1, self.group), c.rl.advantage).reshape(-1)
 
-        with timed(times, "score"):
+        with self._phase(times, "score"):
             arrays = self._pack(records, batch, advantages)
             if not self._own_old_logp:
                 arrays["old_logp"] = self._score_all(self.state["params"], arrays["tokens"])
@@ -318,7 +331,7 @@ class Trainer:
                 arrays["ref_logp"] = self._score_all(self.ref_params, arrays["tokens"])
         memory["score"] = peak_memory_gib()
 
-        with timed(times, "train"):
+        with self._phase(times, "train"):
             train_metrics = []
             order = np.random.default_rng([c.seed, step]).permutation(self.sequences)
             own_old_logp = []
@@ -335,7 +348,7 @@ class Trainer:
         memory["train"] = peak_memory_gib()
         mismatch = host_get(mismatch_metrics(arrays["rollout_logp"], arrays["old_logp"], arrays["mask"]))
 
-        with timed(times, "calibrate"):
+        with self._phase(times, "calibrate"):
             self._recalibrate(arrays["tokens"][: c.precision.kv_calibration_sequences])
             jax.block_until_ready((self.state["fp8_state"], self.state["kv_scales"]))
         memory["calibrate"] = peak_memory_gib()
@@ -463,8 +476,75 @@ class Trainer:
         records = self.prompts.take(self.config.rollout.prompts_per_step)
         self.prompts.set_state(position)
         tokens = right_pad([r.prompt_ids for r in records], self.tokenizer.pad_id or 0)
-        self.state = initial_calibration(self.config, self.model, self.rollout_precision, self.state, tokens,
-                                         gradients=self.train_precision.fp8, state_sharding=self.state_sharding)
+        rows = microbatch_sequences(self.config, *tokens.shape)
+        shapes = (f"{len(tokens)} prompts in microbatches of {rows} x {tokens.shape[1]} tokens"
+                  + (", forward and backward" if self.train_precision.fp8 else ""))
+        with out_of_memory_report("initial calibration", shapes, lambda: self._knobs("initial calibration")):
+            self.state = initial_calibration(self.config, self.model, self.rollout_precision, self.state, tokens,
+                                             gradients=self.train_precision.fp8, state_sharding=self.state_sharding)
+            jax.block_until_ready((self.state["fp8_state"], self.state["kv_scales"]))
+
+    # -- device memory ----------------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _phase(self, times: dict[str, float], phase: str) -> Iterator[None]:
+        """A phase of ``step``: timed (``timed``), and a failed device allocation in it raised as one
+        ``DeviceOutOfMemory`` line naming the phase, its shapes and the keys that lower it."""
+        with timed(times, phase), out_of_memory_report(phase, lambda: self._shapes(phase),
+                                                       lambda: self._knobs(phase)):
+            yield
+
+    def _shapes(self, phase: str) -> str:
+        """The device shapes of ``phase`` in words, for an out-of-memory message."""
+        c, mb, t = self.config, self.microbatch, self.row_tokens
+        micro = (f"in microbatches of {mb} x up to {t} tokens ({mb * t} tokens; "
+                 f"{microbatch_source(c)})")
+        if phase == "weights":
+            return (f"the rollout's copy of the {self.model.num_params() / 1e6:.0f}M-parameter policy "
+                    f"({c.precision.mode}) beside the train state, on {self.mesh.size} device(s)")
+        if phase == "rollout" and self.exact_sampler is None:
+            return (f"{c.rollout.prompts_per_step} prompts x {self.group} samples = {self.sequences} sequences "
+                    f"through {c.rollout.decode_slots} decode slots, a KV cache of {c.rollout.decode_slots} x "
+                    f"({c.data.max_prompt_tokens} + {c.rollout.max_new_tokens}) positions x "
+                    f"{self.model.num_layers} layers in {llama.cache_dtype(self.rollout_precision).name}")
+        if phase in ("rollout", "score"):  # the exact sampler runs the scoring forward too
+            return f"{self.sequences} sequences {micro}"
+        if phase == "train":
+            return (f"{c.rl.minibatches} update(s) of {self.minibatch} sequences {micro}, "
+                    f"model.remat={c.model.remat}")
+        if phase == "calibrate":
+            rows = microbatch_sequences(c, self.calibration_rows, t)
+            return f"{self.calibration_rows} sequences in microbatches of {rows} x up to {t} tokens"
+        return f"{self.sequences} sequences"
+
+    def _knobs(self, phase: str) -> list[str]:
+        """The config keys that lower ``phase``'s device memory, with their values now."""
+        c = self.config
+
+        def key(name: str, to: str = "", note: str = "") -> str:
+            value = c
+            for part in name.split("."):
+                value = value[part]
+            return f"{name}{'=' + to if to else ''} (now {value}{'; ' + note if note else ''})"
+
+        micro = [key("rl.microbatch_tokens"), key("rl.microbatch_sequences", note=f"a divisor of {self.minibatch}")]
+        rows = [key("rollout.max_new_tokens"), key("data.max_prompt_tokens")]
+        remat = [] if c.model.remat == "full" else [key("model.remat", "full")]
+        devices = [key("mesh.fsdp", note="more devices split the batch and the state"), key("mesh.tensor")]
+        if phase == "weights":
+            return devices
+        if phase == "eval" or (phase == "rollout" and self.exact_sampler is None):  # the KV-cache engine
+            fp8_kv = self.rollout_precision.fp8 and not self.rollout_precision.kv_fp8
+            return [key("rollout.decode_slots"), *rows,
+                    *([key("precision.kv_cache_dtype", "float8_e4m3fn")] if fp8_kv else []), *devices]
+        if phase in ("rollout", "score"):  # the exact sampler runs the scoring forward a microbatch at a time
+            return [*micro, *rows]
+        if phase in ("train", "initial calibration"):
+            return [*micro, *remat, *rows, *devices]
+        if phase == "calibrate":  # a pullback (remat matters) only where training observes no FP8 amaxes
+            pullback = self.rollout_precision.fp8 and not self.train_precision.fp8
+            return [key("precision.kv_calibration_sequences"), *micro, *(remat if pullback else []), *rows]
+        return [key("rollout.prompts_per_step"), key("rollout.samples_per_prompt")]
 
     # -- sampling and evaluation ----------------------------------------------------------------------------
 
@@ -493,9 +573,12 @@ class Trainer:
         ``rollout.temperature``."""
         c = self.config
         records = load_prompts(c, self.tokenizer, "test", limit=num or c.data.num_eval or 100).records
-        run = evaluate_policy(self.sampler, self.state, records, reward=self.reward_fns[0],
-                              max_new_tokens=c.rollout.max_new_tokens, temperature=c.rollout.temperature, k=k,
-                              key=self.state["rng"])
+        shapes = (f"{len(records)} problems x {k} completion(s) through {c.rollout.decode_slots} decode slots of "
+                  f"{c.data.max_prompt_tokens} + {c.rollout.max_new_tokens} positions")
+        with out_of_memory_report("eval", shapes, lambda: self._knobs("eval")):
+            run = evaluate_policy(self.sampler, self.state, records, reward=self.reward_fns[0],
+                                  max_new_tokens=c.rollout.max_new_tokens, temperature=c.rollout.temperature, k=k,
+                                  key=self.state["rng"])
         out = {"eval_accuracy": run.metrics["pass@1"], "eval_reward": run.metrics["greedy_reward_mean"],
                "eval_problems": float(len(records))}
         if k > 1:

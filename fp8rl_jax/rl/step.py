@@ -120,7 +120,7 @@ def _jit_on_mesh(fn, precision: Precision, in_shardings: tuple, out_shardings, b
 
 def make_calibrate(model: LlamaConfig, precision: Precision, kv_margin: int = 0, *, gradients: bool = False,
                    temperature: float = 1.0, passes: int = 1, observe_fp8: bool = True, remat: str = "none",
-                   state_sharding=None):
+                   microbatch: int | None = None, state_sharding=None):
     """``(params, fp8_state, kv_scales, tokens) -> (fp8_observations, new_kv_scales)``.
 
     The FP8 amaxes come out of the linears' cotangent (``recipe`` design note). Without ``gradients`` the forward
@@ -135,6 +135,10 @@ def make_calibrate(model: LlamaConfig, precision: Precision, kv_margin: int = 0,
     runs the blocks' forward only. ``remat`` as in the train step: the pullback otherwise keeps every layer's
     attention scores alive (70 GiB for 8 sequences of 1.2k tokens of Llama-3.2-1B).
 
+    ``microbatch``: rows per device call (None: all of ``tokens`` at once; it must divide their rows). A pass then
+    observes what one call over all rows would: amaxes combine with max, and the cotangent's mean is over all
+    rows (n counts every row), as the train step's microbatches share the minibatch's normalisers.
+
     ``passes`` > 1 repeats the pass with the scales of the one before (not rolled into ``fp8_state``; only the
     last pass's observations are returned). From scale 1 every FP8 GEMM of the first pass rounds badly (weights
     of std 0.02 are E4M3 subnormals at scale 1; small gradients underflow), so the activations, gradients and
@@ -142,7 +146,8 @@ def make_calibrate(model: LlamaConfig, precision: Precision, kv_margin: int = 0,
     calibrated model computes. One pass is enough once the scales are set (the recalibration after an update).
     """
 
-    def calibrate(params, fp8_state, kv_scales, tokens):
+    def observe(params, fp8_state, kv_scales, tokens, rows):
+        """One microbatch of a pass: its FP8 observations and per-layer K/V amaxes; ``rows`` (f32) the pass's."""
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
 
         def forward(state):
@@ -151,9 +156,9 @@ def make_calibrate(model: LlamaConfig, precision: Precision, kv_margin: int = 0,
             return logits, kv_amax
 
         def mean_loglik(logits):
-            # position t - 1 predicts token t: [B, T - 1, V] against [B, T - 1]
+            # position t - 1 predicts token t: [B, T - 1, V] against [B, T - 1]; the mean over all the pass's rows
             logp = jax.nn.log_softmax(logits[:, :-1] / temperature, axis=-1)
-            return jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1))
+            return jnp.sum(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)) / (rows * (tokens.shape[1] - 1))
 
         if precision.fp8 and observe_fp8:
             logits, pullback, kv_amax = jax.vjp(forward, fp8_state, has_aux=True)
@@ -163,14 +168,33 @@ def make_calibrate(model: LlamaConfig, precision: Precision, kv_margin: int = 0,
             _, _, kv_amax = llama.forward_hidden(params, tokens, positions, config=model, precision=precision,
                                                  fp8_state=fp8_state, kv_scales=kv_scales)
             observations = None
-        return observations, kvq.scales_from_amax(kv_amax, kv_margin, old=kv_scales)
+        return observations, kv_amax
 
-    if state_sharding is not None:  # observations and KV scales are replicated, like the FP8 state
+    def scales(kv_amax, kv_scales):
+        return kvq.scales_from_amax(kv_amax, kv_margin, old=kv_scales)
+
+    if state_sharding is not None:  # observations and amaxes are replicated, like the FP8 state and KV scales
         s = state_sharding
-        one_pass = _jit_on_mesh(calibrate, precision, (s["params"], s["fp8_state"], s["kv_scales"], None),
-                                rules.replicated(jax.tree.leaves(s)[0].mesh), batch_axes={3: 0})
+        replicated = rules.replicated(jax.tree.leaves(s)[0].mesh)
+        observe_call = _jit_on_mesh(observe, precision, (s["params"], s["fp8_state"], s["kv_scales"], None, None),
+                                    replicated, batch_axes={3: 0})
+        scales_call = jax.jit(scales, out_shardings=replicated)
     else:
-        one_pass = jax.jit(calibrate)
+        observe_call, scales_call = jax.jit(observe), jax.jit(scales)
+
+    def one_pass(params, fp8_state, kv_scales, tokens):
+        n = len(tokens)
+        step = microbatch or n
+        if n % step:
+            raise ValueError(f"calibration: {n} rows are not a whole number of {step}-row microbatches")
+        observed = amax = None
+        for i in range(0, n, step):
+            obs, mb_amax = observe_call(params, fp8_state, kv_scales, tokens[i : i + step], np.float32(n))
+            observed = obs if observed is None else combine_observations(observed, obs)  # both None: K/V only
+            amax = mb_amax if amax is None else jax.tree.map(jnp.maximum, amax, mb_amax)
+        return observed, scales_call(amax, kv_scales)
+
+    one_pass.observe = observe_call  # one microbatch's program (``(params, fp8_state, kv_scales, tokens, rows)``)
     if passes == 1:
         return one_pass
     roll = jax.jit(functools.partial(update_state, recipe=precision.recipe))
@@ -182,6 +206,7 @@ def make_calibrate(model: LlamaConfig, precision: Precision, kv_margin: int = 0,
             kv_scales = new_kv_scales if precision.kv_fp8 else kv_scales
         return one_pass(params, fp8_state, kv_scales, tokens)
 
+    calibrate_passes.observe = observe_call
     return calibrate_passes
 
 
