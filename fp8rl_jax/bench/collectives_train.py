@@ -8,10 +8,10 @@ arrays and compiled, so any shape fits.
 Per mode (``bf16``, ``fp8_e2e``, ``fp8_rollout``, whose train step is the BF16 one):
   all_gather_bytes   bytes every device receives through all-gathers in one step (its own shard included)
   all_gather_dtypes  their HLO element types
-  weight_gathers     G, how many times the step gathers each block weight: the all-gathers whose result has the
-                     shape of one layer's kernel, over (layers x 4 linears). Forward once, and with
-                     ``model.remat=full`` (as ``configs/llama8b.py`` ships) once more in the backward pass, per
-                     microbatch
+  weight_gathers     how many times the step gathers each block weight, counted in the HLO: the all-gathers whose
+                     result has the shape of one layer's kernel, over (layers x 4 linears)
+  gathers_needed     G, how many times it must: per microbatch once in the forward and, with ``model.remat=full``
+                     (as ``configs/llama8b.py`` ships), once more in the backward pass
   gather_ratio       all_gather_bytes / (G x params_f32_bytes): 1 when the whole model crosses in f32 each time,
                      0.25 for FP8 block weights and nothing else, 0.5 for BF16 ones
   all_reduce_count   all-reduces run in one step (the gradient reductions, the loss's sums, the FP8 amaxes)
@@ -117,8 +117,10 @@ def train_step_hlo(config, mode: str, fsdp: int = 8, remat: str = "full", microb
         return step.jitted.lower(state, minibatch).compile().as_text()
 
 
-def measure(text: str, config) -> dict:
-    """The section's numbers of one compiled train step (see the module docstring)."""
+def measure(text: str, config, needed: int | None = None) -> dict:
+    """The section's numbers of one compiled train step (see the module docstring). ``needed``: how many times the
+    step needs each block weight (microbatches x 2 under ``remat=full``); the gather ratio's G, else the counted one
+    (``weight_gathers``)."""
     from fp8rl_jax.parallel import hlo
 
     ran = [(c, n) for c, n in hlo.executed(text) if n]
@@ -140,12 +142,19 @@ def measure(text: str, config) -> dict:
         "weight_gather_bytes": sum(c.bytes * n for c, n in weight),
         "weight_gather_dtypes": sorted({c.dtype for c, _ in weight}),
         "params_f32_bytes": total,
-        "gather_ratio": round(gather_bytes / (g * total), 4) if g else None,
+        "gathers_needed": needed or g,
+        "gather_ratio": round(gather_bytes / ((needed or g) * total), 4) if (needed or g) else None,
         "all_reduce_count": sum(n for _, n in reduces),
         "all_reduce_ops": len(reduces),
         "reduce_scatter_bytes": sum(c.bytes * n for c, n in ran if c.kind == "reduce-scatter"),
         "all_reduce_bytes": sum(c.bytes * n for c, n in reduces),
     }
+
+
+def needed_gathers(remat: str, microbatches: int) -> int | None:
+    """How many times a step must gather each block weight: per microbatch once in the forward and, with
+    ``remat=full``, once more in the backward's recomputation (None: count it from the HLO)."""
+    return 2 * microbatches if remat == "full" else None
 
 
 def train_section(args=None) -> dict:
@@ -163,7 +172,7 @@ def train_section(args=None) -> dict:
                               opt["train_sequences"], opt["train_length"])
         out[mode] = {"mesh": {"data": 1, "fsdp": opt["train_fsdp"], "tensor": 1}, "remat": opt["train_remat"],
                      "microbatches": opt["train_microbatches"], "model": {"preset": "llama3_8b", **SMALL_8B},
-                     **measure(text, config)}
+                     **measure(text, config, needed_gathers(opt["train_remat"], opt["train_microbatches"]))}
     return out
 
 

@@ -194,7 +194,7 @@ def test_train_step_gathers_block_weights_in_the_gemm_precision(step_hlo):
     per_layer = c.hidden_size * (c.q_size + 2 * c.kv_size) + c.q_size * c.hidden_size + 3 * c.hidden_size * (
         c.intermediate_size)
     for mode, dtype, itemsize, bound in (("fp8_e2e", "u8", 1, 0.3), ("bf16", "u16", 2, 0.55)):
-        m = ct.measure(texts[mode], config)
+        m = ct.measure(texts[mode], config, needed=ct.needed_gathers("full", 1))
         print(mode, {k: v for k, v in m.items() if k != "all_gather_bytes_by_dtype"})
         assert m["weight_gathers"] == 2, (mode, m)
         assert m["weight_gather_dtypes"] == [dtype], (mode, m)
@@ -210,3 +210,16 @@ def test_train_step_reduces_the_kernel_amaxes_once(step_hlo):
     ran = [(c, n) for c, n in hlo.executed(texts["fp8_e2e"]) if n and c.kind == "all-reduce"]
     stacked = [(c, n) for c, n in ran if (4, config.num_layers) in c.shape]
     assert len(stacked) == 1 and stacked[0][1] == 1, stacked
+
+
+def test_train_section_takes_partial_flags():
+    """``train_section`` as the bench module calls it: flags it does not get take their defaults."""
+    import argparse
+
+    out = ct.train_section(argparse.Namespace(train_modes="bf16", train_fsdp=4, out="ignored"))
+    assert list(out) == ["bf16"]
+    m = out["bf16"]
+    assert m["mesh"] == {"data": 1, "fsdp": 4, "tensor": 1} and m["remat"] == "full"
+    assert m["weight_gather_dtypes"] == ["u16"] and m["gathers_needed"] == 2
+    assert m["params_f32_bytes"] == ct.params_f32_bytes(ct.small_config())
+    assert m["all_reduce_count"] >= m["all_reduce_ops"] > 0
