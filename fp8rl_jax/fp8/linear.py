@@ -12,6 +12,8 @@ from fp8rl_jax.fp8 import xla
 from fp8rl_jax.fp8.policy import Precision
 from fp8rl_jax.fp8.recipe import Fp8LinearState
 from fp8rl_jax.fp8.xla import QuantizedKernel
+from fp8rl_jax.parallel import fsdp
+from fp8rl_jax.parallel.fsdp import FsdpKernel
 
 
 def _te():
@@ -22,7 +24,7 @@ def _te():
 
 def linear(
     x: jax.Array,
-    kernel: jax.Array | QuantizedKernel,
+    kernel: jax.Array | QuantizedKernel | FsdpKernel,
     fp8_state: Fp8LinearState | None,
     precision: Precision,
     out_dtype=None,
@@ -33,12 +35,22 @@ def linear(
 
     ``fp8_state`` None means this matmul is outside FP8 (a BF16 block, the lm_head, or the ``bf16`` backend).
     A ``QuantizedKernel`` (rollout weights quantized once per RL step) needs only the input's scale.
+    An ``FsdpKernel`` (a block's FSDP-sharded master, ``parallel.fsdp``) is gathered in the GEMM's precision: its
+    shards quantized (FP8) or cast (BF16) where they are, then their bits gathered.
     ``kernel_nk``: ``kernel`` is stored [N, K] (a tied embedding table used as the head) and is contracted as it
     is: handed over as a transposed [K, N] view, a BF16 table is converted whole to f32 by XLA:CPU at every call.
     """
     dtype = precision.dtype
     out_dtype = jnp.dtype(out_dtype or dtype)
     x = x.astype(dtype)
+    gather = None
+    if isinstance(kernel, FsdpKernel):
+        if kernel_nk:
+            raise TypeError("an FsdpKernel is a block's [K, N] kernel; kernel_nk does not apply")
+        if fp8_state is None or not precision.fp8:  # BF16: the cast shards gathered
+            kernel = fsdp.gathered_cast(kernel.value, dtype, kernel.spec)
+        else:  # FP8: the FP8 linear quantizes the shards and gathers them itself (its backward needs the master)
+            gather, kernel_amax, kernel = kernel.spec, kernel.amax, kernel.value
     if fp8_state is None or not precision.fp8:
         if isinstance(kernel, QuantizedKernel):
             raise TypeError("a pre-quantized kernel needs its FP8 state (the input scale)")
@@ -55,6 +67,9 @@ def linear(
     if isinstance(kernel, QuantizedKernel):
         y = backend.prequantized_matmul(x2, kernel, fp8_state["x"]["scale"], precision.recipe)
         y = y.astype(out_dtype)
+    elif gather is not None:
+        y = backend.fp8_matmul(x2, kernel, fp8_state, precision.recipe, out_dtype, gather=gather,
+                               kernel_amax=kernel_amax)
     else:
         y = backend.fp8_matmul(x2, kernel, fp8_state, precision.recipe, out_dtype)
     # [M, N] -> [..., N]

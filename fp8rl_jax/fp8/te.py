@@ -28,10 +28,12 @@ import os
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from fp8rl_jax.fp8 import xla
-from fp8rl_jax.fp8.recipe import Fp8LinearState, Fp8Recipe, observations
+from fp8rl_jax.fp8.recipe import Fp8LinearState, Fp8Recipe, amax, observations
 from fp8rl_jax.fp8.xla import QuantizedKernel
+from fp8rl_jax.parallel import fsdp
 
 quantize_kernel = xla.quantize_kernel  # same bits as TE's cast kernel; one place to get them from
 
@@ -158,18 +160,28 @@ def prequantized_matmul(x: jax.Array, kernel: QuantizedKernel, x_scale: jax.Arra
 
 
 @functools.cache
-def _fp8_matmul_fn(x_dtype, w_dtype, out_dtype, recipe: Fp8Recipe):
+def _fp8_matmul_fn(x_dtype, w_dtype, out_dtype, recipe: Fp8Recipe, gather: P | None = None):
     # TE's GEMM writes in the input's dtype: quantize an f32 copy of x when f32 output is wanted (same FP8 bits)
     gemm_dtype = jnp.dtype(jnp.float32) if out_dtype == jnp.dtype(jnp.float32) else x_dtype
 
     @jax.custom_vjp
-    def f(x, kernel, state):
-        return fwd(x, kernel, state)[0]
+    def f(x, kernel, state, kernel_amax):
+        return fwd(x, kernel, state, kernel_amax)[0]
 
-    def fwd(x, kernel, state):
+    def fwd(x, kernel, state, kernel_amax):
         t = _te()
         tex, usage = t["tex"], t["Usage"]
         qx = tex.quantize(x.astype(gemm_dtype), quantizer=_quantizer(recipe.fwd_dtype, state["x"]["scale"], True))
+        if gather is not None:
+            # FSDP: each shard quantized where it is and its FP8 bits gathered (``parallel.fsdp``; the same bits as
+            # TE's cast of the whole kernel), then handed to TE's GEMM as a pre-quantized [N, K] operand
+            qk = xla.quantize_kernel(kernel, state["kernel"], recipe, "f8", gather)
+            y = tex.gemm(qx.get_tensor(usage=usage.LHS), _kernel_operand(qk.data, qk.scale_inv, gemm_dtype),
+                         contracting_dims=((1,), (1,)))
+            amax_w = amax(kernel) if kernel_amax is None else kernel_amax
+            residuals = (qx.get_tensor(usage=usage.LHS_TRANS), (qk.data, qk.scale_inv), state,
+                         _observed_amax(qx), amax_w, kernel_amax)
+            return y.astype(out_dtype), residuals
         qw = tex.quantize(kernel, quantizer=_quantizer(recipe.fwd_dtype, state["kernel"]["scale"], True))
         # [M, K] . [K, N] -> [M, N]; on Hopper TE hands the GEMM the K-major copy of w
         y = tex.gemm(qx.get_tensor(usage=usage.LHS), qw.get_tensor(usage=usage.RHS), contracting_dims=((1,), (0,)))
@@ -179,27 +191,44 @@ def _fp8_matmul_fn(x_dtype, w_dtype, out_dtype, recipe: Fp8Recipe):
             state,
             _observed_amax(qx),
             _observed_amax(qw),
+            kernel_amax,
         )
         return y.astype(out_dtype), residuals
 
     def bwd(residuals, g):
         t = _te()
         tex, usage = t["tex"], t["Usage"]
-        qx_t, qw_t, state, amax_x, amax_w = residuals
+        qx_t, qw_t, state, amax_x, amax_w, kernel_amax = residuals
         qg = tex.quantize(g.astype(gemm_dtype), quantizer=_quantizer(recipe.bwd_dtype, state["grad"]["scale"], True))
+        if gather is not None:  # the gathered [N, K] FP8 kernel, laid out [K, N] for the dgrad's K-major operand
+            data, scale_inv = qw_t
+            qw_t = _kernel_operand(jnp.swapaxes(data, 0, 1), scale_inv, gemm_dtype)
         # dx [M, K] = g [M, N] . w [K, N]^T
         dx = tex.gemm(qg.get_tensor(usage=usage.LHS), qw_t, contracting_dims=((1,), (1,)))
         # dw [K, N] = x [M, K]^T . g [M, N]
-        dw = tex.gemm(qx_t, qg.get_tensor(usage=usage.RHS), contracting_dims=((0,), (0,)))
-        return dx.astype(x_dtype), dw.astype(w_dtype), observations(state, amax_x, amax_w, _observed_amax(qg))
+        dw = tex.gemm(qx_t, qg.get_tensor(usage=usage.RHS), contracting_dims=((0,), (0,))).astype(w_dtype)
+        if gather is not None:  # the devices' partial wgrads summed onto the master's shards (a reduce-scatter)
+            dw = fsdp.reduce_to(dw, gather)
+        no_amax = None if kernel_amax is None else jnp.zeros_like(kernel_amax)  # not differentiated
+        return dx.astype(x_dtype), dw, observations(state, amax_x, amax_w, _observed_amax(qg)), no_amax
 
     f.defvjp(fwd, bwd)
     return f
 
 
+def _kernel_operand(data: jax.Array, scale_inv: jax.Array, dq_dtype):
+    """An FP8 kernel already quantized (``data`` [rows, K], contracted on its last axis) as TE's GEMM operand."""
+    t = _te()
+    return t["Factory"].create_1x(data, scale_inv.astype(jnp.float32).reshape(1),
+                                  scaling_mode=t["Mode"].DELAYED_TENSOR_SCALING, dq_dtype=dq_dtype)
+
+
 def fp8_matmul(
-    x: jax.Array, kernel: jax.Array, state: Fp8LinearState, recipe: Fp8Recipe, out_dtype=None
+    x: jax.Array, kernel: jax.Array, state: Fp8LinearState, recipe: Fp8Recipe, out_dtype=None, *,
+    gather: P | None = None, kernel_amax: jax.Array | None = None,
 ) -> jax.Array:
-    """Differentiable FP8 ``x [M, K] @ kernel [K, N]`` through Transformer Engine (see module docstring)."""
+    """Differentiable FP8 ``x [M, K] @ kernel [K, N]`` through Transformer Engine (see module docstring).
+    ``gather`` / ``kernel_amax``: an FSDP-sharded kernel, as in ``xla.fp8_matmul``."""
     out_dtype = jnp.dtype(out_dtype or x.dtype)
-    return _fp8_matmul_fn(jnp.dtype(x.dtype), jnp.dtype(kernel.dtype), out_dtype, recipe)(x, kernel, state)
+    fn = _fp8_matmul_fn(jnp.dtype(x.dtype), jnp.dtype(kernel.dtype), out_dtype, recipe, gather)
+    return fn(x, kernel, state, kernel_amax)

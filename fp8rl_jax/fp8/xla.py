@@ -30,8 +30,10 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from fp8rl_jax.fp8.recipe import Fp8LinearState, Fp8Recipe, amax, fp8_max, observations, quantize, scale_from_amax
+from fp8rl_jax.parallel import fsdp
 
 GEMM_FORMS = ("f8", "f32")
 
@@ -75,15 +77,24 @@ class QuantizedKernel:
         return (*lead, k, n)
 
 
-def quantize_kernel(kernel: jax.Array, kernel_meta, recipe: Fp8Recipe, form: str | None = None) -> QuantizedKernel:
+def quantize_kernel(kernel: jax.Array, kernel_meta, recipe: Fp8Recipe, form: str | None = None,
+                    gather: P | None = None) -> QuantizedKernel:
     """[K, N] kernel -> FP8 [N, K] with its delayed scale (``scale_inv`` a scalar), stored in ``form``'s dtype (see
     ``gemm_form``). With ``rowwise`` scaling each output channel n gets its own current scale
-    ``fp8_max / amax(kernel[:, n])`` (``scale_inv`` [N])."""
+    ``fp8_max / amax(kernel[:, n])`` (``scale_inv`` [N]).
+
+    ``gather``: ``kernel`` is one layer's FSDP-sharded master with this ``PartitionSpec`` (``parallel.fsdp``): each
+    shard is quantized where it is and the FP8 bits are all-gathered, the same bits as quantizing the whole kernel.
+    """
     if recipe.scaling == "rowwise":
-        data, scale_inv = _rowwise_quantize(jnp.swapaxes(kernel, -1, -2), recipe.fwd_dtype)  # [N, K], [N]
+        # [N, K], [N]: the per-channel amaxes of a sharded kernel are reduced over its shards (an all-reduce of [N])
+        data, scale_inv = _rowwise_quantize(jnp.swapaxes(kernel, -1, -2), recipe.fwd_dtype)
+        if gather is not None:
+            data = fsdp.gather_transposed(jnp.swapaxes(data, -1, -2), gather)
         return QuantizedKernel(gemm_operand(data, recipe.fwd_dtype, gemm_form(form)), scale_inv)
     scale = kernel_meta["scale"]
-    data = jnp.swapaxes(quantize(kernel, scale, recipe.fwd_dtype), -1, -2)
+    q = quantize(kernel, scale, recipe.fwd_dtype)  # [K, N]
+    data = jnp.swapaxes(q, -1, -2) if gather is None else fsdp.gather_transposed(q, gather)
     return QuantizedKernel(gemm_operand(data, recipe.fwd_dtype, gemm_form(form)), 1.0 / scale.astype(jnp.float32))
 
 
@@ -123,36 +134,41 @@ def prequantized_matmul(
 
 
 @functools.cache
-def _fp8_matmul_fn(x_dtype, w_dtype, out_dtype, recipe: Fp8Recipe, form: str):
+def _fp8_matmul_fn(x_dtype, w_dtype, out_dtype, recipe: Fp8Recipe, form: str, gather: P | None = None):
     fwd_dtype, bwd_dtype = recipe.fwd_dtype, recipe.bwd_dtype
 
     @jax.custom_vjp
-    def f(x, kernel, state):
-        y, _ = fwd(x, kernel, state)
+    def f(x, kernel, state, kernel_amax):
+        y, _ = fwd(x, kernel, state, kernel_amax)
         return y
 
-    def fwd(x, kernel, state):
-        qk = quantize_kernel(kernel, state["kernel"], recipe, "f8")
+    def fwd(x, kernel, state, kernel_amax):
+        qk = quantize_kernel(kernel, state["kernel"], recipe, "f8", gather)
         x_scale = state["x"]["scale"]
         operand = QuantizedKernel(gemm_operand(qk.data, fwd_dtype, form), qk.scale_inv)
         y = prequantized_matmul(x, operand, x_scale, recipe, form).astype(out_dtype)
         if recipe.scaling == "rowwise":  # the backward's operands: per tensor, with the delayed scales
-            qk = quantize_kernel(kernel, state["kernel"], dataclasses.replace(recipe, scaling="tensor"), "f8")
+            qk = quantize_kernel(kernel, state["kernel"], dataclasses.replace(recipe, scaling="tensor"), "f8",
+                                 gather)
         qx = quantize(x, x_scale, fwd_dtype)  # CSE'd with the one inside prequantized_matmul (per-tensor)
-        # the residuals stay float8 (one byte per value) in either form
-        residuals = (qx, qk.data, state, amax(x), amax(kernel))
+        # the residuals stay float8 (one byte per value) in either form; under FSDP the kernel's is the gathered one
+        amax_w = amax(kernel) if kernel_amax is None else kernel_amax
+        residuals = (qx, qk.data, state, amax(x), amax_w, kernel_amax)
         return y, residuals
 
     def bwd(residuals, g):
-        qx, qw, state, amax_x, amax_w = residuals
+        qx, qw, state, amax_x, amax_w, kernel_amax = residuals
         s_x, s_w, s_g = (state[r]["scale"].astype(jnp.float32) for r in ("x", "kernel", "grad"))
         qg = gemm_operand(quantize(g, s_g, bwd_dtype), bwd_dtype, form)
         qx, qw = gemm_operand(qx, fwd_dtype, form), gemm_operand(qw, fwd_dtype, form)
         # dx [M, K] = g [M, N] . w^T [N, K]
         dx = _mm(qg, qw, 1, 0) * ((1.0 / s_g) * (1.0 / s_w))
         # dw [K, N] = x [M, K]^T . g [M, N]
-        dw = _mm(qx, qg, 0, 0) * ((1.0 / s_x) * (1.0 / s_g))
-        return dx.astype(x_dtype), dw.astype(w_dtype), observations(state, amax_x, amax_w, amax(g))
+        dw = (_mm(qx, qg, 0, 0) * ((1.0 / s_x) * (1.0 / s_g))).astype(w_dtype)
+        if gather is not None:  # the devices' partial wgrads summed onto the master's shards (a reduce-scatter)
+            dw = fsdp.reduce_to(dw, gather)
+        no_amax = None if kernel_amax is None else jnp.zeros_like(kernel_amax)  # not differentiated
+        return dx.astype(x_dtype), dw, observations(state, amax_x, amax_w, amax(g)), no_amax
 
     f.defvjp(fwd, bwd)
     return f
@@ -160,13 +176,16 @@ def _fp8_matmul_fn(x_dtype, w_dtype, out_dtype, recipe: Fp8Recipe, form: str):
 
 def fp8_matmul(
     x: jax.Array, kernel: jax.Array, state: Fp8LinearState, recipe: Fp8Recipe, out_dtype=None,
-    form: str | None = None,
+    form: str | None = None, *, gather: P | None = None, kernel_amax: jax.Array | None = None,
 ) -> jax.Array:
     """Differentiable FP8 ``x [M, K] @ kernel [K, N]`` -> [M, N] in ``out_dtype`` (default ``x.dtype``).
 
     The cotangent for ``state`` carries the amaxes observed in this call (see ``recipe``'s design note).
-    ``form``: the GEMM form (``gemm_form``; None = this platform's).
+    ``form``: the GEMM form (``gemm_form``; None = this platform's). ``gather``: ``kernel`` is FSDP-sharded with
+    this ``PartitionSpec``; its shards are quantized where they are and gathered as FP8 bits, and its gradient is
+    reduce-scattered back (``parallel.fsdp``). ``kernel_amax``: the kernel's global amax where the caller has it
+    already (observed as is; otherwise reduced here).
     """
     out_dtype = jnp.dtype(out_dtype or x.dtype)
-    fn = _fp8_matmul_fn(jnp.dtype(x.dtype), jnp.dtype(kernel.dtype), out_dtype, recipe, gemm_form(form))
-    return fn(x, kernel, state)
+    fn = _fp8_matmul_fn(jnp.dtype(x.dtype), jnp.dtype(kernel.dtype), out_dtype, recipe, gemm_form(form), gather)
+    return fn(x, kernel, state, kernel_amax)

@@ -41,6 +41,7 @@ from fp8rl_jax.fp8.policy import Precision
 from fp8rl_jax.fp8.recipe import init_linear_state
 from fp8rl_jax.kernels import decode_attention as decode_kernel
 from fp8rl_jax.model.config import LlamaConfig
+from fp8rl_jax.parallel import fsdp
 from fp8rl_jax.parallel.rules import RESIDUAL_AXES, constrain
 
 LINEARS = ("wqkv", "wo", "w_gate_up", "w_down")
@@ -496,10 +497,19 @@ def forward_hidden(
             continue
         if fp8 is not None and fp8_per_layer:  # a scan: stacked again
             fp8 = jax.tree.map(lambda *a: jnp.stack(a), *fp8)
+        # FSDP (a mesh with fsdp > 1, no cache: scoring and training): the block kernels are gathered in their GEMM's
+        # precision, FP8 bytes or BF16, never the f32 masters; the FP8 kernels' amaxes of all layers in one
+        # all-reduce (parallel.fsdp)
+        gather = cache is None and fsdp.active()
+        amaxes = None
+        if gather and fp8 is not None:
+            amaxes = fsdp.kernel_amaxes(blocks, [n for n in LINEARS if n not in precision.bf16_linears])
 
-        def body(carry, xs, is_fp8=is_fp8):
+        def body(carry, xs, is_fp8=is_fp8, gather=gather):
             x, cache = carry
-            layer, fp8_layer, idx = xs
+            layer, fp8_layer, idx, kernel_amax = xs
+            if gather:
+                layer = fsdp.block_kernels(layer, kernel_amax)
             x, cache, amax = _block(x, layer, fp8_layer, idx, positions, cache, kv_scales, c, precision, inv_freq,
                                     decode_impl, cache_dtype, attention_impl)
             return (constrain(x, RESIDUAL_AXES), cache), amax
@@ -511,7 +521,7 @@ def forward_hidden(
             # CPU train step). Recomputed in the backward pass, a block leaves only its f32 input to stack. No
             # effect without a gradient (scoring); numerics unchanged (the same forward, computed again).
             body = jax.checkpoint(body, prevent_cse=False)
-        xs = (blocks, fp8, jnp.arange(start, end))
+        xs = (blocks, fp8, jnp.arange(start, end), amaxes)
         (x, cache), (ak, av) = lax.scan(body, (x, cache), xs)
         amax_k.append(ak)
         amax_v.append(av)

@@ -140,3 +140,51 @@ def summary(found: Iterable[Collective]) -> dict:
     for k in by_kind.values():
         k["dtypes"] = sorted(k["dtypes"])
     return {"count": len(found), "bytes": sum(c.bytes for c in found), "by_kind": by_kind}
+
+
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(?P<n>\d+)"\}')
+_ENTRY = re.compile(r"^ENTRY %(?P<name>[\w.\-]+) \(", re.M)
+
+
+def executions(hlo: str) -> dict[str, int]:
+    """How many times each computation runs per call of the module: a ``while`` body its loop's
+    ``known_trip_count`` times its caller's count (a loop without a known count counts once), anything else
+    called (fusions, conditionals' branches, async wrappers) as often as its callers, summed over call sites."""
+    comps = _computations(hlo)
+    entry = _ENTRY.search(hlo)
+    if entry is None:
+        raise ValueError("no ENTRY computation in the HLO text")
+    # caller -> [(callee, times per run of the caller)]
+    calls: dict[str, list[tuple[str, int]]] = {name: [] for name in comps}
+    for name, lines in comps.items():
+        for line in lines:
+            body = _BODY.search(line)
+            trip = _TRIP.search(line)
+            for m in _CALLED.finditer(line):
+                targets = m["one"] and [m["one"]] or [t.strip().lstrip("%") for t in m["many"].split(",")]
+                for t in targets:
+                    if t:
+                        times = int(trip["n"]) if body and trip and t == body["body"] else 1
+                        calls[name].append((t, times))
+    callers: dict[str, list[tuple[str, int]]] = {}
+    for caller, callees in calls.items():
+        for callee, n in callees:
+            callers.setdefault(callee, []).append((caller, n))
+    counts: dict[str, int] = {entry["name"]: 1}
+
+    def count(name: str, path: frozenset = frozenset()) -> int:  # memoized over the (acyclic) call graph
+        if name not in counts:
+            if name in path:
+                raise ValueError(f"HLO call graph has a cycle through {name!r}")
+            counts[name] = sum(count(c, path | {name}) * n for c, n in callers.get(name, ()))
+        return counts[name]
+
+    for name in comps:
+        count(name)
+    return counts
+
+
+def executed(hlo: str) -> list[tuple[Collective, int]]:
+    """Every collective with the number of times it runs per call of the module (``executions``)."""
+    counts = executions(hlo)
+    return [(c, counts.get(c.computation, 0)) for c in collectives(hlo)]

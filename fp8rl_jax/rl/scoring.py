@@ -33,10 +33,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
+from jax.sharding import PartitionSpec as P
 
 from fp8rl_jax.fp8.policy import Precision
 from fp8rl_jax.model import llama
 from fp8rl_jax.model.config import LlamaConfig
+from fp8rl_jax.parallel import fsdp
 from fp8rl_jax.rl.losses import entropy_from_logits
 from fp8rl_jax.rollout.sampling import SamplingParams, sample
 
@@ -85,6 +87,7 @@ class _HeadSpec:
     dtype: jnp.dtype  # the compute dtype: the GEMM operands are rounded to it
     operand_dtype: jnp.dtype  # the dtype the GEMM operands are held in (``dtype``, or f32 on CPU: see _operand)
     kernel_dtype: jnp.dtype  # the master kernel's dtype (its gradient's)
+    gather: P | None = None  # under FSDP: the master's PartitionSpec, gathered cast to ``dtype`` (parallel.fsdp)
 
 
 def _operand(x: jax.Array, spec: _HeadSpec) -> jax.Array:
@@ -98,6 +101,14 @@ def _operand(x: jax.Array, spec: _HeadSpec) -> jax.Array:
         return x.astype(spec.dtype)
     f = jnp.finfo(spec.dtype)
     return lax.reduce_precision(x.astype(spec.operand_dtype), exponent_bits=f.nexp, mantissa_bits=f.nmant)
+
+
+def _head_operand(kernel: jax.Array, spec: _HeadSpec) -> jax.Array:
+    """The master head kernel as the GEMM operand (``_operand``). Under FSDP its shards are cast to the compute
+    dtype where they are and gathered in it (``parallel.fsdp``), never as f32: the same values."""
+    if spec.gather is None:
+        return _operand(kernel, spec)
+    return fsdp.gather_bits(kernel.astype(spec.dtype), spec.gather).astype(spec.operand_dtype)
 
 
 def _scaled_logits(h: jax.Array, w: jax.Array, spec: _HeadSpec) -> jax.Array:
@@ -136,14 +147,14 @@ def _chunk_logprobs(z: jax.Array, y: jax.Array, with_entropy: bool):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _chunked_head(hidden, kernel, targets, spec: _HeadSpec):
-    logp, ent, _, _ = _head_forward(_operand(hidden, spec), _operand(kernel, spec), targets, spec)
+    logp, ent, _, _ = _head_forward(_operand(hidden, spec), _head_operand(kernel, spec), targets, spec)
     return logp, ent
 
 
 def _chunked_head_fwd(hidden, kernel, targets, spec: _HeadSpec):
     hidden, kernel, targets = hidden.value, kernel.value, targets.value  # symbolic_zeros: CustomVJPPrimal
     # the kernel cast (and laid out) once per call, outside the chunk loop; kept for the backward pass
-    hidden, w = _operand(hidden, spec), _operand(kernel, spec)
+    hidden, w = _operand(hidden, spec), _head_operand(kernel, spec)
     logp, ent, m, lse = _head_forward(hidden, w, targets, spec)
     return (logp, ent), (hidden, w, targets, m, lse, ent)
 
@@ -180,7 +191,10 @@ def _chunked_head_bwd(spec: _HeadSpec, res, cotangents):
         return dw, dx
 
     dw, dx = lax.scan(chunk, jnp.zeros(w.shape, jnp.float32), (hidden, targets, m, lse, g_logp, g_ent, ent))
-    return dx.astype(spec.dtype), dw.astype(spec.kernel_dtype), None
+    dw = dw.astype(spec.kernel_dtype)
+    if spec.gather is not None:  # the devices' partial gradients summed onto the master's shards
+        dw = fsdp.reduce_to(dw, spec.gather)
+    return dx.astype(spec.dtype), dw, None
 
 
 _chunked_head.defvjp(_chunked_head_fwd, _chunked_head_bwd, symbolic_zeros=True)
@@ -188,9 +202,13 @@ _chunked_head.defvjp(_chunked_head_fwd, _chunked_head_bwd, symbolic_zeros=True)
 
 def _head_spec(kernel: jax.Array, *, temperature: float, with_entropy: bool, kernel_nk: bool, dtype) -> _HeadSpec:
     dtype = jnp.dtype(dtype)
+    gather = None
+    if fsdp.active():
+        gather = fsdp.kernel_spec("embed" if kernel_nk else "lm_head", kernel.shape)
+        gather = gather if fsdp.fsdp_dim(gather) is not None else None
     return _HeadSpec(temperature=temperature, with_entropy=with_entropy, kernel_nk=kernel_nk, dtype=dtype,
                      operand_dtype=jnp.dtype(jnp.float32) if jax.default_backend() == "cpu" else dtype,
-                     kernel_dtype=jnp.dtype(kernel.dtype))
+                     kernel_dtype=jnp.dtype(kernel.dtype), gather=gather)
 
 
 def chunked_head_logprobs(hidden: jax.Array, kernel: jax.Array, targets: jax.Array, *, temperature: float = 1.0,
