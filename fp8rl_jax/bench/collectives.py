@@ -9,11 +9,13 @@ runs itself again in a child process with them).
 
 Sections. The file is one JSON object, a list of rows per section: ``{"decode": [...], ...}``. A section is one
 function ``<name>_section(args) -> list[dict]`` listed in ``SECTIONS``; ``run`` tags each row with its section and
-``output`` groups them back. ``decode``: the rollout engine's decode program (``generate_steps``, its loop of decode
-steps) per trainer mesh and rollout ``tensor_parallel``: the collectives inside the loop (count and bytes per
-device, by kind), those of the once-per-RL-step weight reshard (``load_params``), and, as the reference, the same
-loop with the rollout weights left in the trainer's layout (sharded like their FSDP masters: what the rollout read
-before it had a layout of its own, with its layers scanned as they were there). A ``train`` section is one more function and one more entry in ``SECTIONS``.
+``output`` groups them back. A ``train`` section is one more function and one more entry in ``SECTIONS``.
+
+``decode``: the rollout engine's decode program (``generate_steps``, its loop of decode steps) per trainer mesh and
+rollout ``tensor_parallel``: the collectives inside the loop (count, and bytes per device: each collective's result,
+a loop body counted once), those of the once-per-RL-step weight reshard (``load_params``), and, as the reference,
+the same loop as the rollout ran on a mesh before it had a layout of its own (the weights in the trainer's layout,
+sharded like their FSDP masters; the layers scanned).
 """
 
 from __future__ import annotations

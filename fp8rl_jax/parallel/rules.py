@@ -25,13 +25,19 @@ holds k and v. This is still *correct* (the partitioner inserts the collective-p
 split and the following head-sharded attention need), it only costs activation traffic at the split. We keep it:
 correct first, and the alternative that avoids it, a per-shard interleaved layout ([q_i | k_i | v_i] per tensor
 shard), would change the parameter layout that the weight loaders, the FP8 state and the checkpoints share.
-Nothing here was measured; with ``tensor=1`` (the default, FSDP only) the question does not arise.
+With ``tensor=1`` (the default, FSDP only) the question does not arise. The rollout, whose weights are a copy made
+once per RL step, does take the interleaved layout (``rollout.weights.interleave_fused``): its compiled decode step
+with a tensor axis of 2 has no collective at the split (``tests/parallel/test_sharded_rollout.py``).
 
 Not sharded: FP8 state (``scale`` / ``amax_history`` per role: every device must quantize with the same scales),
 KV scales, the RNG key, the step counter, optimizer counters, ``QuantizedKernel.scale_inv``.
 
 Rollout weights: a pre-quantized kernel is stored transposed (``QuantizedKernel.data`` [..., N, K]); it is sharded
-like its master with the two trailing axes swapped, so quantizing a sharded master is a local operation.
+like its master with the two trailing axes swapped, so quantizing a sharded master is a local operation. The rollout
+places its weights by the same rules on its own mesh (``parallel.mesh.rollout_mesh``: the same devices and axis names,
+``data`` = replica groups, ``fsdp`` = 1, ``tensor`` = ``rollout.tensor_parallel``): whole on every device of a
+replica group, split over ``tensor`` only, the decode batch and KV cache split over the groups; the engine reshards
+them once per RL step (``rollout.engine``), so a decode step gathers no weight. No rollout-specific rule is needed.
 
 KV cache [L, B, K, S, H]: batch over data+fsdp, kv heads over tensor. Token batches: batch over data+fsdp.
 Activations at block boundaries (the residual stream [B, T, D]): batch over data+fsdp, the rest replicated.

@@ -246,11 +246,13 @@ class Engine:
             on_train, on_rollout = rules.state_shardings(bits, train), rules.state_shardings(bits, roll)
 
             def reshard(params, fp8_state, kv_scales):
-                # quantized where the masters lie (each device its own shard), then moved as FP8 bytes: the
-                # constraints pin the gather between them, so XLA neither gathers the masters nor widens the bytes
-                moved = jax.lax.with_sharding_constraint(as_bits(load(params, fp8_state), precision), on_train)
-                moved = jax.lax.with_sharding_constraint(interleave_fused(moved, self.model, shards), on_rollout)
-                weights = from_bits(moved, stacked, precision)
+                weights = load(params, fp8_state)
+                if train.size > 1:
+                    # quantized where the masters lie (each device its own shard), then moved as FP8 bytes: the
+                    # constraints pin the gather between them, so XLA neither gathers the masters nor widens the bytes
+                    moved = jax.lax.with_sharding_constraint(as_bits(weights, precision), on_train)
+                    moved = jax.lax.with_sharding_constraint(interleave_fused(moved, self.model, shards), on_rollout)
+                    weights = from_bits(moved, stacked, precision)
                 return per_layer(weights) if self._per_layer else weights, fp8_state, kv_scales
 
             out = jax.eval_shape(reshard, params, fp8_state, kv_scales)[0]
