@@ -96,6 +96,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.rollout.decode_slots = 32  # concurrent sequences in the decode batch
     # decode attention: pallas (length-aware kernel over the filled cache, GPU) | xla (whole-cache einsum) | auto
     c.rollout.decode_attention = "auto"
+    # devices of one rollout replica group: the rollout weights (FP8 kernels) whole on each group, split over its
+    # devices Megatron-style; the decode batch split over the groups. 1: whole on every device (no weight traffic
+    # while decoding); larger where the FP8 weights do not fit one device. Must divide the devices and kv heads
+    c.rollout.tensor_parallel = 1
     # True: draw the RL rollouts with the trainer's own scoring forward (no KV cache: a full forward of the
     # microbatch per token), so the sampler's logprobs equal the scoring program's bit for bit (rollout/exact.py);
     # precision.mode bf16 or fp8_e2e, one device
@@ -334,6 +338,9 @@ def validate(c: ml_collections.ConfigDict, known_rewards: Callable[[], Sequence[
     for key in ("rollout.prompts_per_step", "rollout.samples_per_prompt", "rollout.max_new_tokens",
                 "rollout.decode_slots", "steps", "rl.minibatches", "optim.clip_norm"):
         _positive(c, key)
+    tp = c.rollout.tensor_parallel
+    _check(isinstance(tp, int) and not isinstance(tp, bool) and tp >= 1, "rollout.tensor_parallel", tp,
+           "a positive int dividing the device count, the model's kv heads and its intermediate size")
     _positive(c, "rollout.temperature")
     _check(0 < c.rollout.top_p <= 1, "rollout.top_p", c.rollout.top_p, "0 < top_p <= 1")
     _positive(c, "rollout.top_k", allow_zero=True)

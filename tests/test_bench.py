@@ -19,6 +19,19 @@ def test_gemm_and_rollout_benchmarks_smoke(tmp_path):
     assert all(r["tokens_per_s"] > 0 and 0 < r["hbm_bound_fraction"] for r in rows)
 
 
+def test_collectives_benchmark_smoke(tmp_path):
+    main(["collectives", "--smoke", "--out", str(tmp_path / "c.json")])
+    out = json.loads((tmp_path / "c.json").read_text())
+    rows = out["decode"]
+    assert [(r["mesh"], r["tensor_parallel"]) for r in rows] == [
+        ("fsdp=8", 1), ("fsdp=4 x tensor=2", 1), ("fsdp=4 x tensor=2", 2)]
+    # whole weights per device: nothing crosses devices in the decode loop; before, the weights were gathered there
+    assert all(r["loop_collectives"] == r["loop_bytes"] == 0 for r in rows[:2])
+    assert all(r["trainer_layout_loop_bytes"] > 0 and r["reshard_bytes"] > 0 for r in rows)
+    assert set(rows[2]["loop_by_kind"]) == {"all-reduce"} and rows[2]["loop_bytes"] > 0
+    assert {d for r in rows for d in r["reshard_by_kind"]["all-gather"]["dtypes"]} <= {"u8", "u16"}
+
+
 def test_agreement_rollout_path_equals_scoring_in_f32():
     """The teacher-forced rollout engine (prefill in a bucket, then one token per step) against the scoring forward:
     equal to float rounding in f32, apart under FP8 (the numbers ``bench agreement`` reports)."""

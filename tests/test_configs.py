@@ -26,6 +26,7 @@ def test_every_config_loads_and_validates(path, tmp_path):
     [
         ("precision.mode", "fp16", "config.precision.mode='fp16'"),
         ("rollout.top_p", 1.5, "config.rollout.top_p=1.5"),
+        ("rollout.tensor_parallel", 0, "config.rollout.tensor_parallel=0"),
         ("rl.advantage", "ppo", "grpo | drgrpo | rloo"),
         ("data.train_path", "/nope.jsonl", "config.data.train_path='/nope.jsonl'"),
         ("rl.minibatches", 3, "a divisor of prompts_per_step * samples_per_prompt = 32"),

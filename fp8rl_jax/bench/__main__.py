@@ -22,6 +22,8 @@ BENCHMARKS = {
                 "decode tokens/s of the rollout engine (Llama-3.2-1B shape, random weights) against the HBM bound"),
     "agreement": ("fp8rl_jax.bench.agreement",
                   "rollout-vs-scoring logprob agreement and error vs f32 (SmolLM2, GSM8K)"),
+    "collectives": ("fp8rl_jax.bench.collectives",
+                    "collectives of the compiled decode program on 8 forced CPU devices, per mesh (no GPU needed)"),
     "e2e": ("fp8rl_jax.bench.e2e",
             "whole GRPO steps per phase: bf16, bf16_cublas, fp8_rollout, fp8_e2e (a process each)"),
 }

@@ -65,9 +65,14 @@ Defaults (H100; ``benchmarks/decode_attention.py`` sweeps them):
 - ``num_warps=4``: 128 threads for a [16, block_k] score tile and one [block_k, H] load per tensor; the
   benchmark tries 8.
 
+On a mesh. A ``pallas_call`` is opaque to XLA's partitioner, which would gather its operands (the whole KV cache)
+onto every device. Under a mesh of several devices (``jax.set_mesh``; the rollout's, ``parallel.mesh.rollout_mesh``)
+``decode_attention`` runs the kernel under ``jax.shard_map`` over the batch and the kv heads, with the specs the
+sharding rules give the cache (``parallel.rules``: batch over data+fsdp, kv heads over tensor): every device runs
+it on its own sequences and heads, and nothing crosses devices (attention is local to a (sequence, kv head)).
+
 Left out: paged caches, sliding windows, soft-capping, query lengths above 1 (prefill keeps the einsum path),
-an FP8 x FP8 dot (the query would need its own scale), and sharding: under a multi-device mesh the call would
-need a ``shard_map`` over the batch.
+and an FP8 x FP8 dot (the query would need its own scale).
 
 Letters: B batch, K kv heads, G query heads per kv head, H head dim, S cache positions, L layers.
 """
@@ -84,6 +89,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+from jax.sharding import PartitionSpec as P
 
 IMPLS = ("auto", "pallas", "pallas_interpret", "xla")
 NEG_INF = -1e30  # the XLA path's mask value (as in ``llama.attention``)
@@ -427,5 +433,29 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengt
                          "use 'pallas_interpret' or 'xla'")
     if impl == "xla":
         return decode_attention_xla(q, k_cache, v_cache, lengths, layer=layer, k_scale=k_scale, v_scale=v_scale)
-    return decode_attention_pallas(q, k_cache, v_cache, lengths, layer=layer, k_scale=k_scale, v_scale=v_scale,
-                                   interpret=impl == "pallas_interpret", **tuning)
+    kernel = functools.partial(decode_attention_pallas, interpret=impl == "pallas_interpret", **tuning)
+    from fp8rl_jax.parallel import rules
+
+    mesh = rules.active_mesh()
+    if mesh is None:
+        return kernel(q, k_cache, v_cache, lengths, layer=layer, k_scale=k_scale, v_scale=v_scale)
+    return _shard_mapped(kernel, mesh, q, k_cache, v_cache, lengths, layer, k_scale, v_scale)
+
+
+def _shard_mapped(kernel, mesh, q, k_cache, v_cache, lengths, layer, k_scale, v_scale) -> jax.Array:
+    """``kernel`` under ``jax.shard_map`` over the batch and kv heads of the active ``mesh``, split as the sharding
+    rules split the KV cache (what does not divide stays whole); layer index and scales replicated."""
+    from fp8rl_jax.parallel import rules
+
+    # q [B, K, G, H] and the output split as the cache's B and K
+    cache_spec, head_spec, rows_spec = rules.cache_local_specs(mesh, k_cache.shape)
+    extras = tuple(jnp.asarray(a) for a in (layer, k_scale, v_scale) if a is not None)
+
+    def local(q, k_cache, v_cache, lengths, *extras):
+        it = iter(extras)
+        layer_, k_scale_, v_scale_ = (next(it) if a is not None else None for a in (layer, k_scale, v_scale))
+        return kernel(q, k_cache, v_cache, lengths, layer=layer_, k_scale=k_scale_, v_scale=v_scale_)
+
+    mapped = jax.shard_map(local, mesh=mesh, in_specs=(head_spec, cache_spec, cache_spec, rows_spec)
+                           + (P(),) * len(extras), out_specs=head_spec, check_vma=False)
+    return mapped(q, k_cache, v_cache, lengths, *extras)

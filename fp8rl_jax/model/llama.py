@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from fp8rl_jax.fp8 import kv as kvq
 from fp8rl_jax.fp8.linear import linear
@@ -41,7 +42,7 @@ from fp8rl_jax.fp8.policy import Precision
 from fp8rl_jax.fp8.recipe import init_linear_state
 from fp8rl_jax.kernels import decode_attention as decode_kernel
 from fp8rl_jax.model.config import LlamaConfig
-from fp8rl_jax.parallel import fsdp
+from fp8rl_jax.parallel import fsdp, rules
 from fp8rl_jax.parallel.rules import RESIDUAL_AXES, constrain
 
 LINEARS = ("wqkv", "wo", "w_gate_up", "w_down")
@@ -271,7 +272,8 @@ def _cache_write(cache_bits: jax.Array, idx, rows: jax.Array, positions: jax.Arr
     """
     if isinstance(cache_bits, tuple):
         layers = list(cache_bits)
-        layers[idx], layer = _layer_write(layers[idx], rows, positions, update)
+        layers[idx], layer = _row_local(lambda c, i, r, p, u: _layer_write(c, r, p, u), layers[idx], 0, rows,
+                                        positions, update)
         return tuple(layers), layer
     as_bits = cache_bits.dtype != update.dtype  # the CPU form (see forward_hidden)
     update_bits = _as_bits(update) if as_bits else update
@@ -287,10 +289,35 @@ def _cache_write(cache_bits: jax.Array, idx, rows: jax.Array, positions: jax.Arr
         # otherwise copy the whole cache to keep the old value for the attention's reads)
         layer = cache_bits[idx]
     else:
-        # the index arrays are split by a slice, so (numpy rules) the indexed view is [B, T, K, H], update's layout
-        cache_bits = cache_bits.at[idx, rows, :, positions].set(update_bits, mode="drop")
-        layer = cache_bits[idx]
+        def scatter(cache_bits, idx, rows, positions, update_bits):
+            # the index arrays are split by a slice, so (numpy rules) the indexed view is [B, T, K, H], update's layout
+            cache_bits = cache_bits.at[idx, rows, :, positions].set(update_bits, mode="drop")
+            return cache_bits, cache_bits[idx]
+
+        cache_bits, layer = _row_local(scatter, cache_bits, idx, rows, positions, update_bits)
     return cache_bits, layer if layer.dtype == update.dtype else lax.bitcast_convert_type(layer, update.dtype)
+
+
+def _row_local(write, cache, idx, rows, positions, update):
+    """``write(cache, idx, rows, positions, update) -> (cache, layer)``, a scatter of each sequence's rows into its
+    own part of the cache. Under a mesh of several devices (``rules.active_mesh``) it runs under ``jax.shard_map``
+    over the sequences and kv heads, split as the cache is (``rules.cache_local_specs``), each device writing its
+    own sequences with local row indices: XLA's partitioner cannot tell that a scatter by row stays in its row, and
+    would gather the indices and updates onto every device (in every layer of every decode step)."""
+    mesh = rules.active_mesh()
+    if mesh is None:
+        return write(cache, idx, rows, positions, update)
+    cache_spec, heads_spec, rows_spec = rules.cache_local_specs(mesh, cache.shape)
+
+    def local(cache, idx, positions, update):
+        rows = jnp.broadcast_to(jnp.arange(cache.shape[-4])[:, None], positions.shape)  # [B_local, T]
+        return write(cache, idx, rows, positions, update)
+
+    # update [B, T, K, H] split as the cache's B and K; the layer returned [B, K, S, H] as well
+    update_spec = P(heads_spec[0], None, heads_spec[1])
+    return jax.shard_map(local, mesh=mesh, in_specs=(cache_spec, P(), rows_spec, update_spec),
+                         out_specs=(cache_spec, heads_spec), check_vma=False)(
+        cache, jnp.asarray(idx, jnp.int32), positions, update)
 
 
 def _layer_write(layer_bits: jax.Array, rows, positions, update: jax.Array):
@@ -324,11 +351,26 @@ def split_layers(blocks) -> tuple:
     return tuple(jax.tree.map(lambda a, i=i: a[i], blocks) for i in range(n))
 
 
+def _split_fused(y: jax.Array, sizes: tuple[int, ...], shards: int) -> list[jax.Array]:
+    """A fused GEMM output [..., sum(sizes)] split into its parts. ``shards`` > 1: its columns come interleaved per
+    tensor shard (``rollout.weights.interleave_fused``: block s = [part 0's s-th slice | part 1's | ...]), so that
+    with the columns split contiguously over ``shards`` devices every part is split alike and the split is local."""
+    if shards == 1:
+        return jnp.split(y, np.cumsum(sizes)[:-1].tolist(), axis=-1)
+    lead = y.shape[:-1]
+    # [..., S * W] -> [..., S, W]: one block per shard
+    blocks = y.reshape(*lead, shards, -1)
+    parts = jnp.split(blocks, np.cumsum([s // shards for s in sizes])[:-1].tolist(), axis=-1)
+    # [..., S, size / S] -> [..., size]
+    return [p.reshape(*lead, -1) for p in parts]
+
+
 def _block(x, layer, fp8, idx, positions, cache, kv_scales, config: LlamaConfig, precision: Precision, inv_freq,
-           decode_impl: str = "xla", cache_dtype=None, attention_impl: str = "xla"):
+           decode_impl: str = "xla", cache_dtype=None, attention_impl: str = "xla", fused_shards: int = 1):
     """One transformer block. Returns the new residual stream, the updated cache and this layer's K/V amax.
 
-    ``cache`` holds a ``cache_dtype`` cache, on CPU as its bits (see ``forward_hidden``)."""
+    ``cache`` holds a ``cache_dtype`` cache, on CPU as its bits (see ``forward_hidden``). ``fused_shards``: see
+    ``_split_fused``."""
     c = config
     b, t, _ = x.shape
     eps = c.rms_norm_eps
@@ -339,7 +381,7 @@ def _block(x, layer, fp8, idx, positions, cache, kv_scales, config: LlamaConfig,
     qkv = linear(h, layer["wqkv"], fp8.get("wqkv"), precision)
     if "bqkv" in layer:
         qkv = qkv + layer["bqkv"].astype(qkv.dtype)
-    q, k, v = jnp.split(qkv, [c.q_size, c.q_size + c.kv_size], axis=-1)
+    q, k, v = _split_fused(qkv, (c.q_size, c.kv_size, c.kv_size), fused_shards)
     # [B, T, N H] -> [B, T, N, H];  [B, T, K H] -> [B, T, K, H]
     q = apply_rope(q.reshape(b, t, c.num_heads, c.head_dim), positions, inv_freq)
     k = apply_rope(k.reshape(b, t, c.num_kv_heads, c.head_dim), positions, inv_freq)
@@ -392,7 +434,8 @@ def _block(x, layer, fp8, idx, positions, cache, kv_scales, config: LlamaConfig,
 
     h = rms_norm(x, layer["mlp_norm"], eps, precision.dtype)
     # [B, T, D] -> [B, T, 2F]
-    gate, up = jnp.split(linear(h, layer["w_gate_up"], fp8.get("w_gate_up"), precision), 2, axis=-1)
+    gate, up = _split_fused(linear(h, layer["w_gate_up"], fp8.get("w_gate_up"), precision),
+                            (c.intermediate_size,) * 2, fused_shards)
     x = x + linear(jax.nn.silu(gate) * up, layer["w_down"], fp8.get("w_down"), precision, out_dtype=x.dtype)
     return x, cache, kv_amax
 
@@ -421,6 +464,7 @@ def forward_hidden(
     decode_attention: str = "auto",
     remat: str = "none",
     cache_dtype=None,
+    fused_shards: int = 1,
 ):
     """Run the blocks and the final norm.
 
@@ -441,6 +485,8 @@ def forward_hidden(
     Returns ``(hidden [B, T, D], cache, kv_amax)``; ``kv_amax = {"k": [L], "v": [L]}`` feeds KV calibration.
     ``remat`` (one of ``REMAT_POLICIES``) rematerializes each scanned block in the backward pass. Under a mesh
     (``fp8rl_jax.parallel``) the residual stream is constrained at block boundaries to batch over data+fsdp.
+    ``fused_shards`` > 1: the fused q|k|v and gate|up columns of ``params`` come interleaved per tensor shard (the
+    rollout's layout, ``rollout.weights.interleave_fused``), split by ``_split_fused``.
     """
     if precision.fp8 and fp8_state is None:
         raise ValueError(f"precision backend {precision.backend!r} needs fp8_state")
@@ -490,7 +536,8 @@ def forward_hidden(
                 if fp8 is not None:
                     fp8_layer = fp8[i] if fp8_per_layer else jax.tree.map(lambda a, i=i: a[i], fp8)
                 x, cache, (ak, av) = _block(x, layer, fp8_layer, start + i, positions, cache, kv_scales, c,
-                                            precision, inv_freq, decode_impl, cache_dtype, attention_impl)
+                                            precision, inv_freq, decode_impl, cache_dtype, attention_impl,
+                                            fused_shards)
                 x = constrain(x, RESIDUAL_AXES)
                 amax_k.append(ak[None])
                 amax_v.append(av[None])
@@ -511,7 +558,7 @@ def forward_hidden(
             if gather:
                 layer = fsdp.block_kernels(layer, kernel_amax)
             x, cache, amax = _block(x, layer, fp8_layer, idx, positions, cache, kv_scales, c, precision, inv_freq,
-                                    decode_impl, cache_dtype, attention_impl)
+                                    decode_impl, cache_dtype, attention_impl, fused_shards)
             return (constrain(x, RESIDUAL_AXES), cache), amax
 
         body = _remat(body, remat)

@@ -64,6 +64,24 @@ def make_mesh(mesh_config, devices: Sequence[jax.Device] | None = None) -> Mesh:
     return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))
 
 
+def rollout_mesh(mesh: Mesh, tensor_parallel: int = 1) -> Mesh:
+    """The rollout's mesh over the devices of ``mesh`` (the trainer's): axes ``data``, ``fsdp``, ``tensor`` of sizes
+    (devices / ``tensor_parallel``, 1, ``tensor_parallel``), in ``mesh``'s device order.
+
+    Each ``data`` index is a replica group of ``tensor_parallel`` consecutive devices holding the whole rollout
+    model, split only over its ``tensor`` axis; the decode batch and its KV cache split over ``data``. The
+    sharding rules (``parallel.rules``) then read as they do for training, with ``fsdp`` of size 1: the weights
+    are replicated over the groups, so a decode step gathers no weight. The device order is the trainer mesh's
+    (flattened), which one jitted program with inputs on one mesh and outputs on the other needs, and which makes
+    a rollout tensor group of the trainer's ``tensor`` size the trainer's own tensor group (the innermost axis).
+    """
+    if not isinstance(tensor_parallel, int) or tensor_parallel < 1 or mesh.size % tensor_parallel:
+        raise ValueError(f"config rollout.tensor_parallel={tensor_parallel!r} must be a positive int dividing the "
+                         f"{mesh.size} devices of the mesh")
+    devices = np.asarray(mesh.devices).reshape(mesh.size // tensor_parallel, 1, tensor_parallel)
+    return Mesh(devices, AXES, axis_types=(AxisType.Auto,) * len(AXES))
+
+
 @contextlib.contextmanager
 def mesh_context(mesh: Mesh | None, backend: str = "xla") -> Iterator[None]:
     """Trace and run under ``mesh`` (``jax.set_mesh``); nothing when ``mesh`` is None.

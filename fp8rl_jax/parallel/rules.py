@@ -25,13 +25,19 @@ holds k and v. This is still *correct* (the partitioner inserts the collective-p
 split and the following head-sharded attention need), it only costs activation traffic at the split. We keep it:
 correct first, and the alternative that avoids it, a per-shard interleaved layout ([q_i | k_i | v_i] per tensor
 shard), would change the parameter layout that the weight loaders, the FP8 state and the checkpoints share.
-Nothing here was measured; with ``tensor=1`` (the default, FSDP only) the question does not arise.
+With ``tensor=1`` (the default, FSDP only) the question does not arise. The rollout, whose weights are a copy made
+once per RL step, does take the interleaved layout (``rollout.weights.interleave_fused``): its compiled decode step
+with a tensor axis of 2 has no collective at the split (``tests/parallel/test_sharded_rollout.py``).
 
 Not sharded: FP8 state (``scale`` / ``amax_history`` per role: every device must quantize with the same scales),
 KV scales, the RNG key, the step counter, optimizer counters, ``QuantizedKernel.scale_inv``.
 
 Rollout weights: a pre-quantized kernel is stored transposed (``QuantizedKernel.data`` [..., N, K]); it is sharded
-like its master with the two trailing axes swapped, so quantizing a sharded master is a local operation.
+like its master with the two trailing axes swapped, so quantizing a sharded master is a local operation. The rollout
+places its weights by the same rules on its own mesh (``parallel.mesh.rollout_mesh``: the same devices and axis names,
+``data`` = replica groups, ``fsdp`` = 1, ``tensor`` = ``rollout.tensor_parallel``): whole on every device of a
+replica group, split over ``tensor`` only, the decode batch and KV cache split over the groups; the engine reshards
+them once per RL step (``rollout.engine``), so a decode step gathers no weight. No rollout-specific rule is needed.
 
 KV cache [L, B, K, S, H]: batch over data+fsdp, kv heads over tensor. Token batches: batch over data+fsdp.
 Activations at block boundaries (the residual stream [B, T, D]): batch over data+fsdp, the rest replicated.
@@ -67,6 +73,7 @@ RULES: dict[str, tuple[str, ...]] = {
 # logical axes of each parameter's trailing dims, by its name in the params tree
 PARAM_AXES: dict[str, Logical] = {
     "embed": ("vocab", "embed"),
+    "embed_bits": ("vocab", "embed"),  # the rollout's table as its bits (CPU, rollout.weights.per_layer)
     "lm_head": ("embed", "vocab"),
     "wqkv": ("embed", "qkv"),
     "bqkv": ("qkv",),
@@ -82,6 +89,7 @@ PARAM_AXES: dict[str, Logical] = {
 REPLICATED = ("fp8_state", "kv_scales")
 
 CACHE_AXES: Logical = (None, "batch", "kv_heads", None, None)  # [L, B, K, S, H]
+LAYER_CACHE_AXES: Logical = CACHE_AXES[1:]  # one layer's [B, K, S, H] (the unrolled decode step's cache)
 RESIDUAL_AXES: Logical = ("batch", None, None)  # [B, T, D]
 
 
@@ -160,14 +168,34 @@ def cache_sharding(mesh: Mesh, shape: Sequence[int]) -> NamedSharding:
 
 
 def decode_state_shardings(state: Any, mesh: Mesh) -> Any:
-    """The engine's decode state: the KV cache as ``cache_sharding``, every per-slot array over the batch."""
+    """The engine's decode state: the KV cache as ``cache_sharding`` (stacked [L, B, K, S, H] or one [B, K, S, H]
+    per layer), every per-slot array over the batch."""
 
     def one(path, leaf):
         if "cache" in _names(path) and len(leaf.shape) == len(CACHE_AXES):
             return cache_sharding(mesh, leaf.shape)
+        if "cache" in _names(path) and len(leaf.shape) == len(LAYER_CACHE_AXES):
+            return NamedSharding(mesh, spec(LAYER_CACHE_AXES, leaf.shape, dict(mesh.shape)))
         return batch_sharding(mesh, leaf.shape) if leaf.shape else replicated(mesh)
 
     return jax.tree_util.tree_map_with_path(one, state)
+
+
+def active_mesh():
+    """The mesh set by ``jax.set_mesh`` (``parallel.mesh.mesh_context``) when it has our axes and several devices,
+    else None: what code that partitions by hand (``jax.shard_map``) asks before it does."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1 or not any(a in mesh.axis_names for a in ("data", "fsdp", "tensor")):
+        return None
+    return mesh
+
+
+def cache_local_specs(mesh, cache_shape: Sequence[int]) -> tuple[P, P, P]:
+    """For a ``jax.shard_map`` over a KV cache's sequences and kv heads, the cache [L, B, K, S, H] or [B, K, S, H]
+    split as ``cache_sharding`` splits it: (the cache's spec, the spec of a [B, K, ...] array, of a [B, ...] one)."""
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+    batch, heads = (*spec(LAYER_CACHE_AXES, cache_shape[-4:], sizes), None, None)[:2]
+    return (P(batch, heads) if len(cache_shape) == 4 else P(None, batch, heads)), P(batch, heads), P(batch)
 
 
 def constrain(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:

@@ -18,11 +18,18 @@ in the batch (it is one dense step) but emit invalid tokens and stop advancing, 
 Several samples of one prompt share one prefill: ``insert(prefix, state, slot, rng)`` re-draws the first token
 from the prefix's last-position logits with the sample's own key.
 
-On a mesh (``Engine(..., mesh=mesh)``, colocated with the trainer): the rollout weights are computed by a jitted
-pre-quantization with out_shardings from ``fp8rl_jax.parallel.rules`` (each FP8 kernel sharded like its master,
-transposed), straight from the trainer's sharded params: new weights never leave the devices. The decode state
-(KV cache [L, B, K, S, H]: slots over data+fsdp, kv heads over tensor; every per-slot array over data+fsdp) is
-created sharded and kept so by the out_shardings of insert / generate. Every call traces and runs under the mesh.
+On a mesh (``Engine(..., mesh=mesh)``, colocated with the trainer) the rollout has a layout of its own: the
+rollout mesh (``parallel.mesh.rollout_mesh``) over the same devices, replica groups of ``tensor_parallel`` devices
+(its ``data`` axis) that each hold the whole model, split only over the group (its ``tensor`` axis). Once per RL
+step ``load_params`` quantizes the FP8 kernels where the trainer's masters lie (a local operation) and reshards them
+to that layout in one jitted program (``rollout.weights``: the FP8 bytes are what crosses devices); new weights never
+leave the devices. The decode state (KV cache: slots over the replica groups, kv heads over tensor; every per-slot
+array over the groups) is created sharded and kept so by the out_shardings of insert / generate. A decode step then
+moves no weight: with ``tensor_parallel=1`` it has no collective at all, with more only tensor parallelism's
+all-reduces (after the row-parallel ``wo`` / ``w_down``, the vocab-parallel embedding and head; the fused q|k|v and
+gate|up columns are laid out per tensor shard, ``weights.interleave_fused``). The layers run unrolled and the Pallas
+decode kernel runs under a ``shard_map`` over batch and kv heads, as on one device. Every call traces and runs under
+the rollout mesh.
 """
 
 from __future__ import annotations
@@ -43,9 +50,9 @@ from fp8rl_jax.model import llama
 from fp8rl_jax.model.config import LlamaConfig
 from fp8rl_jax.parallel import rules
 from fp8rl_jax.parallel.distributed import place
-from fp8rl_jax.parallel.mesh import mesh_context
+from fp8rl_jax.parallel.mesh import mesh_context, rollout_mesh
 from fp8rl_jax.rollout.sampling import SamplingParams, sample
-from fp8rl_jax.rollout.weights import per_layer, rollout_params
+from fp8rl_jax.rollout.weights import as_bits, from_bits, interleave_fused, per_layer, rollout_params
 
 PREFILL_BUCKETS = tuple(2**i for i in range(4, 16))  # 16 .. 32768, JetStream's convention
 
@@ -67,6 +74,18 @@ def decode_compiler_options(choice: str = "auto", backend: str | None = None) ->
         return {}
     flags = os.environ.get("XLA_FLAGS", "")
     return {k: v for k, v in DECODE_GPU_OPTIONS.items() if f"--{k}=" not in flags}
+
+
+def _check_tensor_parallel(model: LlamaConfig, shards: int, mesh: jax.sharding.Mesh | None) -> None:
+    """``rollout.tensor_parallel`` must split whole kv heads (each device attends with its own) and the MLP's
+    columns, on a mesh (``rollout_mesh`` checks that it divides the devices)."""
+    if shards == 1:
+        return
+    if mesh is None:
+        raise ValueError(f"rollout.tensor_parallel={shards} needs a mesh of devices (none given)")
+    for what, size in (("num_kv_heads", model.num_kv_heads), ("intermediate_size", model.intermediate_size)):
+        if size % shards:
+            raise ValueError(f"rollout.tensor_parallel={shards} must divide the model's {what}={size}")
 
 
 def prefill_bucket(length: int, max_prefill_length: int) -> int:
@@ -137,8 +156,11 @@ class EngineConfig:
     # XLA options of the decoding programs: "auto" = DECODE_GPU_OPTIONS on a GPU, "none" = the process's defaults
     compiler_options: str = "auto"
     # the decode step's layers: "unrolled" reads per-layer weights and cache in place (one straight-line program),
-    # "scan" loops over stacked ones; "auto" = unrolled on a single device, scan on a larger mesh
+    # "scan" loops over stacked ones; "auto" = unrolled
     layer_loop: str = "auto"
+    # rollout.tensor_parallel: on a mesh, the devices of one replica group, over which the rollout weights are split
+    # (heads, MLP columns, vocabulary); the rest of the mesh splits the decode batch (parallel.mesh.rollout_mesh)
+    tensor_parallel: int = 1
 
     def __post_init__(self):
         if self.decode_attention not in DECODE_ATTENTION_IMPLS:
@@ -148,6 +170,9 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.compiler_options={self.compiler_options!r}; allowed: {COMPILER_OPTIONS}")
         if self.layer_loop not in LAYER_LOOPS:
             raise ValueError(f"EngineConfig.layer_loop={self.layer_loop!r}; allowed: {LAYER_LOOPS}")
+        if isinstance(self.tensor_parallel, bool) or not isinstance(self.tensor_parallel, int) \
+                or self.tensor_parallel < 1:
+            raise ValueError(f"rollout.tensor_parallel={self.tensor_parallel!r} must be a positive int")
 
     @property
     def max_cache_length(self) -> int:
@@ -161,7 +186,9 @@ class Engine:
                  mesh: jax.sharding.Mesh | None = None):
         self.model, self.precision, self.config = model, precision, config
         self.tokenizer = tokenizer
-        self.mesh = mesh
+        self.train_mesh = mesh  # where the weights come from (the trainer's params)
+        self.mesh = None if mesh is None else rollout_mesh(mesh, config.tensor_parallel)  # where the rollout runs
+        _check_tensor_parallel(model, config.tensor_parallel, mesh)
         self.compiler_options = decode_compiler_options(config.compiler_options)
         # jit for the programs that decode: with the decode options (see DECODE_GPU_OPTIONS)
         self._decode_jit = decode_jit = functools.partial(jax.jit, compiler_options=self.compiler_options or None)
@@ -179,24 +206,21 @@ class Engine:
         # in place, and the cache as one array (of bits) per layer (llama.cache_layers), which it writes in place.
         # On a CPU a scan over stacked weights has XLA copy each layer's slice (as many bytes again as the GEMMs
         # read) and convert the whole cache to its bits and back in every step; on the H100 the unrolled step has
-        # fewer copies and kernels, 10% faster in FP8 (benchmarks/RESULTS.md). Not yet under a mesh of several
-        # devices, whose shardings are laid out for the stacked trees.
-        one_device = mesh is None or mesh.size == 1
-        if config.layer_loop == "unrolled" and not one_device:
-            raise ValueError(f"EngineConfig.layer_loop='unrolled' needs a single device; the mesh has {mesh.size}")
-        self._per_layer = one_device and config.layer_loop != "scan"
+        # fewer copies and kernels, 10% faster in FP8 (benchmarks/RESULTS.md). On a mesh too: the per-layer arrays
+        # are placed by the same rules as the stacked ones.
+        self._per_layer = config.layer_loop != "scan"
         self._load = jax.jit((lambda p, s: per_layer(load(p, s))) if self._per_layer else load)
         # with per-layer weights the blocks' FP8 state and the KV scales come per layer too (llama.forward_hidden):
         # the unrolled layers are then identical computations, compiled once
         self._split_layers = jax.jit(lambda fp8_state, kv_scales: (
             fp8_state and {**fp8_state, "blocks": llama.split_layers(fp8_state["blocks"])},
             kv_scales and {n: tuple(a[i] for i in range(a.shape[0])) for n, a in kv_scales.items()}))
-        if mesh is not None:
-            self._jit_on_mesh(mesh)
+        if self.mesh is not None:
+            self._jit_on_mesh(self.mesh)
 
     def _jit_on_mesh(self, mesh: jax.sharding.Mesh) -> None:
-        """The same functions with the decode state's shardings as out_shardings (in_shardings follow the
-        arguments, which come placed), and the weight pre-quantization with the rollout weights' shardings."""
+        """The same functions on the rollout ``mesh``, with the decode state's shardings as out_shardings
+        (in_shardings follow the arguments, which come placed); the weights come through ``_reshard``."""
         state = rules.decode_state_shardings(jax.eval_shape(self._new_decode_state), mesh)
         rep = rules.replicated(mesh)  # what the host reads back each call: tokens, logprobs, flags
         self._init_state = jax.jit(self._new_decode_state, out_shardings=state)
@@ -206,18 +230,36 @@ class Engine:
         self._generate = decode_jit(self._generate_impl, donate_argnums=(1,), out_shardings=(state, rep))
         self._generate_steps = decode_jit(self._generate_steps_impl, donate_argnums=(1,), static_argnums=(2,),
                                           out_shardings=(state, rep, rep, rep))
-        load = self._load
+        self._resharded = None  # the weights' reshard, jitted at the first load_params (it needs the params' tree)
 
-        def load_on_mesh(params, fp8_state):
-            # no-ops for the trainer's params and FP8 state, which live there already
-            params = place(params, rules.state_shardings(params, mesh))
-            fp8_state = place(fp8_state, rep)
-            if not hasattr(self, "_load_sharded"):  # out_shardings need the output's tree: known at the first call
-                shardings = rules.state_shardings(jax.eval_shape(load, params, fp8_state), mesh)
-                self._load_sharded = jax.jit(load, out_shardings=shardings)
-            return self._load_sharded(params, fp8_state)
+    def _reshard(self, params, fp8_state, kv_scales):
+        """The rollout weights from the trainer's params, in the rollout's layout (the module docstring), with the
+        FP8 state and KV scales replicated on the rollout mesh: one jitted program, once per RL step."""
+        train, roll, precision, shards = self.train_mesh, self.mesh, self.precision, self.config.tensor_parallel
+        # no-ops for the trainer's params, FP8 state and KV scales, which live there already
+        params = place(params, rules.state_shardings(params, train))
+        fp8_state, kv_scales = place((fp8_state, kv_scales), rules.replicated(train))
+        if self._resharded is None:
+            load = functools.partial(rollout_params, precision=precision, num_layers=self.model.num_layers)
+            stacked = jax.eval_shape(load, params, fp8_state)
+            bits = jax.eval_shape(functools.partial(as_bits, precision=precision), stacked)
+            on_train, on_rollout = rules.state_shardings(bits, train), rules.state_shardings(bits, roll)
 
-        self._load = load_on_mesh
+            def reshard(params, fp8_state, kv_scales):
+                weights = load(params, fp8_state)
+                if train.size > 1:
+                    # quantized where the masters lie (each device its own shard), then moved as FP8 bytes: the
+                    # constraints pin the gather between them, so XLA neither gathers the masters nor widens the bytes
+                    moved = jax.lax.with_sharding_constraint(as_bits(weights, precision), on_train)
+                    moved = jax.lax.with_sharding_constraint(interleave_fused(moved, self.model, shards), on_rollout)
+                    weights = from_bits(moved, stacked, precision)
+                return per_layer(weights) if self._per_layer else weights, fp8_state, kv_scales
+
+            out = jax.eval_shape(reshard, params, fp8_state, kv_scales)[0]
+            rep = rules.replicated(roll)
+            self._resharded = jax.jit(reshard, out_shardings=(rules.state_shardings(out, roll), rep, rep))
+        with mesh_context(train, precision.backend):
+            return self._resharded(params, fp8_state, kv_scales)
 
     # -- sizes ----------------------------------------------------------------------------------------------
 
@@ -245,10 +287,10 @@ class Engine:
             raise ValueError(f"precision backend {self.precision.backend!r} needs the FP8 state")
         if self.precision.kv_fp8 and kv_scales is None:
             kv_scales = kvq.init_kv_scales(self.model.num_layers)
-        with mesh_context(self.mesh, self.precision.backend):
+        if self.mesh is None:
             weights = self._load(params, fp8_state)
-        if self.mesh is not None:  # read by every device: replicated (no-ops for the trainer's)
-            fp8_state, kv_scales = place((fp8_state, kv_scales), rules.replicated(self.mesh))
+        else:  # the rollout's layout; FP8 state and KV scales replicated on the rollout mesh
+            weights, fp8_state, kv_scales = self._reshard(params, fp8_state, kv_scales)
         if self._per_layer:
             with mesh_context(self.mesh, self.precision.backend):
                 fp8_state, kv_scales = self._split_layers(fp8_state, kv_scales)
@@ -335,6 +377,7 @@ class Engine:
             params["weights"], tokens, positions, config=self.model, precision=self.precision,
             fp8_state=params["fp8_state"], kv_scales=params["kv_scales"], cache=cache,
             decode_attention=self.config.decode_attention, cache_dtype=self.cache_dtype,
+            fused_shards=self.config.tensor_parallel,
         )
 
     def _logits(self, params, hidden):

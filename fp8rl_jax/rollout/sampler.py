@@ -24,12 +24,6 @@ class Sampler:
         self.config, self.model, self.tokenizer, self.precision, self.mesh = config, model, tokenizer, precision, mesh
         self._engines: dict[tuple[SamplingParams, int], Engine] = {}
 
-    def decode_attention(self) -> str:
-        """``rollout.decode_attention``; ``auto`` on a mesh of several devices is the XLA path: the Pallas kernel
-        is not partitioned, so XLA would gather the whole KV cache onto every device for it."""
-        impl = self.config.rollout.decode_attention
-        return "xla" if impl == "auto" and self.mesh is not None and self.mesh.size > 1 else impl
-
     def engine(self, sampling: SamplingParams, max_new_tokens: int) -> Engine:
         """The engine of one sampling setup, built once (each compiles its own steps at first use)."""
         key = (sampling, max_new_tokens)
@@ -38,7 +32,8 @@ class Sampler:
             self._engines[key] = Engine(self.model, self.precision, EngineConfig(
                 max_concurrent_decodes=c.rollout.decode_slots, max_prefill_length=c.data.max_prompt_tokens,
                 max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=tuple(self.tokenizer.stop_ids),
-                decode_attention=self.decode_attention()), mesh=self.mesh)
+                decode_attention=c.rollout.decode_attention, tensor_parallel=c.rollout.tensor_parallel),
+                mesh=self.mesh)
         return self._engines[key]
 
     def weights(self, engine: Engine, state: dict) -> dict:
