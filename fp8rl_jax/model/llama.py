@@ -206,6 +206,10 @@ def resolve_attention(impl: str, dtype, head_dim: int, backend: str | None = Non
 # the most sequences a packed row of T tokens may hold is T // SEGMENT_TOKENS (at least 1): cuDNN's packed layout
 # takes the segments of a row as a static [B, M] table, M = row_segments(T) + 1 (the row's padding tail is one more)
 SEGMENT_TOKENS = 16
+# jax's cuDNN packed layout scaled the key offsets by the *query* heads' stride, wrong under GQA (jax-ml/jax#39521;
+# 0.10.2's source has it). JAX 0.11.2 gave the segment-masked einsum's numbers with GQA kv heads as they are on the
+# H100 (a standalone probe, 2026-11-24); before it the kv heads are repeated to the query heads.
+CUDNN_PACKED_GQA = jax.__version_info__ >= (0, 11, 2)
 
 
 def row_segments(width: int) -> int:
@@ -241,8 +245,10 @@ def flash_attention(q, k, v, implementation: str = "cudnn", segment_ids: jax.Arr
     ``cudnn``: cuDNN's fused flash attention (``jax.nn.dot_product_attention``; GPU). With segments its packed
     (THD) layout, which ``jax.nn.dot_product_attention`` does not expose in JAX 0.10 / 0.11: jax's own cuDNN call
     with per-row run starts and lengths (``segment_table``) and a padding-causal mask (Hopper or newer, cuDNN >=
-    9.6). The kv heads are repeated to the query heads first: that call scales the key offsets by the *query*
-    heads' stride, wrong under GQA (jax-ml/jax#39521 fixed it later). ``pallas``: JAX's Pallas (Triton) flash
+    9.6); before JAX 0.11.2 the kv heads are repeated to the query heads first (``CUDNN_PACKED_GQA``). Measured on
+    the H100 (JAX 0.11.2, cuDNN 9.19; rows of 256 with 1-3 sequences and padding tails, GQA 8/2, head dim 64): the
+    BF16 output and gradients within BF16 rounding of the f32 segment-masked einsum, as Pallas'. ``pallas``: JAX's
+    Pallas (Triton) flash
     attention with its Triton backward (``jax.experimental.pallas.ops.gpu.attention``; GPU; takes segment ids): the
     kv heads repeated to the query heads, T padded to a multiple of ``ATTENTION_BLOCK``. ``xla`` and
     ``pallas_interpret``: the same two calls on any backend, as references (tests); ``xla`` with segments passes
@@ -262,7 +268,7 @@ def flash_attention(q, k, v, implementation: str = "cudnn", segment_ids: jax.Arr
         from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
 
         lengths, starts = segment_table(segment_ids, row_segments(t) + 1)
-        if groups > 1:  # [B, T, K, H] -> [B, T, N, H]: query head i reads kv head i // G
+        if groups > 1 and not CUDNN_PACKED_GQA:  # [B, T, K, H] -> [B, T, N, H]: query head i reads kv head i // G
             k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
         return cudnn_attention.dot_product_attention(
             q, k, v, q_seqlen=lengths, kv_seqlen=lengths, q_offsets=starts, kv_offsets=starts,
