@@ -116,6 +116,12 @@ def base_config() -> ml_collections.ConfigDict:
     c.rl.icepop_high = 5.0
     c.rl.minibatches = 1  # optimizer updates per RL step
     c.rl.microbatch_sequences = 0  # gradient accumulation: sequences per microbatch (0 = whole minibatch)
+    # tokens per microbatch (rows x width); with rl.packing the packed microbatch's budget (placeholder default)
+    c.rl.microbatch_tokens = 16384
+    # pack prompt + completion rows into fixed-width rows (rl/packing.py) for scoring and training, in place of
+    # right-padding each minibatch to its longest row; microbatches of rl.microbatch_tokens, rl.microbatch_sequences
+    # unused. Off: today's layout, bit for bit
+    c.rl.packing = False
 
     c.optim = ml_collections.ConfigDict()
     c.optim.lr = 1e-6
@@ -327,6 +333,17 @@ def validate(c: ml_collections.ConfigDict, known_rewards: Callable[[], Sequence[
     mb = c.rl.microbatch_sequences
     _check(mb == 0 or (seqs // c.rl.minibatches) % mb == 0, "rl.microbatch_sequences", mb,
            f"0 or a divisor of the minibatch size {seqs // c.rl.minibatches}")
+    _check(isinstance(c.rl.packing, bool), "rl.packing", c.rl.packing, "True or False")
+    _check(isinstance(c.rl.microbatch_tokens, int) and not isinstance(c.rl.microbatch_tokens, bool)
+           and c.rl.microbatch_tokens > 0, "rl.microbatch_tokens", c.rl.microbatch_tokens, "a positive int")
+    if c.rl.packing:
+        row = -(-(c.data.max_prompt_tokens + c.rollout.max_new_tokens) // 32) * 32
+        _check(c.rl.microbatch_tokens >= row, "rl.microbatch_tokens", c.rl.microbatch_tokens,
+               f">= {row} with rl.packing: one packed row holds data.max_prompt_tokens + rollout.max_new_tokens, "
+               "rounded up to 32")
+        _check(not c.rollout.exact, "rl.packing", c.rl.packing,
+               "False with rollout.exact=True: the exact sampler's bitwise agreement needs the scoring forward at "
+               "its own [microbatch, T] shape")
 
     _one_of(c, "optim.schedule", SCHEDULES)
     _positive(c, "optim.lr", allow_zero=True)
