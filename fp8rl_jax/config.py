@@ -129,6 +129,10 @@ def base_config() -> ml_collections.ConfigDict:
     # (fp8rl_jax/rl/microbatch.py has the arithmetic). microbatch_sequences > 0 sets the count instead and wins
     c.rl.microbatch_tokens = DEFAULT_MICROBATCH_TOKENS
     c.rl.microbatch_sequences = 0  # sequences per microbatch (0 = from microbatch_tokens)
+    # pack prompt + completion rows into fixed-width rows (rl/packing.py) for scoring and training, in place of
+    # right-padding each minibatch to its longest row; microbatches of rl.microbatch_tokens, rl.microbatch_sequences
+    # unused. Off: today's layout, bit for bit
+    c.rl.packing = False
 
     c.optim = ml_collections.ConfigDict()
     c.optim.lr = 1e-6
@@ -369,6 +373,15 @@ def validate(c: ml_collections.ConfigDict, known_rewards: Callable[[], Sequence[
     mb = c.rl.microbatch_sequences
     _check(mb == 0 or (seqs // c.rl.minibatches) % mb == 0, "rl.microbatch_sequences", mb,
            f"0 (from rl.microbatch_tokens) or a divisor of the minibatch size {seqs // c.rl.minibatches}")
+    _check(isinstance(c.rl.packing, bool), "rl.packing", c.rl.packing, "True or False")
+    if c.rl.packing:
+        row = -(-(c.data.max_prompt_tokens + c.rollout.max_new_tokens) // 32) * 32
+        _check(c.rl.microbatch_tokens >= row, "rl.microbatch_tokens", c.rl.microbatch_tokens,
+               f">= {row} with rl.packing: one packed row holds data.max_prompt_tokens + rollout.max_new_tokens, "
+               "rounded up to 32")
+        _check(not c.rollout.exact, "rl.packing", c.rl.packing,
+               "False with rollout.exact=True: the exact sampler's bitwise agreement needs the scoring forward at "
+               "its own [microbatch, T] shape")
 
     _one_of(c, "optim.schedule", SCHEDULES)
     _positive(c, "optim.lr", allow_zero=True)

@@ -23,6 +23,7 @@ restored onto the current mesh's shardings (whatever mesh saved them).
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import shutil
 import time
@@ -52,6 +53,7 @@ from fp8rl_jax.reporting import Reporter
 from fp8rl_jax.rl.advantages import group_advantages
 from fp8rl_jax.rl.metrics import mismatch_metrics, reduce_metric
 from fp8rl_jax.rl.microbatch import longest_row_tokens, microbatch_sequences, microbatch_source
+from fp8rl_jax.rl.packing import PackingPlan, pack
 from fp8rl_jax.rl.rewards import combined_rewards, reward_names
 from fp8rl_jax.rl.step import LossConfig, build_optimizer, make_calibrate, make_score, make_train_step
 from fp8rl_jax.rollout import driver, exact
@@ -203,6 +205,10 @@ class Trainer:
         self.row_tokens = longest_row_tokens(c)
         self.microbatch = microbatch_sequences(c, self.minibatch, self.row_tokens)
         self.calibration_rows = min(c.precision.kv_calibration_sequences, self.sequences)  # what step() recalibrates on
+        self.packing = None  # rl.packing: the [microbatches, rows, width] shape of a packed minibatch
+        if c.rl.packing:
+            batch_devices = self.mesh.shape["data"] * self.mesh.shape["fsdp"]  # the devices the rows split over
+            self.packing = PackingPlan.from_config(c, batch_devices)
         self.reward_fns = config_list(c.reward.fns)
         self.reward_weights = config_list(c.reward.weights, float)
 
@@ -225,7 +231,8 @@ class Trainer:
         # one minibatch per step: the old-policy logprobs are the loss's own forward (ratio exactly 1, no scoring)
         self._own_old_logp = c.rl.minibatches == 1
         self._train_step = make_train_step(self.model, self.train_precision, self.optimizer, loss_cfg,
-                                           old_logp_from_forward=self._own_old_logp, remat=c.model.remat, **on_mesh)
+                                           old_logp_from_forward=self._own_old_logp, remat=c.model.remat,
+                                           packed_sequences=self.minibatch if self.packing else None, **on_mesh)
         # after an update: FP8 observations only where training does not make them (fp8_rollout), and K/V amaxes
         self._calibrate = make_calibrate(self.model, self.rollout_precision, c.precision.kv_margin,
                                          observe_fp8=not self.train_precision.fp8, remat=c.model.remat,
@@ -323,33 +330,45 @@ class Trainer:
             # [prompts * group] -> [prompts, group] -> advantages [prompts * group]
             advantages = group_advantages(jnp.asarray(rewards).reshape(-1, self.group), c.rl.advantage).reshape(-1)
 
+        # the minibatches' sequences: row order[mb * minibatch + i] of the batch is row i of minibatch mb
+        order = np.random.default_rng([c.seed, step]).permutation(self.sequences)
         with self._phase(times, "score"):
-            arrays = self._pack(records, batch, advantages)
+            if self.packing:  # [minibatches, microbatches, rows, width] arrays, each minibatch packed on its own
+                arrays, active, calibration_tokens = self._pack_rows(records, batch, advantages, order)
+                score = functools.partial(self._score_packed, arrays=arrays, active=active)
+            else:
+                arrays = self._pack(records, batch, advantages)
+                calibration_tokens = arrays["tokens"]
+                score = functools.partial(self._score_all, tokens=arrays["tokens"])
             if not self._own_old_logp:
-                arrays["old_logp"] = self._score_all(self.state["params"], arrays["tokens"])
+                arrays["old_logp"] = score(self.state["params"])
             if self.ref_params is not None:
-                arrays["ref_logp"] = self._score_all(self.ref_params, arrays["tokens"])
+                arrays["ref_logp"] = score(self.ref_params)
         memory["score"] = peak_memory_gib()
 
         with self._phase(times, "train"):
             train_metrics = []
-            order = np.random.default_rng([c.seed, step]).permutation(self.sequences)
             own_old_logp = []
             for mb in range(c.rl.minibatches):
-                rows = order[mb * self.minibatch : (mb + 1) * self.minibatch]
-                # [minibatch, ...] -> [microbatches, microbatch, ...]
-                minibatch = {k: v[rows].reshape(-1, self.microbatch, *v.shape[1:]) for k, v in arrays.items()}
+                if self.packing:
+                    minibatch = {k: v[mb] for k, v in arrays.items()}
+                else:
+                    rows = order[mb * self.minibatch : (mb + 1) * self.minibatch]
+                    # [minibatch, ...] -> [microbatches, microbatch, ...]
+                    minibatch = {k: v[rows].reshape(-1, self.microbatch, *v.shape[1:]) for k, v in arrays.items()}
                 self.state, metrics, *own = self._train_step(self.state, minibatch)
-                own_old_logp += own  # one minibatch: the loss's own forward, [microbatches, microbatch, T]
+                own_old_logp += own  # one minibatch: the loss's own forward, [microbatches, microbatch (rows), T]
                 train_metrics.append(metrics)
-            if own_old_logp:  # back to the order of `arrays`: row order[i] of the batch is row i of the minibatch
+            if own_old_logp and self.packing:  # the packed layout of `arrays` itself
+                arrays["old_logp"] = own_old_logp[0][None]
+            elif own_old_logp:  # back to the order of `arrays`: row order[i] of the batch is row i of the minibatch
                 arrays["old_logp"] = own_old_logp[0].reshape(self.sequences, -1)[np.argsort(order)]
             train_metrics = host_get(train_metrics)
         memory["train"] = peak_memory_gib()
         mismatch = host_get(mismatch_metrics(arrays["rollout_logp"], arrays["old_logp"], arrays["mask"]))
 
         with self._phase(times, "calibrate"):
-            self._recalibrate(arrays["tokens"][: c.precision.kv_calibration_sequences])
+            self._recalibrate(calibration_tokens[: c.precision.kv_calibration_sequences])
             jax.block_until_ready((self.state["fp8_state"], self.state["kv_scales"]))
         memory["calibrate"] = peak_memory_gib()
         # placed like the restored counter: an uncommitted scalar would make the next train step compile again
@@ -454,6 +473,45 @@ class Trainer:
             rollout_logp[i, len(prompt) : len(prompt) + done] = batch.logprobs[i, :done]
         arrays = jax.device_put({"tokens": tokens, "mask": mask, "rollout_logp": rollout_logp})
         return {**arrays, "advantages": advantages.astype(jnp.float32)}
+
+    def _pack_rows(self, records, batch, advantages: jax.Array, order: np.ndarray):
+        """``rl.packing``: each minibatch's prompt + completion rows packed (``rl.packing.pack``; minibatch mb holds
+        rows ``order[mb * minibatch:][:minibatch]`` of the batch, as unpacked), stacked into [minibatches,
+        microbatches, rows, width] arrays put on the device once; also how many microbatches of each minibatch hold
+        rows (host ints), and the KV calibration's rows, right-padded as the unpacked layout has them."""
+        rows = [np.asarray([*records[p].prompt_ids, *batch.completion(i)], np.int32)
+                for i, p in enumerate(batch.prompt_index)]
+        masks, rollout_logp = [], []
+        for i, p in enumerate(batch.prompt_index):
+            prompt, done = len(records[p].prompt_ids), int(batch.lengths[i])
+            masks.append(np.concatenate([np.zeros(prompt, np.float32), np.ones(done, np.float32)]))
+            rollout_logp.append(np.concatenate([np.zeros(prompt, np.float32), batch.logprobs[i, :done]]))
+        advantages = np.asarray(host_get(advantages), np.float32)
+        pad = self.tokenizer.pad_id or 0
+        parts = []
+        for mb in range(self.config.rl.minibatches):
+            take = order[mb * self.minibatch : (mb + 1) * self.minibatch]
+            parts.append(pack(self.packing, [rows[i] for i in take],
+                              {"mask": [masks[i] for i in take], "rollout_logp": [rollout_logp[i] for i in take]},
+                              {"advantages": advantages[take]}, pad_id=pad))
+        active = [int(p["microbatches"]) for p in parts]
+        names = ("tokens", "segment_ids", "positions", "mask", "rollout_logp", "advantages")
+        arrays = jax.device_put({k: np.stack([p[k] for p in parts]) for k in names})
+        k = self.config.precision.kv_calibration_sequences
+        return arrays, active, right_pad(rows, pad, width=batch.width)[:k]
+
+    def _score_packed(self, params, arrays: dict, active: list[int]) -> jax.Array:
+        """Per-token logprobs [minibatches, microbatches, rows, width] of packed ``arrays`` under ``params``: one
+        [rows, width] call per microbatch that holds rows, zeros for the rest."""
+        s, parts = self.state, []
+        for mb, count in enumerate(active):
+            for i in range(arrays["tokens"].shape[1]):
+                if i < count:
+                    packed = {k: arrays[k][mb, i] for k in ("tokens", "segment_ids", "positions")}
+                    parts.append(self._score(params, s["fp8_state"], s["kv_scales"], packed))
+                else:
+                    parts.append(jnp.zeros(arrays["tokens"].shape[2:], jnp.float32))
+        return jnp.stack(parts).reshape(arrays["tokens"].shape)
 
     def _score_all(self, params, tokens: jax.Array) -> jax.Array:
         """Per-token logprobs [rows, T] of ``tokens`` under ``params``, scored a microbatch at a time."""

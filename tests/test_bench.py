@@ -4,6 +4,9 @@ import importlib.util
 import json
 import os
 
+import numpy as np
+import pytest
+
 from fp8rl_jax.bench.__main__ import main
 
 
@@ -173,3 +176,69 @@ def test_set_values_parse_as_on_the_main_command_line():
     assert _value("true") is True and _value("False") is False and _value("TRUE") is True
     assert _value("3") == 3 and _value("0.5") == 0.5 and _value("[1, 2]") == [1, 2]
     assert _value("float8_e4m3fn") == "float8_e4m3fn" and _value(".gpu/smollm2_tok") == ".gpu/smollm2_tok"
+
+
+def test_e2e_lengths_and_packing_options(tmp_path):
+    """--lengths and --packing as the command line parses them, the length draws, the cut of a rollout batch, and
+    packed_speedup's arithmetic."""
+    import argparse
+
+    from fp8rl_jax.bench import e2e
+    from fp8rl_jax.bench.__main__ import _parser
+    from fp8rl_jax.rollout.driver import RolloutBatch
+
+    lengths_file = tmp_path / "lengths.txt"
+    lengths_file.write_text("3 5\n9\n")
+    args = _parser("e2e").parse_args(["e2e", "--lengths=lognormal:0.25,0.5", "--packing=off,on"])
+    assert args.packing == (False, True) and args.lengths.kind == "lognormal"
+    assert (args.lengths.mean_fraction, args.lengths.sigma) == (0.25, 0.5)
+    args = _parser("e2e").parse_args(["e2e"])
+    assert args.packing == (False,) and args.lengths.kind == "fixed"
+    assert e2e.parse_lengths(f"file:{lengths_file}").values == (3, 5, 9)
+    (tmp_path / "lengths.json").write_text("[4, 7]")
+    assert e2e.parse_lengths(f"file:{tmp_path / 'lengths.json'}").values == (4, 7)
+    for bad in ("lognormal:2,0.5", "lognormal:0.5", "uniform", "fixed:3", f"file:{tmp_path / 'none'}", "file:"):
+        with pytest.raises(argparse.ArgumentTypeError, match="--lengths="):
+            e2e.parse_lengths(bad)
+    for bad in ("yes", "on,on", ""):
+        with pytest.raises(argparse.ArgumentTypeError, match="--packing="):
+            e2e.parse_packing(bad)
+
+    # draws: a lognormal's mean is MEAN_FRACTION of the budget (few clip at 20000 tokens); clipped to [1, max_new]
+    rng = np.random.default_rng(0)
+    drawn = e2e.parse_lengths("lognormal:0.25,0.5").draw(20000, 20000, rng)
+    assert drawn.min() >= 1 and drawn.max() <= 20000 and abs(drawn.mean() / 5000 - 1) < 0.02
+    drawn = e2e.parse_lengths("lognormal:0.9,2.0").draw(1000, 8, rng)
+    assert drawn.min() >= 1 and drawn.max() == 8
+    assert set(e2e.parse_lengths(f"file:{lengths_file}").draw(200, 6, rng)) == {3, 5, 6}  # 9 clipped to 6
+    assert e2e.parse_lengths("fixed").draw(4, 8, rng) is None
+
+    batch = RolloutBatch(prompt_index=np.array([0, 0, 1]), tokens=np.arange(1, 13).reshape(3, 4),
+                         logprobs=-np.ones((3, 4), np.float32), lengths=np.array([4, 2, 3]),
+                         finish_reasons=["length", "stop", "stop"], stats={})
+    cut = e2e.truncate(batch, np.array([2, 3, 1]))
+    np.testing.assert_array_equal(cut.lengths, [2, 2, 1])
+    np.testing.assert_array_equal(cut.tokens, [[1, 2, 0, 0], [5, 6, 0, 0], [9, 0, 0, 0]])
+    np.testing.assert_array_equal(cut.logprobs, [[-1, -1, 0, 0], [-1, -1, 0, 0], [-1, 0, 0, 0]])
+    assert cut.finish_reasons == ["length", "stop", "length"]
+
+    rows = [{"mode": "bf16", "packing": "off", "lengths": "x", "time_score": 1.0, "time_train": 5.0},
+            {"mode": "bf16", "packing": "on", "lengths": "x", "time_score": 0.5, "time_train": 2.5},
+            {"mode": "fp8_e2e", "packing": "off", "lengths": "x", "time_score": 1.0, "time_train": 3.0},
+            {"mode": "fp8_e2e", "packing": "on", "lengths": "x", "time_score": 1.0, "time_train": 1.0},
+            {"mode": "fp8_rollout", "packing": "off", "lengths": "x", "time_score": 1.0, "time_train": 3.0},
+            {"mode": "fp8_rollout", "packing": "on", "error": "child exited 1"}]
+    assert e2e.packing_summary(rows) == {"rows": rows, "packed_speedup": {"bf16": 2.0, "fp8_e2e": 2.0}}
+    two = rows[:2] + [dict(rows[0], lengths="y", time_train=2.0), dict(rows[1], lengths="y", time_train=1.0)]
+    assert e2e.packed_speedup(two) == {"bf16@x": 2.0, "bf16@y": 2.0}
+
+
+def test_e2e_packed_mode_with_drawn_lengths():
+    """One packed mode in-process on the tiny config with lognormal lengths: completions cut to the draws (mean a
+    quarter of 12 tokens, before clipping to [1, 12]), rows that say their layout and lengths."""
+    from fp8rl_jax.bench import e2e
+
+    row = e2e.measure("configs/tiny.py", "bf16", [], warmup=1, steps=1, lengths="lognormal:0.25,0.5", packing=True)
+    assert row["packing"] == "on" and row["lengths"] == "lognormal:0.25,0.5"
+    assert 1 <= row["response_length_mean"] < 6
+    assert row["time_score_train"] == pytest.approx(row["time_score"] + row["time_train"])

@@ -280,3 +280,44 @@ def test_max_and_min_metrics_reduce_across_minibatches(tmp_path):
         assert record[name] == pytest.approx(max(float(m[name]) for m in per_minibatch), rel=1e-6), name
     assert record["ratio_min"] == pytest.approx(min(float(m["ratio_min"]) for m in per_minibatch), rel=1e-6)
     assert record["ratio_mean"] == pytest.approx(np.mean([float(m["ratio_mean"]) for m in per_minibatch]), rel=1e-6)
+
+
+@pytest.mark.parametrize("minibatches, mode, compute", [(1, "fp8_e2e", "bfloat16"), (2, "bf16", "float32")])
+def test_packed_step_equals_the_unpacked_step(tmp_path, minibatches, mode, compute):
+    """rl.packing: the same rollout (same seed and weights), scored and trained over packed rows, gives the unpacked
+    step's metrics and parameters. Prompts may take 40 tokens, so a packed row is 64 wide and holds 2-3 of the tiny
+    task's ~20-token sequences; 4 rows per microbatch (256 tokens). One minibatch (fp8_e2e, xla backend): the loss's
+    own old logprobs. Two: the scoring forward's, packed too; the second update starts from params that differ by
+    the first's rounding, which FP8 or BF16 rounding would amplify, so that case computes in f32.
+
+    Bounds: metrics within 1e-5 relative; params within 5e-6, where an update moves each by about lr = 3e-3: Adam's
+    first step is lr g / (|g| + eps), which turns the f32 rounding of a gradient near eps (sums in another order)
+    into up to 1.1e-6 (measured)."""
+    records, params = {}, {}
+    for packing in (False, True):
+        trainer = Trainer(_config(tmp_path / str(packing), mode, steps=1, **{
+            "data.max_prompt_tokens": 40, "rl.packing": packing, "rl.microbatch_tokens": 256,
+            "rl.minibatches": minibatches, "precision.compute_dtype": compute}))
+        if packing:
+            assert (trainer.packing.width, trainer.packing.rows) == (64, 4)
+        records[packing] = trainer.step()
+        params[packing] = jax.device_get(trainer.state["params"])
+        trainer.close()
+    unpacked, packed = _metrics_without_timing([records[False], records[True]])
+    assert packed.keys() == unpacked.keys()
+    for name, value in unpacked.items():
+        if isinstance(value, float):
+            assert packed[name] == pytest.approx(value, rel=1e-5, abs=1e-7), name
+        else:
+            assert packed[name] == value, name
+    for a, b in zip(jax.tree.leaves(params[True]), jax.tree.leaves(params[False]), strict=True):
+        np.testing.assert_allclose(a, b, rtol=0, atol=5e-6)
+
+
+def test_packing_config_errors(tmp_path):
+    from fp8rl_jax.config import ConfigError
+
+    with pytest.raises(ConfigError, match="rl.microbatch_tokens=16 is invalid; allowed: >= 32 with rl.packing"):
+        Trainer(_config(tmp_path, **{"rl.packing": True, "rl.microbatch_tokens": 16}))
+    with pytest.raises(ConfigError, match="rl.packing=True is invalid; allowed: False with rollout.exact=True"):
+        Trainer(_config(tmp_path, **{"rl.packing": True, "rollout.exact": True}))

@@ -15,18 +15,35 @@ remat's recomputation is not counted), MFU is against the device's dense BF16 pe
 fraction of its HBM bound uses the bytes one decode step must read (the sampler's weights once, the KV of the
 average context of each slot) over the measured copy bandwidth; the phase includes prefill and host syncs.
 
-Speedups in the summary are fp8_e2e over the best BF16 mode, phase by phase.
+Speedups in the summary are fp8_e2e over the best BF16 mode, phase by phase (over the rows of the first
+``--packing`` layout).
+
+Completion lengths (``--lengths``): with random weights a stop token never comes, so every completion is
+``max_new_tokens`` long and padding costs nothing to remove. ``lognormal:MEAN_FRACTION,SIGMA`` draws a length per
+sequence, ``max_new_tokens x MEAN_FRACTION x exp(SIGMA Z - SIGMA^2 / 2)`` (mean MEAN_FRACTION of the budget before
+clipping to [1, max_new_tokens]), ``file:PATH`` draws with replacement from the integers in a file (whitespace or
+JSON list), ``fixed`` keeps what the rollout returned. Each completion is cut at its drawn length after the rollout
+(the rollout itself still decodes the whole budget: its time is not what these lengths are for), from the reward
+on; the draws depend on the step only, so every mode and layout sees the same lengths.
+
+Packing (``--packing=off|on``, or ``off,on`` for both, each a child process per mode): ``rl.packing``. With both,
+``packed_speedup[mode]`` = (score + train) seconds unpacked / packed; ``packing_summary(rows)`` builds
+``{"rows": [...], "packed_speedup": {...}}`` from any rows (the integrator's files of several runs too).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import itertools
 import json
 import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+import numpy as np
 
 PHASES = ("weights", "rollout", "reward", "score", "train", "calibrate", "step")
 MODES = {  # mode -> (precision.mode, extra XLA flags)
@@ -48,12 +65,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=None, help="seconds per mode")
     parser.add_argument("--smoke", action="store_true", help="configs/tiny.py, bf16 and fp8_e2e, one timed step")
+    parser.add_argument("--lengths", default="fixed", type=parse_lengths,
+                        help="completion lengths: fixed | lognormal:MEAN_FRACTION,SIGMA | file:PATH")
+    parser.add_argument("--packing", default="off", type=parse_packing,
+                        help="rl.packing: off | on | off,on (each mode in both layouts)")
     parser.add_argument("--one", default="", help=argparse.SUPPRESS)  # child: run this mode, write --out
 
 
 def run(args) -> list[dict]:
     if args.one:
-        return [measure(args.config, args.one, args.set, args.warmup, args.steps)]
+        return [measure(args.config, args.one, args.set, args.warmup, args.steps, lengths=args.lengths,
+                        packing=args.packing[0])]
     if args.smoke:
         args.config, args.modes, args.steps = "configs/tiny.py", "bf16,fp8_e2e", 1
     modes = args.modes.split(",")
@@ -61,8 +83,8 @@ def run(args) -> list[dict]:
         if mode not in MODES:
             raise SystemExit(f"error: bench e2e: mode {mode!r}; allowed: {', '.join(MODES)}")
     rows = []
-    for mode in modes:
-        row = _child(args, mode)
+    for mode, packing in itertools.product(modes, args.packing):
+        row = _child(args, mode, packing)
         rows.append(row)
         print(json.dumps(row), flush=True)
         if args.out:  # a mode that times out later still leaves the earlier ones
@@ -70,7 +92,7 @@ def run(args) -> list[dict]:
     return rows
 
 
-def _child(args, mode: str) -> dict:
+def _child(args, mode: str, packing: bool = False) -> dict:
     env = dict(os.environ)
     if MODES[mode][1]:
         env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {MODES[mode][1]}".strip()
@@ -78,6 +100,7 @@ def _child(args, mode: str) -> dict:
         out = Path(tmp) / "row.json"
         cmd = [sys.executable, "-m", "fp8rl_jax.bench", "e2e", "--one", mode, "--config", args.config,
                "--warmup", str(args.warmup), "--steps", str(args.steps), "--out", str(out),
+               f"--lengths={args.lengths.spec}", f"--packing={'on' if packing else 'off'}",
                *[f"--set={s}" for s in args.set]]
         try:
             proc = subprocess.run(cmd, env=env, timeout=args.timeout)
@@ -85,12 +108,14 @@ def _child(args, mode: str) -> dict:
         except subprocess.TimeoutExpired:
             code = "timeout"
         if code != 0 or not out.exists():
-            return {"mode": mode, "error": f"child exited {code}"}
+            return {"mode": mode, "packing": "on" if packing else "off", "error": f"child exited {code}"}
         return json.loads(out.read_text())[0]
 
 
-def measure(config_path: str, mode: str, sets: list[str], warmup: int, steps: int) -> dict:
-    """Build the trainer for ``mode``, run ``warmup`` then ``steps`` RL steps; the timed steps' averages."""
+def measure(config_path: str, mode: str, sets: list[str], warmup: int, steps: int,
+            lengths: Lengths | str = "fixed", packing: bool = False) -> dict:
+    """Build the trainer for ``mode``, run ``warmup`` then ``steps`` RL steps; the timed steps' averages.
+    ``lengths``: the completions' lengths (``parse_lengths``); ``packing``: ``rl.packing``."""
     import jax
 
     from fp8rl_jax.bench import device_name
@@ -104,21 +129,26 @@ def measure(config_path: str, mode: str, sets: list[str], warmup: int, steps: in
     with tempfile.TemporaryDirectory() as workdir:
         overrides.update({"precision.mode": MODES[mode][0], "workdir": workdir, "steps": warmup + steps,
                           "checkpoint.every": 0, "checkpoint.save_final": False, "logging.progress": False,
-                          "logging.tensorboard": False, "logging.plots": False, "data.num_eval": 0})
+                          "logging.tensorboard": False, "logging.plots": False, "data.num_eval": 0,
+                          "rl.packing": packing})
         trainer = Trainer.from_file(path, arg or None, **overrides)
+        lengths = parse_lengths(lengths) if isinstance(lengths, str) else lengths
+        enforce_lengths(trainer, lengths)
         records = [trainer.step() for _ in range(warmup + steps)]
         timed = records[warmup:]
         c, model = trainer.config, trainer.model
         precision = trainer.rollout_precision
         trainer.close()
     mean = lambda key: mean_of(timed, lambda r: r[key])  # noqa: E731
-    row = {"mode": mode, "backend": timed[-1]["precision_backend"], "config": config_path, "overrides": sets,
+    row = {"mode": mode, "packing": "on" if packing else "off", "lengths": lengths.spec,
+           "backend": timed[-1]["precision_backend"], "config": config_path, "overrides": sets,
            "warmup": warmup, "steps": steps, "sequences": c.rollout.prompts_per_step * c.rollout.samples_per_prompt,
            "max_new_tokens": c.rollout.max_new_tokens, "decode_slots": c.rollout.decode_slots,
            "device": device_name(), "devices": jax.device_count(),
            "attention": llama.resolve_attention(precision.attention, precision.dtype, model.head_dim),
            **{f"time_{p}": mean(f"time/{p}") for p in PHASES if f"time/{p}" in timed[0]},
            "response_length_mean": mean("response_length_mean"),
+           "time_score_train": mean_of(timed, lambda r: r["time/score"] + r["time/train"]),
            "rollout_tokens_per_s": mean("rollout_tokens_per_s")}
     # train: model FLOPs of the trained tokens (prompt + completion) per train-phase second
     tokens = mean_of(timed, lambda r: r["train_tokens_per_s"] * r["time/train"])
@@ -141,6 +171,132 @@ def measure(config_path: str, mode: str, sets: list[str], warmup: int, steps: in
     row["peak_memory_gib"] = {p: timed[-1][f"memory/{p}_peak_gib"] for p in PHASES
                               if f"memory/{p}_peak_gib" in timed[-1]}
     return row
+
+
+@dataclasses.dataclass(frozen=True)
+class Lengths:
+    """How ``bench e2e`` sets completion lengths (``parse_lengths``)."""
+
+    spec: str  # as given on the command line
+    kind: str  # fixed | lognormal | file
+    mean_fraction: float = 1.0
+    sigma: float = 0.0
+    values: tuple[int, ...] = ()
+
+    def draw(self, n: int, max_new: int, rng: np.random.Generator) -> np.ndarray | None:
+        """``n`` lengths in [1, max_new] (None for ``fixed``)."""
+        if self.kind == "fixed":
+            return None
+        if self.kind == "lognormal":
+            z = rng.standard_normal(n)
+            drawn = max_new * self.mean_fraction * np.exp(self.sigma * z - self.sigma**2 / 2)
+        else:
+            drawn = rng.choice(np.asarray(self.values), size=n, replace=True)
+        return np.clip(np.rint(drawn), 1, max_new).astype(np.int64)
+
+
+LENGTHS_HELP = "fixed | lognormal:MEAN_FRACTION,SIGMA (0 < MEAN_FRACTION <= 1, SIGMA >= 0) | file:PATH"
+
+
+def parse_lengths(spec: str) -> Lengths:
+    """``--lengths``: ``fixed``, ``lognormal:MEAN_FRACTION,SIGMA`` or ``file:PATH`` (integers, whitespace-separated
+    or a JSON list)."""
+    kind, _, arg = spec.partition(":")
+    if kind == "fixed" and not arg:
+        return Lengths(spec, "fixed")
+    if kind == "lognormal":
+        try:
+            mean_fraction, sigma = (float(x) for x in arg.split(","))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--lengths={spec}: allowed: {LENGTHS_HELP}") from None
+        if not (0 < mean_fraction <= 1 and sigma >= 0):
+            raise argparse.ArgumentTypeError(f"--lengths={spec}: allowed: {LENGTHS_HELP}")
+        return Lengths(spec, "lognormal", mean_fraction=mean_fraction, sigma=sigma)
+    if kind == "file" and arg:
+        try:
+            text = Path(arg).read_text()
+        except OSError as e:
+            raise argparse.ArgumentTypeError(f"--lengths={spec}: cannot read {arg}: {e.strerror}") from None
+        try:
+            values = json.loads(text) if text.lstrip().startswith("[") else text.split()
+            values = tuple(int(v) for v in values)
+        except (ValueError, TypeError):
+            raise argparse.ArgumentTypeError(f"--lengths={spec}: {arg} must hold integers (whitespace-separated or "
+                                             "a JSON list)") from None
+        if not values or min(values) < 1:
+            raise argparse.ArgumentTypeError(f"--lengths={spec}: {arg} must hold at least one length, each >= 1")
+        return Lengths(spec, "file", values=values)
+    raise argparse.ArgumentTypeError(f"--lengths={spec}: allowed: {LENGTHS_HELP}")
+
+
+def parse_packing(spec: str) -> tuple[bool, ...]:
+    """``--packing``: ``off``, ``on`` or both, comma-separated, in the order given."""
+    names = spec.split(",")
+    if not names or any(n not in ("on", "off") for n in names) or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"--packing={spec}: allowed: off | on | off,on")
+    return tuple(n == "on" for n in names)
+
+
+def truncate(batch, lengths: np.ndarray | None):
+    """``batch`` (a ``RolloutBatch``) with each completion cut at ``lengths`` (a completion shorter already stays
+    as it is); a cut completion's finish reason becomes ``length``."""
+    if lengths is None:
+        return batch
+    new = np.minimum(batch.lengths, lengths)
+    keep = np.arange(batch.tokens.shape[1])[None] < new[:, None]
+    reasons = [r if n == old else "length" for r, n, old in zip(batch.finish_reasons, new, batch.lengths,
+                                                                    strict=True)]
+    return dataclasses.replace(batch, tokens=np.where(keep, batch.tokens, 0).astype(batch.tokens.dtype),
+                               logprobs=np.where(keep, batch.logprobs, 0.0).astype(batch.logprobs.dtype),
+                               lengths=new.astype(batch.lengths.dtype), finish_reasons=reasons)
+
+
+def enforce_lengths(trainer, lengths: Lengths) -> None:
+    """From now on the trainer's rollouts come back cut to lengths drawn by ``lengths`` (``truncate``), a draw per
+    rollout from a generator seeded by the config's seed and the rollout's index: the same lengths in every mode."""
+    if lengths.kind == "fixed":
+        return
+    max_new, seed, count = trainer.config.rollout.max_new_tokens, trainer.config.seed, itertools.count()
+
+    def cut(rollout):
+        def call(*args, **kwargs):
+            batch = rollout(*args, **kwargs)
+            rng = np.random.default_rng([seed, next(count)])
+            return truncate(batch, lengths.draw(len(batch.lengths), max_new, rng))
+        return call
+
+    trainer.sampler.rollout = cut(trainer.sampler.rollout)
+    if trainer.exact_sampler is not None:
+        trainer.exact_sampler.rollout = cut(trainer.exact_sampler.rollout)
+
+
+def packed_speedup(rows: list[dict]) -> dict[str, float]:
+    """Per mode (and lengths) with both layouts measured: (score + train) seconds unpacked / packed. Several
+    ``--lengths`` of one mode: the key is ``mode@lengths``."""
+    def seconds(r: dict) -> float:
+        return r["time_score"] + r["time_train"]
+
+    ok = [r for r in rows if "error" not in r]
+    specs = {r["mode"]: set() for r in ok}
+    for r in ok:
+        specs[r["mode"]].add(r.get("lengths", "fixed"))
+    out = {}
+    for r in ok:
+        if r.get("packing", "off") != "off":
+            continue
+        spec = r.get("lengths", "fixed")
+        on = [q for q in ok if q["mode"] == r["mode"] and q.get("lengths", "fixed") == spec
+              and q.get("packing") == "on"]
+        if on:
+            key = r["mode"] if len(specs[r["mode"]]) == 1 else f"{r['mode']}@{spec}"
+            out[key] = seconds(r) / seconds(on[-1])
+    return out
+
+
+def packing_summary(rows: list[dict]) -> dict:
+    """``{"rows": rows, "packed_speedup": {mode: x}}`` (``packed_speedup``), e.g. over the rows of several
+    ``bench e2e`` files (their ``modes``)."""
+    return {"rows": rows, "packed_speedup": packed_speedup(rows)}
 
 
 def mean_of(records: list[dict], fn) -> float:
@@ -169,7 +325,8 @@ def summarize(rows: list[dict], args) -> dict:
     """The file ``bench e2e`` writes: speedups of fp8_e2e over the best BF16 mode, and every mode's row."""
     import subprocess as sp
 
-    ok = {r["mode"]: r for r in rows if "error" not in r}
+    first = next((r.get("packing", "off") for r in rows), "off")  # the speedups over one layout's rows
+    ok = {r["mode"]: r for r in rows if "error" not in r and r.get("packing", "off") == first}
     bf16 = [r for m, r in ok.items() if m.startswith("bf16")]
     fp8 = ok.get("fp8_e2e")
     best = lambda key: min(r[key] for r in bf16) if bf16 else None  # noqa: E731
@@ -187,4 +344,5 @@ def summarize(rows: list[dict], args) -> dict:
         "commit": commit,
         "command": "python -m fp8rl_jax.bench e2e " + " ".join(sys.argv[2:]),
         "modes": rows,
+        "packed_speedup": packed_speedup(rows),
     }

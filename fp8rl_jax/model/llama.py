@@ -147,10 +147,11 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-def attention(q, k, v, q_pos, k_pos) -> jax.Array:
-    """Causal GQA attention, softmax in f32. Key s is visible to query t iff 0 <= k_pos[s] <= q_pos[t].
+def attention(q, k, v, q_pos, k_pos, q_segments=None, k_segments=None) -> jax.Array:
+    """Causal GQA attention, softmax in f32. Key s is visible to query t iff 0 <= k_pos[s] <= q_pos[t] and, with
+    segment ids (packed rows, ``forward_hidden``), q_segments[t] == k_segments[s].
 
-    q [B, T, N, H]; k, v [B, K, S, H]; q_pos [B, T]; k_pos [B, S]  ->  [B, T, N, H]
+    q [B, T, N, H]; k, v [B, K, S, H]; q_pos, q_segments [B, T]; k_pos, k_segments [B, S]  ->  [B, T, N, H]
     """
     b, t, n, h = q.shape
     kh = k.shape[1]
@@ -160,6 +161,8 @@ def attention(q, k, v, q_pos, k_pos) -> jax.Array:
     scores = jnp.einsum("btkgh,bksh->bkgts", q, k, preferred_element_type=jnp.float32) / math.sqrt(h)
     # [B, T, S]
     visible = (k_pos[:, None, :] <= q_pos[:, :, None]) & (k_pos[:, None, :] >= 0)
+    if q_segments is not None:  # a packed row: positions restart per segment, so the segment decides too
+        visible = visible & (q_segments[:, :, None] == k_segments[:, None, :])
     scores = jnp.where(visible[:, None, None], scores, NEG_INF)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     # [B, K, G, T, S] x [B, K, S, H] -> [B, T, K, G, H]; accumulated in f32, rounded once to the compute dtype
@@ -202,35 +205,91 @@ def resolve_attention(impl: str, dtype, head_dim: int, backend: str | None = Non
     return "pallas" if 16 <= head_dim <= 128 and not head_dim & (head_dim - 1) else "xla"
 
 
-def flash_attention(q, k, v, implementation: str = "cudnn") -> jax.Array:
+# the most sequences a packed row of T tokens may hold is T // SEGMENT_TOKENS (at least 1): cuDNN's packed layout
+# takes the segments of a row as a static [B, M] table, M = row_segments(T) + 1 (the row's padding tail is one more)
+SEGMENT_TOKENS = 16
+# jax's cuDNN packed layout scaled the key offsets by the *query* heads' stride, wrong under GQA (jax-ml/jax#39521;
+# 0.10.2's source has it). JAX 0.11.2 gave the segment-masked einsum's numbers with GQA kv heads as they are on the
+# H100 (a standalone probe, 2026-11-24); before it the kv heads are repeated to the query heads.
+CUDNN_PACKED_GQA = jax.__version_info__ >= (0, 11, 2)
+
+
+def row_segments(width: int) -> int:
+    """The most sequences (segments) a packed row of ``width`` tokens may hold (``fp8rl_jax.rl.packing``)."""
+    return max(1, width // SEGMENT_TOKENS)
+
+
+def segment_table(segment_ids: jax.Array, max_segments: int) -> tuple[jax.Array, jax.Array]:
+    """The runs of equal ids in each row of ``segment_ids`` [B, T] as cuDNN's packed layout wants them: ``(lengths
+    [B, M], starts [B, M + 1])``, int32, -1 past a row's last run (M = ``max_segments``; a row with more runs than
+    M is cut short, so the packer never makes one: ``row_segments``). A packed row's padding tail is one run of its
+    own: every position is in some run, so the kernel leaves no output undefined."""
+    b, t = segment_ids.shape
+    # [B, T]: True where a run begins
+    begins = jnp.concatenate([jnp.ones((b, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+    # [B, M]: the first M run starts of each row in order, T where the row has fewer runs
+    starts = jax.vmap(lambda row: jnp.nonzero(row, size=max_segments, fill_value=t)[0])(begins).astype(jnp.int32)
+    ends = jnp.concatenate([starts[:, 1:], jnp.full((b, 1), t, jnp.int32)], axis=1)
+    present = starts < t
+    lengths = jnp.where(present, ends - starts, -1)
+    starts = jnp.concatenate([jnp.where(present, starts, -1), jnp.full((b, 1), -1, jnp.int32)], axis=1)
+    return lengths, starts
+
+
+def flash_attention(q, k, v, implementation: str = "cudnn", segment_ids: jax.Array | None = None) -> jax.Array:
     """Causal GQA self-attention of sequences at positions 0..T-1 without the [T, S] scores in memory (softmax in
     f32 inside the kernel). Right padding needs no mask: a padding position attends only to what precedes it, and
     nothing reads its output.
 
-    ``cudnn``: cuDNN's fused flash attention (``jax.nn.dot_product_attention``; GPU). ``pallas``: JAX's Pallas
-    (Triton) flash attention with its Triton backward (``jax.experimental.pallas.ops.gpu.attention``; GPU): the kv
-    heads repeated to the query heads, T padded to a multiple of ``ATTENTION_BLOCK``. ``xla`` and
-    ``pallas_interpret``: the same two calls on any backend, as references (tests).
+    ``segment_ids`` [B, T] int (packed rows, ``forward_hidden``): a query sees only the keys of its own segment,
+    causally by index. A row's segments are contiguous runs of one id (its padding tail one more run).
+
+    ``cudnn``: cuDNN's fused flash attention (``jax.nn.dot_product_attention``; GPU). With segments its packed
+    (THD) layout, which ``jax.nn.dot_product_attention`` does not expose in JAX 0.10 / 0.11: jax's own cuDNN call
+    with per-row run starts and lengths (``segment_table``) and a padding-causal mask (Hopper or newer, cuDNN >=
+    9.6); before JAX 0.11.2 the kv heads are repeated to the query heads first (``CUDNN_PACKED_GQA``). Measured on
+    the H100 (JAX 0.11.2, cuDNN 9.19; rows of 256 with 1-3 sequences and padding tails, GQA 8/2, head dim 64): the
+    BF16 output and gradients within BF16 rounding of the f32 segment-masked einsum, as Pallas'. ``pallas``: JAX's
+    Pallas (Triton) flash
+    attention with its Triton backward (``jax.experimental.pallas.ops.gpu.attention``; GPU; takes segment ids): the
+    kv heads repeated to the query heads, T padded to a multiple of ``ATTENTION_BLOCK``. ``xla`` and
+    ``pallas_interpret``: the same two calls on any backend, as references (tests); ``xla`` with segments passes
+    the segment mask to ``jax.nn.dot_product_attention``.
 
     q [B, T, N, H]; k, v [B, T, K, H] (q's dtype)  ->  [B, T, N, H]
     """
-    if implementation in ("cudnn", "xla"):
-        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
+    b, t, n, h = q.shape
+    groups = n // k.shape[2]
+    if implementation == "xla" or (implementation == "cudnn" and segment_ids is None):
+        mask = None
+        if segment_ids is not None:
+            # [B, 1, T, S]: same segment (the causal part is is_causal's)
+            mask = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
+        return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=implementation)
+    if implementation == "cudnn":
+        from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
+
+        lengths, starts = segment_table(segment_ids, row_segments(t) + 1)
+        if groups > 1 and not CUDNN_PACKED_GQA:  # [B, T, K, H] -> [B, T, N, H]: query head i reads kv head i // G
+            k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
+        return cudnn_attention.dot_product_attention(
+            q, k, v, q_seqlen=lengths, kv_seqlen=lengths, q_offsets=starts, kv_offsets=starts,
+            scale=1.0 / math.sqrt(h), mask_type=cudnn_attention.MaskType.PADDING_CAUSAL)
     if implementation not in ("pallas", "pallas_interpret"):
         raise ValueError(f"flash attention implementation={implementation!r}; allowed: cudnn | xla | pallas | "
                          "pallas_interpret")
     from jax.experimental.pallas.ops.gpu import attention as pallas_attention
 
-    b, t, n, h = q.shape
-    groups = n // k.shape[2]
     # [B, T, K, H] -> [B, T, N, H]: query head i reads kv head i // G (the kernel takes one kv head per query head)
     k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
     pad = -t % ATTENTION_BLOCK
     if pad:  # zero positions at the end: causal, so only the (discarded) padding queries see them
         q, k, v = (jnp.pad(a, ((0, 0), (0, pad), (0, 0), (0, 0))) for a in (q, k, v))
+        if segment_ids is not None:
+            segment_ids = jnp.pad(segment_ids, ((0, 0), (0, pad)), constant_values=-1)
     blocks = pallas_attention.BlockSizes(block_q=ATTENTION_BLOCK, block_k=ATTENTION_BLOCK, block_q_dkv=32,
                                          block_kv_dkv=32, block_q_dq=32, block_kv_dq=32)
-    out = pallas_attention.mha(q, k, v, None, sm_scale=1.0 / math.sqrt(h), causal=True, block_sizes=blocks,
+    out = pallas_attention.mha(q, k, v, segment_ids, sm_scale=1.0 / math.sqrt(h), causal=True, block_sizes=blocks,
                                interpret=implementation == "pallas_interpret")
     return out[:, :t]
 
@@ -366,11 +425,12 @@ def _split_fused(y: jax.Array, sizes: tuple[int, ...], shards: int) -> list[jax.
 
 
 def _block(x, layer, fp8, idx, positions, cache, kv_scales, config: LlamaConfig, precision: Precision, inv_freq,
-           decode_impl: str = "xla", cache_dtype=None, attention_impl: str = "xla", fused_shards: int = 1):
+           decode_impl: str = "xla", cache_dtype=None, attention_impl: str = "xla", fused_shards: int = 1,
+           segment_ids=None):
     """One transformer block. Returns the new residual stream, the updated cache and this layer's K/V amax.
 
     ``cache`` holds a ``cache_dtype`` cache, on CPU as its bits (see ``forward_hidden``). ``fused_shards``: see
-    ``_split_fused``."""
+    ``_split_fused``. ``segment_ids`` (packed rows, no cache) confine attention to each segment."""
     c = config
     b, t, _ = x.shape
     eps = c.rms_norm_eps
@@ -426,9 +486,9 @@ def _block(x, layer, fp8, idx, positions, cache, kv_scales, config: LlamaConfig,
         # [B, K, G, H] -> [B, 1, N, H]
         attn = attn.reshape(b, 1, c.num_heads, c.head_dim)
     elif cache is None and attention_impl != "xla":
-        attn = flash_attention(q, k.astype(q.dtype), v.astype(q.dtype), attention_impl)
+        attn = flash_attention(q, k.astype(q.dtype), v.astype(q.dtype), attention_impl, segment_ids=segment_ids)
     else:
-        attn = attention(q, keys.astype(q.dtype), values.astype(q.dtype), positions, k_pos)
+        attn = attention(q, keys.astype(q.dtype), values.astype(q.dtype), positions, k_pos, segment_ids, segment_ids)
     # [B, T, N, H] -> [B, T, N H]
     x = x + linear(attn.reshape(b, t, c.q_size), layer["wo"], fp8.get("wo"), precision, out_dtype=x.dtype)
 
@@ -465,15 +525,22 @@ def forward_hidden(
     remat: str = "none",
     cache_dtype=None,
     fused_shards: int = 1,
+    segment_ids: jax.Array | None = None,
 ):
     """Run the blocks and the final norm.
 
     tokens, positions: [B, T] int32. Sequences are right-padded; positions count from 0 at each sequence's
     first token (without a cache they must be 0..T-1 in every row: ``precision.attention`` ``cudnn``, or ``auto``
-    on a GPU, masks causally by index, not by position). With ``cache`` the new K/V are written at ``positions``
-    and attention reads the whole cache, except in decode (T == 1) with ``decode_attention`` ``pallas`` /
-    ``pallas_interpret`` (``auto``: pallas on a GPU backend), which reads positions 0..position of each sequence
-    only (``fp8rl_jax.kernels.decode_attention``).
+    on a GPU, masks causally by index, not by position).
+
+    ``segment_ids`` [B, T] int32 (no cache): packed rows (``fp8rl_jax.rl.packing``), several sequences per row, each
+    a contiguous run of one id with its own ``positions`` from 0 (RoPE restarts), the row's padding tail a run of
+    its own; a token attends to the earlier tokens of its own run only, in every attention implementation. A row
+    holds at most ``row_segments(T)`` sequences (cuDNN's packed layout takes a static table of them).
+
+    With ``cache`` the new K/V are written at ``positions`` and attention reads the whole cache, except in decode
+    (T == 1) with ``decode_attention`` ``pallas`` / ``pallas_interpret`` (``auto``: pallas on a GPU backend), which
+    reads positions 0..position of each sequence only (``fp8rl_jax.kernels.decode_attention``).
 
     A precision segment of ``blocks`` may come as a tuple of per-layer trees (``split_layers``: the CPU's rollout
     weights, see ``Engine``): its layers then run as an unrolled loop that reads each layer's weights in place, where a
@@ -492,6 +559,8 @@ def forward_hidden(
         raise ValueError(f"precision backend {precision.backend!r} needs fp8_state")
     if precision.kv_fp8 and kv_scales is None:
         raise ValueError("an FP8 KV cache needs kv_scales")
+    if segment_ids is not None and cache is not None:
+        raise ValueError("segment_ids (packed rows) are for the full-sequence forward, without a cache")
     c = config
     decode_impl = decode_kernel.resolve_impl(decode_attention)
     attention_impl = resolve_attention(precision.attention, precision.dtype, c.head_dim)
@@ -537,7 +606,7 @@ def forward_hidden(
                     fp8_layer = fp8[i] if fp8_per_layer else jax.tree.map(lambda a, i=i: a[i], fp8)
                 x, cache, (ak, av) = _block(x, layer, fp8_layer, start + i, positions, cache, kv_scales, c,
                                             precision, inv_freq, decode_impl, cache_dtype, attention_impl,
-                                            fused_shards)
+                                            fused_shards, segment_ids)
                 x = constrain(x, RESIDUAL_AXES)
                 amax_k.append(ak[None])
                 amax_v.append(av[None])
@@ -558,7 +627,7 @@ def forward_hidden(
             if gather:
                 layer = fsdp.block_kernels(layer, kernel_amax)
             x, cache, amax = _block(x, layer, fp8_layer, idx, positions, cache, kv_scales, c, precision, inv_freq,
-                                    decode_impl, cache_dtype, attention_impl, fused_shards)
+                                    decode_impl, cache_dtype, attention_impl, fused_shards, segment_ids)
             return (constrain(x, RESIDUAL_AXES), cache), amax
 
         body = _remat(body, remat)

@@ -41,7 +41,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from fp8rl_jax.rl.metrics import masked_max, masked_mean
+from fp8rl_jax.rl.metrics import masked_max, masked_mean, segment_sums
 
 KINDS = ("none", "tis", "seq_tis", "mis", "icepop")
 MIS_BAND = (0.999, 1.002)  # geometric-mean ratio kept by ``mis`` (see above)
@@ -57,10 +57,13 @@ def _truncate(log_r: jax.Array, cap: float) -> tuple[jax.Array, jax.Array]:
 
 
 def is_weights(old_logp: jax.Array, rollout_logp: jax.Array, mask: jax.Array, kind: str, *, cap: float = 2.0,
-               low: float | None = None, high: float | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+               low: float | None = None, high: float | None = None,
+               segments: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Constant IS weights ``[B, T]`` (0 on masked tokens) and their metrics, for ``[B, T]`` logprobs and mask.
 
     ``low`` / ``high``: the masking band of ``mis`` or ``icepop``; default ``MIS_BAND`` / ``ICEPOP_BAND``.
+    ``segments`` [B, T] (packed rows, ``metrics.segment_sums``): the sequence of each token, for the sequence-level
+    kinds; default: one sequence per row.
     """
     if kind not in KINDS:
         raise ValueError(f"unknown IS correction {kind!r}; allowed: {' | '.join(KINDS)}")
@@ -79,17 +82,25 @@ def is_weights(old_logp: jax.Array, rollout_logp: jax.Array, mask: jax.Array, ki
         w, clipped = _truncate(log_r, cap)
         dropped = no
     elif kind == "seq_tis":
-        w_seq, clipped_seq = _truncate(jnp.sum(log_r, axis=1), cap)  # [B]
-        w = jnp.broadcast_to(w_seq[:, None], m.shape)
-        clipped, dropped = jnp.broadcast_to(clipped_seq[:, None], m.shape), no
+        if segments is None:
+            w_seq, clipped_seq = _truncate(jnp.sum(log_r, axis=1), cap)  # [B]
+            w_seq, clipped_seq = w_seq[:, None], clipped_seq[:, None]
+        else:  # [B, T]: each token its sequence's sum
+            w_seq, clipped_seq = _truncate(segment_sums(log_r, segments)[segments], cap)
+        w = jnp.broadcast_to(w_seq, m.shape)
+        clipped, dropped = jnp.broadcast_to(clipped_seq, m.shape), no
     elif kind == "mis":
-        n_tok = jnp.maximum(jnp.sum(m, axis=1), 1).astype(jnp.float32)
-        rho = jnp.exp(jnp.sum(log_r, axis=1) / n_tok)  # [B]; inf/0 on overflow/underflow is still rejected
+        if segments is None:
+            n_tok = jnp.maximum(jnp.sum(m, axis=1), 1).astype(jnp.float32)
+            rho = jnp.exp(jnp.sum(log_r, axis=1) / n_tok)[:, None]  # [B, 1]; inf/0 on overflow/underflow: rejected
+        else:  # [B, T]: each token its sequence's geometric-mean ratio
+            n_tok = jnp.maximum(segment_sums(m.astype(jnp.float32), segments), 1.0)
+            rho = jnp.exp(segment_sums(log_r, segments) / n_tok)[segments]
         keep = (rho >= low) & (rho <= high)
         w_tok, clipped_tok = _truncate(log_r, cap)
-        w = jnp.where(keep[:, None], w_tok, 0.0)
-        clipped = clipped_tok & keep[:, None]
-        dropped = jnp.broadcast_to(~keep[:, None], m.shape)
+        w = jnp.where(keep, w_tok, 0.0)
+        clipped = clipped_tok & keep
+        dropped = jnp.broadcast_to(~keep, m.shape)
     else:  # icepop
         r = jnp.exp(log_r)
         inside = (r >= low) & (r <= high)

@@ -25,14 +25,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from fp8rl_jax.rl.metrics import masked_max, masked_mean, masked_min
+from fp8rl_jax.rl.metrics import masked_max, masked_mean, masked_min, segment_sums
 
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
 KL_ESTIMATORS = ("k1", "k3")
 
 
 def aggregate(per_token: jax.Array, mask: jax.Array, kind: str, *, num_tokens: jax.Array | float | None = None,
-              num_sequences: jax.Array | float | None = None) -> jax.Array:
+              num_sequences: jax.Array | float | None = None, segments: jax.Array | None = None) -> jax.Array:
     """Reduce a per-token loss ``[B, T]`` to a scalar.
 
     ``token_mean``: sum(l * m) / num_tokens. ``seq_mean_token_mean``: sum_b(sum_t l*m / max(1, sum_t m)) /
@@ -42,6 +42,10 @@ def aggregate(per_token: jax.Array, mask: jax.Array, kind: str, *, num_tokens: j
     totals of the whole (mini)batch instead: every aggregation is then a sum over sequences divided by a global
     constant, so the sum of the microbatch losses (split along B) equals the full-batch loss exactly. The
     per-sequence token count of ``seq_mean_token_mean`` is local to each sequence and needs no global value.
+
+    ``segments`` [B, T] (packed rows: several sequences per row, ``metrics.segment_sums``) names each token's
+    sequence; the per-sequence sums are then taken per segment, and ``num_sequences`` must be given (a row is no
+    longer a sequence).
     """
     if kind not in AGGREGATIONS:
         raise ValueError(f"unknown loss aggregation {kind!r}; allowed: {' | '.join(AGGREGATIONS)}")
@@ -51,11 +55,18 @@ def aggregate(per_token: jax.Array, mask: jax.Array, kind: str, *, num_tokens: j
         if num_tokens is None:
             num_tokens = jnp.maximum(jnp.sum(m), 1)  # an all-padding batch gives 0, not NaN
         return jnp.sum(masked) / jnp.asarray(num_tokens, jnp.float32)
-    if num_sequences is None:
-        num_sequences = per_token.shape[0]
-    per_sequence = jnp.sum(masked, axis=1)  # [B]
+    if segments is None:
+        if num_sequences is None:
+            num_sequences = per_token.shape[0]
+        per_sequence = jnp.sum(masked, axis=1)  # [B]
+        count = jnp.sum(m, axis=1) if kind == "seq_mean_token_mean" else None
+    else:
+        if num_sequences is None:
+            raise ValueError(f"loss aggregation {kind!r} over packed rows (segments) needs num_sequences")
+        per_sequence = segment_sums(masked, segments)  # [B * T]: a padding segment's sum is 0
+        count = segment_sums(m.astype(jnp.float32), segments) if kind == "seq_mean_token_mean" else None
     if kind == "seq_mean_token_mean":
-        per_sequence = per_sequence / jnp.maximum(jnp.sum(m, axis=1), 1).astype(jnp.float32)
+        per_sequence = per_sequence / jnp.maximum(count, 1).astype(jnp.float32)
     return jnp.sum(per_sequence) / jnp.asarray(num_sequences, jnp.float32)
 
 
@@ -77,10 +88,12 @@ def policy_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array, mas
                 clip_high: float, loss_agg: str, is_weights: jax.Array | None = None,
                 ref_logp: jax.Array | None = None, kl_coef: float = 0.0, kl_estimator: str = "k3",
                 num_tokens: jax.Array | float | None = None,
-                num_sequences: jax.Array | float | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+                num_sequences: jax.Array | float | None = None,
+                segments: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The clipped surrogate loss (scalar) and its metrics; ``logp``/``old_logp``/``mask`` are ``[B, T]``,
-    ``advantages`` is ``[B]``. ``clip_*``, ``loss_agg``, ``kl_coef`` and ``kl_estimator`` are static Python values
-    (``kl_coef`` decides at trace time whether the KL term exists).
+    ``advantages`` is ``[B]``, or ``[B, T]`` per token (packed rows, with ``segments``: see ``aggregate``).
+    ``clip_*``, ``loss_agg``, ``kl_coef`` and ``kl_estimator`` are static Python values (``kl_coef`` decides at
+    trace time whether the KL term exists).
 
     Metrics are masked means over the tokens of this batch (not the ``loss_agg`` aggregation), without gradient:
     ``pg_loss`` (the IS-weighted policy-gradient term), ``clip_fraction`` (tokens whose min picks the clipped term
@@ -92,7 +105,8 @@ def policy_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array, mas
     m = mask.astype(bool)
     logp = jnp.where(m, logp.astype(jnp.float32), 0.0)
     old_logp = jnp.where(m, old_logp.astype(jnp.float32), 0.0)
-    adv = jnp.where(m, advantages.astype(jnp.float32)[:, None], 0.0)  # [B] -> [B, T]
+    adv = advantages.astype(jnp.float32)
+    adv = jnp.where(m, adv[:, None] if adv.ndim == 1 else adv, 0.0)  # [B] -> [B, T]
 
     ratio = jnp.exp(logp - old_logp)
     unclipped = ratio * adv
@@ -114,7 +128,7 @@ def policy_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array, mas
         per_token = per_token + kl_coef * kl
         metrics["kl"] = masked_mean(kl, m)
 
-    loss = aggregate(per_token, m, loss_agg, num_tokens=num_tokens, num_sequences=num_sequences)
+    loss = aggregate(per_token, m, loss_agg, num_tokens=num_tokens, num_sequences=num_sequences, segments=segments)
     return loss, jax.tree.map(jax.lax.stop_gradient, metrics)
 
 

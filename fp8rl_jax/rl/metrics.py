@@ -42,6 +42,13 @@ def masked_min(x: jax.Array, mask: jax.Array) -> jax.Array:
     return jnp.where(jnp.any(m), smallest, 0.0)
 
 
+def segment_sums(x: jax.Array, segments: jax.Array) -> jax.Array:
+    """Sums of ``x`` [B, T] per segment, flat [B * T]: ``segments`` [B, T] int names each position's segment by a
+    value in [0, B * T) (packed rows: ``fp8rl_jax.rl.packing.sequence_keys``); ``out[segments]`` gives each position
+    its segment's sum. The per-sequence sums of a packed batch, where an unpacked one sums along axis 1."""
+    return jax.ops.segment_sum(x.reshape(-1), segments.reshape(-1), num_segments=x.size)
+
+
 def reduce_metric(name: str, values) -> jax.Array:
     """Combine one metric's values over microbatches or minibatches (``values``: a stacked array or a list of
     scalars): a ``*_max`` metric by max and a ``*_min`` metric by min (the mean of per-batch maxima is no

@@ -271,18 +271,25 @@ def token_logprobs(
     chunk: int = HEAD_CHUNK,
     with_entropy: bool = False,
     remat: str = "none",
+    positions: jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
 ):
     """``logp[b, t] = log pi_T(tokens[b, t] | tokens[b, :t])`` for t >= 1 (0 at t = 0).
 
     tokens: [B, T] right-padded sequences (prompt then completion). Returns ``(logp [B, T], entropy [B, T] or
     None, kv_amax)``; ``entropy[b, t]`` is the entropy of pi_T at the step that produced token t. ``remat``: the
     blocks' rematerialization policy (``llama.REMAT_POLICIES``), for the loss under ``jax.grad``.
+
+    Packed rows (``fp8rl_jax.rl.packing``): ``segment_ids`` and ``positions`` [B, T] (``llama.forward_hidden``);
+    a token's logprob is then conditioned on the earlier tokens of its own segment, and a segment's first token
+    (position 0) gets 0, as t = 0 of an unpacked row.
     """
     b, t = tokens.shape
-    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     hidden, _, kv_amax = llama.forward_hidden(
         params, tokens, positions, config=config, precision=precision, fp8_state=fp8_state, kv_scales=kv_scales,
-        remat=remat,
+        remat=remat, segment_ids=segment_ids,
     )
     # position t - 1 predicts token t: [B, T - 1, D] against targets [B, T - 1]
     hidden, targets = hidden[:, :-1], tokens[:, 1:]
@@ -298,6 +305,10 @@ def token_logprobs(
     zero = jnp.zeros((b, 1), jnp.float32)
     logp = jnp.concatenate([zero, logp], axis=1)
     entropy = jnp.concatenate([zero, ent], axis=1) if with_entropy else None
+    if segment_ids is not None:  # a segment's first token was "predicted" from the segment before it: no logprob
+        first = positions == 0
+        logp = jnp.where(first, 0.0, logp)
+        entropy = jnp.where(first, 0.0, entropy) if with_entropy else None
     return logp, entropy, kv_amax
 
 

@@ -41,6 +41,7 @@ from fp8rl_jax.parallel.mesh import mesh_context
 from fp8rl_jax.rl.importance import ICEPOP_BAND, MIS_BAND, is_weights
 from fp8rl_jax.rl.losses import policy_loss
 from fp8rl_jax.rl.metrics import masked_mean, reduce_metric
+from fp8rl_jax.rl.packing import sequence_keys
 from fp8rl_jax.rl.scoring import token_logprobs
 
 
@@ -211,11 +212,14 @@ def make_calibrate(model: LlamaConfig, precision: Precision, kv_margin: int = 0,
 
 
 def make_score(model: LlamaConfig, precision: Precision, temperature: float, *, state_sharding=None):
-    """``(params, fp8_state, kv_scales, tokens [B, T]) -> logp [B, T]``, jitted (no gradient)."""
+    """``(params, fp8_state, kv_scales, tokens [B, T]) -> logp [B, T]``, jitted (no gradient). ``tokens`` may be a
+    packed microbatch instead (``rl.packing``): ``{"tokens", "segment_ids", "positions"}``, each [B, T]."""
 
     def score(params, fp8_state, kv_scales, tokens):
-        logp, _, _ = token_logprobs(params, tokens, config=model, precision=precision, temperature=temperature,
-                                    fp8_state=fp8_state, kv_scales=kv_scales)
+        packed = tokens if isinstance(tokens, dict) else {"tokens": tokens}
+        logp, _, _ = token_logprobs(params, packed["tokens"], config=model, precision=precision,
+                                    temperature=temperature, fp8_state=fp8_state, kv_scales=kv_scales,
+                                    positions=packed.get("positions"), segment_ids=packed.get("segment_ids"))
         return logp
 
     if state_sharding is not None:  # logp comes out sharded like the tokens
@@ -227,7 +231,7 @@ def make_score(model: LlamaConfig, precision: Precision, temperature: float, *, 
 
 def make_train_step(model: LlamaConfig, precision: Precision, optimizer: optax.GradientTransformation,
                     loss_cfg: LossConfig, *, old_logp_from_forward: bool = False, remat: str = "none",
-                    state_sharding=None):
+                    state_sharding=None, packed_sequences: int | None = None):
     """``(state, minibatch) -> (state, metrics)``, jitted, state donated.
 
     ``minibatch`` arrays are [microbatches, sequences, T] (``advantages`` [microbatches, sequences]):
@@ -239,30 +243,39 @@ def make_train_step(model: LlamaConfig, precision: Precision, optimizer: optax.G
     pass is needed. ``minibatch`` then needs no ``old_logp``, and the step returns ``(state, metrics,
     old_logp [microbatches, sequences, T])`` for the IS weights' and the mismatch metrics' record.
     ``remat``: the blocks' rematerialization policy in the backward pass (``llama.REMAT_POLICIES``).
+
+    ``packed_sequences`` (``rl.packing``): the minibatch is packed (``rl.packing.pack``), [microbatches, rows, W]
+    arrays with ``segment_ids``, ``positions`` and per-token ``advantages``, holding this many sequences. The
+    microbatches that hold rows come first; the step runs only those (a loop whose trip count is read from
+    ``segment_ids``, so one program serves every step), and per-sequence reductions go by segment. Its metrics are
+    the minibatch's own: means weighted by each microbatch's completion tokens (the masked mean over the whole
+    minibatch, as one unpacked microbatch reports it), maxima and minima over the microbatches with tokens.
     """
     c = loss_cfg
+    packed = packed_sequences is not None
 
     def loss_fn(params, fp8_state, kv_scales, mb, num_tokens, num_sequences):
         logp, entropy, _ = token_logprobs(params, mb["tokens"], config=model, precision=precision,
                                           temperature=c.temperature, fp8_state=fp8_state, kv_scales=kv_scales,
-                                          with_entropy=True, remat=remat)
+                                          with_entropy=True, remat=remat, positions=mb.get("positions"),
+                                          segment_ids=mb.get("segment_ids"))
+        segments = sequence_keys(mb["segment_ids"]) if packed else None
         old_logp = jax.lax.stop_gradient(logp) if old_logp_from_forward else mb["old_logp"]
         weights, is_metrics = is_weights(old_logp, mb["rollout_logp"], mb["mask"], c.is_correction,
-                                         cap=c.is_cap, low=c.is_band[0], high=c.is_band[1])
+                                         cap=c.is_cap, low=c.is_band[0], high=c.is_band[1], segments=segments)
         loss, metrics = policy_loss(
             logp, old_logp, mb["advantages"], mb["mask"], clip_low=c.clip_low, clip_high=c.clip_high,
             loss_agg=c.loss_agg, is_weights=weights, ref_logp=mb.get("ref_logp"), kl_coef=c.kl_coef,
-            kl_estimator=c.kl_estimator, num_tokens=num_tokens, num_sequences=num_sequences,
+            kl_estimator=c.kl_estimator, num_tokens=num_tokens, num_sequences=num_sequences, segments=segments,
         )
         metrics = {**metrics, **is_metrics, "entropy": masked_mean(jax.lax.stop_gradient(entropy), mb["mask"])}
         return loss, (metrics, old_logp)
 
     grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)
 
-    def train_step(state, minibatch):
-        num_tokens = jnp.maximum(jnp.sum(minibatch["mask"]), 1).astype(jnp.float32)
-        num_sequences = jnp.float32(minibatch["tokens"].shape[0] * minibatch["tokens"].shape[1])
-        params, fp8_state, kv_scales = state["params"], state["fp8_state"], state["kv_scales"]
+    def accumulate(minibatch, params, fp8_state, kv_scales, num_tokens, num_sequences):
+        """Over the unpacked minibatch's microbatches (a scan): summed gradients, combined FP8 observations, summed
+        loss, metrics (means of means, max of maxima, min of minima), the loss's own logprobs (or None)."""
 
         def micro(carry, mb):
             grads, observed, loss = carry
@@ -274,6 +287,64 @@ def make_train_step(model: LlamaConfig, precision: Precision, optimizer: optax.G
 
         zeros = jax.tree.map(jnp.zeros_like, (params, fp8_state))
         (grads, observed, loss), (metrics, old_logp) = jax.lax.scan(micro, (*zeros, jnp.float32(0)), minibatch)
+        # over microbatches: means of means (token-weighted values come from the loss), max of maxima, min of minima
+        metrics = {name: reduce_metric(name, values) for name, values in metrics.items()}
+        return grads, observed, loss, metrics, old_logp
+
+    def accumulate_packed(minibatch, params, fp8_state, kv_scales, num_tokens, num_sequences):
+        """As ``accumulate`` over a packed minibatch: a loop over the microbatches that hold rows only."""
+        # rows are filled from the first microbatch on: those with a segment id > 0 are the ones to run
+        active = jnp.sum(jnp.any(minibatch["segment_ids"] > 0, axis=(1, 2))).astype(jnp.int32)
+        first = jax.tree.map(lambda a: a[0], minibatch)
+        metric_shapes = jax.eval_shape(grad_fn, params, fp8_state, kv_scales, first, num_tokens, num_sequences)
+        names = tuple(metric_shapes[0][1][0])
+
+        def init(name):
+            return jnp.float32(-jnp.inf if name.endswith("_max") else jnp.inf if name.endswith("_min") else 0.0)
+
+        def micro(i, carry):
+            grads, observed, loss, sums, old = carry
+            mb = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), minibatch)
+            (mb_loss, (metrics, old_logp)), (g, obs) = grad_fn(params, fp8_state, kv_scales, mb, num_tokens,
+                                                               num_sequences)
+            grads = jax.tree.map(jnp.add, grads, g)
+            observed = combine_observations(observed, obs) if precision.fp8 else observed
+            n = jnp.sum(mb["mask"] > 0).astype(jnp.float32)  # the tokens the masked means are over
+            sums = dict(sums)
+            for name in names:
+                value = metrics[name].astype(jnp.float32)
+                if name.endswith("_max"):
+                    sums[name] = jnp.where(n > 0, jnp.maximum(sums[name], value), sums[name])
+                elif name.endswith("_min"):
+                    sums[name] = jnp.where(n > 0, jnp.minimum(sums[name], value), sums[name])
+                else:
+                    sums[name] = sums[name] + n * value
+            if old_logp_from_forward:
+                old = jax.lax.dynamic_update_index_in_dim(old, old_logp, i, 0)
+            return grads, observed, loss + mb_loss, sums, old
+
+        zeros = jax.tree.map(jnp.zeros_like, (params, fp8_state))
+        old = jnp.zeros(minibatch["tokens"].shape, jnp.float32) if old_logp_from_forward else None
+        carry = (*zeros, jnp.float32(0), {name: init(name) for name in names}, old)
+        grads, observed, loss, sums, old = jax.lax.fori_loop(0, active, micro, carry)
+        total = jnp.sum(minibatch["mask"] > 0).astype(jnp.float32)
+        metrics = {}
+        for name in names:
+            if name.endswith(("_max", "_min")):
+                metrics[name] = jnp.where(total > 0, sums[name], 0.0)  # no tokens: 0, as masked_max says
+            else:
+                metrics[name] = sums[name] / jnp.maximum(total, 1.0)
+        return grads, observed, loss, metrics, old
+
+    def train_step(state, minibatch):
+        num_tokens = jnp.maximum(jnp.sum(minibatch["mask"]), 1).astype(jnp.float32)
+        if packed:
+            num_sequences = jnp.float32(packed_sequences)
+        else:
+            num_sequences = jnp.float32(minibatch["tokens"].shape[0] * minibatch["tokens"].shape[1])
+        params, fp8_state, kv_scales = state["params"], state["fp8_state"], state["kv_scales"]
+        grads, observed, loss, metrics, old_logp = (accumulate_packed if packed else accumulate)(
+            minibatch, params, fp8_state, kv_scales, num_tokens, num_sequences)
         grad_norm = optax.tree.norm(grads) if hasattr(optax, "tree") else optax.global_norm(grads)
 
         updates, opt_state = optimizer.update(grads, state["opt_state"], params)
@@ -287,8 +358,6 @@ def make_train_step(model: LlamaConfig, precision: Precision, optimizer: optax.G
         # a non-finite step changes nothing (params, optimizer moments, FP8 histories)
         new = jax.tree.map(functools.partial(jnp.where, finite), new, state)
         new["step"] = state["step"]
-        # over microbatches: means of means (token-weighted values come from the loss), max of maxima, min of minima
-        metrics = {name: reduce_metric(name, values) for name, values in metrics.items()}
         metrics.update(loss=loss, grad_norm=grad_norm, finite=finite)
         return (new, metrics, old_logp) if old_logp_from_forward else (new, metrics)
 

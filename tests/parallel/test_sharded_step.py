@@ -141,3 +141,38 @@ def test_unknown_remat_is_refused():
     step = make_train_step(CONFIG, PRECISIONS["f32"], OPTIMIZER, LossConfig(), remat="some")
     with pytest.raises(ValueError, match="remat='some'"):
         step(_state(PRECISIONS["f32"]), _minibatch())
+
+
+def test_sharded_packed_train_step_equals_single_device():
+    """A packed minibatch (rl.packing: its rows split over data x fsdp, the loop over the filled microbatches, sums
+    per segment) on 8 devices against one device; FP8 (xla), the tolerances above."""
+    from fp8rl_jax.rl.packing import PackingPlan, pack
+
+    precision = PRECISIONS["fp8"]
+    rs = np.random.RandomState(1)
+    lengths = rs.randint(6, 31, 40)
+    tokens = [rs.randint(0, CONFIG.vocab_size, n).astype(np.int32) for n in lengths]
+    per_token = {"mask": [(rs.rand(n) > 0.3).astype(np.float32) for n in lengths],
+                 "old_logp": [-rs.rand(n).astype(np.float32) for n in lengths],
+                 "rollout_logp": [-rs.rand(n).astype(np.float32) for n in lengths]}
+    plan = PackingPlan(width=32, rows=8, microbatches=5, max_segments=2, sequences=40)
+    packed = pack(plan, tokens, per_token, {"advantages": rs.randn(40).astype(np.float32)})
+    assert 1 < int(packed.pop("microbatches")) < plan.microbatches  # several filled, one of padding at least
+    del packed["placement"]
+    loss_cfg = LossConfig(loss_agg="seq_mean_token_mean", is_correction="seq_tis")
+    reference, ref_metrics = make_train_step(CONFIG, precision, OPTIMIZER, loss_cfg, packed_sequences=40)(
+        _state(precision), packed)
+    mesh = make_mesh(ml_collections.ConfigDict({"data": 1, "fsdp": 8, "tensor": 1}))
+    before = _state(precision)
+    sharding = rules.state_shardings(before, mesh)
+    step = make_train_step(CONFIG, precision, OPTIMIZER, loss_cfg, state_sharding=sharding, packed_sequences=40)
+    state, metrics = step(jax.device_put(before, sharding), packed)
+    assert bool(metrics["finite"])
+    for name, value in ref_metrics.items():
+        np.testing.assert_allclose(metrics[name], value, rtol=1e-5, atol=1e-7, err_msg=name)
+    for part in ("params", "opt_state"):
+        for got, expected in zip(jax.tree.leaves(state[part]), jax.tree.leaves(reference[part]), strict=True):
+            assert _relative_error(jax.device_get(got), jax.device_get(expected)) < TOLERANCE[part], part
+    for got, expected in zip(jax.tree.leaves(state["fp8_state"]), jax.tree.leaves(reference["fp8_state"]),
+                             strict=True):
+        np.testing.assert_allclose(jax.device_get(got), jax.device_get(expected), rtol=AMAX_RTOL)
