@@ -23,7 +23,7 @@ def test_gemm_and_rollout_benchmarks_smoke(tmp_path):
 
 
 def test_collectives_benchmark_smoke(tmp_path):
-    main(["collectives", "--smoke", "--out", str(tmp_path / "c.json")])
+    main(["collectives", "--smoke", "--train_modes", "fp8_e2e", "--out", str(tmp_path / "c.json")])
     out = json.loads((tmp_path / "c.json").read_text())
     rows = out["decode"]
     assert [(r["mesh"], r["tensor_parallel"]) for r in rows] == [
@@ -33,6 +33,9 @@ def test_collectives_benchmark_smoke(tmp_path):
     assert all(r["trainer_layout_loop_bytes"] > 0 and r["reshard_bytes"] > 0 for r in rows)
     assert set(rows[2]["loop_by_kind"]) == {"all-reduce"} and rows[2]["loop_bytes"] > 0
     assert {d for r in rows for d in r["reshard_by_kind"]["all-gather"]["dtypes"]} <= {"u8", "u16"}
+    train = out["train"]["fp8_e2e"]  # the FSDP train step's block weights gathered as FP8 bits
+    assert out["params_f32_bytes"] > 0 and train["weight_gathers"] == 2
+    assert train["all_gather_bytes"] / (train["weight_gathers"] * out["params_f32_bytes"]) <= 0.3
 
 
 def test_agreement_rollout_path_equals_scoring_in_f32():

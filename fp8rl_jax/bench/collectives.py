@@ -55,6 +55,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layer_loop", default="auto", choices=("auto", "scan", "unrolled"))
     parser.add_argument("--steps", type=int, default=4, help="decode steps in the compiled loop")
     parser.add_argument("--smoke", action="store_true", help="the tiny preset")
+    parser.add_argument("--sections", default="decode,train", help="which programs: decode, train")
+    from fp8rl_jax.bench import collectives_train
+
+    collectives_train.add_arguments(parser)  # the train section's --train_* flags
 
 
 def _model(name: str):
@@ -138,7 +142,16 @@ def decode_section(args) -> list[dict]:
     return rows
 
 
-SECTIONS = {"decode": decode_section}
+def train_section(args) -> list[dict]:
+    """The train step's FSDP weight gathers per precision mode (``bench/collectives_train.py``), a row per mode."""
+    from fp8rl_jax.bench import collectives_train
+
+    params = collectives_train.params_f32_bytes(collectives_train.small_config())
+    return [{"mode": mode, "params_f32_bytes": params, **row}
+            for mode, row in collectives_train.train_section(args).items()]
+
+
+SECTIONS = {"decode": decode_section, "train": train_section}
 
 
 def run(args) -> list[dict]:
@@ -151,13 +164,19 @@ def run(args) -> list[dict]:
                                f"forcing {DEVICES} CPU devices (XLA_FLAGS={os.environ.get('XLA_FLAGS')!r})")
         env = {**os.environ, _CHILD: "1"}
         sys.exit(subprocess.run([sys.executable, "-m", "fp8rl_jax.bench", *sys.argv[1:]], env=env).returncode)
-    return [{"section": name, **row} for name, section in SECTIONS.items() for row in section(args)]
+    return [{"section": name, **row} for name in args.sections.split(",")
+            for row in SECTIONS[name](args)]
 
 
 def output(rows: list[dict], args) -> dict:
-    """The file: ``{section: [rows]}``."""
-    out: dict[str, list] = {}
+    """The file: ``{"decode": [a row per mesh], "train": {mode: row}, "params_f32_bytes": B}``."""
+    out: dict = {}
     for row in rows:
         row = dict(row)
-        out.setdefault(row.pop("section"), []).append(row)
+        section = row.pop("section")
+        if section == "train":
+            out["params_f32_bytes"] = row.pop("params_f32_bytes")
+            out.setdefault("train", {})[row.pop("mode")] = row
+        else:
+            out.setdefault(section, []).append(row)
     return out
