@@ -103,6 +103,21 @@ EOF
           --config.logging.plots=False > "$OUT/train_$mode.log" 2>&1; tail -3 "$OUT/train_$mode.log"
         cp "$OUT/tiny_te_$mode/metrics.jsonl" "$OUT/train_tiny_te_$mode.jsonl"; rm -rf "$OUT/tiny_te_$mode"
       done ;;
+    scaled_demo) # issue 21: the demo scaled up (256 sequences x 256 new tokens) with no microbatch override, 3 steps;
+      # then an intentionally oversized microbatch (the whole minibatch) that must end in one out-of-memory line
+      args="--config=configs/smollm2_gsm8k.py --config.rollout.prompts_per_step=32 --config.rollout.samples_per_prompt=8
+        --config.rollout.max_new_tokens=256 --config.rollout.decode_slots=256 --config.logging.progress=False
+        --config.logging.tensorboard=False --config.logging.plots=False --config.checkpoint.save_final=False"
+      timeout ${DEMO_TIMEOUT:-400} python3 -m fp8rl_jax.main $args --config.workdir=/tmp/scaled --steps=3 \
+        > "$OUT/scaled_demo.log" 2>&1; echo "scaled demo exit $?"; grep -v "^W\|Warn" "$OUT/scaled_demo.log" | tail -4
+      cp /tmp/scaled/metrics.jsonl "$OUT/scaled_demo.jsonl" 2>/dev/null
+      python3 - "$OUT/scaled_demo.jsonl" <<'EOF2'
+import json, sys
+for r in map(json.loads, open(sys.argv[1])):
+    print({k: round(v, 2) for k, v in r.items() if k.startswith(("time/", "memory/")) or k in ("step", "reward")})
+EOF2
+      timeout 200 python3 -m fp8rl_jax.main $args --config.workdir=/tmp/oom --steps=1 --config.rl.microbatch_tokens=0 \
+        > "$OUT/oom.log" 2>&1; echo "oversized exit $?"; tail -c 1500 "$OUT/oom.log" ;;
     *) echo "unknown stage $what" ;;
   esac
 done
