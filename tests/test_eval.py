@@ -284,7 +284,7 @@ def test_compare_refuses_different_problems(hand_made_pair, tmp_path, capsys):
                           "decoding needs none)"),
     (["--config.rollout.tempreature=0.5"], "--config.rollout.tempreature: unknown key 'tempreature' in "
      "config.rollout; known: decode_attention, decode_slots, exact, max_new_tokens, prompts_per_step, "
-     "samples_per_prompt, temperature, top_k, top_p"),
+     "samples_per_prompt, temperature, tensor_parallel, top_k, top_p"),
     (["--config.precision.mode=fp4"], "config.precision.mode='fp4' is invalid; allowed: bf16 | fp8_rollout | fp8_e2e"),
     (["--compare={tmp}"], "{tmp} is not an eval results folder: it has no results.json (python -m fp8rl_jax.eval "
                           "--out=FOLDER writes one)"),

@@ -229,6 +229,19 @@ def make_score(model: LlamaConfig, precision: Precision, temperature: float, *, 
     return jax.jit(score)
 
 
+def _combine_microbatch_metric(name: str, values: jax.Array, tokens: jax.Array) -> jax.Array:
+    """One metric over a minibatch's microbatches (``values`` and ``tokens`` stacked ``[microbatches]``): a masked
+    mean weighted by each microbatch's tokens, a ``*_max``/``*_min`` over the microbatches that hold tokens (0 if
+    none does, as ``masked_max`` says)."""
+    values = values.astype(jnp.float32)
+    held = tokens > 0
+    if name.endswith(("_max", "_min")):
+        fill = -jnp.inf if name.endswith("_max") else jnp.inf
+        picked = reduce_metric(name, jnp.where(held, values, fill))
+        return jnp.where(jnp.any(held), picked, 0.0)
+    return jnp.sum(values * tokens) / jnp.maximum(jnp.sum(tokens), 1.0)
+
+
 def make_train_step(model: LlamaConfig, precision: Precision, optimizer: optax.GradientTransformation,
                     loss_cfg: LossConfig, *, old_logp_from_forward: bool = False, remat: str = "none",
                     state_sharding=None, packed_sequences: int | None = None):
@@ -275,7 +288,7 @@ def make_train_step(model: LlamaConfig, precision: Precision, optimizer: optax.G
 
     def accumulate(minibatch, params, fp8_state, kv_scales, num_tokens, num_sequences):
         """Over the unpacked minibatch's microbatches (a scan): summed gradients, combined FP8 observations, summed
-        loss, metrics (means of means, max of maxima, min of minima), the loss's own logprobs (or None)."""
+        loss, metrics (token-weighted means, max of maxima, min of minima), the loss's own logprobs (or None)."""
 
         def micro(carry, mb):
             grads, observed, loss = carry
@@ -283,12 +296,14 @@ def make_train_step(model: LlamaConfig, precision: Precision, optimizer: optax.G
                                                                num_sequences)
             grads = jax.tree.map(jnp.add, grads, g)
             observed = combine_observations(observed, obs) if precision.fp8 else observed
-            return (grads, observed, loss + mb_loss), (metrics, old_logp if old_logp_from_forward else None)
+            n = jnp.sum(mb["mask"] > 0).astype(jnp.float32)  # the tokens the masked means are over
+            return (grads, observed, loss + mb_loss), (metrics, n, old_logp if old_logp_from_forward else None)
 
         zeros = jax.tree.map(jnp.zeros_like, (params, fp8_state))
-        (grads, observed, loss), (metrics, old_logp) = jax.lax.scan(micro, (*zeros, jnp.float32(0)), minibatch)
-        # over microbatches: means of means (token-weighted values come from the loss), max of maxima, min of minima
-        metrics = {name: reduce_metric(name, values) for name, values in metrics.items()}
+        (grads, observed, loss), (metrics, n, old_logp) = jax.lax.scan(micro, (*zeros, jnp.float32(0)), minibatch)
+        # over microbatches: token-weighted means (the minibatch's masked means, whatever the microbatch size, as
+        # the packed step's), max of maxima and min of minima over the microbatches that hold tokens
+        metrics = {name: _combine_microbatch_metric(name, values, n) for name, values in metrics.items()}
         return grads, observed, loss, metrics, old_logp
 
     def accumulate_packed(minibatch, params, fp8_state, kv_scales, num_tokens, num_sequences):

@@ -35,11 +35,13 @@ def _tokens(shape, seed=1):
     return jax.random.randint(jax.random.PRNGKey(seed), shape, 0, CONFIG.vocab_size)
 
 
-def test_max_and_min_metrics_reduce_by_max_and_min_over_microbatches(params):
-    # 2 microbatches x 2 sequences x 8 tokens; the completion is tokens 4..7 (4 per sequence)
+def test_metrics_over_microbatches_are_the_minibatch_s(params):
+    # 2 microbatches x 2 sequences x 8 tokens; the completion is tokens 4..7 (4 per sequence), but the last
+    # sequence's ends after 2: microbatch 0 holds 8 completion tokens, microbatch 1 holds 6
     tokens = _tokens((4, 8))
     mask = np.zeros((4, 8), np.float32)
     mask[:, 4:] = 1
+    mask[3, 6:] = 0
     logp = np.asarray(make_score(CONFIG, F32, 1.0)(params, None, None, tokens))
     # per-token ratios r = exp(logp - old): microbatch 0 spans [0.9, 1.5], microbatch 1 spans [0.7, 1.2]; IS
     # weights w = exp(old - rollout) (TIS, cap 2): microbatch 0 peaks at 1.8, microbatch 1 at 1.3
@@ -62,8 +64,9 @@ def test_max_and_min_metrics_reduce_by_max_and_min_over_microbatches(params):
     np.testing.assert_allclose(metrics["ratio_max"], 1.5, rtol=1e-5)
     np.testing.assert_allclose(metrics["is_weight_max"], 1.8, rtol=1e-5)
     np.testing.assert_allclose(metrics["ratio_min"], 0.7, rtol=1e-5)
-    # a mean stays a mean of the microbatch means: (mean of mb 0's 8 ratios + mean of mb 1's 8) / 2
-    np.testing.assert_allclose(metrics["ratio_mean"], ((4 + 4.5) / 8 + (4 + 3.9) / 8) / 2, rtol=1e-5)
+    # a mean is the minibatch's token mean, whatever the microbatches: mb 0's ratios sum to 4 + 4.5 over 8 tokens,
+    # mb 1's to 4 + 1.9 over 6 (the mean of the two microbatch means would be 1.0230)
+    np.testing.assert_allclose(metrics["ratio_mean"], (4 + 4.5 + 4 + 1.9) / 14, rtol=1e-5)
 
 
 def test_old_logp_from_forward_makes_the_ratio_exactly_one(params):
