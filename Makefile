@@ -7,7 +7,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 DEMO_ARGS ?=
 
-.PHONY: demo test test-gpu lint clean-venv fresh-check
+.PHONY: demo test test-fast test-gpu lint clean-venv fresh-check
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,17 @@ demo: $(VENV)/.run-deps
 
 test: $(VENV)/.dev-deps
 	$(BIN)/python -m pytest -q -m "not gpu" --durations=30 tests
+
+# the edit loop's target (about 4 min on 2 cores): FP8 numerics, RL losses and steps, data, the tokenizer, sharding
+# rules and FSDP gathers, config, checkpoint and out-of-memory errors; `make test` adds the trainer, rollout engine,
+# benchmarks, notebooks, multi-process and reliability tests
+FAST_TESTS := tests/fp8 tests/data tests/rl/test_advantages.py tests/rl/test_importance.py tests/rl/test_losses.py \
+	tests/rl/test_metrics.py tests/rl/test_microbatch.py tests/rl/test_rewards.py tests/rl/test_scoring.py \
+	tests/rl/test_step.py tests/model/test_tokenizer.py tests/parallel/test_hlo.py tests/parallel/test_rules.py \
+	tests/parallel/test_mesh.py tests/parallel/test_state.py tests/parallel/test_fsdp.py tests/test_configs.py \
+	tests/test_main_errors.py tests/test_checkpoint.py tests/test_out_of_memory.py
+test-fast: $(VENV)/.dev-deps
+	$(BIN)/python -m pytest -q -m "not gpu" --durations=10 $(FAST_TESTS)
 
 # on a GPU host (Transformer Engine installed): the GPU-marked tests
 test-gpu:

@@ -9,6 +9,19 @@ if os.environ["JAX_PLATFORMS"] == "cpu":
     # one function (1 ulp), which the exact sampler's tests would see (exact.CPU_XLA_FLAG, fp8rl_jax/rollout/exact.py)
     os.environ["XLA_FLAGS"] += " --xla_cpu_experimental_ynn_fusion_type=-reduce"
 
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    # JAX's persistent compilation cache for the run, in a folder of its own that the run deletes: tests that
+    # build the same tiny trainer (and their subprocesses, which inherit these variables) compile each program once
+    import atexit
+    import shutil
+    import tempfile
+
+    _cache = tempfile.mkdtemp(prefix="fp8rl-test-jax-cache-")
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
 import pytest  # noqa: E402
 
 if os.environ["JAX_PLATFORMS"] != "cpu" and not os.environ.get("FP8RL_TEST_NO_TE"):

@@ -98,8 +98,9 @@ def test_gathered_cast_and_its_gradient(name):
     assert full.dtype == jnp.bfloat16
     np.testing.assert_array_equal(_bits(full), _bits(expected))
     assert grad.dtype == jnp.float32 and grad.sharding.is_equivalent_to(NamedSharding(mesh, s), 2)  # f32, sharded
-    # the loss's sum runs over tensor shards on the mesh: its last bits differ
-    np.testing.assert_allclose(np.asarray(grad), np.asarray(expected_grad), rtol=1e-5)
+    # the loss's sum runs over tensor shards on the mesh: its last bits differ, and the cotangent of the BF16 cast
+    # is rounded to BF16, so an element next to a rounding boundary may move by one BF16 ulp (seen on AMD EPYC)
+    np.testing.assert_allclose(np.asarray(grad), np.asarray(expected_grad), rtol=2.0**-7)
     gathers = [c for c in hlo.collectives(text) if c.kind == "all-gather"]
     assert {c.dtype for c in gathers} == {"u16"}, gathers
 
@@ -130,9 +131,10 @@ def test_fp8_linear_on_shards_equals_the_whole_kernel(mesh_name):
                                                                                         amax)
     names = ("y", "dx", "dw")
     for n, a, b in zip(names, got[:3], expected[:3], strict=True):
-        # y contracts over the whole (gathered) K on each device: the same sums. dw sums the batch shards' partial
-        # products, and with tensor > 1 dx sums over N's shards: another order
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0 if n == "y" else 1e-5, err_msg=n)
+        # y contracts over the whole (gathered) K on each device, but XLA:CPU may block a GEMM of N / tensor
+        # columns otherwise (an f32 ulp on AMD EPYC); dw sums the batch shards' partial products, and with
+        # tensor > 1 dx sums over N's shards: another order. Values are O(1): a few f32 ulps of them
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6, err_msg=n)
     assert got[2].sharding.is_equivalent_to(NamedSharding(mesh, s), 2)  # the master gradient on its shards
     for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(got[3])[0], jax.tree.leaves(expected[3]),
                             strict=True):
