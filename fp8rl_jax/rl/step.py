@@ -229,6 +229,12 @@ def make_score(model: LlamaConfig, precision: Precision, temperature: float, *, 
     return jax.jit(score)
 
 
+def _microbatch_tokens(minibatch: dict) -> jax.Array:
+    """[microbatches]: the completion tokens of each microbatch of ``minibatch`` (``mask`` [microbatches, rows, T]),
+    the tokens its masked means are over."""
+    return jnp.sum(minibatch["mask"] > 0, axis=(1, 2)).astype(jnp.float32)
+
+
 def _combine_microbatch_metric(name: str, values: jax.Array, tokens: jax.Array) -> jax.Array:
     """One metric over a minibatch's microbatches (``values`` and ``tokens`` stacked ``[microbatches]``): a masked
     mean weighted by each microbatch's tokens, a ``*_max``/``*_min`` over the microbatches that hold tokens (0 if
@@ -296,14 +302,14 @@ def make_train_step(model: LlamaConfig, precision: Precision, optimizer: optax.G
                                                                num_sequences)
             grads = jax.tree.map(jnp.add, grads, g)
             observed = combine_observations(observed, obs) if precision.fp8 else observed
-            n = jnp.sum(mb["mask"] > 0).astype(jnp.float32)  # the tokens the masked means are over
-            return (grads, observed, loss + mb_loss), (metrics, n, old_logp if old_logp_from_forward else None)
+            return (grads, observed, loss + mb_loss), (metrics, old_logp if old_logp_from_forward else None)
 
         zeros = jax.tree.map(jnp.zeros_like, (params, fp8_state))
-        (grads, observed, loss), (metrics, n, old_logp) = jax.lax.scan(micro, (*zeros, jnp.float32(0)), minibatch)
+        (grads, observed, loss), (metrics, old_logp) = jax.lax.scan(micro, (*zeros, jnp.float32(0)), minibatch)
         # over microbatches: token-weighted means (the minibatch's masked means, whatever the microbatch size, as
         # the packed step's), max of maxima and min of minima over the microbatches that hold tokens
-        metrics = {name: _combine_microbatch_metric(name, values, n) for name, values in metrics.items()}
+        tokens = _microbatch_tokens(minibatch)
+        metrics = {name: _combine_microbatch_metric(name, values, tokens) for name, values in metrics.items()}
         return grads, observed, loss, metrics, old_logp
 
     def accumulate_packed(minibatch, params, fp8_state, kv_scales, num_tokens, num_sequences):
@@ -313,42 +319,26 @@ def make_train_step(model: LlamaConfig, precision: Precision, optimizer: optax.G
         first = jax.tree.map(lambda a: a[0], minibatch)
         metric_shapes = jax.eval_shape(grad_fn, params, fp8_state, kv_scales, first, num_tokens, num_sequences)
         names = tuple(metric_shapes[0][1][0])
-
-        def init(name):
-            return jnp.float32(-jnp.inf if name.endswith("_max") else jnp.inf if name.endswith("_min") else 0.0)
+        tokens = _microbatch_tokens(minibatch)  # 0 in the microbatches the loop skips
 
         def micro(i, carry):
-            grads, observed, loss, sums, old = carry
+            grads, observed, loss, stacked, old = carry
             mb = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), minibatch)
             (mb_loss, (metrics, old_logp)), (g, obs) = grad_fn(params, fp8_state, kv_scales, mb, num_tokens,
                                                                num_sequences)
             grads = jax.tree.map(jnp.add, grads, g)
             observed = combine_observations(observed, obs) if precision.fp8 else observed
-            n = jnp.sum(mb["mask"] > 0).astype(jnp.float32)  # the tokens the masked means are over
-            sums = dict(sums)
-            for name in names:
-                value = metrics[name].astype(jnp.float32)
-                if name.endswith("_max"):
-                    sums[name] = jnp.where(n > 0, jnp.maximum(sums[name], value), sums[name])
-                elif name.endswith("_min"):
-                    sums[name] = jnp.where(n > 0, jnp.minimum(sums[name], value), sums[name])
-                else:
-                    sums[name] = sums[name] + n * value
+            stacked = {name: stacked[name].at[i].set(metrics[name].astype(jnp.float32)) for name in names}
             if old_logp_from_forward:
                 old = jax.lax.dynamic_update_index_in_dim(old, old_logp, i, 0)
-            return grads, observed, loss + mb_loss, sums, old
+            return grads, observed, loss + mb_loss, stacked, old
 
         zeros = jax.tree.map(jnp.zeros_like, (params, fp8_state))
         old = jnp.zeros(minibatch["tokens"].shape, jnp.float32) if old_logp_from_forward else None
-        carry = (*zeros, jnp.float32(0), {name: init(name) for name in names}, old)
-        grads, observed, loss, sums, old = jax.lax.fori_loop(0, active, micro, carry)
-        total = jnp.sum(minibatch["mask"] > 0).astype(jnp.float32)
-        metrics = {}
-        for name in names:
-            if name.endswith(("_max", "_min")):
-                metrics[name] = jnp.where(total > 0, sums[name], 0.0)  # no tokens: 0, as masked_max says
-            else:
-                metrics[name] = sums[name] / jnp.maximum(total, 1.0)
+        stacked = {name: jnp.zeros(tokens.shape, jnp.float32) for name in names}
+        grads, observed, loss, stacked, old = jax.lax.fori_loop(0, active, micro, (*zeros, jnp.float32(0), stacked,
+                                                                                   old))
+        metrics = {name: _combine_microbatch_metric(name, stacked[name], tokens) for name in names}
         return grads, observed, loss, metrics, old
 
     def train_step(state, minibatch):

@@ -35,7 +35,7 @@ def _tokens(shape, seed=1):
     return jax.random.randint(jax.random.PRNGKey(seed), shape, 0, CONFIG.vocab_size)
 
 
-def test_metrics_over_microbatches_are_the_minibatch_s(params):
+def test_metrics_over_microbatches_are_those_of_the_whole_minibatch(params):
     # 2 microbatches x 2 sequences x 8 tokens; the completion is tokens 4..7 (4 per sequence), but the last
     # sequence's ends after 2: microbatch 0 holds 8 completion tokens, microbatch 1 holds 6
     tokens = _tokens((4, 8))
