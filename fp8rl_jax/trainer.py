@@ -557,6 +557,10 @@ class Trainer:
         c, mb, t = self.config, self.microbatch, self.row_tokens
         micro = (f"in microbatches of {mb} x up to {t} tokens ({mb * t} tokens; "
                  f"{microbatch_source(c)})")
+        if self.packing and phase in ("score", "train"):
+            p = self.packing
+            micro = (f"packed (rl.packing) in microbatches of {p.rows} rows x {p.width} tokens ({p.tokens} tokens, "
+                     f"up to {p.max_segments} sequences a row; rl.microbatch_tokens={c.rl.microbatch_tokens})")
         if phase == "weights":
             return (f"the rollout's copy of the {self.model.num_params() / 1e6:.0f}M-parameter policy "
                     f"({c.precision.mode}) beside the train state, on {self.mesh.size} device(s)")
@@ -586,6 +590,8 @@ class Trainer:
             return f"{name}{'=' + to if to else ''} (now {value}{'; ' + note if note else ''})"
 
         micro = [key("rl.microbatch_tokens"), key("rl.microbatch_sequences", note=f"a divisor of {self.minibatch}")]
+        if self.packing and phase in ("score", "train"):  # packed rows: the token budget alone sets a microbatch
+            micro = [key("rl.microbatch_tokens", note=f"at least one row of {self.packing.width}")]
         rows = [key("rollout.max_new_tokens"), key("data.max_prompt_tokens")]
         remat = [] if c.model.remat == "full" else [key("model.remat", "full")]
         devices = [key("mesh.fsdp", note="more devices split the batch and the state"), key("mesh.tensor")]

@@ -232,6 +232,10 @@ def test_e2e_lengths_and_packing_options(tmp_path):
             {"mode": "fp8_rollout", "packing": "off", "lengths": "x", "time_score": 1.0, "time_train": 3.0},
             {"mode": "fp8_rollout", "packing": "on", "error": "child exited 1"}]
     assert e2e.packing_summary(rows) == {"rows": rows, "packed_speedup": {"bf16": 2.0, "fp8_e2e": 2.0}}
+    cublas = [dict(r, mode="bf16_cublas") for r in rows[:2]]
+    assert e2e.packing_summary(cublas + rows[2:4]) == {
+        "rows": cublas + rows[2:4], "packed_speedup": {"bf16_cublas": 2.0, "fp8_e2e": 2.0, "bf16": 2.0},
+        "packed_speedup_bf16_mode": "bf16_cublas"}
     two = rows[:2] + [dict(rows[0], lengths="y", time_train=2.0), dict(rows[1], lengths="y", time_train=1.0)]
     assert e2e.packed_speedup(two) == {"bf16@x": 2.0, "bf16@y": 2.0}
 

@@ -205,9 +205,14 @@ def resolve_attention(impl: str, dtype, head_dim: int, backend: str | None = Non
     return "pallas" if 16 <= head_dim <= 128 and not head_dim & (head_dim - 1) else "xla"
 
 
-# the most sequences a packed row of T tokens may hold is T // SEGMENT_TOKENS (at least 1): cuDNN's packed layout
-# takes the segments of a row as a static [B, M] table, M = row_segments(T) + 1 (the row's padding tail is one more)
+# the most sequences a packed row of T tokens may hold is T // SEGMENT_TOKENS, at least 1 and at most
+# MAX_ROW_SEGMENTS: cuDNN's packed layout takes the segments of a row as a static [B, M] table, M = row_segments(T) + 1
+# (the row's padding tail is one more), and sizes its buffers by B x M. Measured on the H100 (JAX 0.11.2, llama1b's
+# heads, 14 rows of 2,304 tokens, benchmarks/results/packed_attention_h100.json): one layer's forward + backward
+# takes 0.75 GiB of temp memory unpacked and about 0.75 + 0.5 (M - 1) GiB packed (16.7 GiB at M = 32, out of memory at
+# 144), about 8 bytes x tokens x N x H per segment, while its time barely moves (3 ms at M <= 8, 4 ms at 32).
 SEGMENT_TOKENS = 16
+MAX_ROW_SEGMENTS = 8
 # jax's cuDNN packed layout scaled the key offsets by the *query* heads' stride, wrong under GQA (jax-ml/jax#39521;
 # 0.10.2's source has it). JAX 0.11.2 gave the segment-masked einsum's numbers with GQA kv heads as they are on the
 # H100 (a standalone probe, 2026-11-24); before it the kv heads are repeated to the query heads.
@@ -216,7 +221,7 @@ CUDNN_PACKED_GQA = jax.__version_info__ >= (0, 11, 2)
 
 def row_segments(width: int) -> int:
     """The most sequences (segments) a packed row of ``width`` tokens may hold (``fp8rl_jax.rl.packing``)."""
-    return max(1, width // SEGMENT_TOKENS)
+    return max(1, min(width // SEGMENT_TOKENS, MAX_ROW_SEGMENTS))
 
 
 def segment_table(segment_ids: jax.Array, max_segments: int) -> tuple[jax.Array, jax.Array]:

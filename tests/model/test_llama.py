@@ -324,6 +324,8 @@ def test_segment_table_by_hand():
         assert (owner >= 0).all()  # every position in a run: no output left undefined
         np.testing.assert_array_equal(owner[:, None] == owner[None, :], row[:, None] == row[None, :])
     assert llama.row_segments(19) == 1 and llama.row_segments(64) == 4  # one run more for the padding tail
+    # capped: cuDNN's packed attention sizes its buffers by rows x segments (0.5 GiB a segment at llama1b's 14 x 2304)
+    assert llama.row_segments(2304) == llama.MAX_ROW_SEGMENTS == 8
 
 
 def test_segment_masked_einsum_equals_each_sequence_alone():
