@@ -53,7 +53,7 @@ from fp8rl_jax.reporting import Reporter
 from fp8rl_jax.rl.advantages import group_advantages
 from fp8rl_jax.rl.metrics import mismatch_metrics, reduce_metric
 from fp8rl_jax.rl.microbatch import longest_row_tokens, microbatch_sequences, microbatch_source
-from fp8rl_jax.rl.packing import PackingPlan, pack
+from fp8rl_jax.rl.packing import PackingPlan, pack, packed_rows
 from fp8rl_jax.rl.rewards import combined_rewards, reward_names
 from fp8rl_jax.rl.step import LossConfig, build_optimizer, make_calibrate, make_score, make_train_step
 from fp8rl_jax.rollout import driver, exact
@@ -427,6 +427,7 @@ class Trainer:
             "rollout_tokens_per_s": batch.stats["tokens_per_second"],
             "train_tokens_per_s": float(train_tokens) / max(times["train"], 1e-9),
             **{f"time/{k}": v for k, v in times.items()},
+            **(self._packing_record if self.packing else {}),
         }
 
     def run(self, steps: int | None = None) -> list[dict]:
@@ -488,13 +489,18 @@ class Trainer:
             rollout_logp.append(np.concatenate([np.zeros(prompt, np.float32), batch.logprobs[i, :done]]))
         advantages = np.asarray(host_get(advantages), np.float32)
         pad = self.tokenizer.pad_id or 0
+        takes = [order[mb * self.minibatch : (mb + 1) * self.minibatch] for mb in range(self.config.rl.minibatches)]
+        # the step's rows per microbatch: of the plan's options, the one that runs the fewest rows
+        plan = self.packing.choose_rows([packed_rows([len(rows[i]) for i in take], self.packing) for take in takes])
         parts = []
-        for mb in range(self.config.rl.minibatches):
-            take = order[mb * self.minibatch : (mb + 1) * self.minibatch]
-            parts.append(pack(self.packing, [rows[i] for i in take],
+        for take in takes:
+            parts.append(pack(plan, [rows[i] for i in take],
                               {"mask": [masks[i] for i in take], "rollout_logp": [rollout_logp[i] for i in take]},
                               {"advantages": advantages[take]}, pad_id=pad))
         active = [int(p["microbatches"]) for p in parts]
+        # the step's rows per microbatch, and the share of the tokens it runs (used rows or not) that sequences fill
+        self._packing_record = {"packing/rows": float(plan.rows),
+                                "packing/fill": sum(map(len, rows)) / (sum(active) * plan.tokens)}
         names = ("tokens", "segment_ids", "positions", "mask", "rollout_logp", "advantages")
         arrays = jax.device_put({k: np.stack([p[k] for p in parts]) for k in names})
         k = self.config.precision.kv_calibration_sequences
@@ -559,8 +565,9 @@ class Trainer:
                  f"{microbatch_source(c)})")
         if self.packing and phase in ("score", "train"):
             p = self.packing
-            micro = (f"packed (rl.packing) in microbatches of {p.rows} rows x {p.width} tokens ({p.tokens} tokens, "
-                     f"up to {p.max_segments} sequences a row; rl.microbatch_tokens={c.rl.microbatch_tokens})")
+            rows = " or ".join(str(r) for r in (p.rows, *p.row_options))
+            micro = (f"packed (rl.packing) in microbatches of {rows} rows x {p.width} tokens (up to {p.tokens} "
+                     f"tokens, {p.max_segments} sequences a row; rl.microbatch_tokens={c.rl.microbatch_tokens})")
         if phase == "weights":
             return (f"the rollout's copy of the {self.model.num_params() / 1e6:.0f}M-parameter policy "
                     f"({c.precision.mode}) beside the train state, on {self.mesh.size} device(s)")

@@ -249,3 +249,5 @@ def test_e2e_packed_mode_with_drawn_lengths():
     assert row["packing"] == "on" and row["lengths"] == "lognormal:0.25,0.5"
     assert 1 <= row["response_length_mean"] < 6
     assert row["time_score_train"] == pytest.approx(row["time_score"] + row["time_train"])
+    # tiny: rows of 16 + 12 -> 32 tokens, 64 sequences in one minibatch; sequences of 3 to 28 tokens fill part
+    assert len(row["packing_rows"]) == 2 and 0 < row["packing_fill"] <= 1

@@ -304,6 +304,9 @@ def test_packed_step_equals_the_unpacked_step(tmp_path, minibatches, mode, compu
         params[packing] = jax.device_get(trainer.state["params"])
         trainer.close()
     unpacked, packed = _metrics_without_timing([records[False], records[True]])
+    # the packed step says its layout: 4 rows a microbatch or 2 (rl.packing.PackingPlan.choose_rows), and the
+    # share of their tokens that sequences fill
+    assert packed.pop("packing/rows") in (4.0, 2.0) and 0.3 < packed.pop("packing/fill") <= 1
     assert packed.keys() == unpacked.keys()
     for name, value in unpacked.items():
         if isinstance(value, float):

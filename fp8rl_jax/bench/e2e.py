@@ -168,6 +168,9 @@ def measure(config_path: str, mode: str, sets: list[str], warmup: int, steps: in
         bound = row["decode_slots"] / (step_bytes / copy_bandwidth()) / jax.device_count()
         row["rollout_hbm_bound_tokens_per_s"] = bound
         row["hbm_bound_fraction"] = row["rollout_tokens_per_s"] / bound
+    if packing:  # rows per microbatch of every step, warmup first (a timed step of new rows compiled its shape)
+        row["packing_rows"] = [int(r["packing/rows"]) for r in records]
+        row["packing_fill"] = mean("packing/fill")
     row["peak_memory_gib"] = {p: timed[-1][f"memory/{p}_peak_gib"] for p in PHASES
                               if f"memory/{p}_peak_gib" in timed[-1]}
     return row

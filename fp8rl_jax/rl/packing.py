@@ -48,17 +48,39 @@ class PackingPlan:
     microbatches: int
     max_segments: int
     sequences: int
+    row_options: tuple[int, ...] = ()  # other row counts a step may choose (``choose_rows``), fewer than ``rows``
 
     @property
     def tokens(self) -> int:
         """Tokens per microbatch (rows x width): at most the budget ``rl.microbatch_tokens``."""
         return self.rows * self.width
 
+    def with_rows(self, rows: int) -> PackingPlan:
+        """This plan with ``rows`` rows per microbatch (and microbatches for one sequence per row)."""
+        return dataclasses.replace(self, rows=rows, microbatches=math.ceil(self.sequences / rows))
+
+    def choose_rows(self, bins: Sequence[int]) -> PackingPlan:
+        """The plan, of ``rows`` and ``row_options``, that runs the fewest rows for minibatches of ``bins`` packed
+        rows each (the last microbatch of a minibatch runs all its rows, used or not); ties: more rows a
+        microbatch. Each choice is one more compiled shape (at most three)."""
+        def cost(r: int) -> tuple[int, int]:
+            return sum(-(-b // r) * r for b in bins), -r
+
+        return self.with_rows(min((self.rows, *self.row_options), key=cost))
+
     @classmethod
     def from_config(cls, config, batch_devices: int = 1) -> PackingPlan:
         """The plan of a run: width from the longest possible row, rows from the token budget (rounded down to a
         multiple of ``batch_devices``, the mesh's data x fsdp devices that split the rows, where it holds as many;
-        no more rows than a minibatch has sequences), microbatches for the worst case of one sequence per row."""
+        no more rows than a minibatch has sequences), microbatches for the worst case of one sequence per row; and
+        as ``row_options`` the largest divisor of a minibatch's sequences under those rows, where it is fewer, and
+        the largest under half of that (both multiples of ``batch_devices`` too).
+
+        Why the divisor: the last microbatch of a minibatch runs all its rows, used or not. With one sequence a row
+        (completions near the width) 25 rows of 1,280 for 64 sequences ran 75 rows, and the H100's llama1b train
+        step ran 17% slower than unpacked (benchmarks/results/e2e_packing_fixed_h100.json); 16 rows fill their
+        microbatches exactly. Short sequences pack into fewer rows, where a microbatch of fewer rows wastes less:
+        each step takes the option that runs the fewest (``choose_rows``); each option a step takes compiles once."""
         c = config
         width = packed_width(c.data.max_prompt_tokens, c.rollout.max_new_tokens)
         budget = c.rl.microbatch_tokens
@@ -69,8 +91,18 @@ class PackingPlan:
         rows = min(budget // width, sequences)
         if rows >= batch_devices:  # rows split evenly over the devices (else the microbatch stays replicated)
             rows -= rows % batch_devices
+        def divisor(most: int) -> int | None:  # of the minibatch's sequences, split evenly over the devices
+            return next((d for d in range(most, 0, -1) if sequences % d == 0 and d % batch_devices == 0), None)
+
+        options = []
+        first = divisor(rows)
+        if first and first < rows:
+            options.append(first)
+        second = divisor((first or rows) // 2)
+        if second:
+            options.append(second)
         return cls(width=width, rows=rows, microbatches=math.ceil(sequences / rows),
-                   max_segments=row_segments(width), sequences=sequences)
+                   max_segments=row_segments(width), sequences=sequences, row_options=tuple(options))
 
 
 def packed_width(max_prompt_tokens: int, max_new_tokens: int, multiple: int = WIDTH_MULTIPLE) -> int:
@@ -101,6 +133,11 @@ def first_fit_decreasing(lengths: Sequence[int], width: int, max_segments: int |
         free[r] -= lengths[i]
         count[r] += 1
     return rows
+
+
+def packed_rows(lengths: Sequence[int], plan: PackingPlan) -> int:
+    """How many rows ``pack`` makes of sequences of ``lengths`` (``first_fit_decreasing``'s bins)."""
+    return len(first_fit_decreasing(lengths, plan.width, plan.max_segments))
 
 
 def pack(plan: PackingPlan, tokens: Sequence[np.ndarray], per_token: dict[str, Sequence[np.ndarray]],

@@ -89,12 +89,26 @@ def _config(max_prompt=16, max_new=12, budget=100, prompts=8, samples=8, minibat
 
 def test_plan_from_config():
     assert packed_width(16, 12) == 32 and packed_width(16, 16) == 32 and packed_width(17, 16) == 64
-    # 100 tokens hold 3 rows of 32; 64 sequences per minibatch need at most 64 rows: 22 microbatches
+    # 100 tokens hold 3 rows of 32; 64 sequences per minibatch need at most 64 rows: 22 microbatches; or 2 rows
+    # (the largest divisor of 64 within 3), which one sequence per row fills exactly; or 1 (within half of 2)
     plan = PackingPlan.from_config(_config())
     assert (plan.width, plan.rows, plan.microbatches, plan.max_segments, plan.sequences) == (32, 3, 22, 2, 64)
-    assert plan.tokens == 96
-    # rows split over 2 devices: 2 rows
-    assert PackingPlan.from_config(_config(), batch_devices=2).rows == 2
+    assert plan.tokens == 96 and plan.row_options == (2, 1)
+    assert plan.with_rows(2) == PackingPlan(32, 2, 32, 2, 64, (2, 1))
+    # one sequence a row: 3 x 22 = 66 rows against 64 (and 64 of 1 row: ties go to more rows a microbatch)
+    assert plan.choose_rows([64]).rows == 2 and plan.choose_rows([21]).rows == 3  # 21 of 3 or of 1, 22 of 2
+    assert plan.choose_rows([20, 20]).rows == 2 and plan.choose_rows([21, 21]).rows == 3  # 40 < 42; 42 < 44
+    assert PackingPlan(32, 7, 10, 2, 64, (4, 2)).choose_rows([9, 10]).rows == 2  # 20 rows of 2, 24 of 4, 28 of 7
+    # 7 rows of 32 in the budget: 7, 4 or 2 (divisors of 64); 48 sequences (prompts=6): 7, 6 or 3
+    assert PackingPlan.from_config(_config(budget=7 * 32)).row_options == (4, 2)
+    assert PackingPlan.from_config(_config(budget=7 * 32, prompts=6)).row_options == (6, 3)
+    plan = PackingPlan.from_config(_config(budget=7 * 32, prompts=6), batch_devices=4)
+    assert (plan.rows, plan.row_options) == (4, ())  # 4 devices: no multiple of 4 within half of 4
+    # rows split over 2 devices: 2 rows; 3 devices: no divisor of 64 is a multiple of 3, so 6 rows alone
+    plan = PackingPlan.from_config(_config(), batch_devices=2)
+    assert (plan.rows, plan.row_options) == (2, ())
+    plan = PackingPlan.from_config(_config(budget=7 * 32), batch_devices=3)
+    assert (plan.rows, plan.row_options) == (6, ())
     # never more rows than a minibatch has sequences (4 minibatches of 16)
     plan = PackingPlan.from_config(_config(budget=1 << 20, minibatches=4))
     assert (plan.rows, plan.microbatches) == (16, 1)
