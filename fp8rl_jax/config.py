@@ -130,8 +130,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.rl.microbatch_tokens = DEFAULT_MICROBATCH_TOKENS
     c.rl.microbatch_sequences = 0  # sequences per microbatch (0 = from microbatch_tokens)
     # pack prompt + completion rows into fixed-width rows (rl/packing.py) for scoring and training, in place of
-    # right-padding each minibatch to its longest row; microbatches of rl.microbatch_tokens, rl.microbatch_sequences
-    # unused. Off: today's layout, bit for bit
+    # right-padding each minibatch to its longest row; a microbatch of rl.microbatch_sequences rows where set, else
+    # rl.microbatch_tokens // width, or fewer where that runs fewer rows (PackingPlan). Off: today's layout, bit for bit
     c.rl.packing = False
 
     c.optim = ml_collections.ConfigDict()
@@ -376,7 +376,8 @@ def validate(c: ml_collections.ConfigDict, known_rewards: Callable[[], Sequence[
     _check(isinstance(c.rl.packing, bool), "rl.packing", c.rl.packing, "True or False")
     if c.rl.packing:
         row = -(-(c.data.max_prompt_tokens + c.rollout.max_new_tokens) // 32) * 32
-        _check(c.rl.microbatch_tokens >= row, "rl.microbatch_tokens", c.rl.microbatch_tokens,
+        _check(c.rl.microbatch_sequences > 0 or c.rl.microbatch_tokens == 0 or c.rl.microbatch_tokens >= row,
+               "rl.microbatch_tokens", c.rl.microbatch_tokens,
                f">= {row} with rl.packing: one packed row holds data.max_prompt_tokens + rollout.max_new_tokens, "
                "rounded up to 32")
         _check(not c.rollout.exact, "rl.packing", c.rl.packing,

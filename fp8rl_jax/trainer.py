@@ -565,9 +565,9 @@ class Trainer:
                  f"{microbatch_source(c)})")
         if self.packing and phase in ("score", "train"):
             p = self.packing
-            rows = " or ".join(str(r) for r in (p.rows, *p.row_options))
-            micro = (f"packed (rl.packing) in microbatches of {rows} rows x {p.width} tokens (up to {p.tokens} "
-                     f"tokens, {p.max_segments} sequences a row; rl.microbatch_tokens={c.rl.microbatch_tokens})")
+            fewer = f" (or {', '.join(map(str, p.row_options))})" if p.row_options else ""
+            micro = (f"packed (rl.packing) in microbatches of {p.rows}{fewer} rows x {p.width} tokens (up to "
+                     f"{p.tokens} tokens, {p.max_segments} sequences a row; {microbatch_source(c)})")
         if phase == "weights":
             return (f"the rollout's copy of the {self.model.num_params() / 1e6:.0f}M-parameter policy "
                     f"({c.precision.mode}) beside the train state, on {self.mesh.size} device(s)")
@@ -598,7 +598,8 @@ class Trainer:
 
         micro = [key("rl.microbatch_tokens"), key("rl.microbatch_sequences", note=f"a divisor of {self.minibatch}")]
         if self.packing and phase in ("score", "train"):  # packed rows: the token budget alone sets a microbatch
-            micro = [key("rl.microbatch_tokens", note=f"at least one row of {self.packing.width}")]
+            micro = [key("rl.microbatch_tokens", note=f"at least one row of {self.packing.width}"),
+                     key("rl.microbatch_sequences", note="rows a packed microbatch where > 0")]
         rows = [key("rollout.max_new_tokens"), key("data.max_prompt_tokens")]
         remat = [] if c.model.remat == "full" else [key("model.remat", "full")]
         devices = [key("mesh.fsdp", note="more devices split the batch and the state"), key("mesh.tensor")]

@@ -232,6 +232,12 @@ def test_e2e_lengths_and_packing_options(tmp_path):
             {"mode": "fp8_rollout", "packing": "off", "lengths": "x", "time_score": 1.0, "time_train": 3.0},
             {"mode": "fp8_rollout", "packing": "on", "error": "child exited 1"}]
     assert e2e.packing_summary(rows) == {"rows": rows, "packed_speedup": {"bf16": 2.0, "fp8_e2e": 2.0}}
+    # with each step's seconds: only the steps that compiled in neither layout (step 3 compiled unpacked)
+    stepped = [dict(rows[0], timed_steps=[{"step": 2, "score_train": 6.0, "compile_s": 0.0},
+                                          {"step": 3, "score_train": 40.0, "compile_s": 30.0}]),
+               dict(rows[1], timed_steps=[{"step": 2, "score_train": 2.0, "compile_s": 0.01},
+                                          {"step": 3, "score_train": 2.0, "compile_s": 0.0}])]
+    assert e2e.packed_speedup(stepped) == {"bf16": 3.0}
     cublas = [dict(r, mode="bf16_cublas") for r in rows[:2]]
     assert e2e.packing_summary(cublas + rows[2:4]) == {
         "rows": cublas + rows[2:4], "packed_speedup": {"bf16_cublas": 2.0, "fp8_e2e": 2.0, "bf16": 2.0},
@@ -251,3 +257,4 @@ def test_e2e_packed_mode_with_drawn_lengths():
     assert row["time_score_train"] == pytest.approx(row["time_score"] + row["time_train"])
     # tiny: rows of 16 + 12 -> 32 tokens, 64 sequences in one minibatch; sequences of 3 to 28 tokens fill part
     assert len(row["packing_rows"]) == 2 and 0 < row["packing_fill"] <= 1
+    assert [s["step"] for s in row["timed_steps"]] == [2] and row["timed_steps"][0]["compile_s"] >= 0

@@ -87,9 +87,10 @@ def test_packed_train_step_out_of_memory_names_packed_rows(tmp_path, monkeypatch
     # rows of 16 + 12 -> 32 tokens, 512 / 32 = 16 rows a microbatch, 32 // 16 = 2 sequences a row at most
     assert _one_line(info.value) == (
         "device out of memory in the train phase (XLA asked for 111.14GiB for jit_train_step): 2 update(s) of 32 "
-        "sequences packed (rl.packing) in microbatches of 16 or 8 rows x 32 tokens (up to 512 tokens, 2 sequences a row; "
-        "rl.microbatch_tokens=512), model.remat=none; device memory: no allocator statistics on cpu. Lower it with "
-        "rl.microbatch_tokens (now 512; at least one row of 32), model.remat=full (now none), rollout.max_new_tokens "
+        "sequences packed (rl.packing) in microbatches of 16 (or 8, 4, 2) rows x 32 tokens (up to 512 tokens, 2 "
+        "sequences a row; rl.microbatch_tokens=512), model.remat=none; device memory: no allocator statistics on cpu. "
+        "Lower it with rl.microbatch_tokens (now 512; at least one row of 32), rl.microbatch_sequences (now 0; rows a "
+        "packed microbatch where > 0), model.remat=full (now none), rollout.max_new_tokens "
         "(now 12), data.max_prompt_tokens (now 16), mesh.fsdp (now 1; more devices split the batch and the state), "
         "mesh.tensor (now 1)")
 

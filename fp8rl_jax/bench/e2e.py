@@ -27,7 +27,9 @@ JSON list), ``fixed`` keeps what the rollout returned. Each completion is cut at
 on; the draws depend on the step only, so every mode and layout sees the same lengths.
 
 Packing (``--packing=off|on``, or ``off,on`` for both, each a child process per mode): ``rl.packing``. With both,
-``packed_speedup[mode]`` = (score + train) seconds unpacked / packed; ``packing_summary(rows)`` builds
+``packed_speedup[mode]`` = (score + train) seconds unpacked / packed, over the timed steps in which neither layout
+compiled (the unpacked layout pads to each batch's longest row, so a new width compiles its programs inside a step;
+``timed_steps`` has each step's seconds and compile seconds); ``packing_summary(rows)`` builds
 ``{"rows": [...], "packed_speedup": {...}}`` from any rows (the integrator's files of several runs too).
 """
 
@@ -134,7 +136,11 @@ def measure(config_path: str, mode: str, sets: list[str], warmup: int, steps: in
         trainer = Trainer.from_file(path, arg or None, **overrides)
         lengths = parse_lengths(lengths) if isinstance(lengths, str) else lengths
         enforce_lengths(trainer, lengths)
-        records = [trainer.step() for _ in range(warmup + steps)]
+        records, compile_s = [], []
+        for _ in range(warmup + steps):
+            before = compile_seconds()
+            records.append(trainer.step())
+            compile_s.append(compile_seconds() - before)
         timed = records[warmup:]
         c, model = trainer.config, trainer.model
         precision = trainer.rollout_precision
@@ -168,6 +174,10 @@ def measure(config_path: str, mode: str, sets: list[str], warmup: int, steps: in
         bound = row["decode_slots"] / (step_bytes / copy_bandwidth()) / jax.device_count()
         row["rollout_hbm_bound_tokens_per_s"] = bound
         row["hbm_bound_fraction"] = row["rollout_tokens_per_s"] / bound
+    # each timed step's score + train seconds and the seconds JAX spent compiling in the step (a new row width or
+    # packed shape compiles inside a timed step): packed_speedup pairs the steps that compiled in neither layout
+    row["timed_steps"] = [{"step": warmup + i + 1, "score_train": r["time/score"] + r["time/train"],
+                           "compile_s": compile_s[warmup + i]} for i, r in enumerate(timed)]
     if packing:  # rows per microbatch of every step, warmup first (a timed step of new rows compiled its shape)
         row["packing_rows"] = [int(r["packing/rows"]) for r in records]
         row["packing_fill"] = mean("packing/fill")
@@ -273,11 +283,39 @@ def enforce_lengths(trainer, lengths: Lengths) -> None:
         trainer.exact_sampler.rollout = cut(trainer.exact_sampler.rollout)
 
 
+# JAX's compile-time events (tracing, lowering, XLA), summed by ``compile_seconds``
+COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
+                  "/jax/core/compile/backend_compile_duration")
+COMPILE_FREE_S = 0.1  # a timed step that compiled for less than this counts as compiled-free (small shapes)
+_compile_total = [0.0, False]  # seconds so far, listener registered
+
+
+def compile_seconds() -> float:
+    """Seconds this process has spent compiling since the first call (``jax.monitoring`` duration events)."""
+    if not _compile_total[1]:
+        import jax
+
+        def listen(event: str, seconds: float, **kwargs) -> None:
+            if event in COMPILE_EVENTS:
+                _compile_total[0] += seconds
+
+        jax.monitoring.register_event_duration_secs_listener(listen)
+        _compile_total[1] = True
+    return _compile_total[0]
+
+
 def packed_speedup(rows: list[dict]) -> dict[str, float]:
     """Per mode (and lengths) with both layouts measured: (score + train) seconds unpacked / packed. Several
-    ``--lengths`` of one mode: the key is ``mode@lengths``."""
-    def seconds(r: dict) -> float:
-        return r["time_score"] + r["time_train"]
+    ``--lengths`` of one mode: the key is ``mode@lengths``. Where both rows list their ``timed_steps``, over the
+    steps that compiled in neither (``COMPILE_FREE_S``; the same steps draw the same lengths in both), else the
+    rows' means."""
+    def seconds(r: dict, steps=None) -> float:
+        if steps is None:
+            return r["time_score"] + r["time_train"]
+        return sum(s["score_train"] for s in r["timed_steps"] if s["step"] in steps)
+
+    def clean(r: dict) -> set:
+        return {s["step"] for s in r.get("timed_steps", []) if s["compile_s"] < COMPILE_FREE_S}
 
     ok = [r for r in rows if "error" not in r]
     specs = {r["mode"]: set() for r in ok}
@@ -292,7 +330,8 @@ def packed_speedup(rows: list[dict]) -> dict[str, float]:
               and q.get("packing") == "on"]
         if on:
             key = r["mode"] if len(specs[r["mode"]]) == 1 else f"{r['mode']}@{spec}"
-            out[key] = seconds(r) / seconds(on[-1])
+            steps = (clean(r) & clean(on[-1])) or None
+            out[key] = seconds(r, steps) / seconds(on[-1], steps)
     return out
 
 

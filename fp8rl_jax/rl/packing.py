@@ -36,6 +36,10 @@ from fp8rl_jax.config import ConfigError
 from fp8rl_jax.model.llama import row_segments
 
 WIDTH_MULTIPLE = 32  # a packed row's width is a multiple of this (as right_pad's widths are)
+# what ``PackingPlan.choose_rows`` counts a microbatch's own cost at, in rows: a rough figure from the H100's llama1b
+# step at fixed lengths (16-row packed microbatches of 1,280 tokens against 32-row unpacked ones: about 36 ms more per
+# extra microbatch pass, 1.5 rows' worth, with the attention path differing too; e2e_packing_fixed_h100.json)
+MICROBATCH_COST_ROWS = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,47 +64,58 @@ class PackingPlan:
         return dataclasses.replace(self, rows=rows, microbatches=math.ceil(self.sequences / rows))
 
     def choose_rows(self, bins: Sequence[int]) -> PackingPlan:
-        """The plan, of ``rows`` and ``row_options``, that runs the fewest rows for minibatches of ``bins`` packed
-        rows each (the last microbatch of a minibatch runs all its rows, used or not); ties: more rows a
-        microbatch. Each choice is one more compiled shape (at most three)."""
+        """The plan, of ``rows`` and ``row_options``, that costs least for minibatches of ``bins`` packed rows
+        each: the rows it runs (the last microbatch of a minibatch runs all its rows, used or not) plus
+        ``MICROBATCH_COST_ROWS`` per microbatch; ties: more rows a microbatch. Each choice a run takes compiles
+        its shape once."""
         def cost(r: int) -> tuple[int, int]:
-            return sum(-(-b // r) * r for b in bins), -r
+            return sum(-(-b // r) * (r + MICROBATCH_COST_ROWS) for b in bins), -r
 
         return self.with_rows(min((self.rows, *self.row_options), key=cost))
 
     @classmethod
     def from_config(cls, config, batch_devices: int = 1) -> PackingPlan:
-        """The plan of a run: width from the longest possible row, rows from the token budget (rounded down to a
-        multiple of ``batch_devices``, the mesh's data x fsdp devices that split the rows, where it holds as many;
-        no more rows than a minibatch has sequences), microbatches for the worst case of one sequence per row; and
-        as ``row_options`` the largest divisor of a minibatch's sequences under those rows, where it is fewer, and
-        the largest under half of that (both multiples of ``batch_devices`` too).
+        """The plan of a run: width from the longest possible row; rows ``rl.microbatch_sequences`` where set (the
+        unpacked layout's microbatch at its widest: the same memory), else from the token budget
+        ``rl.microbatch_tokens`` (0: no budget), no more than a minibatch has sequences, rounded down to a multiple
+        of ``batch_devices`` (the mesh's data x fsdp devices that split the rows) where it holds as many;
+        microbatches for the worst case of one sequence per row. ``row_options``: divisors of a minibatch's
+        sequences (multiples of ``batch_devices``), the largest under ``rows`` where it is fewer, then the largest
+        under half of the one before, down to ``rows // 8``.
 
-        Why the divisor: the last microbatch of a minibatch runs all its rows, used or not. With one sequence a row
+        Why: the last microbatch of a minibatch runs all its rows, used or not. With one sequence a row
         (completions near the width) 25 rows of 1,280 for 64 sequences ran 75 rows, and the H100's llama1b train
-        step ran 17% slower than unpacked (benchmarks/results/e2e_packing_fixed_h100.json); 16 rows fill their
-        microbatches exactly. Short sequences pack into fewer rows, where a microbatch of fewer rows wastes less:
-        each step takes the option that runs the fewest (``choose_rows``); each option a step takes compiles once."""
+        step ran 17% slower than unpacked (benchmarks/results/e2e_packing_fixed_h100.json); a divisor fills its
+        microbatches exactly. Short sequences pack into few rows, where fewer rows a microbatch waste less (14
+        rows for 11 used, 4 rows for 12): each step takes the option that costs least (``choose_rows``)."""
         c = config
         width = packed_width(c.data.max_prompt_tokens, c.rollout.max_new_tokens)
         budget = c.rl.microbatch_tokens
-        if budget < width:
-            raise ConfigError(f"config.rl.microbatch_tokens={budget} is less than one packed row of {width} tokens "
-                             f"(data.max_prompt_tokens + rollout.max_new_tokens, rounded up to {WIDTH_MULTIPLE})")
         sequences = c.rollout.prompts_per_step * c.rollout.samples_per_prompt // c.rl.minibatches
-        rows = min(budget // width, sequences)
+        if c.rl.microbatch_sequences > 0:
+            rows = c.rl.microbatch_sequences
+        elif budget == 0:
+            rows = sequences
+        elif budget < width:
+            raise ConfigError(f"config.rl.microbatch_tokens={budget} is less than one packed row of {width} tokens "
+                              f"(data.max_prompt_tokens + rollout.max_new_tokens, rounded up to {WIDTH_MULTIPLE})")
+        else:
+            rows = budget // width
+        rows = min(rows, sequences)
         if rows >= batch_devices:  # rows split evenly over the devices (else the microbatch stays replicated)
             rows -= rows % batch_devices
+
         def divisor(most: int) -> int | None:  # of the minibatch's sequences, split evenly over the devices
             return next((d for d in range(most, 0, -1) if sequences % d == 0 and d % batch_devices == 0), None)
 
         options = []
-        first = divisor(rows)
-        if first and first < rows:
-            options.append(first)
-        second = divisor((first or rows) // 2)
-        if second:
-            options.append(second)
+        d = divisor(rows)
+        if d and d < rows:
+            options.append(d)
+        d = divisor((d or rows) // 2)
+        while d and d >= max(1, rows // 8):
+            options.append(d)
+            d = divisor(d // 2)
         return cls(width=width, rows=rows, microbatches=math.ceil(sequences / rows),
                    max_segments=row_segments(width), sequences=sequences, row_options=tuple(options))
 

@@ -27,6 +27,7 @@ from fp8rl_jax.fp8.policy import Precision
 from fp8rl_jax.fp8.recipe import update_state
 from fp8rl_jax.model import llama
 from fp8rl_jax.model.config import preset
+from fp8rl_jax.rl import packing
 from fp8rl_jax.rl.packing import PackingPlan, first_fit_decreasing, pack, packed_width, sequence_keys, unpack
 from fp8rl_jax.rl.step import LossConfig, make_calibrate, make_score, make_train_step
 from fp8rl_jax.trainer import right_pad
@@ -80,8 +81,8 @@ def test_pack_by_hand():
                                   [[1, 1, 1, 1, 1, 2, 2, 2], [9, 9, 8, 8, 8, 8, 8, 8]])
 
 
-def _config(max_prompt=16, max_new=12, budget=100, prompts=8, samples=8, minibatches=1):
-    rl = {"microbatch_tokens": budget, "minibatches": minibatches}
+def _config(max_prompt=16, max_new=12, budget=100, prompts=8, samples=8, minibatches=1, microbatch_sequences=0):
+    rl = {"microbatch_tokens": budget, "minibatches": minibatches, "microbatch_sequences": microbatch_sequences}
     return ml_collections.ConfigDict({"data": {"max_prompt_tokens": max_prompt},
                                       "rollout": {"max_new_tokens": max_new, "prompts_per_step": prompts,
                                                   "samples_per_prompt": samples}, "rl": rl})
@@ -90,20 +91,28 @@ def _config(max_prompt=16, max_new=12, budget=100, prompts=8, samples=8, minibat
 def test_plan_from_config():
     assert packed_width(16, 12) == 32 and packed_width(16, 16) == 32 and packed_width(17, 16) == 64
     # 100 tokens hold 3 rows of 32; 64 sequences per minibatch need at most 64 rows: 22 microbatches; or 2 rows
-    # (the largest divisor of 64 within 3), which one sequence per row fills exactly; or 1 (within half of 2)
+    # (the largest divisor of 64 within 3), or 1 (within half of 2)
     plan = PackingPlan.from_config(_config())
     assert (plan.width, plan.rows, plan.microbatches, plan.max_segments, plan.sequences) == (32, 3, 22, 2, 64)
     assert plan.tokens == 96 and plan.row_options == (2, 1)
     assert plan.with_rows(2) == PackingPlan(32, 2, 32, 2, 64, (2, 1))
-    # one sequence a row: 3 x 22 = 66 rows against 64 (and 64 of 1 row: ties go to more rows a microbatch)
-    assert plan.choose_rows([64]).rows == 2 and plan.choose_rows([21]).rows == 3  # 21 of 3 or of 1, 22 of 2
-    assert plan.choose_rows([20, 20]).rows == 2 and plan.choose_rows([21, 21]).rows == 3  # 40 < 42; 42 < 44
-    assert PackingPlan(32, 7, 10, 2, 64, (4, 2)).choose_rows([9, 10]).rows == 2  # 20 rows of 2, 24 of 4, 28 of 7
-    # 7 rows of 32 in the budget: 7, 4 or 2 (divisors of 64); 48 sequences (prompts=6): 7, 6 or 3
-    assert PackingPlan.from_config(_config(budget=7 * 32)).row_options == (4, 2)
-    assert PackingPlan.from_config(_config(budget=7 * 32, prompts=6)).row_options == (6, 3)
+    # cost: rows run + MICROBATCH_COST_ROWS (1) a microbatch. 64 rows: 22 x (3 + 1) = 88 < 32 x 3 < 64 x 2
+    assert packing.MICROBATCH_COST_ROWS == 1
+    assert plan.choose_rows([64]).rows == 3 and plan.choose_rows([21]).rows == 3  # 28 < 33 < 42
+    assert PackingPlan(32, 7, 10, 2, 64, (4, 2)).choose_rows([9, 10]).rows == 4  # 32 of 7; 30 of 4 and of 2
+    # llama1b at fixed lengths: 64 sequences of one row each, 25 rows in the budget: 16 (4 x 4 x 17 = 272 < 288
+    # of 8 < 312 of 25); at lognormal lengths (11-13 rows of 32 sequences): 14 (60 < 65 of 4 < 72 of 8)
+    assert PackingPlan(1280, 25, 3, 8, 64, (16, 8)).choose_rows([64] * 4).rows == 16
+    assert PackingPlan(2304, 14, 3, 8, 32, (8, 4, 2)).choose_rows([11, 12, 12, 13]).rows == 14
+    # 7 rows of 32 in the budget: 7, 4, 2 or 1 (divisors of 64); 48 sequences (prompts=6): 7, 6, 3 or 1
+    assert PackingPlan.from_config(_config(budget=7 * 32)).row_options == (4, 2, 1)
+    assert PackingPlan.from_config(_config(budget=7 * 32, prompts=6)).row_options == (6, 3, 1)
     plan = PackingPlan.from_config(_config(budget=7 * 32, prompts=6), batch_devices=4)
     assert (plan.rows, plan.row_options) == (4, ())  # 4 devices: no multiple of 4 within half of 4
+    # rl.microbatch_sequences sets the rows (the budget is not asked); 0 tokens: no budget, a minibatch's rows
+    plan = PackingPlan.from_config(_config(budget=20, microbatch_sequences=32))
+    assert (plan.rows, plan.row_options) == (32, (16, 8, 4))
+    assert PackingPlan.from_config(_config(budget=0)).rows == 64
     # rows split over 2 devices: 2 rows; 3 devices: no divisor of 64 is a multiple of 3, so 6 rows alone
     plan = PackingPlan.from_config(_config(), batch_devices=2)
     assert (plan.rows, plan.row_options) == (2, ())
