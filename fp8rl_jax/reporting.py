@@ -19,6 +19,27 @@ PLOTS = {
 }
 
 
+# JAX's compile-time events (tracing, lowering, XLA's compile), summed by ``compile_seconds``
+COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
+                  "/jax/core/compile/backend_compile_duration")
+_compile_total = {"seconds": 0.0, "listening": False}
+
+
+def compile_seconds() -> float:
+    """Seconds this process has spent compiling since its first call (``jax.monitoring``'s duration events): the
+    difference over a phase is what compiled in it (a new row width, a new packed shape)."""
+    if not _compile_total["listening"]:
+        import jax
+
+        def listen(event: str, seconds: float, **kwargs) -> None:
+            if event in COMPILE_EVENTS:
+                _compile_total["seconds"] += seconds
+
+        jax.monitoring.register_event_duration_secs_listener(listen)
+        _compile_total["listening"] = True
+    return _compile_total["seconds"]
+
+
 class Reporter:
     def __init__(self, workdir: str | os.PathLike, *, tensorboard: bool = True, progress: bool = True,
                  total_steps: int | None = None, resume_step: int = 0, write: bool = True):

@@ -49,7 +49,7 @@ from fp8rl_jax.parallel import rules
 from fp8rl_jax.parallel.distributed import host_get, is_primary, place
 from fp8rl_jax.parallel.mesh import make_mesh, peak_memory_gib
 from fp8rl_jax.parallel.state import init_sharded, load_model_sharded
-from fp8rl_jax.reporting import Reporter
+from fp8rl_jax.reporting import Reporter, compile_seconds
 from fp8rl_jax.rl.advantages import group_advantages
 from fp8rl_jax.rl.metrics import mismatch_metrics, reduce_metric
 from fp8rl_jax.rl.microbatch import longest_row_tokens, microbatch_sequences, microbatch_source
@@ -206,6 +206,7 @@ class Trainer:
         self.microbatch = microbatch_sequences(c, self.minibatch, self.row_tokens)
         self.calibration_rows = min(c.precision.kv_calibration_sequences, self.sequences)  # what step() recalibrates on
         self.packing = None  # rl.packing: the [microbatches, rows, width] shape of a packed minibatch
+        self._step_packed = c.rl.packing  # whether this step's rows are packed (_pack_rows may decline)
         if c.rl.packing:
             batch_devices = self.mesh.shape["data"] * self.mesh.shape["fsdp"]  # the devices the rows split over
             self.packing = PackingPlan.from_config(c, batch_devices)
@@ -231,8 +232,11 @@ class Trainer:
         # one minibatch per step: the old-policy logprobs are the loss's own forward (ratio exactly 1, no scoring)
         self._own_old_logp = c.rl.minibatches == 1
         self._train_step = make_train_step(self.model, self.train_precision, self.optimizer, loss_cfg,
-                                           old_logp_from_forward=self._own_old_logp, remat=c.model.remat,
-                                           packed_sequences=self.minibatch if self.packing else None, **on_mesh)
+                                           old_logp_from_forward=self._own_old_logp, remat=c.model.remat, **on_mesh)
+        if self.packing:  # a step whose packed rows would run no fewer tokens runs right-padded (_pack_rows)
+            self._train_step_packed = make_train_step(
+                self.model, self.train_precision, self.optimizer, loss_cfg, old_logp_from_forward=self._own_old_logp,
+                remat=c.model.remat, packed_sequences=self.minibatch, **on_mesh)
         # after an update: FP8 observations only where training does not make them (fp8_rollout), and K/V amaxes
         self._calibrate = make_calibrate(self.model, self.rollout_precision, c.precision.kv_margin,
                                          observe_fp8=not self.train_precision.fp8, remat=c.model.remat,
@@ -333,8 +337,12 @@ class Trainer:
         # the minibatches' sequences: row order[mb * minibatch + i] of the batch is row i of minibatch mb
         order = np.random.default_rng([c.seed, step]).permutation(self.sequences)
         with self._phase(times, "score"):
-            if self.packing:  # [minibatches, microbatches, rows, width] arrays, each minibatch packed on its own
-                arrays, active, calibration_tokens = self._pack_rows(records, batch, advantages, order)
+            # [minibatches, microbatches, rows, width] arrays, each minibatch packed on its own, where that runs
+            # fewer tokens than right-padding
+            packed = self._pack_rows(records, batch, advantages, order) if self.packing else None
+            self._step_packed = packed is not None  # what an out-of-memory message describes
+            if packed:
+                arrays, active, calibration_tokens = packed
                 score = functools.partial(self._score_packed, arrays=arrays, active=active)
             else:
                 arrays = self._pack(records, batch, advantages)
@@ -350,16 +358,17 @@ class Trainer:
             train_metrics = []
             own_old_logp = []
             for mb in range(c.rl.minibatches):
-                if self.packing:
+                if packed:
                     minibatch = {k: v[mb] for k, v in arrays.items()}
+                    self.state, metrics, *own = self._train_step_packed(self.state, minibatch)
                 else:
                     rows = order[mb * self.minibatch : (mb + 1) * self.minibatch]
                     # [minibatch, ...] -> [microbatches, microbatch, ...]
                     minibatch = {k: v[rows].reshape(-1, self.microbatch, *v.shape[1:]) for k, v in arrays.items()}
-                self.state, metrics, *own = self._train_step(self.state, minibatch)
+                    self.state, metrics, *own = self._train_step(self.state, minibatch)
                 own_old_logp += own  # one minibatch: the loss's own forward, [microbatches, microbatch (rows), T]
                 train_metrics.append(metrics)
-            if own_old_logp and self.packing:  # the packed layout of `arrays` itself
+            if own_old_logp and packed:  # the packed layout of `arrays` itself
                 arrays["old_logp"] = own_old_logp[0][None]
             elif own_old_logp:  # back to the order of `arrays`: row order[i] of the batch is row i of the minibatch
                 arrays["old_logp"] = own_old_logp[0].reshape(self.sequences, -1)[np.argsort(order)]
@@ -479,7 +488,9 @@ class Trainer:
         """``rl.packing``: each minibatch's prompt + completion rows packed (``rl.packing.pack``; minibatch mb holds
         rows ``order[mb * minibatch:][:minibatch]`` of the batch, as unpacked), stacked into [minibatches,
         microbatches, rows, width] arrays put on the device once; also how many microbatches of each minibatch hold
-        rows (host ints), and the KV calibration's rows, right-padded as the unpacked layout has them."""
+        rows (host ints), and the KV calibration's rows, right-padded as the unpacked layout has them. None where
+        the packed rows would run at least as many tokens as the right-padded layout (``packing/rows`` 0): packing
+        there only adds its segment bookkeeping (the H100's llama1b step at fixed lengths ran 7% slower packed)."""
         rows = [np.asarray([*records[p].prompt_ids, *batch.completion(i)], np.int32)
                 for i, p in enumerate(batch.prompt_index)]
         masks, rollout_logp = [], []
@@ -491,7 +502,13 @@ class Trainer:
         pad = self.tokenizer.pad_id or 0
         takes = [order[mb * self.minibatch : (mb + 1) * self.minibatch] for mb in range(self.config.rl.minibatches)]
         # the step's rows per microbatch: of the plan's options, the one that runs the fewest rows
-        plan = self.packing.choose_rows([packed_rows([len(rows[i]) for i in take], self.packing) for take in takes])
+        bins = [packed_rows([len(rows[i]) for i in take], self.packing) for take in takes]
+        plan = self.packing.choose_rows(bins)
+        run = sum(-(-b // plan.rows) for b in bins) * plan.tokens  # the tokens the packed step would run
+        padded = len(rows) * (batch.width or -(-max(map(len, rows)) // 32) * 32)  # and the right-padded one
+        if run >= padded:  # nothing to gain (e.g. every sequence alone in a row): this step runs right-padded
+            self._packing_record = {"packing/rows": 0.0, "packing/fill": sum(map(len, rows)) / padded}
+            return None
         parts = []
         for take in takes:
             parts.append(pack(plan, [rows[i] for i in take],
@@ -554,16 +571,20 @@ class Trainer:
     def _phase(self, times: dict[str, float], phase: str) -> Iterator[None]:
         """A phase of ``step``: timed (``timed``), and a failed device allocation in it raised as one
         ``DeviceOutOfMemory`` line naming the phase, its shapes and the keys that lower it."""
-        with timed(times, phase), out_of_memory_report(phase, lambda: self._shapes(phase),
-                                                       lambda: self._knobs(phase)):
-            yield
+        compiled = compile_seconds()
+        try:
+            with timed(times, phase), out_of_memory_report(phase, lambda: self._shapes(phase),
+                                                           lambda: self._knobs(phase)):
+                yield
+        finally:  # of which compiling: time/<phase>_compile (a new row width or packed shape compiles in a step)
+            times[f"{phase}_compile"] = compile_seconds() - compiled
 
     def _shapes(self, phase: str) -> str:
         """The device shapes of ``phase`` in words, for an out-of-memory message."""
         c, mb, t = self.config, self.microbatch, self.row_tokens
         micro = (f"in microbatches of {mb} x up to {t} tokens ({mb * t} tokens; "
                  f"{microbatch_source(c)})")
-        if self.packing and phase in ("score", "train"):
+        if self.packing and self._step_packed and phase in ("score", "train"):
             p = self.packing
             fewer = f" (or {', '.join(map(str, p.row_options))})" if p.row_options else ""
             micro = (f"packed (rl.packing) in microbatches of {p.rows}{fewer} rows x {p.width} tokens (up to "
@@ -597,7 +618,7 @@ class Trainer:
             return f"{name}{'=' + to if to else ''} (now {value}{'; ' + note if note else ''})"
 
         micro = [key("rl.microbatch_tokens"), key("rl.microbatch_sequences", note=f"a divisor of {self.minibatch}")]
-        if self.packing and phase in ("score", "train"):  # packed rows: the token budget alone sets a microbatch
+        if self.packing and self._step_packed and phase in ("score", "train"):  # packed rows
             micro = [key("rl.microbatch_tokens", note=f"at least one row of {self.packing.width}"),
                      key("rl.microbatch_sequences", note="rows a packed microbatch where > 0")]
         rows = [key("rollout.max_new_tokens"), key("data.max_prompt_tokens")]

@@ -77,22 +77,41 @@ def test_packed_train_step_out_of_memory_names_packed_rows(tmp_path, monkeypatch
     config = _config(tmp_path / "run")
     with config.unlocked():
         config.rl.packing = True
+        config.data.max_prompt_tokens = 40  # rows of 40 + 12 -> 64 tokens hold 2-3 of the ~20-token sequences
     trainer = Trainer(config)
     try:
-        monkeypatch.setattr(trainer, "_train_step", _raise_oom)
+        monkeypatch.setattr(trainer, "_train_step_packed", _raise_oom)
         with pytest.raises(DeviceOutOfMemory) as info:
             trainer.step()
     finally:
         trainer.close()
-    # rows of 16 + 12 -> 32 tokens, 512 / 32 = 16 rows a microbatch, 32 // 16 = 2 sequences a row at most
+    # 512 / 64 = 8 rows a microbatch (or fewer: PackingPlan.choose_rows), 64 // 16 = 4 sequences a row at most
     assert _one_line(info.value) == (
         "device out of memory in the train phase (XLA asked for 111.14GiB for jit_train_step): 2 update(s) of 32 "
-        "sequences packed (rl.packing) in microbatches of 16 (or 8, 4, 2) rows x 32 tokens (up to 512 tokens, 2 "
+        "sequences packed (rl.packing) in microbatches of 8 (or 4, 2, 1) rows x 64 tokens (up to 512 tokens, 4 "
         "sequences a row; rl.microbatch_tokens=512), model.remat=none; device memory: no allocator statistics on cpu. "
-        "Lower it with rl.microbatch_tokens (now 512; at least one row of 32), rl.microbatch_sequences (now 0; rows a "
-        "packed microbatch where > 0), model.remat=full (now none), rollout.max_new_tokens "
-        "(now 12), data.max_prompt_tokens (now 16), mesh.fsdp (now 1; more devices split the batch and the state), "
+        "Lower it with rl.microbatch_tokens (now 512; at least one row of 64), rl.microbatch_sequences (now 0; rows a "
+        "packed microbatch where > 0), model.remat=full (now none), rollout.max_new_tokens (now 12), "
+        "data.max_prompt_tokens (now 40), mesh.fsdp (now 1; more devices split the batch and the state), "
         "mesh.tensor (now 1)")
+
+
+def test_packing_declined_runs_and_reports_right_padded(tmp_path, monkeypatch):
+    """Rows of 16 + 12 -> 32 tokens hold one tiny sequence each: packing would run as many tokens as right-padding,
+    so the step runs right-padded (packing/rows 0) and an out-of-memory message says its microbatches."""
+    config = _config(tmp_path / "run")
+    with config.unlocked():
+        config.rl.packing = True
+    trainer = Trainer(config)
+    try:
+        monkeypatch.setattr(trainer, "_train_step_packed", _raise_oom)  # never called
+        record = trainer.step()
+        assert record["packing/rows"] == 0 and 0 < record["packing/fill"] <= 1
+        monkeypatch.setattr(trainer, "_train_step", _raise_oom)
+        with pytest.raises(DeviceOutOfMemory, match=r"2 update\(s\) of 32 sequences in microbatches of 16 x up to 32 "):
+            trainer.step()
+    finally:
+        trainer.close()
 
 
 def test_score_and_rollout_out_of_memory(tiny, monkeypatch):

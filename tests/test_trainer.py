@@ -317,6 +317,21 @@ def test_packed_step_equals_the_unpacked_step(tmp_path, minibatches, mode, compu
         np.testing.assert_allclose(a, b, rtol=0, atol=5e-6)
 
 
+def test_declined_packing_is_the_unpacked_step(tmp_path):
+    """Where packed rows would run as many tokens as right-padding (the tiny task's 16 + 12 -> 32-token rows, two
+    minibatches of 32 sequences in microbatches of 16 rows: few pairs of sequences fit a row, and 16 rows run as
+    many tokens as the 32 sequences right-padded), the step runs right-padded: the numbers of rl.packing=False."""
+    records = {}
+    for packing in (False, True):
+        trainer = Trainer(_config(tmp_path / str(packing), steps=1, **{
+            "rl.packing": packing, "rl.minibatches": 2, "rl.microbatch_tokens": 512}))
+        records[packing] = trainer.step()
+        trainer.close()
+    unpacked, packed = _metrics_without_timing([records[False], records[True]])
+    assert packed.pop("packing/rows") == 0.0 and 0 < packed.pop("packing/fill") <= 1
+    assert packed == unpacked
+
+
 def test_packing_config_errors(tmp_path):
     from fp8rl_jax.config import ConfigError
 

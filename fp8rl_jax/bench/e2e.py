@@ -136,11 +136,7 @@ def measure(config_path: str, mode: str, sets: list[str], warmup: int, steps: in
         trainer = Trainer.from_file(path, arg or None, **overrides)
         lengths = parse_lengths(lengths) if isinstance(lengths, str) else lengths
         enforce_lengths(trainer, lengths)
-        records, compile_s = [], []
-        for _ in range(warmup + steps):
-            before = compile_seconds()
-            records.append(trainer.step())
-            compile_s.append(compile_seconds() - before)
+        records = [trainer.step() for _ in range(warmup + steps)]
         timed = records[warmup:]
         c, model = trainer.config, trainer.model
         precision = trainer.rollout_precision
@@ -174,10 +170,11 @@ def measure(config_path: str, mode: str, sets: list[str], warmup: int, steps: in
         bound = row["decode_slots"] / (step_bytes / copy_bandwidth()) / jax.device_count()
         row["rollout_hbm_bound_tokens_per_s"] = bound
         row["hbm_bound_fraction"] = row["rollout_tokens_per_s"] / bound
-    # each timed step's score + train seconds and the seconds JAX spent compiling in the step (a new row width or
+    # each timed step's score + train seconds and the seconds JAX spent compiling in them (a new row width or
     # packed shape compiles inside a timed step): packed_speedup pairs the steps that compiled in neither layout
     row["timed_steps"] = [{"step": warmup + i + 1, "score_train": r["time/score"] + r["time/train"],
-                           "compile_s": compile_s[warmup + i]} for i, r in enumerate(timed)]
+                           "compile_s": r["time/score_compile"] + r["time/train_compile"]}
+                          for i, r in enumerate(timed)]
     if packing:  # rows per microbatch of every step, warmup first (a timed step of new rows compiled its shape)
         row["packing_rows"] = [int(r["packing/rows"]) for r in records]
         row["packing_fill"] = mean("packing/fill")
@@ -283,32 +280,14 @@ def enforce_lengths(trainer, lengths: Lengths) -> None:
         trainer.exact_sampler.rollout = cut(trainer.exact_sampler.rollout)
 
 
-# JAX's compile-time events (tracing, lowering, XLA), summed by ``compile_seconds``
-COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
-                  "/jax/core/compile/backend_compile_duration")
-COMPILE_FREE_S = 0.1  # a timed step that compiled for less than this counts as compiled-free (small shapes)
-_compile_total = [0.0, False]  # seconds so far, listener registered
+COMPILE_FREE_S = 0.1  # a timed step whose score + train compiled for less than this counts as compile-free
 
 
-def compile_seconds() -> float:
-    """Seconds this process has spent compiling since the first call (``jax.monitoring`` duration events)."""
-    if not _compile_total[1]:
-        import jax
-
-        def listen(event: str, seconds: float, **kwargs) -> None:
-            if event in COMPILE_EVENTS:
-                _compile_total[0] += seconds
-
-        jax.monitoring.register_event_duration_secs_listener(listen)
-        _compile_total[1] = True
-    return _compile_total[0]
-
-
-def packed_speedup(rows: list[dict]) -> dict[str, float]:
+def packed_speedup(rows: list[dict], steps: set[int] | None = None) -> dict[str, float]:
     """Per mode (and lengths) with both layouts measured: (score + train) seconds unpacked / packed. Several
     ``--lengths`` of one mode: the key is ``mode@lengths``. Where both rows list their ``timed_steps``, over the
     steps that compiled in neither (``COMPILE_FREE_S``; the same steps draw the same lengths in both), else the
-    rows' means."""
+    rows' means. ``steps``: these timed steps instead (e.g. rows recorded before per-phase compile seconds)."""
     def seconds(r: dict, steps=None) -> float:
         if steps is None:
             return r["time_score"] + r["time_train"]
@@ -330,17 +309,19 @@ def packed_speedup(rows: list[dict]) -> dict[str, float]:
               and q.get("packing") == "on"]
         if on:
             key = r["mode"] if len(specs[r["mode"]]) == 1 else f"{r['mode']}@{spec}"
-            steps = (clean(r) & clean(on[-1])) or None
-            out[key] = seconds(r, steps) / seconds(on[-1], steps)
+            pair = steps if steps is not None else (clean(r) & clean(on[-1])) or None
+            out[key] = seconds(r, pair) / seconds(on[-1], pair)
     return out
 
 
-def packing_summary(rows: list[dict]) -> dict:
+def packing_summary(rows: list[dict], steps: set[int] | None = None) -> dict:
     """``{"rows": rows, "packed_speedup": {mode: x}}`` (``packed_speedup``), e.g. over the rows of several
     ``bench e2e`` files (their ``modes``). Where no mode is plain ``bf16``, the key ``bf16`` is the BF16 mode
     (``bf16_cublas``) whose unpacked score + train ran fastest, named by ``packed_speedup_bf16_mode``."""
-    speedups = packed_speedup(rows)
+    speedups = packed_speedup(rows, steps)
     out = {"rows": rows, "packed_speedup": speedups}
+    if steps is not None:
+        out["packed_speedup_steps"] = sorted(steps)
     bf16 = [r for r in rows if "error" not in r and r["mode"].startswith("bf16") and r.get("packing", "off") == "off"
             and r["mode"] in speedups]
     if bf16 and "bf16" not in speedups:
