@@ -2,7 +2,7 @@
 # One GPU session on the lent H100 (or an H200 host): install Transformer Engine and the project's wheels once, then
 # the stages named on the command line. Results land in $OUT (or ./gpu_out).
 #   usage: bash benchmarks/gpu_session.sh [install] [tests] [decode] [llama1b:MODE] [rollout1k] [gemm] [train] [e2e] [e2e_xla] [profile] [cluster_nb] [study] [rollout_xla] [rollout_head]
-#          [rollout8b] [agreement] [exact] [packed_attention]...
+#          [rollout8b] [agreement] [exact] [packed_attention] [e2e8b]...
 # TE arrives in pieces (see ../shared/gpu/README.md): .gpu/te/wheels + .gpu/install_te.sh, the core wheel's five
 # parts already copied to /root/te by earlier calls; the other wheels in .gpu/wheels; a tokenizer in .gpu/smollm2_tok.
 set -uo pipefail
@@ -61,6 +61,13 @@ EOF
         --set model.preset=llama3_1b --set model.tokenizer=.gpu/smollm2_tok --set model.preset_vocab=preset \
         --set rollout.prompts_per_step=${E2E_PROMPTS:-32} ${E2E_SET:-} --modes ${E2E_MODES:-fp8_e2e,bf16,fp8_rollout,bf16_cublas} \
         --timeout ${E2E_MODE_TIMEOUT:-125} --out "$OUT/e2e_h100${E2E_TAG:-}.json" 2>&1 | grep -v "^W\|Warn" | tee "$OUT/e2e${E2E_TAG:-}.log" | tail -8 ;;
+    e2e8b) # bench e2e at the Llama-3.1-8B width with E8B_LAYERS layers (default 8; the whole preset does not train on
+      # one GPU), the llama1b config's batch shapes: issue 23's e2e_8b_width_h100.json
+      timeout 560 python3 -m fp8rl_jax.bench e2e --config configs/llama1b.py --set model.source=preset \
+        --set model.preset=llama3_8b --set model.num_layers=${E8B_LAYERS:-8} --set model.tokenizer=.gpu/smollm2_tok \
+        --set model.preset_vocab=preset --set rollout.prompts_per_step=${E2E_PROMPTS:-32} ${E2E_SET:-} \
+        --modes ${E2E_MODES:-fp8_e2e,bf16_cublas} --timeout ${E2E_MODE_TIMEOUT:-250} \
+        --out "$OUT/e2e_8b_width_h100.json" 2>&1 | grep -v "^W\|Warn" | tee "$OUT/e2e8b.log" | tail -8 ;;
     e2e_xla) # bench e2e in processes without Transformer Engine (FP8 on the xla backend): there `precision.attention`
       # auto is cuDNN flash attention (TE's cuDNN beside JAX's breaks its backward); E2E_SET adds --set overrides
       [ -d /tmp/site_note ] || python3 -m pip install -q --no-index --no-deps --target /tmp/site_note .gpu/wheels/*.whl
