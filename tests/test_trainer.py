@@ -330,6 +330,9 @@ def test_declined_packing_is_the_unpacked_step(tmp_path):
     unpacked, packed = _metrics_without_timing([records[False], records[True]])
     assert packed.pop("packing/rows") == 0.0 and 0 < packed.pop("packing/fill") <= 1
     assert packed == unpacked
+    # a first step compiles its programs, and says so phase by phase (time/<phase>_compile)
+    assert records[True]["time/train_compile"] > 0 and records[True]["time/rollout_compile"] > 0
+    assert all(0 <= records[True][f"time/{p}_compile"] <= records[True][f"time/{p}"] for p in ("score", "train"))
 
 
 def test_packing_config_errors(tmp_path):
