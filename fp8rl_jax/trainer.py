@@ -53,7 +53,7 @@ from fp8rl_jax.reporting import Reporter, compile_seconds
 from fp8rl_jax.rl.advantages import group_advantages
 from fp8rl_jax.rl.metrics import mismatch_metrics, reduce_metric
 from fp8rl_jax.rl.microbatch import longest_row_tokens, microbatch_sequences, microbatch_source
-from fp8rl_jax.rl.packing import PackingPlan, pack, packed_rows
+from fp8rl_jax.rl.packing import PackingPlan, first_fit_decreasing, pack
 from fp8rl_jax.rl.rewards import combined_rewards, reward_names
 from fp8rl_jax.rl.step import LossConfig, build_optimizer, make_calibrate, make_score, make_train_step
 from fp8rl_jax.rollout import driver, exact
@@ -98,11 +98,16 @@ def load_policy(config, directory: str | Path | None = None, step: int | None = 
     return model, policy["params"], policy["fp8_state"], policy["kv_scales"], tokenizer
 
 
+def padded_width(rows: list, multiple: int = 32, width: int = 0) -> int:
+    """The width ``right_pad`` pads ``rows`` to: ``width`` where given, else the longest row up to ``multiple``."""
+    return width or -(-max(len(r) for r in rows) // multiple) * multiple
+
+
 def right_pad(rows: list, pad_id: int, multiple: int = 32, width: int = 0) -> np.ndarray:
     """Token rows right-padded into [len(rows), T], T a multiple of ``multiple`` (few shapes to compile), or
     ``width`` where given (it must hold every row)."""
     longest = max(len(r) for r in rows)
-    t = width or -(-longest // multiple) * multiple
+    t = padded_width(rows, multiple, width)
     if longest > t:
         raise ValueError(f"a row of {longest} tokens does not fit width {t}")
     out = np.full((len(rows), t), pad_id, np.int32)
@@ -231,12 +236,11 @@ class Trainer:
         self._score = make_score(self.model, self.train_precision, loss_cfg.temperature, **on_mesh)
         # one minibatch per step: the old-policy logprobs are the loss's own forward (ratio exactly 1, no scoring)
         self._own_old_logp = c.rl.minibatches == 1
-        self._train_step = make_train_step(self.model, self.train_precision, self.optimizer, loss_cfg,
-                                           old_logp_from_forward=self._own_old_logp, remat=c.model.remat, **on_mesh)
+        train_step = functools.partial(make_train_step, self.model, self.train_precision, self.optimizer, loss_cfg,
+                                       old_logp_from_forward=self._own_old_logp, remat=c.model.remat, **on_mesh)
+        self._train_step = train_step()
         if self.packing:  # a step whose packed rows would run no fewer tokens runs right-padded (_pack_rows)
-            self._train_step_packed = make_train_step(
-                self.model, self.train_precision, self.optimizer, loss_cfg, old_logp_from_forward=self._own_old_logp,
-                remat=c.model.remat, packed_sequences=self.minibatch, **on_mesh)
+            self._train_step_packed = train_step(packed_sequences=self.minibatch)
         # after an update: FP8 observations only where training does not make them (fp8_rollout), and K/V amaxes
         self._calibrate = make_calibrate(self.model, self.rollout_precision, c.precision.kv_margin,
                                          observe_fp8=not self.train_precision.fp8, remat=c.model.remat,
@@ -501,19 +505,21 @@ class Trainer:
         advantages = np.asarray(host_get(advantages), np.float32)
         pad = self.tokenizer.pad_id or 0
         takes = [order[mb * self.minibatch : (mb + 1) * self.minibatch] for mb in range(self.config.rl.minibatches)]
-        # the step's rows per microbatch: of the plan's options, the one that runs the fewest rows
-        bins = [packed_rows([len(rows[i]) for i in take], self.packing) for take in takes]
-        plan = self.packing.choose_rows(bins)
-        run = sum(-(-b // plan.rows) for b in bins) * plan.tokens  # the tokens the packed step would run
-        padded = len(rows) * (batch.width or -(-max(map(len, rows)) // 32) * 32)  # and the right-padded one
+        # each minibatch's packed rows (sequence indices into `take`), then the step's rows per microbatch: of the
+        # plan's options, the one that costs least
+        bins = [first_fit_decreasing([len(rows[i]) for i in take], self.packing.width, self.packing.max_segments)
+                for take in takes]
+        plan = self.packing.choose_rows([len(b) for b in bins])
+        run = sum(-(-len(b) // plan.rows) for b in bins) * plan.tokens  # the tokens the packed step would run
+        padded = len(rows) * padded_width(rows, width=batch.width)  # and the right-padded one (_pack)
         if run >= padded:  # nothing to gain (e.g. every sequence alone in a row): this step runs right-padded
             self._packing_record = {"packing/rows": 0.0, "packing/fill": sum(map(len, rows)) / padded}
             return None
         parts = []
-        for take in takes:
+        for take, rows_of in zip(takes, bins, strict=True):
             parts.append(pack(plan, [rows[i] for i in take],
                               {"mask": [masks[i] for i in take], "rollout_logp": [rollout_logp[i] for i in take]},
-                              {"advantages": advantages[take]}, pad_id=pad))
+                              {"advantages": advantages[take]}, pad_id=pad, bins=rows_of))
         active = [int(p["microbatches"]) for p in parts]
         # the step's rows per microbatch, and the share of the tokens it runs (used rows or not) that sequences fill
         self._packing_record = {"packing/rows": float(plan.rows),
@@ -584,7 +590,7 @@ class Trainer:
         c, mb, t = self.config, self.microbatch, self.row_tokens
         micro = (f"in microbatches of {mb} x up to {t} tokens ({mb * t} tokens; "
                  f"{microbatch_source(c)})")
-        if self.packing and self._step_packed and phase in ("score", "train"):
+        if self._step_packed and phase in ("score", "train"):
             p = self.packing
             fewer = f" (or {', '.join(map(str, p.row_options))})" if p.row_options else ""
             micro = (f"packed (rl.packing) in microbatches of {p.rows}{fewer} rows x {p.width} tokens (up to "
@@ -618,7 +624,7 @@ class Trainer:
             return f"{name}{'=' + to if to else ''} (now {value}{'; ' + note if note else ''})"
 
         micro = [key("rl.microbatch_tokens"), key("rl.microbatch_sequences", note=f"a divisor of {self.minibatch}")]
-        if self.packing and self._step_packed and phase in ("score", "train"):  # packed rows
+        if self._step_packed and phase in ("score", "train"):  # packed rows
             micro = [key("rl.microbatch_tokens", note=f"at least one row of {self.packing.width}"),
                      key("rl.microbatch_sequences", note="rows a packed microbatch where > 0")]
         rows = [key("rollout.max_new_tokens"), key("data.max_prompt_tokens")]

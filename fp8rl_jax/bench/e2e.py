@@ -289,10 +289,10 @@ def packed_speedup(rows: list[dict], steps: set[int] | None = None) -> dict[str,
     ``--lengths`` of one mode: the key is ``mode@lengths``. Where both rows list their ``timed_steps``, over the
     steps that compiled in neither (``COMPILE_FREE_S``; the same steps draw the same lengths in both), else the
     rows' means. ``steps``: these timed steps instead (e.g. rows recorded before per-phase compile seconds)."""
-    def seconds(r: dict, steps=None) -> float:
-        if steps is None:
+    def seconds(r: dict, pair: set[int] | None) -> float:
+        if pair is None:
             return r["time_score"] + r["time_train"]
-        return sum(s["score_train"] for s in r["timed_steps"] if s["step"] in steps)
+        return sum(s["score_train"] for s in r["timed_steps"] if s["step"] in pair)
 
     def clean(r: dict) -> set:
         return {s["step"] for s in r.get("timed_steps", []) if s["compile_s"] < COMPILE_FREE_S}

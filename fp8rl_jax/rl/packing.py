@@ -38,7 +38,7 @@ from fp8rl_jax.model.llama import row_segments
 WIDTH_MULTIPLE = 32  # a packed row's width is a multiple of this (as right_pad's widths are)
 # what ``PackingPlan.choose_rows`` counts a microbatch's own cost at, in rows: a rough figure from the H100's llama1b
 # step at fixed lengths (16-row packed microbatches of 1,280 tokens against 32-row unpacked ones: about 36 ms more per
-# extra microbatch pass, 1.5 rows' worth, with the attention path differing too; e2e_packing_fixed_h100.json)
+# extra microbatch pass, 1.5 rows' worth, with the attention path differing too; e2e_packing_h100_runs_s16.json)
 MICROBATCH_COST_ROWS = 1
 
 
@@ -85,7 +85,7 @@ class PackingPlan:
 
         Why: the last microbatch of a minibatch runs all its rows, used or not. With one sequence a row
         (completions near the width) 25 rows of 1,280 for 64 sequences ran 75 rows, and the H100's llama1b train
-        step ran 17% slower than unpacked (benchmarks/results/e2e_packing_fixed_h100.json); a divisor fills its
+        step ran 25% slower than unpacked (benchmarks/results/e2e_packing_h100_runs_s16.json); a divisor fills its
         microbatches exactly. Short sequences pack into few rows, where fewer rows a microbatch waste less (14
         rows for 11 used, 4 rows for 12): each step takes the option that costs least (``choose_rows``)."""
         c = config
@@ -150,23 +150,21 @@ def first_fit_decreasing(lengths: Sequence[int], width: int, max_segments: int |
     return rows
 
 
-def packed_rows(lengths: Sequence[int], plan: PackingPlan) -> int:
-    """How many rows ``pack`` makes of sequences of ``lengths`` (``first_fit_decreasing``'s bins)."""
-    return len(first_fit_decreasing(lengths, plan.width, plan.max_segments))
-
-
 def pack(plan: PackingPlan, tokens: Sequence[np.ndarray], per_token: dict[str, Sequence[np.ndarray]],
-         per_sequence: dict[str, np.ndarray], pad_id: int = 0) -> dict[str, np.ndarray]:
+         per_sequence: dict[str, np.ndarray], pad_id: int = 0, bins: list[list[int]] | None = None
+         ) -> dict[str, np.ndarray]:
     """One minibatch's sequences packed as ``plan`` says.
 
     ``tokens[i]``: sequence i's ids (prompt then completion); ``per_token[name][i]``: values on its tokens (as long
-    as ``tokens[i]``); ``per_sequence[name][i]``: one value spread over its tokens (its advantage). Returns the
-    arrays of the module docstring, [M, R, W] each, plus ``placement`` [S, 3] and ``microbatches`` (a 0-d int: the
-    microbatches that hold rows; the rest is padding).
+    as ``tokens[i]``); ``per_sequence[name][i]``: one value spread over its tokens (its advantage). ``bins``: the
+    rows' sequence indices where the caller has them already (``first_fit_decreasing`` of the lengths, the plan's
+    width and ``max_segments``; made here otherwise). Returns the arrays of the module docstring, [M, R, W] each,
+    plus ``placement`` [S, 3] and ``microbatches`` (a 0-d int: the microbatches that hold rows; the rest is padding).
     """
     m, r, w = plan.microbatches, plan.rows, plan.width
     lengths = [len(t) for t in tokens]
-    bins = first_fit_decreasing(lengths, w, plan.max_segments)
+    if bins is None:
+        bins = first_fit_decreasing(lengths, w, plan.max_segments)
     if len(bins) > m * r:  # cannot happen for a plan's own minibatch: one sequence per row at worst
         raise ValueError(f"{len(tokens)} sequences need {len(bins)} packed rows; the plan holds {m} x {r}")
     # [M * R, W] while filling, reshaped to [M, R, W] at the end
