@@ -177,6 +177,20 @@ def timed(times: dict[str, float], phase: str) -> Iterator[None]:
         times[phase] = time.perf_counter() - start
 
 
+@jax.jit
+def _microbatch(arrays: dict, mb: jax.Array, i: jax.Array) -> dict:
+    """``arrays[k][mb, i]`` for each key, the indices traced: one program whatever the microbatch (eager integer
+    indexing compiles a slice per index)."""
+    return {k: v[mb, i] for k, v in arrays.items()}
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _put_microbatch(out: jax.Array, value: jax.Array, mb: jax.Array, i: jax.Array) -> jax.Array:
+    """``out`` with ``out[mb, i] = value`` in place, the indices traced (stacking the scored microbatches with zeros
+    for the empty ones compiled anew for each new pattern of empty ones)."""
+    return out.at[mb, i].set(value)
+
+
 class Trainer:
     def __init__(self, config, *, report: bool = True):
         validate(config, known_rewards=reward_names)
@@ -532,15 +546,15 @@ class Trainer:
     def _score_packed(self, params, arrays: dict, active: list[int]) -> jax.Array:
         """Per-token logprobs [minibatches, microbatches, rows, width] of packed ``arrays`` under ``params``: one
         [rows, width] call per microbatch that holds rows, zeros for the rest."""
-        s, parts = self.state, []
+        s = self.state
+        layout = {k: arrays[k] for k in ("tokens", "segment_ids", "positions")}
+        out = jnp.zeros(arrays["tokens"].shape, jnp.float32)
         for mb, count in enumerate(active):
-            for i in range(arrays["tokens"].shape[1]):
-                if i < count:
-                    packed = {k: arrays[k][mb, i] for k in ("tokens", "segment_ids", "positions")}
-                    parts.append(self._score(params, s["fp8_state"], s["kv_scales"], packed))
-                else:
-                    parts.append(jnp.zeros(arrays["tokens"].shape[2:], jnp.float32))
-        return jnp.stack(parts).reshape(arrays["tokens"].shape)
+            for i in range(count):
+                where = np.int32(mb), np.int32(i)
+                logp = self._score(params, s["fp8_state"], s["kv_scales"], _microbatch(layout, *where))
+                out = _put_microbatch(out, logp, *where)
+        return out
 
     def _score_all(self, params, tokens: jax.Array) -> jax.Array:
         """Per-token logprobs [rows, T] of ``tokens`` under ``params``, scored a microbatch at a time."""

@@ -231,16 +231,20 @@ def test_e2e_lengths_and_packing_options(tmp_path):
             {"mode": "fp8_e2e", "packing": "on", "lengths": "x", "time_score": 1.0, "time_train": 1.0},
             {"mode": "fp8_rollout", "packing": "off", "lengths": "x", "time_score": 1.0, "time_train": 3.0},
             {"mode": "fp8_rollout", "packing": "on", "error": "child exited 1"}]
-    assert e2e.packing_summary(rows) == {"rows": rows, "packed_speedup": {"bf16": 2.0, "fp8_e2e": 2.0}}
-    # with each step's seconds: only the steps that compiled in neither layout (step 3 compiled unpacked)
+    both = {"bf16": 2.0, "fp8_e2e": 2.0}
+    assert e2e.packing_summary(rows) == {"rows": rows, "packed_speedup": both, "packed_speedup_with_compile": both}
+    # with each step's seconds: summed over the steps, less what each compiled (step 3 compiled unpacked)
     stepped = [dict(rows[0], timed_steps=[{"step": 2, "score_train": 6.0, "compile_s": 0.0},
                                           {"step": 3, "score_train": 40.0, "compile_s": 30.0}]),
-               dict(rows[1], timed_steps=[{"step": 2, "score_train": 2.0, "compile_s": 0.01},
-                                          {"step": 3, "score_train": 2.0, "compile_s": 0.0}])]
-    assert e2e.packed_speedup(stepped) == {"bf16": 3.0}
+               dict(rows[1], timed_steps=[{"step": 2, "score_train": 2.0, "compile_s": 0.0},
+                                          {"step": 3, "score_train": 2.5, "compile_s": 0.5}])]
+    assert e2e.packed_speedup(stepped) == {"bf16": 4.0}
+    assert e2e.packed_speedup(stepped, with_compile=True) == {"bf16": 46.0 / 4.5}
+    assert e2e.packed_speedup(stepped, steps={2}) == {"bf16": 3.0}
     cublas = [dict(r, mode="bf16_cublas") for r in rows[:2]]
+    three = {"bf16_cublas": 2.0, "fp8_e2e": 2.0, "bf16": 2.0}
     assert e2e.packing_summary(cublas + rows[2:4]) == {
-        "rows": cublas + rows[2:4], "packed_speedup": {"bf16_cublas": 2.0, "fp8_e2e": 2.0, "bf16": 2.0},
+        "rows": cublas + rows[2:4], "packed_speedup": three, "packed_speedup_with_compile": three,
         "packed_speedup_bf16_mode": "bf16_cublas"}
     two = rows[:2] + [dict(rows[0], lengths="y", time_train=2.0), dict(rows[1], lengths="y", time_train=1.0)]
     assert e2e.packed_speedup(two) == {"bf16@x": 2.0, "bf16@y": 2.0}

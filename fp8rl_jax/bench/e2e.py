@@ -27,10 +27,11 @@ JSON list), ``fixed`` keeps what the rollout returned. Each completion is cut at
 on; the draws depend on the step only, so every mode and layout sees the same lengths.
 
 Packing (``--packing=off|on``, or ``off,on`` for both, each a child process per mode): ``rl.packing``. With both,
-``packed_speedup[mode]`` = (score + train) seconds unpacked / packed, over the timed steps in which neither layout
-compiled (the unpacked layout pads to each batch's longest row, so a new width compiles its programs inside a step;
-``timed_steps`` has each step's seconds and compile seconds); ``packing_summary(rows)`` builds
-``{"rows": [...], "packed_speedup": {...}}`` from any rows (the integrator's files of several runs too).
+``packed_speedup[mode]`` = (score + train) seconds unpacked / packed over the timed steps, each less the seconds
+it compiled (the unpacked layout pads to each batch's longest row, so a new width compiles its programs inside a
+step; ``timed_steps`` has each step's seconds and compile seconds), ``packed_speedup_with_compile`` the same with
+them; ``packing_summary(rows)`` builds ``{"rows": [...], "packed_speedup": {...}, ...}`` from any rows (the
+integrator's files of several runs too).
 """
 
 from __future__ import annotations
@@ -172,7 +173,7 @@ def measure(config_path: str, mode: str, sets: list[str], warmup: int, steps: in
         row["rollout_hbm_bound_tokens_per_s"] = bound
         row["hbm_bound_fraction"] = row["rollout_tokens_per_s"] / bound
     # each timed step's score + train seconds and the seconds JAX spent compiling in them (a new row width or
-    # packed shape compiles inside a timed step): packed_speedup pairs the steps that compiled in neither layout
+    # packed shape compiles inside a timed step): packed_speedup takes them out
     row["timed_steps"] = [{"step": warmup + i + 1, "score_train": r["time/score"] + r["time/train"],
                            "compile_s": r["time/score_compile"] + r["time/train_compile"]}
                           for i, r in enumerate(timed)]
@@ -281,21 +282,20 @@ def enforce_lengths(trainer, lengths: Lengths) -> None:
         trainer.exact_sampler.rollout = cut(trainer.exact_sampler.rollout)
 
 
-COMPILE_FREE_S = 0.1  # a timed step whose score + train compiled for less than this counts as compile-free
-
-
-def packed_speedup(rows: list[dict], steps: set[int] | None = None) -> dict[str, float]:
+def packed_speedup(rows: list[dict], steps: set[int] | None = None, *, with_compile: bool = False) -> dict[str, float]:
     """Per mode (and lengths) with both layouts measured: (score + train) seconds unpacked / packed. Several
-    ``--lengths`` of one mode: the key is ``mode@lengths``. Where both rows list their ``timed_steps``, over the
-    steps that compiled in neither (``COMPILE_FREE_S``; the same steps draw the same lengths in both), else the
-    rows' means. ``steps``: these timed steps instead (e.g. rows recorded before per-phase compile seconds)."""
+    ``--lengths`` of one mode: the key is ``mode@lengths``. Where both rows list their ``timed_steps``: summed over
+    the steps both timed (the same steps draw the same lengths in both; ``steps``: these instead), each step less
+    the seconds it spent compiling (the steady state: the unpacked layout pads to each batch's longest row, so a
+    step of a new width compiles its programs; ``with_compile`` keeps them in). Else the rows' means."""
     def seconds(r: dict, pair: set[int] | None) -> float:
         if pair is None:
             return r["time_score"] + r["time_train"]
-        return sum(s["score_train"] for s in r["timed_steps"] if s["step"] in pair)
+        return sum(s["score_train"] - (0.0 if with_compile else s["compile_s"])
+                   for s in r["timed_steps"] if s["step"] in pair)
 
-    def clean(r: dict) -> set:
-        return {s["step"] for s in r.get("timed_steps", []) if s["compile_s"] < COMPILE_FREE_S}
+    def timed(r: dict) -> set:
+        return {s["step"] for s in r.get("timed_steps", [])}
 
     ok = [r for r in rows if "error" not in r]
     specs = {r["mode"]: set() for r in ok}
@@ -310,7 +310,7 @@ def packed_speedup(rows: list[dict], steps: set[int] | None = None) -> dict[str,
               and q.get("packing") == "on"]
         if on:
             key = r["mode"] if len(specs[r["mode"]]) == 1 else f"{r['mode']}@{spec}"
-            pair = steps if steps is not None else (clean(r) & clean(on[-1])) or None
+            pair = steps if steps is not None else (timed(r) & timed(on[-1])) or None
             out[key] = seconds(r, pair) / seconds(on[-1], pair)
     return out
 
@@ -320,14 +320,16 @@ def packing_summary(rows: list[dict], steps: set[int] | None = None) -> dict:
     ``bench e2e`` files (their ``modes``). Where no mode is plain ``bf16``, the key ``bf16`` is the BF16 mode
     (``bf16_cublas``) whose unpacked score + train ran fastest, named by ``packed_speedup_bf16_mode``."""
     speedups = packed_speedup(rows, steps)
-    out = {"rows": rows, "packed_speedup": speedups}
+    out = {"rows": rows, "packed_speedup": speedups,
+           "packed_speedup_with_compile": packed_speedup(rows, steps, with_compile=True)}
     if steps is not None:
         out["packed_speedup_steps"] = sorted(steps)
     bf16 = [r for r in rows if "error" not in r and r["mode"].startswith("bf16") and r.get("packing", "off") == "off"
             and r["mode"] in speedups]
     if bf16 and "bf16" not in speedups:
         best = min(bf16, key=lambda r: r["time_score"] + r["time_train"])["mode"]
-        speedups["bf16"] = speedups[best]
+        for key in ("packed_speedup", "packed_speedup_with_compile"):
+            out[key]["bf16"] = out[key][best]
         out["packed_speedup_bf16_mode"] = best
     return out
 
