@@ -17,11 +17,22 @@ an f32 carry. The entropy's gradient is exact (-p (log p + H) / T per logit) and
 not differentiated (the train step reports it as a metric under ``stop_gradient``: a symbolic zero cotangent). In
 f32 compute this is the plain autodiff of the same math.
 
-With ``lm_head_fp8`` the head goes through ``linear`` per chunk under ``jax.checkpoint`` and plain autodiff
-(``autodiff_head_logprobs``). Its FP8 state must not be closed over by the chunk loop: a value closed over by
-``lax.map``'s body gets the *sum* of its per-iteration cotangents, and the state's cotangent is an amax
-observation (``fp8/recipe.py``), which combines with max. Each chunk gets its own copy of the state instead
-(``_per_chunk``), and the copies' cotangents are reduced with max.
+With ``lm_head_fp8`` (per-tensor scaling) the head is ``fp8_chunked_head_logprobs``, the same custom VJP in FP8:
+the master kernel is quantized with the head's delayed kernel scale once per call and laid out twice ([V, D] for
+the logits, [D, V] for the hidden state's gradient: both FP8 GEMMs read K-major operands), the hidden state is
+quantized once with the x scale (and kept, one byte a value, for the kernel's gradient), and each chunk's logit
+gradient is quantized with the grad scale (E5M2 in ``hybrid``) for the two backward GEMMs. The state's cotangent
+carries the amaxes observed over the whole call: the hidden state's, the kernel's and the largest logit gradient
+of any chunk. These are the operands and GEMMs of the autodiff head below, so the two agree to f32 rounding (up
+to a logit gradient on an E5M2 rounding boundary: ``tests/rl/test_scoring.py``); the autodiff head quantized and
+transposed the 128k-vocabulary kernel in every chunk, forward and backward, and lost to the BF16 head (5.62 s
+against 5.48 s a train step on the H100).
+
+``autodiff_head_logprobs`` (the reference both heads are tested against, and the FP8 head under ``rowwise``
+scaling) runs ``linear`` per chunk under ``jax.checkpoint`` and plain autodiff. Its FP8 state must not be closed
+over by the chunk loop: a value closed over by ``lax.map``'s body gets the *sum* of its per-iteration cotangents,
+and the state's cotangent is an amax observation (``fp8/recipe.py``), which combines with max. Each chunk gets its
+own copy of the state instead (``_per_chunk``), and the copies' cotangents are reduced with max.
 """
 
 from __future__ import annotations
@@ -32,10 +43,12 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.custom_derivatives import SymbolicZero
+from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 from jax.sharding import PartitionSpec as P
 
+from fp8rl_jax.fp8 import xla
 from fp8rl_jax.fp8.policy import Precision
+from fp8rl_jax.fp8.recipe import Fp8Recipe, amax, observations, quantize
 from fp8rl_jax.model import llama
 from fp8rl_jax.model.config import LlamaConfig
 from fp8rl_jax.parallel import fsdp
@@ -145,6 +158,20 @@ def _chunk_logprobs(z: jax.Array, y: jax.Array, with_entropy: bool):
     return logp, ent, m, lse
 
 
+def _logits_cotangent(z, y, m, lse, g, g_h, ent, entropy_grad: bool) -> jax.Array:
+    """The cotangent of one chunk's scaled logits ``z`` [B, C, V] from those of the target logprobs ``g`` and (with
+    ``entropy_grad``) the entropies ``g_h`` [B, C], f32; ``m``, ``lse`` the forward's log-softmax statistics."""
+    logp_all = (z - m[..., None]) - lse[..., None]
+    p = jnp.exp(logp_all)
+    onehot = lax.broadcasted_iota(jnp.int32, z.shape, 2) == y[..., None]
+    # d logp / d (z / T) = onehot - p
+    dz = jnp.where(onehot, g[..., None], 0.0) - p * g[..., None]
+    if entropy_grad:
+        # d H / d (z / T) = -p (log p + H)
+        dz = dz - g_h[..., None] * (p * (jnp.where(p > 0, logp_all, 0.0) + ent[..., None]))
+    return dz
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _chunked_head(hidden, kernel, targets, spec: _HeadSpec):
     logp, ent, _, _ = _head_forward(_operand(hidden, spec), _head_operand(kernel, spec), targets, spec)
@@ -172,14 +199,7 @@ def _chunked_head_bwd(spec: _HeadSpec, res, cotangents):
     def chunk(dw, xs):
         h, y, m, lse, g, g_h, ent = xs
         z = _scaled_logits(h, w, spec)  # recomputed: [B, C, V] f32
-        logp_all = (z - m[..., None]) - lse[..., None]
-        p = jnp.exp(logp_all)
-        onehot = lax.broadcasted_iota(jnp.int32, z.shape, 2) == y[..., None]
-        # d logp / d (z / T) = onehot - p
-        dz = jnp.where(onehot, g[..., None], 0.0) - p * g[..., None]
-        if entropy_grad:
-            # d H / d (z / T) = -p (log p + H)
-            dz = dz - g_h[..., None] * (p * (jnp.where(p > 0, logp_all, 0.0) + ent[..., None]))
+        dz = _logits_cotangent(z, y, m, lse, g, g_h, ent, entropy_grad)
         dlogits = _operand(dz / spec.temperature, spec)
         # dW in f32, summed over the chunks in f32; dx per chunk (f32 out, rounded once after the loop: XLA:CPU
         # would convert a stacked bf16 buffer to f32 and back at every chunk's write)
@@ -229,7 +249,141 @@ def chunked_head_logprobs(hidden: jax.Array, kernel: jax.Array, targets: jax.Arr
 
 
 # ----------------------------------------------------------------------------------------------------------
-# the FP8 head (and the reference the tests compare with): ``linear`` per chunk, autodiff under jax.checkpoint
+# the FP8 head: the kernel quantized once per call (both layouts), a custom VJP over the chunks
+
+
+@dataclasses.dataclass(frozen=True)
+class _Fp8HeadSpec:
+    temperature: float
+    with_entropy: bool
+    kernel_nk: bool  # the kernel is stored [V, D] (a tied embedding), else [D, V]
+    recipe: Fp8Recipe
+    form: str  # the FP8 GEMM form (``xla.gemm_form``): float8 operands on GPU, their exact f32 values on CPU
+    dtype: jnp.dtype  # the compute dtype: the hidden state is rounded to it before it is quantized (as ``linear``)
+    kernel_dtype: jnp.dtype
+    gather: P | None = None  # under FSDP: the master's PartitionSpec, its FP8 bits gathered (parallel.fsdp)
+
+
+def _fp8_head_kernels(kernel: jax.Array, state, spec: _Fp8HeadSpec):
+    """The master head kernel quantized with its delayed scale, in both layouts the GEMMs read K-major: ``w_vd``
+    [V, D] (the logits contract D) and ``w_dv`` [D, V] (the hidden state's gradient contracts V). One quantize
+    and one transpose per call, never per chunk; under FSDP the shards are quantized where they are and their FP8
+    bits gathered."""
+    q = quantize(kernel, state["kernel"]["scale"], spec.recipe.fwd_dtype)
+    if spec.gather is not None:
+        q = fsdp.gather_bits(q, spec.gather)
+    w_vd, w_dv = (q, q.T) if spec.kernel_nk else (q.T, q)
+    return (xla.gemm_operand(w_vd, spec.recipe.fwd_dtype, spec.form),
+            xla.gemm_operand(w_dv, spec.recipe.fwd_dtype, spec.form))
+
+
+def _fp8_scaled_logits(h: jax.Array, w_vd: jax.Array, inv_scale: jax.Array, spec: _Fp8HeadSpec) -> jax.Array:
+    """FP8 [B, C, D] x FP8 [V, D] -> logits / T [B, C, V], f32: the GEMM as ``xla.prequantized_matmul`` runs it
+    (2-D operands, f32 accumulation, then the inverse scales), so rollout and scoring round alike."""
+    b, c, d = h.shape
+    z = lax.dot_general(h.reshape(b * c, d), w_vd, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return (z * inv_scale).reshape(b, c, -1) / spec.temperature
+
+
+def _fp8_scales(state):
+    return tuple(state[role]["scale"].astype(jnp.float32) for role in ("x", "kernel", "grad"))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _fp8_chunked_head(hidden, kernel, targets, state, spec: _Fp8HeadSpec):
+    (logp, ent), _ = _fp8_chunked_head_fwd_impl(hidden, kernel, targets, state, spec)
+    return logp, ent
+
+
+def _fp8_chunked_head_fwd_impl(hidden, kernel, targets, state, spec: _Fp8HeadSpec):
+    s_x, s_w, _ = _fp8_scales(state)
+    fwd_dtype = spec.recipe.fwd_dtype
+    # the hidden state quantized once (one byte a value: it is also the weight gradient's residual)
+    h = xla.gemm_operand(quantize(hidden.astype(spec.dtype), s_x, fwd_dtype), fwd_dtype, spec.form)
+    w_vd, w_dv = _fp8_head_kernels(kernel, state, spec)
+    inv_scale = (1.0 / s_x) * (1.0 / s_w)
+
+    def chunk(xs):
+        h_c, y = xs
+        return _chunk_logprobs(_fp8_scaled_logits(h_c, w_vd, inv_scale, spec), y, spec.with_entropy)
+
+    logp, ent, m, lse = lax.map(chunk, (h, targets))
+    residuals = (h, w_vd, w_dv, targets, m, lse, ent, state, amax(hidden.astype(spec.dtype)), amax(kernel))
+    return (logp, ent), residuals
+
+
+def _fp8_chunked_head_fwd(hidden, kernel, targets, state, spec: _Fp8HeadSpec):
+    hidden, kernel, targets, state = jax.tree.map(  # symbolic_zeros: each primal leaf is a CustomVJPPrimal
+        lambda p: p.value, (hidden, kernel, targets, state), is_leaf=lambda p: isinstance(p, CustomVJPPrimal))
+    return _fp8_chunked_head_fwd_impl(hidden, kernel, targets, state, spec)
+
+
+def _fp8_chunked_head_bwd(spec: _Fp8HeadSpec, res, cotangents):
+    h, w_vd, w_dv, targets, m, lse, ent, state, amax_x, amax_w = res
+    s_x, s_w, s_g = _fp8_scales(state)
+    g_logp, g_ent = cotangents
+    if isinstance(g_logp, SymbolicZero):
+        g_logp = jnp.zeros(g_logp.shape, jnp.float32)
+    entropy_grad = spec.with_entropy and not isinstance(g_ent, SymbolicZero)
+    if not entropy_grad:
+        g_ent = jnp.zeros_like(g_logp)  # not read
+    bwd_dtype, tied = spec.recipe.bwd_dtype, spec.kernel_nk
+    inv_scale = (1.0 / s_x) * (1.0 / s_w)
+
+    def chunk(carry, xs):
+        dw, amax_g = carry
+        h_c, y, m, lse, g, g_h, ent = xs
+        b, c, d = h_c.shape
+        z = _fp8_scaled_logits(h_c, w_vd, inv_scale, spec)  # recomputed: [B, C, V] f32
+        dz = _logits_cotangent(z, y, m, lse, g, g_h, ent, entropy_grad)
+        dlogits = (dz / spec.temperature).reshape(b * c, -1)  # the cotangent of the unscaled logits
+        g8 = xla.gemm_operand(quantize(dlogits, s_g, bwd_dtype), bwd_dtype, spec.form)
+        h2 = h_c.reshape(b * c, d)
+        # [M, V] . [D, V] -> dx [M, D]; [M, D]^T . [M, V] -> dW [D, V] (or [M, V]^T . [M, D] -> [V, D] tied)
+        dx = lax.dot_general(g8, w_dv, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        dx = dx * ((1.0 / s_g) * (1.0 / s_w))
+        a, bb = (g8, h2) if tied else (h2, g8)
+        dw = dw + lax.dot_general(a, bb, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+        return (dw, jnp.maximum(amax_g, amax(dlogits))), dx.reshape(b, c, d)
+
+    shape = w_vd.shape if tied else w_dv.shape
+    (dw, amax_g), dx = lax.scan(chunk, (jnp.zeros(shape, jnp.float32), jnp.float32(0.0)),
+                                (h, targets, m, lse, g_logp, g_ent, ent))
+    dw = (dw * ((1.0 / s_x) * (1.0 / s_g))).astype(spec.kernel_dtype)  # the scales are the same in every chunk
+    if spec.gather is not None:  # the devices' partial gradients summed onto the master's shards
+        dw = fsdp.reduce_to(dw, spec.gather)
+    return dx.astype(spec.dtype), dw, None, observations(state, amax_x, amax_w, amax_g)
+
+
+_fp8_chunked_head.defvjp(_fp8_chunked_head_fwd, _fp8_chunked_head_bwd, symbolic_zeros=True)
+
+
+def _fp8_head_spec(kernel: jax.Array, precision: Precision, *, temperature: float, with_entropy: bool,
+                   kernel_nk: bool) -> _Fp8HeadSpec:
+    base = _head_spec(kernel, temperature=temperature, with_entropy=with_entropy, kernel_nk=kernel_nk,
+                      dtype=precision.dtype)
+    return _Fp8HeadSpec(temperature=temperature, with_entropy=with_entropy, kernel_nk=kernel_nk,
+                        recipe=precision.recipe, form=xla.gemm_form(), dtype=base.dtype,
+                        kernel_dtype=base.kernel_dtype, gather=base.gather)
+
+
+def fp8_chunked_head_logprobs(hidden: jax.Array, kernel: jax.Array, targets: jax.Array, head_state, *,
+                              precision: Precision, temperature: float = 1.0, chunk: int = HEAD_CHUNK,
+                              with_entropy: bool = False, kernel_nk: bool = False):
+    """As ``chunked_head_logprobs``, with the head's GEMMs in FP8 under ``head_state`` (``precision.lm_head_fp8``,
+    per-tensor delayed scaling): the forward's operands are the rollout's (the kernel quantized with the state's
+    kernel scale, the hidden state with its x scale), the logit gradient is quantized with the grad scale (E5M2 in
+    ``hybrid``), and the state's cotangent carries the three amaxes observed over the whole call (``recipe``).
+    The GEMMs are XLA's FP8 ``dot_general`` (cuBLASLt on Hopper) under either backend."""
+    n = targets.shape[1]
+    c = min(chunk, n)
+    spec = _fp8_head_spec(kernel, precision, temperature=temperature, with_entropy=with_entropy, kernel_nk=kernel_nk)
+    logp, ent = _fp8_chunked_head(_to_chunks(hidden, c), kernel, _to_chunks(targets, c), head_state, spec)
+    return _from_chunks(logp, n), (_from_chunks(ent, n) if with_entropy else None)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the reference the tests compare both heads with: ``linear`` per chunk, autodiff under jax.checkpoint
 
 
 def autodiff_head_logprobs(params: dict, hidden: jax.Array, targets: jax.Array, *, precision: Precision,
@@ -294,14 +448,18 @@ def token_logprobs(
     # position t - 1 predicts token t: [B, T - 1, D] against targets [B, T - 1]
     hidden, targets = hidden[:, :-1], tokens[:, 1:]
     head_state = fp8_state.get("lm_head") if (fp8_state is not None and precision.lm_head_fp8) else None
-    if head_state is not None:
+    tied = "lm_head" not in params
+    kernel = params["embed"] if tied else params["lm_head"]
+    if head_state is not None and precision.recipe.scaling == "tensor":
+        logp, ent = fp8_chunked_head_logprobs(hidden, kernel, targets, head_state, precision=precision,
+                                              temperature=temperature, chunk=chunk, with_entropy=with_entropy,
+                                              kernel_nk=tied)
+    elif head_state is not None:  # rowwise scaling: each token's row and each channel scaled by its own amax
         logp, ent = autodiff_head_logprobs(params, hidden, targets, precision=precision, head_state=head_state,
                                            temperature=temperature, chunk=chunk, with_entropy=with_entropy)
     else:
-        tied = "lm_head" not in params
-        logp, ent = chunked_head_logprobs(hidden, params["embed"] if tied else params["lm_head"], targets,
-                                          temperature=temperature, chunk=chunk, with_entropy=with_entropy,
-                                          kernel_nk=tied, dtype=precision.dtype)
+        logp, ent = chunked_head_logprobs(hidden, kernel, targets, temperature=temperature, chunk=chunk,
+                                          with_entropy=with_entropy, kernel_nk=tied, dtype=precision.dtype)
     zero = jnp.zeros((b, 1), jnp.float32)
     logp = jnp.concatenate([zero, logp], axis=1)
     entropy = jnp.concatenate([zero, ent], axis=1) if with_entropy else None
@@ -350,18 +508,27 @@ def sample_next_token(
     k, r = (at - 1) // c, (at - 1) % c  # the chunk that holds position at - 1, and its place in it
     head_state = fp8_state.get("lm_head") if (fp8_state is not None and precision.lm_head_fp8) else None
     draw = dataclasses.replace(sampling, temperature=1.0)  # z below is already logits / T
-    if head_state is not None:  # autodiff_head_logprobs' chunk
+    tied = "lm_head" not in params
+    kernel = params["embed"] if tied else params["lm_head"]
+    if head_state is not None and precision.recipe.scaling == "tensor":  # fp8_chunked_head_logprobs' chunk
+        spec = _fp8_head_spec(kernel, precision, temperature=sampling.temperature, with_entropy=False,
+                              kernel_nk=tied)
+        s_x, s_w, _ = _fp8_scales(head_state)
+        h = quantize(_to_chunks(hidden.astype(spec.dtype), c)[k, rows], s_x, spec.recipe.fwd_dtype)  # [B, C, D]
+        h = xla.gemm_operand(h, spec.recipe.fwd_dtype, spec.form)
+        w_vd, _ = _fp8_head_kernels(kernel, head_state, spec)
+        z = _fp8_scaled_logits(h, w_vd, (1.0 / s_x) * (1.0 / s_w), spec)  # [B, C, V]
+    elif head_state is not None:  # autodiff_head_logprobs' chunk (rowwise scaling)
         h = _to_chunks(hidden, c)[k, rows]  # [B, C, D]
         logits = llama.logits_from_hidden(params, h, precision=precision, fp8_state={"lm_head": head_state})
         z = logits / sampling.temperature  # [B, C, V]
         token = sample(z[rows, r], keys, draw)[0] if forced is None else forced
         return token, jax.nn.log_softmax(z, axis=-1)[rows, r, token]
-    tied = "lm_head" not in params  # chunked_head_logprobs' chunk
-    kernel = params["embed"] if tied else params["lm_head"]
-    spec = _head_spec(kernel, temperature=sampling.temperature, with_entropy=False, kernel_nk=tied,
-                      dtype=precision.dtype)
-    h = _operand(_to_chunks(hidden.astype(spec.dtype), c)[k, rows], spec)  # [B, C, D]
-    z = _scaled_logits(h, _operand(kernel, spec), spec)  # [B, C, V]
+    else:  # chunked_head_logprobs' chunk
+        spec = _head_spec(kernel, temperature=sampling.temperature, with_entropy=False, kernel_nk=tied,
+                          dtype=precision.dtype)
+        h = _operand(_to_chunks(hidden.astype(spec.dtype), c)[k, rows], spec)  # [B, C, D]
+        z = _scaled_logits(h, _operand(kernel, spec), spec)  # [B, C, V]
     token = sample(z[rows, r], keys, draw)[0] if forced is None else forced
     targets = jnp.zeros((b, c), jnp.int32).at[rows, r].set(token)
     logp, _, _, _ = _chunk_logprobs(z, targets, with_entropy=False)

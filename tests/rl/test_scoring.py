@@ -18,6 +18,7 @@ preset, T = 0.7, chunks 256 / 8 / 7 of the 20 predicted positions (1 chunk; 3 wi
 """
 
 import dataclasses
+import functools
 
 import jax
 import jax.extend
@@ -253,3 +254,86 @@ def test_head_kernel_is_cast_once_per_call_not_per_chunk(tied):
              if eqn.primitive.name in ("convert_element_type", "reduce_precision", "transpose")
              and any(getattr(v.aval, "size", 0) == kernel.size for v in eqn.outvars)]
     assert casts and not any(casts), casts
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the FP8 head (lm_head_fp8): custom VJP vs autodiff of the per-chunk FP8 ``linear``
+
+
+def _fp8_head_state(config, precision):
+    """The head's FP8 state with scales that quantize visibly (not the initial 1.0): x, kernel and grad scaled to
+    amaxes of about 4, 0.1 and 0.05."""
+    state = llama.init_fp8_state(config, precision)["lm_head"]
+    for role, scale in (("x", 448 / 4.0), ("kernel", 448 / 0.1), ("grad", 57344 / 0.05)):
+        state[role] = dict(state[role], scale=jnp.float32(scale))
+    return state
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("chunk", CHUNKS)
+def test_fp8_head_custom_vjp_equals_autodiff(tied, dtype, chunk):
+    """The FP8 head's custom VJP (the kernel quantized once per call in both layouts, the logit gradient quantized
+    per chunk) against autodiff of ``linear``'s FP8 GEMM per chunk: the same FP8 operands and GEMMs, so the same
+    numbers up to f32 rounding of the softmax. Bounds: logp 1e-6 abs (measured <= 4.8e-7), entropy 1e-5 abs
+    (its one-pass form: <= 1.9e-6), the three observed amaxes 1e-6 relative (the grad's differs in the last bit
+    in BF16). Gradients: 1e-3 of their largest value. Most cases agree to f32 rounding (the kernel's is summed over
+    the chunks and scaled once, not per chunk), but a logit-gradient element on an E5M2 rounding boundary may
+    round the other way after a 1-ulp difference in its softmax, which moves that token's hidden-state gradient
+    row by one E5M2 step of that element times the kernel (measured: 8.5e-5 of the largest value, one row of 40,
+    f32 tied with 3 chunks)."""
+    from fp8rl_jax.rl.scoring import fp8_chunked_head_logprobs
+
+    config, params = _tiny(tied)
+    precision = Precision(backend="xla", compute_dtype=dtype, lm_head_fp8=True)
+    state = _fp8_head_state(config, precision)
+    hidden, targets = _head_inputs(config, dtype)
+    kernel, _ = _head_kernel(params)
+    a, b = _weights(targets.shape)
+
+    def loss(which, h, k, st):
+        if which == "new":
+            logp, ent = fp8_chunked_head_logprobs(h, k, targets, st, precision=precision, temperature=TEMPERATURE,
+                                                  chunk=chunk, with_entropy=True, kernel_nk=tied)
+        else:
+            p = dict(params, **{"embed" if tied else "lm_head": k})
+            logp, ent = autodiff_head_logprobs(p, h, targets, precision=precision, head_state=st,
+                                               temperature=TEMPERATURE, chunk=chunk, with_entropy=True)
+        return jnp.sum(logp * a) + jnp.sum(ent * b), (logp, ent)
+
+    results = {w: jax.jit(jax.value_and_grad(functools.partial(loss, w), argnums=(0, 1, 2), has_aux=True))(
+        hidden, kernel, state) for w in ("new", "old")}
+    (_, (logp, ent)), (d_h, d_k, observed) = results["new"]
+    (_, (logp_ref, ent_ref)), (d_h_ref, d_k_ref, observed_ref) = results["old"]
+    np.testing.assert_allclose(logp, logp_ref, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(ent, ent_ref, rtol=0, atol=1e-5)
+    assert d_h.dtype == d_h_ref.dtype and d_k.dtype == d_k_ref.dtype
+    _close(d_h, d_h_ref, 0, 1e-3, "d hidden")
+    _close(d_k, d_k_ref, 0, 1e-3, "d kernel")
+    for role in ("x", "kernel", "grad"):
+        got, want = observed[role]["amax_history"], observed_ref[role]["amax_history"]
+        np.testing.assert_allclose(got, want, rtol=1e-6, err_msg=role)
+        assert float(got[0]) > 0 and not np.any(np.asarray(got[1:])), role  # one observation, in row 0
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_fp8_head_kernel_is_quantized_once_per_call(tied):
+    """The FP8 head's kernel is quantized (a saturating cast of the master) and laid out outside the chunk loops,
+    forward and backward: no loop body makes an array of the kernel's size from another (a per-chunk quantize
+    and transpose of the 128k-vocabulary table was the autodiff head's cost)."""
+    config, params = _tiny(tied)
+    precision = Precision(backend="xla", compute_dtype="bfloat16", lm_head_fp8=True)
+    fp8_state = llama.init_fp8_state(config, precision)
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 21), 0, config.vocab_size)
+    kernel, _ = _head_kernel(params)
+
+    def loss(params, fp8_state):
+        logp, ent, _ = token_logprobs(params, tokens, config=config, precision=precision, chunk=8,
+                                      with_entropy=True, fp8_state=fp8_state)
+        return jnp.sum(logp) + jnp.sum(jax.lax.stop_gradient(ent))
+
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(params, fp8_state).jaxpr
+    made = [inside for eqn, inside in _loop_bodies(jaxpr)
+            if eqn.primitive.name in ("convert_element_type", "reduce_precision", "transpose", "clamp", "mul")
+            and any(getattr(v.aval, "size", 0) == kernel.size for v in eqn.outvars)]
+    assert made and not any(made), made
