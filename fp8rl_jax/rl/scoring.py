@@ -158,6 +158,18 @@ def _chunk_logprobs(z: jax.Array, y: jax.Array, with_entropy: bool):
     return logp, ent, m, lse
 
 
+def _head_cotangents(cotangents, with_entropy: bool):
+    """``(g_logp, g_ent, entropy_grad)`` from a head's (logp, entropy) cotangents, symbolic zeros made concrete
+    (``entropy_grad`` False: the entropy was not differentiated and ``g_ent`` is not read)."""
+    g_logp, g_ent = cotangents
+    if isinstance(g_logp, SymbolicZero):
+        g_logp = jnp.zeros(g_logp.shape, jnp.float32)
+    entropy_grad = with_entropy and not isinstance(g_ent, SymbolicZero)
+    if not entropy_grad:
+        g_ent = jnp.zeros_like(g_logp)
+    return g_logp, g_ent, entropy_grad
+
+
 def _logits_cotangent(z, y, m, lse, g, g_h, ent, entropy_grad: bool) -> jax.Array:
     """The cotangent of one chunk's scaled logits ``z`` [B, C, V] from those of the target logprobs ``g`` and (with
     ``entropy_grad``) the entropies ``g_h`` [B, C], f32; ``m``, ``lse`` the forward's log-softmax statistics."""
@@ -188,12 +200,7 @@ def _chunked_head_fwd(hidden, kernel, targets, spec: _HeadSpec):
 
 def _chunked_head_bwd(spec: _HeadSpec, res, cotangents):
     hidden, w, targets, m, lse, ent = res
-    g_logp, g_ent = cotangents
-    if isinstance(g_logp, SymbolicZero):
-        g_logp = jnp.zeros(g_logp.shape, jnp.float32)
-    entropy_grad = spec.with_entropy and not isinstance(g_ent, SymbolicZero)
-    if not entropy_grad:
-        g_ent = jnp.zeros_like(g_logp)  # not read
+    g_logp, g_ent, entropy_grad = _head_cotangents(cotangents, spec.with_entropy)
     tied = spec.kernel_nk
 
     def chunk(dw, xs):
@@ -321,12 +328,7 @@ def _fp8_chunked_head_fwd(hidden, kernel, targets, state, spec: _Fp8HeadSpec):
 def _fp8_chunked_head_bwd(spec: _Fp8HeadSpec, res, cotangents):
     h, w_vd, w_dv, targets, m, lse, ent, state, amax_x, amax_w = res
     s_x, s_w, s_g = _fp8_scales(state)
-    g_logp, g_ent = cotangents
-    if isinstance(g_logp, SymbolicZero):
-        g_logp = jnp.zeros(g_logp.shape, jnp.float32)
-    entropy_grad = spec.with_entropy and not isinstance(g_ent, SymbolicZero)
-    if not entropy_grad:
-        g_ent = jnp.zeros_like(g_logp)  # not read
+    g_logp, g_ent, entropy_grad = _head_cotangents(cotangents, spec.with_entropy)
     bwd_dtype, tied = spec.recipe.bwd_dtype, spec.kernel_nk
     inv_scale = (1.0 / s_x) * (1.0 / s_w)
 
