@@ -3,8 +3,8 @@ and the autodiff FP8 head it replaced) at a microbatch's shape, compile and run 
 
     JAX_PLATFORMS=cuda python benchmarks/head_step.py --out head_step.json [--hidden 4096 --untied]
 
-Each variant is one jitted value_and_grad over the hidden state, the kernel and (FP8) the head's state; the run time
-is the median of ``--runs`` calls, each synchronised.
+Each variant is one value_and_grad over the hidden state, the kernel and (FP8) the head's state, jitted as the
+trainer jits it (``rl.step.jit_head_program``); the run time is the median of ``--runs`` calls, each synchronised.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from fp8rl_jax.fp8.policy import Precision
 from fp8rl_jax.model import llama
 from fp8rl_jax.model.config import preset
 from fp8rl_jax.rl import scoring
+from fp8rl_jax.rl.step import jit_head_program
 
 
 def main() -> None:
@@ -59,7 +60,9 @@ def main() -> None:
 
     rows = []
     for variant in args.variants.split(","):
-        fn = jax.jit(jax.value_and_grad(lambda h, k, st, v=variant: loss(v, h, k, st), argnums=(0, 1, 2)))
+        grad = jax.value_and_grad(lambda h, k, st, v=variant: loss(v, h, k, st), argnums=(0, 1, 2))
+        # the trainer's jit: an FP8 head's programs compile with XLA's Triton GEMMs off on a GPU
+        fn = jit_head_program(grad, precision.replace(lm_head_fp8=variant != "bf16"))
         t0 = time.perf_counter()
         compiled = fn.lower(hidden, kernel, state).compile()
         compile_s = time.perf_counter() - t0

@@ -35,7 +35,7 @@ from fp8rl_jax.model import llama
 from fp8rl_jax.model.config import LlamaConfig
 from fp8rl_jax.rl.metrics import mismatch_metrics
 from fp8rl_jax.rl.scoring import sample_next_token, token_logprobs
-from fp8rl_jax.rl.step import make_calibrate, make_score
+from fp8rl_jax.rl.step import jit_head_program, make_calibrate, make_score
 from fp8rl_jax.rollout.engine import DecodeState, Engine, EngineConfig, prefill_bucket
 from fp8rl_jax.rollout.sampling import SamplingParams
 
@@ -118,9 +118,9 @@ def exact_logprobs(model: LlamaConfig, precision: Precision, params: dict, fp8_s
                    sequences: list[tuple[list[int], list[int]]]) -> list[np.ndarray]:
     """log pi_T of each completion token as the exact sampler computes it when it draws that token: the scoring
     forward over the whole ``batch`` [N, T] with the token and every one after it replaced by padding (0)."""
-    step = jax.jit(lambda tokens, at, forced: sample_next_token(
+    step = jit_head_program(lambda tokens, at, forced: sample_next_token(
         params, tokens, at, jax.random.split(jax.random.PRNGKey(0), len(at)), config=model, precision=precision,
-        sampling=SamplingParams(), fp8_state=fp8_state, kv_scales=kv_scales, forced=forced)[1])
+        sampling=SamplingParams(), fp8_state=fp8_state, kv_scales=kv_scales, forced=forced)[1], precision)
     n, width = batch.shape
     starts = np.asarray([len(prompt) for prompt, _ in sequences])
     steps = max(len(completion) for _, completion in sequences)

@@ -43,6 +43,7 @@ from fp8rl_jax.rl.losses import policy_loss
 from fp8rl_jax.rl.metrics import masked_mean, reduce_metric
 from fp8rl_jax.rl.packing import sequence_keys
 from fp8rl_jax.rl.scoring import token_logprobs
+from fp8rl_jax.rollout.engine import gpu_compiler_options
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +94,20 @@ def build_optimizer(optim, total_updates: int) -> tuple[optax.GradientTransforma
     ), schedule
 
 
+# XLA:GPU options for the programs that run the LM head's training or scoring forward (scoring, the train step, the
+# calibration) when that head is FP8: its GEMMs are XLA's FP8 dots (``scoring.fp8_chunked_head_logprobs``), and with
+# XLA's Triton GEMMs the head's forward + backward at llama1b shapes had not finished compiling and running after
+# 90 s on the H100; on cuBLAS it compiled in 1.4 s and ran in 105 ms (benchmarks/head_step.py, RESULTS.md).
+FP8_HEAD_GPU_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
+
+
+def jit_head_program(fn, precision: Precision, **kwargs):
+    """``jax.jit`` of a program that runs the LM head, with ``FP8_HEAD_GPU_OPTIONS`` where that head is FP8 on a
+    GPU (``gpu_compiler_options``: the user's ``XLA_FLAGS`` win)."""
+    options = gpu_compiler_options(FP8_HEAD_GPU_OPTIONS) if precision.lm_head_fp8 else {}
+    return jax.jit(fn, compiler_options=options or None, **kwargs)
+
+
 def _jit_on_mesh(fn, precision: Precision, in_shardings: tuple, out_shardings, batch_axes: dict[int, int],
                  donate_argnums: tuple[int, ...] = ()):
     """``jax.jit`` with state in/out shardings, for a mesh. Arguments listed in ``batch_axes`` (index -> batch
@@ -101,7 +116,8 @@ def _jit_on_mesh(fn, precision: Precision, in_shardings: tuple, out_shardings, b
     are ``device_put`` onto their shardings first (a no-op when they are there already, as in the RL loop)."""
     mesh = jax.tree.leaves(in_shardings)[0].mesh
     placement = {"out_shardings": out_shardings} if out_shardings is not None else {}  # else: as computed
-    jitted = jax.jit(fn, in_shardings=in_shardings, donate_argnums=donate_argnums, **placement)
+    jitted = jit_head_program(fn, precision, in_shardings=in_shardings, donate_argnums=donate_argnums,
+                              **placement)
 
     def call(*args):
         placed = []
@@ -181,7 +197,7 @@ def make_calibrate(model: LlamaConfig, precision: Precision, kv_margin: int = 0,
                                     replicated, batch_axes={3: 0})
         scales_call = jax.jit(scales, out_shardings=replicated)
     else:
-        observe_call, scales_call = jax.jit(observe), jax.jit(scales)
+        observe_call, scales_call = jit_head_program(observe, precision), jax.jit(scales)
 
     def one_pass(params, fp8_state, kv_scales, tokens):
         n = len(tokens)
@@ -226,7 +242,7 @@ def make_score(model: LlamaConfig, precision: Precision, temperature: float, *, 
         s = state_sharding
         return _jit_on_mesh(score, precision, (s["params"], s["fp8_state"], s["kv_scales"], None), None,
                             batch_axes={3: 0})
-    return jax.jit(score)
+    return jit_head_program(score, precision)
 
 
 def _microbatch_tokens(minibatch: dict) -> jax.Array:
@@ -372,4 +388,4 @@ def make_train_step(model: LlamaConfig, precision: Precision, optimizer: optax.G
         outs = (state_sharding, replicated, replicated) if old_logp_from_forward else (state_sharding, replicated)
         return _jit_on_mesh(train_step, precision, (state_sharding, None), outs, batch_axes={1: 1},
                             donate_argnums=(0,))
-    return jax.jit(train_step, donate_argnums=(0,))
+    return jit_head_program(train_step, precision, donate_argnums=(0,))

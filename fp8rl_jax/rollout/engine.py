@@ -65,15 +65,21 @@ COMPILER_OPTIONS = ("auto", "none")
 LAYER_LOOPS = ("auto", "scan", "unrolled")
 
 
-def decode_compiler_options(choice: str = "auto", backend: str | None = None) -> dict:
-    """The XLA options the decode programs compile with: ``DECODE_GPU_OPTIONS`` on a GPU for ``auto``, minus any
-    option the user's ``XLA_FLAGS`` sets (theirs wins); ``{}`` for ``none`` or elsewhere."""
-    if choice not in COMPILER_OPTIONS:
-        raise ValueError(f"EngineConfig.compiler_options={choice!r}; allowed: {COMPILER_OPTIONS}")
-    if choice == "none" or (backend or jax.default_backend()) != "gpu":
+def gpu_compiler_options(options: dict, backend: str | None = None) -> dict:
+    """XLA:GPU ``options`` for one program's ``jax.jit(compiler_options=...)``, minus any option the user's
+    ``XLA_FLAGS`` sets (theirs wins); ``{}`` off the GPU (XLA:CPU refuses GPU options)."""
+    if (backend or jax.default_backend()) != "gpu":
         return {}
     flags = os.environ.get("XLA_FLAGS", "")
-    return {k: v for k, v in DECODE_GPU_OPTIONS.items() if f"--{k}=" not in flags}
+    return {k: v for k, v in options.items() if f"--{k}=" not in flags}
+
+
+def decode_compiler_options(choice: str = "auto", backend: str | None = None) -> dict:
+    """The XLA options the decode programs compile with: ``DECODE_GPU_OPTIONS`` on a GPU for ``auto``
+    (``gpu_compiler_options``); ``{}`` for ``none``."""
+    if choice not in COMPILER_OPTIONS:
+        raise ValueError(f"EngineConfig.compiler_options={choice!r}; allowed: {COMPILER_OPTIONS}")
+    return {} if choice == "none" else gpu_compiler_options(DECODE_GPU_OPTIONS, backend)
 
 
 def _check_tensor_parallel(model: LlamaConfig, shards: int, mesh: jax.sharding.Mesh | None) -> None:

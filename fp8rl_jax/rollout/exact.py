@@ -36,6 +36,7 @@ from fp8rl_jax.model.config import LlamaConfig
 from fp8rl_jax.parallel.distributed import host_get
 from fp8rl_jax.parallel.mesh import mesh_context
 from fp8rl_jax.rl.scoring import sample_next_token
+from fp8rl_jax.rl.step import jit_head_program
 from fp8rl_jax.rollout.driver import RolloutBatch
 from fp8rl_jax.rollout.sampling import SamplingParams
 
@@ -65,7 +66,8 @@ class ExactSampler:
         self.model, self.precision, self.sampling, self.mesh = model, precision, sampling, mesh
         self.max_new_tokens, self.microbatch = max_new_tokens, microbatch
         self.stop_ids, self.pad_id = tuple(stop_ids), pad_id
-        self._generate = jax.jit(self._generate_impl)
+        # the scoring program's compile options: the same GEMMs, so the same bits
+        self._generate = jit_head_program(self._generate_impl, precision)
 
     def rollout(self, state: dict, prompts: list, n: int, key: jax.Array) -> RolloutBatch:
         """``n`` completions of each prompt (token ids) from the policy ``state`` (the trainer's state dict: its

@@ -112,3 +112,27 @@ def test_initial_calibration_observes_every_gradient_role(params):
     # at most (1 - p) / (0.7 * 60) < 1 / 42
     head_grad = float(observed["lm_head"]["grad"]["amax_history"][0])
     assert 0.5 / 42 < head_grad < 1 / 42
+
+
+def test_fp8_head_programs_compile_without_triton_gemms_on_a_gpu(monkeypatch):
+    """On a GPU, the programs that run an FP8 LM head (scoring, train step, calibration, the exact sampler) compile
+    with XLA's Triton GEMMs off (their FP8 dots go to cuBLAS: with Triton the H100 had not finished the head's
+    program after 90 s); the user's XLA_FLAGS win; nothing changes for a BF16 head or off the GPU (XLA:CPU
+    refuses GPU options)."""
+    from fp8rl_jax.rl import step
+    from fp8rl_jax.rollout.engine import gpu_compiler_options
+
+    options = {"xla_gpu_enable_triton_gemm": False}
+    assert gpu_compiler_options(options, backend="cpu") == {}
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    assert gpu_compiler_options(options, backend="gpu") == options
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_triton_gemm=true")
+    assert gpu_compiler_options(options, backend="gpu") == {}
+    monkeypatch.delenv("XLA_FLAGS")
+
+    seen = []
+    monkeypatch.setattr(step.jax, "jit", lambda fn, **kwargs: seen.append(kwargs.get("compiler_options")) or fn)
+    monkeypatch.setattr(step.jax, "default_backend", lambda: "gpu")
+    for head_fp8 in (True, False):
+        step.jit_head_program(lambda x: x, Precision(backend="xla", lm_head_fp8=head_fp8))
+    assert seen == [step.FP8_HEAD_GPU_OPTIONS, None]
