@@ -13,6 +13,7 @@ allocate" asks for), argument and output bytes, and temp bytes per token.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -50,6 +51,8 @@ def main() -> None:
         k, v = item.split("=", 1)
         c.update_from_flattened_dict({k: type(c[k.split(".")[0]][k.split(".")[1]])(v)})
     model = PRESETS[args.preset]
+    if c.model.num_layers:  # --set model.num_layers=N: the preset cut to its first N blocks, as the trainer does
+        model = dataclasses.replace(model, num_layers=c.model.num_layers)
     precision = from_config(c, "train")
     optimizer, _ = build_optimizer(c.optim, 10)
     dtype = jnp.dtype(c.model.param_dtype)
