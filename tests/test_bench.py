@@ -101,8 +101,10 @@ def test_e2e_measures_a_mode_and_summarizes_against_the_best_bf16():
     from fp8rl_jax.bench import e2e
     from fp8rl_jax.model import llama
 
-    row = e2e.measure("configs/tiny.py", "fp8_e2e", ["rollout.max_new_tokens=6"], warmup=1, steps=1)
-    assert row["mode"] == "fp8_e2e" and row["steps"] == 1 and row["max_new_tokens"] == 6
+    # fp8_e2e_head: fp8_e2e with the LM head in FP8 (its own chunked VJP in the train step)
+    row = e2e.measure("configs/tiny.py", "fp8_e2e_head", ["rollout.max_new_tokens=6"], warmup=1, steps=1)
+    assert row["mode"] == "fp8_e2e_head" and row["steps"] == 1 and row["max_new_tokens"] == 6
+    assert row["lm_head_fp8"] is True and row["backend"] == "xla"
     assert row["attention"] == llama.resolve_attention("auto", jnp.bfloat16, 16)  # the tiny config's head dim
     assert all(row[f"time_{p}"] > 0 for p in ("weights", "rollout", "train", "step"))
     assert row["train_tflops"] > 0 and row["rollout_tokens_per_s"] > 0
@@ -111,9 +113,12 @@ def test_e2e_measures_a_mode_and_summarizes_against_the_best_bf16():
             {"mode": "bf16_cublas", "time_rollout": 12.0, "time_train": 6.0, "time_step": 19.0, "device": "d"},
             {"mode": "fp8_rollout", "error": "child exited 1"},
             {"mode": "fp8_e2e", "time_rollout": 5.0, "time_train": 4.0, "time_step": 10.0, "device": "d",
-             "hbm_bound_fraction": 0.5}]
+             "hbm_bound_fraction": 0.5},
+            {"mode": "fp8_e2e_head", "time_rollout": 4.0, "time_train": 3.0, "time_step": 9.5, "device": "d"}]
     summary = e2e.output(rows, argparse.Namespace(one=""))
     assert (summary["rollout_speedup"], summary["train_speedup"], summary["step_speedup"]) == (2.0, 1.5, 1.9)
+    assert summary["mode_speedups"] == {"fp8_e2e": {"rollout": 2.0, "train": 1.5, "step": 1.9},
+                                        "fp8_e2e_head": {"rollout": 2.5, "train": 2.0, "step": 2.0}}
     assert summary["hbm_bound_fraction"] == 0.5 and summary["device"] == "d" and summary["modes"] == rows
 
 

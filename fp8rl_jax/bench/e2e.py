@@ -9,6 +9,7 @@ then ``--steps`` timed steps whose phase times (``time/weights``: the sampler's 
     bf16_cublas    the same with ``--xla_gpu_enable_triton_gemm=false`` (cuBLAS); the best BF16 is the faster
     fp8_rollout    FP8 sampler, BF16 trainer
     fp8_e2e        FP8 sampler and trainer, one set of delayed scales
+    fp8_e2e_head   the same with the LM head in FP8 too (``precision.lm_head_fp8``)
 
 Train throughput counts model FLOPs only (``6 x`` the GEMM parameters per trained token plus causal attention;
 remat's recomputation is not counted), MFU is against the device's dense BF16 peak for every mode. The rollout's
@@ -16,7 +17,7 @@ fraction of its HBM bound uses the bytes one decode step must read (the sampler'
 average context of each slot) over the measured copy bandwidth; the phase includes prefill and host syncs.
 
 Speedups in the summary are fp8_e2e over the best BF16 mode, phase by phase (over the rows of the first
-``--packing`` layout).
+``--packing`` layout); ``mode_speedups`` has them for every mode that is not BF16.
 
 Completion lengths (``--lengths``): with random weights a stop token never comes, so every completion is
 ``max_new_tokens`` long and padding costs nothing to remove. ``lognormal:MEAN_FRACTION,SIGMA`` draws a length per
@@ -49,11 +50,12 @@ from pathlib import Path
 import numpy as np
 
 PHASES = ("weights", "rollout", "reward", "score", "train", "calibrate", "step")
-MODES = {  # mode -> (precision.mode, extra XLA flags)
-    "bf16": ("bf16", ""),
-    "bf16_cublas": ("bf16", "--xla_gpu_enable_triton_gemm=false"),
-    "fp8_rollout": ("fp8_rollout", ""),
-    "fp8_e2e": ("fp8_e2e", ""),
+MODES = {  # mode -> (precision.mode, extra XLA flags, config overrides)
+    "bf16": ("bf16", "", {}),
+    "bf16_cublas": ("bf16", "--xla_gpu_enable_triton_gemm=false", {}),
+    "fp8_rollout": ("fp8_rollout", "", {}),
+    "fp8_e2e": ("fp8_e2e", "", {}),
+    "fp8_e2e_head": ("fp8_e2e", "", {"precision.lm_head_fp8": True}),
 }
 # dense BF16 tensor-core peaks (TFLOP/s) by device kind prefix; FP8 doubles them on Hopper
 BF16_PEAK_TFLOPS = {"NVIDIA H100": 989.4, "NVIDIA H200": 989.4, "NVIDIA GH200": 989.4}
@@ -134,6 +136,7 @@ def measure(config_path: str, mode: str, sets: list[str], warmup: int, steps: in
                           "checkpoint.every": 0, "checkpoint.save_final": False, "logging.progress": False,
                           "logging.tensorboard": False, "logging.plots": False, "data.num_eval": 0,
                           "rl.packing": packing})
+        overrides.update(MODES[mode][2])
         trainer = Trainer.from_file(path, arg or None, **overrides)
         lengths = parse_lengths(lengths) if isinstance(lengths, str) else lengths
         enforce_lengths(trainer, lengths)
@@ -150,6 +153,7 @@ def measure(config_path: str, mode: str, sets: list[str], warmup: int, steps: in
            "device": device_name(), "devices": jax.device_count(), "num_layers": model.num_layers,
            "hidden_size": model.hidden_size, "params_billion": model.num_params() / 1e9,
            "attention": llama.resolve_attention(precision.attention, precision.dtype, model.head_dim),
+           "lm_head_fp8": precision.lm_head_fp8,
            **{f"time_{p}": mean(f"time/{p}") for p in PHASES if f"time/{p}" in timed[0]},
            "response_length_mean": mean("response_length_mean"),
            "time_score_train": mean_of(timed, lambda r: r["time/score"] + r["time/train"]),
@@ -357,7 +361,8 @@ def output(rows: list[dict], args):
 
 
 def summarize(rows: list[dict], args) -> dict:
-    """The file ``bench e2e`` writes: speedups of fp8_e2e over the best BF16 mode, and every mode's row."""
+    """The file ``bench e2e`` writes: speedups of fp8_e2e over the best BF16 mode (``mode_speedups``: of every
+    other mode too), and every mode's row."""
     import subprocess as sp
 
     first = next((r.get("packing", "off") for r in rows), "off")  # the speedups over one layout's rows
@@ -365,7 +370,8 @@ def summarize(rows: list[dict], args) -> dict:
     bf16 = [r for m, r in ok.items() if m.startswith("bf16")]
     fp8 = ok.get("fp8_e2e")
     best = lambda key: min(r[key] for r in bf16) if bf16 else None  # noqa: E731
-    speedup = lambda key: best(key) / fp8[key] if fp8 and bf16 else None  # noqa: E731
+    speedup = lambda key, row=fp8: best(key) / row[key] if row and bf16 else None  # noqa: E731
+    phases = {"rollout": "time_rollout", "train": "time_train", "step": "time_step"}
     try:
         commit = sp.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     except OSError:
@@ -379,6 +385,8 @@ def summarize(rows: list[dict], args) -> dict:
         "num_layers": next((r.get("num_layers") for r in ok.values()), None),
         "commit": commit,
         "command": "python -m fp8rl_jax.bench e2e " + " ".join(sys.argv[2:]),
+        "mode_speedups": {m: {p: speedup(key, r) for p, key in phases.items()} for m, r in ok.items()
+                          if not m.startswith("bf16")},
         "modes": rows,
         **packing_summary(rows),
     }
