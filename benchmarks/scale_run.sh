@@ -2,7 +2,9 @@
 # Llama-3.1-8B shapes (random weights) for 3 RL steps on one multi-GPU host, per "MODE:FSDP:TENSOR" argument:
 #   bash benchmarks/scale_run.sh bf16:2:1 fp8_e2e:2:1 fp8_e2e:1:2
 # Batch sizes are cut from the shipped config (16 prompts x 8 samples, 512 new tokens) so three steps and their
-# compiles fit a 10-minute call; no checkpoint is written. Metrics land in $OUT/scale_MODE_FxT.jsonl.
+# compiles fit a 10-minute call; SHIPPED=1 keeps configs/llama8b.py's own (128 prompts x 8, 2,048 new tokens, 512
+# decode slots; files scale_MODE_FxT_shipped.jsonl). No checkpoint is written. Metrics land in
+# $OUT/scale_MODE_FxT[_shipped].jsonl; benchmarks/scale_summary.py turns them into results/scale.json.
 set -uo pipefail
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda PYTHONPATH=/tmp/site:$PWD
@@ -14,13 +16,15 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/devic
 for spec in "$@"; do
   IFS=: read -r mode fsdp tensor <<< "$spec"
   name="scale_${mode}_${fsdp}x${tensor}"
+  cut=(--config.rollout.prompts_per_step=16 --config.rollout.samples_per_prompt=8 --config.rollout.max_new_tokens=512
+       --config.rollout.decode_slots=128 --config.rl.minibatches=2 --config.rl.microbatch_sequences=16)
+  if [ "${SHIPPED:-0}" = 1 ]; then cut=(); name="${name}_shipped"; fi  # SHIPPED=1: also SCALE_STEPS=2 SCALE_TIMEOUT=590
   # on the time limit: SIGABRT, and Python's fault handler prints where every thread was
   PYTHONFAULTHANDLER=1 timeout -s ABRT ${SCALE_TIMEOUT:-420} python3 -m fp8rl_jax.main --config=configs/llama8b.py --config.model.source=preset \
     --config.model.preset=llama3_8b --config.model.tokenizer=.gpu/smollm2_tok --config.model.preset_vocab=preset \
     --config.precision.mode="$mode" --config.precision.backend=${BACKEND:-xla} \
     --config.mesh.fsdp="$fsdp" --config.mesh.tensor="$tensor" --config.workdir="$OUT/$name" --steps=${SCALE_STEPS:-3} \
-    --config.rollout.prompts_per_step=16 --config.rollout.samples_per_prompt=8 --config.rollout.max_new_tokens=512 \
-    --config.rollout.decode_slots=128 --config.rl.minibatches=2 --config.rl.microbatch_sequences=16 \
+    ${cut[@]+"${cut[@]}"} ${SCALE_SET:-} \
     --config.checkpoint.save_final=False --config.logging.progress=False --config.logging.tensorboard=False \
     --config.logging.plots=False > "$OUT/$name.log" 2>&1
   echo "$name exit $?"; grep -v "^W\|warn" "$OUT/$name.log" | tail -3

@@ -267,3 +267,41 @@ def test_e2e_packed_mode_with_drawn_lengths():
     # tiny: rows of 16 + 12 -> 32 tokens, 64 sequences in one minibatch; sequences of 3 to 28 tokens fill part
     assert len(row["packing_rows"]) == 2 and 0 < row["packing_fill"] <= 1
     assert [s["step"] for s in row["timed_steps"]] == [2] and row["timed_steps"][0]["compile_s"] >= 0
+
+
+def test_scale_summary_builds_scale_json_from_step_records(tmp_path):
+    """benchmarks/scale_summary.py: the last step of each scale_run.sh run, per phase and per GPU, fp8_e2e over bf16
+    under the same mesh, the rollout per GPU against one GPU's; a file that is not a run is refused by name."""
+    path = os.path.join(REPO, "benchmarks", "scale_summary.py")
+    spec = importlib.util.spec_from_file_location("scale_summary", path)
+    summary_module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(summary_module)
+
+    def records(step_s, train_s, rollout_tps, peak):
+        first = {"time/step": 99.0, "time/rollout": 50.0, "time/score": 9.0, "time/train": 40.0,
+                 "rollout_tokens_per_s": 1.0, "memory/train_peak_gib": 1.0}  # step 1: compiles, not read
+        last = {"precision_backend": "te", "time/step": step_s, "time/rollout": 20.0, "time/score": 5.0,
+                "time/train": train_s, "rollout_tokens_per_s": rollout_tps, "memory/rollout_peak_gib": peak - 5,
+                "memory/train_peak_gib": peak}
+        return "\n".join(json.dumps(r) for r in (first, last)) + "\n"
+
+    (tmp_path / "scale_bf16_4x1_shipped.jsonl").write_text(records(60.0, 30.0, 80000.0, 50.0))
+    (tmp_path / "scale_fp8_e2e_4x1_shipped.jsonl").write_text(records(40.0, 20.0, 100000.0, 45.0))
+    (tmp_path / "scale_fp8_e2e_2x2_shipped.jsonl").write_text(records(45.0, 25.0, 90000.0, 40.0))
+    files = sorted(tmp_path.glob("*.jsonl"))
+    out = tmp_path / "scale.json"
+    assert summary_module.main([*map(str, files), "--gpus", "4", "--device", "4x H200", "--batch", "shipped",
+                                "--shipped", "--one_gpu_rollout", "25000", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["shipped_sizes"] is True and result["gpus"] == 4 and result["one_gpu_rollout_tokens_per_s"] == 25000
+    run = result["runs"]["fp8_e2e fsdp=4"]
+    assert run == {"mode": "fp8_e2e", "mesh": {"fsdp": 4, "tensor": 1}, "backend": "te", "steps_completed": 2,
+                   "step_s": 40.0, "rollout_s": 20.0, "score_s": 5.0, "train_s": 20.0, "peak_mem_gib": 45.0,
+                   "rollout_tokens_per_s_per_gpu": 25000.0}
+    assert set(result["runs"]) == {"bf16 fsdp=4", "fp8_e2e fsdp=4", "fp8_e2e fsdp=2 x tensor=2"}
+    assert result["ratios"]["fp8_e2e fsdp=4"] == {"train_speedup": 1.5, "step_speedup": 1.5,
+                                                  "rollout_per_gpu_vs_one_gpu": 1.0}
+    assert result["ratios"]["fp8_e2e fsdp=2 x tensor=2"] == {"rollout_per_gpu_vs_one_gpu": 0.9}  # no bf16 there
+    (tmp_path / "metrics.jsonl").write_text("{}\n")
+    with pytest.raises(SystemExit, match="metrics.jsonl: not a scale_MODE_FxT"):
+        summary_module.main([str(tmp_path / "metrics.jsonl"), "--gpus", "4", "--device", "d", "--batch", "b"])
