@@ -2,7 +2,7 @@
 # One GPU session on the lent H100 (or an H200 host): install Transformer Engine and the project's wheels once, then
 # the stages named on the command line. Results land in $OUT (or ./gpu_out).
 #   usage: bash benchmarks/gpu_session.sh [install] [tests] [decode] [llama1b:MODE] [rollout1k] [gemm] [train] [e2e] [e2e_xla] [profile] [cluster_nb] [study] [rollout_xla] [rollout_head]
-#          [rollout8b] [agreement] [exact] [packed_attention] [e2e8b]...
+#          [rollout8b] [agreement] [exact] [packed_attention] [e2e8b] [head_step]...
 # TE arrives in pieces (see ../shared/gpu/README.md): .gpu/te/wheels + .gpu/install_te.sh, the core wheel's five
 # parts already copied to /root/te by earlier calls; the other wheels in .gpu/wheels; a tokenizer in .gpu/smollm2_tok.
 set -uo pipefail
@@ -48,6 +48,10 @@ for r in map(json.loads, open(sys.argv[1])):
     print({k: round(v, 2) for k, v in r.items() if k.startswith(("time/", "memory/")) or k in ("step", "rollout_tokens_per_s")})
 EOF
       rm -rf "$OUT/llama1b_$mode" ;;
+    head_step) # the LM head's forward + backward alone, BF16 / FP8 custom VJP / autodiff FP8, llama1b and 8B widths
+      timeout 200 python3 benchmarks/head_step.py --runs 3 --out "$OUT/head_step_h100.json" 2>&1 | grep "^{" | cut -c1-160
+      timeout 120 python3 benchmarks/head_step.py --runs 3 --hidden 4096 --untied --variants bf16,fp8 \
+        --out "$OUT/head_step_8b_h100.json" 2>&1 | grep "^{" | cut -c1-160 ;;
     packed_attention) # cuDNN packed attention's memory and time against its segment table's size (llama1b heads)
       timeout 300 python3 benchmarks/packed_attention_memory.py ${PA_ARGS:-} --out "$OUT/packed_attention_h100.json" \
         2>&1 | grep -v "^W\|Warn" | tail -12 ;;
