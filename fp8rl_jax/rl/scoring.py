@@ -296,6 +296,15 @@ def _fp8_scales(state):
     return tuple(state[role]["scale"].astype(jnp.float32) for role in ("x", "kernel", "grad"))
 
 
+def _fp8_hidden(hidden: jax.Array, state, spec: _Fp8HeadSpec) -> tuple[jax.Array, jax.Array]:
+    """The head's input rounded to the compute dtype and quantized with the state's x scale (the GEMM operand,
+    one byte a value in the ``f8`` form), and the logits' inverse scale ``1 / (s_x s_w)``."""
+    s_x, s_w, _ = _fp8_scales(state)
+    fwd_dtype = spec.recipe.fwd_dtype
+    h = xla.gemm_operand(quantize(hidden.astype(spec.dtype), s_x, fwd_dtype), fwd_dtype, spec.form)
+    return h, (1.0 / s_x) * (1.0 / s_w)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _fp8_chunked_head(hidden, kernel, targets, state, spec: _Fp8HeadSpec):
     (logp, ent), _ = _fp8_chunked_head_fwd_impl(hidden, kernel, targets, state, spec)
@@ -303,19 +312,16 @@ def _fp8_chunked_head(hidden, kernel, targets, state, spec: _Fp8HeadSpec):
 
 
 def _fp8_chunked_head_fwd_impl(hidden, kernel, targets, state, spec: _Fp8HeadSpec):
-    s_x, s_w, _ = _fp8_scales(state)
-    fwd_dtype = spec.recipe.fwd_dtype
-    # the hidden state quantized once (one byte a value: it is also the weight gradient's residual)
-    h = xla.gemm_operand(quantize(hidden.astype(spec.dtype), s_x, fwd_dtype), fwd_dtype, spec.form)
+    hidden = hidden.astype(spec.dtype)
+    h, inv_scale = _fp8_hidden(hidden, state, spec)  # quantized once: also the weight gradient's residual
     w_vd, w_dv = _fp8_head_kernels(kernel, state, spec)
-    inv_scale = (1.0 / s_x) * (1.0 / s_w)
 
     def chunk(xs):
         h_c, y = xs
         return _chunk_logprobs(_fp8_scaled_logits(h_c, w_vd, inv_scale, spec), y, spec.with_entropy)
 
     logp, ent, m, lse = lax.map(chunk, (h, targets))
-    residuals = (h, w_vd, w_dv, targets, m, lse, ent, state, amax(hidden.astype(spec.dtype)), amax(kernel))
+    residuals = (h, w_vd, w_dv, targets, m, lse, ent, state, amax(hidden), amax(kernel))
     return (logp, ent), residuals
 
 
@@ -515,11 +521,9 @@ def sample_next_token(
     if head_state is not None and precision.recipe.scaling == "tensor":  # fp8_chunked_head_logprobs' chunk
         spec = _fp8_head_spec(kernel, precision, temperature=sampling.temperature, with_entropy=False,
                               kernel_nk=tied)
-        s_x, s_w, _ = _fp8_scales(head_state)
-        h = quantize(_to_chunks(hidden.astype(spec.dtype), c)[k, rows], s_x, spec.recipe.fwd_dtype)  # [B, C, D]
-        h = xla.gemm_operand(h, spec.recipe.fwd_dtype, spec.form)
+        h, inv_scale = _fp8_hidden(_to_chunks(hidden, c)[k, rows], head_state, spec)  # [B, C, D]
         w_vd, _ = _fp8_head_kernels(kernel, head_state, spec)
-        z = _fp8_scaled_logits(h, w_vd, (1.0 / s_x) * (1.0 / s_w), spec)  # [B, C, V]
+        z = _fp8_scaled_logits(h, w_vd, inv_scale, spec)  # [B, C, V]
     elif head_state is not None:  # autodiff_head_logprobs' chunk (rowwise scaling)
         h = _to_chunks(hidden, c)[k, rows]  # [B, C, D]
         logits = llama.logits_from_hidden(params, h, precision=precision, fp8_state={"lm_head": head_state})
