@@ -4,7 +4,8 @@ and the autodiff FP8 head it replaced) at a microbatch's shape, compile and run 
     JAX_PLATFORMS=cuda python benchmarks/head_step.py --out head_step.json [--hidden 4096 --untied]
 
 Each variant is one value_and_grad over the hidden state, the kernel and (FP8) the head's state, jitted as the
-trainer jits it (``rl.step.jit_head_program``); the run time is the median of ``--runs`` calls, each synchronised.
+trainer jits it (``rl.step.jit_head_program``); the run time is the median of ``--runs`` calls after two warm-up
+calls (``fp8rl_jax.bench.timeit``).
 """
 
 from __future__ import annotations
@@ -12,12 +13,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import statistics
 import time
 
 import jax
 import jax.numpy as jnp
 
+from fp8rl_jax.bench import device_name, timeit
 from fp8rl_jax.fp8.policy import Precision
 from fp8rl_jax.model import llama
 from fp8rl_jax.model.config import preset
@@ -66,16 +67,11 @@ def main() -> None:
         t0 = time.perf_counter()
         compiled = fn.lower(hidden, kernel, state).compile()
         compile_s = time.perf_counter() - t0
-        jax.block_until_ready(compiled(hidden, kernel, state))
-        times = []
-        for _ in range(args.runs):
-            t0 = time.perf_counter()
-            jax.block_until_ready(compiled(hidden, kernel, state))
-            times.append(time.perf_counter() - t0)
+        seconds = timeit(compiled, hidden, kernel, state, repeats=args.runs)
         flops = 3 * 2 * args.rows * args.tokens * args.hidden * args.vocab  # forward, dx, dW (+ a recompute)
-        row = {"variant": variant, "compile_s": compile_s, "step_ms": 1e3 * statistics.median(times),
-               "tflops": flops / statistics.median(times) / 1e12, "rows": args.rows, "tokens": args.tokens,
-               "hidden": args.hidden, "vocab": args.vocab, "tied": tied, "device": jax.devices()[0].device_kind}
+        row = {"variant": variant, "compile_s": compile_s, "step_ms": 1e3 * seconds, "tflops": flops / seconds / 1e12,
+               "rows": args.rows, "tokens": args.tokens, "hidden": args.hidden, "vocab": args.vocab, "tied": tied,
+               "device": device_name()}
         print(json.dumps(row), flush=True)
         rows.append(row)
     if args.out:

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fp8rl_jax.bench import timeit
 from fp8rl_jax.model import llama
 
 
@@ -57,16 +57,9 @@ def measure(rows, width, heads, kv_heads, head_dim, max_segments, per_row, reps=
     step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
     compiled = step.lower(q, k, v, seg).compile()
     mem = compiled.memory_analysis()
-    out = step(q, k, v, seg)
-    jax.block_until_ready(out)
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(step(q, k, v, seg))
-        times.append(time.perf_counter() - t0)
     return {"max_segments": max_segments, "segments_per_row": per_row if max_segments else 1,
             "temp_gib": mem.temp_size_in_bytes / 2**30, "output_gib": mem.output_size_in_bytes / 2**30,
-            "seconds": float(np.median(times))}
+            "seconds": timeit(compiled, q, k, v, seg, repeats=reps)}
 
 
 def main():
