@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 
 import ml_collections
 
-from fp8rl_jax.rl.microbatch import DEFAULT_MICROBATCH_TOKENS
+from fp8rl_jax.rl.microbatch import DEFAULT_MICROBATCH_TOKENS, longest_row_tokens
 
 PRECISION_MODES = ("bf16", "fp8_rollout", "fp8_e2e")
 ADVANTAGES = ("grpo", "drgrpo", "rloo")
@@ -375,7 +375,7 @@ def validate(c: ml_collections.ConfigDict, known_rewards: Callable[[], Sequence[
            f"0 (from rl.microbatch_tokens) or a divisor of the minibatch size {seqs // c.rl.minibatches}")
     _check(isinstance(c.rl.packing, bool), "rl.packing", c.rl.packing, "True or False")
     if c.rl.packing:
-        row = -(-(c.data.max_prompt_tokens + c.rollout.max_new_tokens) // 32) * 32
+        row = longest_row_tokens(c)  # one packed row's width
         _check(c.rl.microbatch_sequences > 0 or c.rl.microbatch_tokens == 0 or c.rl.microbatch_tokens >= row,
                "rl.microbatch_tokens", c.rl.microbatch_tokens,
                f">= {row} with rl.packing: one packed row holds data.max_prompt_tokens + rollout.max_new_tokens, "
