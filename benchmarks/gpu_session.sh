@@ -2,7 +2,7 @@
 # One GPU session on the lent H100 (or an H200 host): install Transformer Engine and the project's wheels once, then
 # the stages named on the command line. Results land in $OUT (or ./gpu_out).
 #   usage: bash benchmarks/gpu_session.sh [install] [tests] [decode] [llama1b:MODE] [rollout1k] [gemm] [train] [e2e] [e2e_xla] [profile] [cluster_nb] [study] [rollout_xla] [rollout_head]
-#          [rollout8b] [agreement] [exact] [packed_attention] [e2e8b] [head_step]...
+#          [rollout8b] [agreement] [exact] [packed_attention] [e2e8b] [head_step] [multiprocess]...
 # TE arrives in pieces (see ../shared/gpu/README.md): .gpu/te/wheels + .gpu/install_te.sh, the core wheel's five
 # parts already copied to /root/te by earlier calls; the other wheels in .gpu/wheels; a tokenizer in .gpu/smollm2_tok.
 set -uo pipefail
@@ -132,6 +132,16 @@ for r in map(json.loads, open(sys.argv[1])):
 EOF2
       timeout 200 python3 -m fp8rl_jax.main $args --config.workdir=/tmp/oom --steps=1 --config.rl.microbatch_tokens=0 \
         > "$OUT/oom.log" 2>&1; echo "oversized exit $?"; tail -c 1500 "$OUT/oom.log" ;;
+    multiprocess) # launch/local.py on GPUs: 2 processes x 2 GPUs of this host, one mesh over the 4 (NCCL between
+      # the processes), 2 RL steps of configs/tiny.py with a checkpoint each step, then a resume to step 3
+      wd="$OUT/multiprocess_run"; rm -rf "$wd"
+      mp=(python3 launch/local.py --platform=gpu --num_processes=2 --devices_per_process=2 --timeout=250 --
+          --config=configs/tiny.py --config.mesh.fsdp=-1 --config.checkpoint.every=1 --config.workdir="$wd"
+          --config.logging.plots=False --config.logging.progress=False ${MP_SET:-})
+      "${mp[@]}" --steps=2 > "$OUT/multiprocess.log" 2>&1; echo "2 processes x 2 GPUs, 2 steps: exit $?"
+      "${mp[@]}" --steps=3 >> "$OUT/multiprocess.log" 2>&1; echo "resume to step 3: exit $?"
+      grep -a "resumed\|devices\|mesh\|error\|Error" "$OUT/multiprocess.log" | grep -v "^W" | head -20
+      cp "$wd/metrics.jsonl" "$OUT/multiprocess_metrics.jsonl" 2>/dev/null; ls "$wd/checkpoints" 2>/dev/null ;;
     *) echo "unknown stage $what" ;;
   esac
 done

@@ -282,7 +282,7 @@ def test_scale_summary_builds_scale_json_from_step_records(tmp_path):
                  "rollout_tokens_per_s": 1.0, "memory/train_peak_gib": 1.0}  # step 1: compiles, not read
         last = {"precision_backend": "te", "time/step": step_s, "time/rollout": 20.0, "time/score": 5.0,
                 "time/train": train_s, "rollout_tokens_per_s": rollout_tps, "memory/rollout_peak_gib": peak - 5,
-                "memory/train_peak_gib": peak}
+                "memory/train_peak_gib": peak, "time/rollout_compile": 4.0, "time/train_compile": 1.0}
         return "\n".join(json.dumps(r) for r in (first, last)) + "\n"
 
     (tmp_path / "scale_bf16_4x1_shipped.jsonl").write_text(records(60.0, 30.0, 80000.0, 50.0))
@@ -297,11 +297,20 @@ def test_scale_summary_builds_scale_json_from_step_records(tmp_path):
     run = result["runs"]["fp8_e2e fsdp=4"]
     assert run == {"mode": "fp8_e2e", "mesh": {"fsdp": 4, "tensor": 1}, "backend": "te", "steps_completed": 2,
                    "step_s": 40.0, "rollout_s": 20.0, "score_s": 5.0, "train_s": 20.0, "peak_mem_gib": 45.0,
-                   "rollout_tokens_per_s_per_gpu": 25000.0}
+                   "rollout_tokens_per_s_per_gpu": 25000.0,
+                   "compile_s": {"step": 5.0, "rollout": 4.0, "score": 0.0, "train": 1.0}}
     assert set(result["runs"]) == {"bf16 fsdp=4", "fp8_e2e fsdp=4", "fp8_e2e fsdp=2 x tensor=2"}
     assert result["ratios"]["fp8_e2e fsdp=4"] == {"train_speedup": 1.5, "step_speedup": 1.5,
                                                   "rollout_per_gpu_vs_one_gpu": 1.0}
     assert result["ratios"]["fp8_e2e fsdp=2 x tensor=2"] == {"rollout_per_gpu_vs_one_gpu": 0.9}  # no bf16 there
+    # a run of one step: its compile seconds out of each phase, the rollout's tokens over the rest of its time
+    assert summary_module.main([*map(str, files), "--gpus", "4", "--device", "4x H200", "--batch", "shipped",
+                                "--less_compile", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    run = result["runs"]["fp8_e2e fsdp=4"]
+    assert result["times_less_compile"] is True
+    assert (run["step_s"], run["rollout_s"], run["train_s"]) == (35.0, 16.0, 19.0)
+    assert run["rollout_tokens_per_s_per_gpu"] == pytest.approx(100000.0 * 20.0 / 16.0 / 4)
     (tmp_path / "metrics.jsonl").write_text("{}\n")
     with pytest.raises(SystemExit, match="metrics.jsonl: not a scale_MODE_FxT"):
         summary_module.main([str(tmp_path / "metrics.jsonl"), "--gpus", "4", "--device", "d", "--batch", "b"])

@@ -202,3 +202,26 @@ def test_a_mesh_that_leaves_devices_out_is_refused_in_one_line(tmp_path):
     assert result.returncode == 2, _failed(result)
     assert "[p0] error: config.mesh {'data': 1, 'fsdp': 1, 'tensor': 1} uses 1 of the 4 devices" in result.stdout
     assert "mesh.fsdp=-1" in result.stdout and "Traceback" not in result.stdout
+
+
+def test_gpu_platform_gives_each_process_its_own_block_of_gpus():
+    """``--platform=gpu``: process i sees GPUs i*d .. i*d+d-1 (of CUDA_VISIBLE_DEVICES where set), on CUDA, with
+    NVLink multicast off; too few GPUs is refused before anything starts."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("local_launcher", LAUNCHER)
+    local = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(local)
+    env = local.process_env({}, 1, 2, 2, "127.0.0.1:1234", "gpu")
+    assert (env["CUDA_VISIBLE_DEVICES"], env["JAX_PLATFORMS"], env["NCCL_NVLS_ENABLE"]) == ("2,3", "cuda", "0")
+    assert (env["FP8RL_PROCESS_ID"], env["FP8RL_NUM_PROCESSES"], env["FP8RL_COORDINATOR"]) == ("1", "2",
+                                                                                             "127.0.0.1:1234")
+    assert "xla_force_host_platform_device_count" not in env.get("XLA_FLAGS", "")
+    env = local.process_env({"CUDA_VISIBLE_DEVICES": "4,5,6,7"}, 1, 2, 2, "a:1", "gpu")
+    assert env["CUDA_VISIBLE_DEVICES"] == "6,7"
+    with pytest.raises(ValueError, match="names 2 GPU"):
+        local.process_env({"CUDA_VISIBLE_DEVICES": "0,1"}, 0, 2, 2, "a:1", "gpu")
+    result = subprocess.run([sys.executable, LAUNCHER, "--platform=gpu", "--num_processes=2",
+                             "--devices_per_process=2", "--", "--steps=1"], cwd=REPO, capture_output=True, text=True,
+                            env=dict(os.environ, CUDA_VISIBLE_DEVICES="0"), timeout=60)
+    assert result.returncode == 2 and "names 1 GPU(s)" in result.stderr
