@@ -140,7 +140,7 @@ EOF2
           --config.logging.plots=False --config.logging.progress=False ${MP_SET:-})
       "${mp[@]}" --steps=2 > "$OUT/multiprocess.log" 2>&1; echo "2 processes x 2 GPUs, 2 steps: exit $?"
       "${mp[@]}" --steps=3 >> "$OUT/multiprocess.log" 2>&1; echo "resume to step 3: exit $?"
-      grep -a "resumed\|devices\|mesh\|error\|Error" "$OUT/multiprocess.log" | grep -v "^W" | head -20
+      grep -a "resumed\|precision\|rror" "$OUT/multiprocess.log" | grep -v "^W" | head -20
       cp "$wd/metrics.jsonl" "$OUT/multiprocess_metrics.jsonl" 2>/dev/null; ls "$wd/checkpoints" 2>/dev/null ;;
     *) echo "unknown stage $what" ;;
   esac
