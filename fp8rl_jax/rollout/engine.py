@@ -321,15 +321,24 @@ class Engine:
 
     # -- the three calls ----------------------------------------------------------------------------------
 
+    def _keys(self, rngs) -> jax.Array:
+        """Random keys as the rollout's programs take them: uint32, and on a mesh replicated on the rollout mesh.
+        A caller's keys usually derive from the trainer's (replicated on the training mesh, another mesh over the
+        same devices), and one program's arguments must all lie on one mesh (JAX 0.11 on GPU refuses the mix)."""
+        typed = isinstance(rngs, jax.Array) and jax.dtypes.issubdtype(rngs.dtype, jax.dtypes.prng_key)
+        rngs = rngs if typed else jnp.asarray(rngs, jnp.uint32)
+        return rngs if self.mesh is None else place(rngs, rules.replicated(self.mesh))
+
     def prefill(self, params: dict, padded_tokens: jax.Array, true_length: int, rng: jax.Array) -> Prefix:
         """Run the prompt (right-padded to a bucket) and draw its first token with ``rng``."""
         with mesh_context(self.mesh, self.precision.backend):
-            return self._prefill(params, jnp.asarray(padded_tokens, jnp.int32), jnp.int32(true_length), rng)
+            return self._prefill(params, jnp.asarray(padded_tokens, jnp.int32), jnp.int32(true_length),
+                                 self._keys(rng))
 
     def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int, rng: jax.Array | None = None):
         """Put ``prefix`` into ``slot``; with ``rng``, re-draw the first token (another sample of the prompt)."""
         with mesh_context(self.mesh, self.precision.backend):
-            return self._insert(prefix, decode_state, jnp.int32(slot), rng)
+            return self._insert(prefix, decode_state, jnp.int32(slot), None if rng is None else self._keys(rng))
 
     def prefill_batch(self, params: dict, padded_tokens, true_lengths, rngs) -> Prefix:
         """Several prompts, right-padded to one bucket [N, P], in one forward: a ``Prefix`` whose every field has a
@@ -338,7 +347,7 @@ class Engine:
         rows of every GEMM are its own), so callers that keep N fixed per bucket keep their rollouts reproducible."""
         with mesh_context(self.mesh, self.precision.backend):
             return self._prefill_batch(params, jnp.asarray(padded_tokens, jnp.int32),
-                                       jnp.asarray(true_lengths, jnp.int32), jnp.asarray(rngs, jnp.uint32))
+                                       jnp.asarray(true_lengths, jnp.int32), self._keys(rngs))
 
     def insert_samples(self, prefix: Prefix, decode_state: DecodeState, slots, rngs, row: int | None = None,
                        size: int | None = None) -> DecodeState:
@@ -358,7 +367,7 @@ class Engine:
             raise ValueError(f"size={size} is smaller than the {len(slots)} slots")
         padded = np.full((m,), self.max_concurrent_decodes, np.int32)  # out of range: the scatters drop it
         padded[: len(slots)] = slots
-        rngs = jnp.concatenate([rngs, jnp.zeros((m - len(slots), 2), jnp.uint32)])
+        rngs = self._keys(jnp.concatenate([rngs, jnp.zeros((m - len(slots), 2), jnp.uint32)]))
         if row is not None:
             n = prefix.token.shape[0]
             if not 0 <= row < n:

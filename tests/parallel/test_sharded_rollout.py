@@ -243,3 +243,19 @@ def test_tensor_parallel_is_validated():
         _engine("fp8", True, None, 2)
     with pytest.raises(ValueError, match=r"rollout.tensor_parallel=0 must be a positive int"):
         _engine("fp8", True, mesh, 0)
+
+
+def test_keys_from_the_training_mesh_enter_on_the_rollout_mesh():
+    """The trainer's keys (replicated on the training mesh) reach the rollout's programs replicated on the rollout
+    mesh: JAX 0.11 on GPU refuses a program whose arguments lie on two meshes (the first 8B run on 4 GPUs did)."""
+    mesh = _mesh("fsdp8")
+    engine = _engine("fp8", greedy=False, mesh=mesh)
+    key = jax.device_put(jax.random.PRNGKey(3), rules.replicated(mesh))
+    seen = []
+    run = engine._prefill_batch
+    engine._prefill_batch = lambda *args: seen.append(args[-1]) or run(*args)
+    params = engine.load_params(*_on_mesh("fp8", mesh))
+    engine.prefill_batch(params, np.ones((2, 16), np.int32), np.array([3, 5]), jnp.stack([key, key]))
+    assert dict(seen[0].sharding.mesh.shape) == dict(engine.mesh.shape) != dict(mesh.shape)
+    for typed in (key, jax.random.key(3)):  # raw uint32 and typed keys alike
+        assert dict(engine._keys(typed).sharding.mesh.shape) == dict(engine.mesh.shape)
