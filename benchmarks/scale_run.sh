@@ -29,7 +29,8 @@ for spec in "$@"; do
   name="scale_${mode}_${fsdp}x${tensor}"
   cut=(--config.rollout.prompts_per_step=16 --config.rollout.samples_per_prompt=8 --config.rollout.max_new_tokens=512
        --config.rollout.decode_slots=128 --config.rl.minibatches=2 --config.rl.microbatch_sequences=16)
-  if [ "${SHIPPED:-0}" = 1 ]; then cut=(); name="${name}_shipped"; fi  # SHIPPED=1: also SCALE_STEPS=2 SCALE_TIMEOUT=590
+  # SHIPPED=1 on 4 H200s: start-up + 2 steps took 330 s (fp8_e2e) and 300 s (bf16); a step ~110-130 s
+  if [ "${SHIPPED:-0}" = 1 ]; then cut=(); name="${name}_shipped"; fi
   # the best BF16 path: cuBLAS GEMMs (XLA's Triton GEMMs are slower at these shapes; bench e2e's bf16_cublas)
   flags=${XLA_FLAGS:-}
   [ "$mode" = bf16 ] && [ -z "${SCALE_CPU_DEVICES:-}" ] && flags="$flags --xla_gpu_enable_triton_gemm=false"

@@ -50,21 +50,34 @@ def run_row(path: Path, gpus: int, less_compile: bool = False) -> tuple[str, dic
     return f"{m['mode']} {mesh}", row
 
 
+def one_gpu_figures(text: str | None) -> float | dict[str, float] | None:
+    """``--one_gpu_rollout``: one number for every mode, or ``mode=N,mode=N`` (each mode's own one-GPU figure)."""
+    if not text:
+        return None
+    if "=" not in text:
+        return float(text)
+    return {mode.strip(): float(value) for mode, value in (part.split("=") for part in text.split(","))}
+
+
 def summarize(paths: list[Path], *, gpus: int, device: str, batch: str, shipped: bool,
-              one_gpu_rollout: float | None, model: str = "llama3_8b (random weights, real shapes)",
-              less_compile: bool = False) -> dict:
+              one_gpu_rollout: float | dict[str, float] | None,
+              model: str = "llama3_8b (random weights, real shapes)", less_compile: bool = False) -> dict:
     runs = dict(run_row(p, gpus, less_compile) for p in paths)
+    with_compile = lambda row, phase: row[f"{phase}_s"] + (row["compile_s"][phase] if less_compile else 0.0)
     ratios = {}
     for name, row in runs.items():
+        one_gpu = one_gpu_rollout.get(row["mode"]) if isinstance(one_gpu_rollout, dict) else one_gpu_rollout
+        if one_gpu:
+            ratios.setdefault(name, {})["rollout_per_gpu_vs_one_gpu"] = row["rollout_tokens_per_s_per_gpu"] / one_gpu
         if row["mode"] != "fp8_e2e":
             continue
         bf16 = next((r for r in runs.values() if r["mode"] == "bf16" and r["mesh"] == row["mesh"]), None)
         if bf16:
-            ratios[name] = {"train_speedup": bf16["train_s"] / row["train_s"],
-                            "step_speedup": bf16["step_s"] / row["step_s"]}
-        if one_gpu_rollout:
-            ratios.setdefault(name, {})["rollout_per_gpu_vs_one_gpu"] = (
-                row["rollout_tokens_per_s_per_gpu"] / one_gpu_rollout)
+            ratios.setdefault(name, {}).update({"train_speedup": bf16["train_s"] / row["train_s"],
+                                                "step_speedup": bf16["step_s"] / row["step_s"]})
+            if less_compile:  # the same steps as measured, compiling included
+                ratios[name].update({f"{p}_speedup_with_compile": with_compile(bf16, p) / with_compile(row, p)
+                                     for p in ("train", "step")})
     return {"model": model, "gpus": gpus, "device": device, "batch": batch, "shipped_sizes": shipped,
             "times_less_compile": less_compile, "runs": runs, "one_gpu_rollout_tokens_per_s": one_gpu_rollout,
             "ratios": ratios}
@@ -77,14 +90,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", required=True)
     p.add_argument("--batch", required=True, help="the batch sizes the runs used, in words")
     p.add_argument("--shipped", action="store_true", help="the runs used configs/llama8b.py's own sizes")
-    p.add_argument("--one_gpu_rollout", type=float, default=None,
-                   help="one GPU's bench rollout tokens/s at the same per-GPU batch")
+    p.add_argument("--one_gpu_rollout", default=None,
+                   help="one GPU's bench rollout tokens/s at the same per-GPU batch: N, or mode=N,mode=N")
     p.add_argument("--less_compile", action="store_true",
                    help="take each phase's compile seconds out of its time (a run of one step)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     summary = summarize(args.files, gpus=args.gpus, device=args.device, batch=args.batch, shipped=args.shipped,
-                        one_gpu_rollout=args.one_gpu_rollout, less_compile=args.less_compile)
+                        one_gpu_rollout=one_gpu_figures(args.one_gpu_rollout), less_compile=args.less_compile)
     text = json.dumps(summary, indent=1)
     if args.out:
         args.out.write_text(text + "\n")

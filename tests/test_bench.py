@@ -303,6 +303,7 @@ def test_scale_summary_builds_scale_json_from_step_records(tmp_path):
     assert result["ratios"]["fp8_e2e fsdp=4"] == {"train_speedup": 1.5, "step_speedup": 1.5,
                                                   "rollout_per_gpu_vs_one_gpu": 1.0}
     assert result["ratios"]["fp8_e2e fsdp=2 x tensor=2"] == {"rollout_per_gpu_vs_one_gpu": 0.9}  # no bf16 there
+    assert result["ratios"]["bf16 fsdp=4"] == {"rollout_per_gpu_vs_one_gpu": 0.8}
     # a run of one step: its compile seconds out of each phase, the rollout's tokens over the rest of its time
     assert summary_module.main([*map(str, files), "--gpus", "4", "--device", "4x H200", "--batch", "shipped",
                                 "--less_compile", "--out", str(out)]) == 0
@@ -311,6 +312,14 @@ def test_scale_summary_builds_scale_json_from_step_records(tmp_path):
     assert result["times_less_compile"] is True
     assert (run["step_s"], run["rollout_s"], run["train_s"]) == (35.0, 16.0, 19.0)
     assert run["rollout_tokens_per_s_per_gpu"] == pytest.approx(100000.0 * 20.0 / 16.0 / 4)
+    ratio = result["ratios"]["fp8_e2e fsdp=4"]  # bf16: step 55, train 29 less compile
+    assert ratio["train_speedup"] == pytest.approx(29 / 19) and ratio["step_speedup_with_compile"] == 1.5
+    # each mode against its own one-GPU figure
+    assert summary_module.main([*map(str, files), "--gpus", "4", "--device", "d", "--batch", "b",
+                                "--one_gpu_rollout", "fp8_e2e=20000,bf16=25000", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["ratios"]["fp8_e2e fsdp=4"]["rollout_per_gpu_vs_one_gpu"] == 1.25
+    assert result["ratios"]["bf16 fsdp=4"]["rollout_per_gpu_vs_one_gpu"] == 0.8
     (tmp_path / "metrics.jsonl").write_text("{}\n")
     with pytest.raises(SystemExit, match="metrics.jsonl: not a scale_MODE_FxT"):
         summary_module.main([str(tmp_path / "metrics.jsonl"), "--gpus", "4", "--device", "d", "--batch", "b"])

@@ -324,7 +324,8 @@ class Engine:
     def _keys(self, rngs) -> jax.Array:
         """Random keys as the rollout's programs take them: uint32, and on a mesh replicated on the rollout mesh.
         A caller's keys usually derive from the trainer's (replicated on the training mesh, another mesh over the
-        same devices), and one program's arguments must all lie on one mesh (JAX 0.11 on GPU refuses the mix)."""
+        same devices), and one program's arguments must all lie on one mesh (JAX on GPUs refuses the mix; CPU devices
+        let it pass)."""
         typed = isinstance(rngs, jax.Array) and jax.dtypes.issubdtype(rngs.dtype, jax.dtypes.prng_key)
         rngs = rngs if typed else jnp.asarray(rngs, jnp.uint32)
         return rngs if self.mesh is None else place(rngs, rules.replicated(self.mesh))

@@ -247,7 +247,8 @@ def test_tensor_parallel_is_validated():
 
 def test_keys_from_the_training_mesh_enter_on_the_rollout_mesh():
     """The trainer's keys (replicated on the training mesh) reach the rollout's programs replicated on the rollout
-    mesh: JAX 0.11 on GPU refuses a program whose arguments lie on two meshes (the first 8B run on 4 GPUs did)."""
+    mesh: JAX on GPUs refuses a program whose arguments lie on two meshes (the first 8B run on 4 H200s stopped there;
+    CPU devices let the mix pass, so the test checks where the keys arrive)."""
     mesh = _mesh("fsdp8")
     engine = _engine("fp8", greedy=False, mesh=mesh)
     key = jax.device_put(jax.random.PRNGKey(3), rules.replicated(mesh))
