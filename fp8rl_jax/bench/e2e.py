@@ -10,6 +10,8 @@ then ``--steps`` timed steps whose phase times (``time/weights``: the sampler's 
     fp8_rollout    FP8 sampler, BF16 trainer
     fp8_e2e        FP8 sampler and trainer, one set of delayed scales
     fp8_e2e_head   the same with the LM head in FP8 too (``precision.lm_head_fp8``)
+    fp8_e2e_cublas fp8_e2e with its BF16 GEMMs (head, BF16 blocks) on cuBLAS, as bf16_cublas's
+    fp8_e2e_xla    fp8_e2e on the xla backend (XLA's FP8 GEMMs and fusions, no TE), cuBLAS for the rest
 
 Train throughput counts model FLOPs only (``6 x`` the GEMM parameters per trained token plus causal attention;
 remat's recomputation is not counted), MFU is against the device's dense BF16 peak for every mode. The rollout's
@@ -56,6 +58,10 @@ MODES = {  # mode -> (precision.mode, extra XLA flags, config overrides)
     "fp8_rollout": ("fp8_rollout", "", {}),
     "fp8_e2e": ("fp8_e2e", "", {}),
     "fp8_e2e_head": ("fp8_e2e", "", {"precision.lm_head_fp8": True}),
+    # the BF16 GEMMs of an FP8 step (the head, the BF16 first / last blocks) on cuBLAS, as bf16_cublas's
+    "fp8_e2e_cublas": ("fp8_e2e", "--xla_gpu_enable_triton_gemm=false", {}),
+    # XLA's own FP8 GEMMs (cuBLASLt), its fusions around them (casts and amaxes inside the producers' kernels)
+    "fp8_e2e_xla": ("fp8_e2e", "--xla_gpu_enable_triton_gemm=false", {"precision.backend": "xla"}),
 }
 # dense BF16 tensor-core peaks (TFLOP/s) by device kind prefix; FP8 doubles them on Hopper
 BF16_PEAK_TFLOPS = {"NVIDIA H100": 989.4, "NVIDIA H200": 989.4, "NVIDIA GH200": 989.4}
