@@ -153,7 +153,8 @@ def measure(config_path: str, mode: str, sets: list[str], warmup: int, steps: in
         trainer.close()
     mean = lambda key: mean_of(timed, lambda r: r[key])  # noqa: E731
     row = {"mode": mode, "packing": "on" if packing else "off", "lengths": lengths.spec,
-           "backend": timed[-1]["precision_backend"], "config": config_path, "overrides": sets,
+           "backend": timed[-1]["precision_backend"], "xla_flags": os.environ.get("XLA_FLAGS", ""),
+           "config": config_path, "overrides": sets,
            "warmup": warmup, "steps": steps, "sequences": c.rollout.prompts_per_step * c.rollout.samples_per_prompt,
            "max_new_tokens": c.rollout.max_new_tokens, "decode_slots": c.rollout.decode_slots,
            "device": device_name(), "devices": jax.device_count(), "num_layers": model.num_layers,
