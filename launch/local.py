@@ -58,7 +58,8 @@ def process_env(base: dict[str, str], pid: int, num_processes: int, devices_per_
         first = pid * devices_per_process
         env["CUDA_VISIBLE_DEVICES"] = ",".join(ids[first:first + devices_per_process])
         env["JAX_PLATFORMS"] = "cuda"
-        env.setdefault("NCCL_NVLS_ENABLE", "0")  # no NVLink multicast between the processes
+        # NVLink multicast (NVLS) off unless asked for: it needs NVSwitch multicast that a host or VM may not give
+        env.setdefault("NCCL_NVLS_ENABLE", "0")
     else:
         raise ValueError(f"platform={platform!r}; allowed: cpu, gpu")
     return env
