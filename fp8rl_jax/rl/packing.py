@@ -34,8 +34,8 @@ import numpy as np
 
 from fp8rl_jax.config import ConfigError
 from fp8rl_jax.model.llama import row_segments
+from fp8rl_jax.rl.microbatch import ROW_MULTIPLE, longest_row_tokens
 
-WIDTH_MULTIPLE = 32  # a packed row's width is a multiple of this (as right_pad's widths are)
 # what ``PackingPlan.choose_rows`` counts a microbatch's own cost at, in rows: a rough figure from the H100's llama1b
 # step at fixed lengths (16-row packed microbatches of 1,280 tokens against 32-row unpacked ones: about 36 ms more per
 # extra microbatch pass, 1.5 rows' worth, with the attention path differing too; e2e_packing_h100_runs_s16.json)
@@ -89,7 +89,7 @@ class PackingPlan:
         microbatches exactly. Short sequences pack into few rows, where fewer rows a microbatch waste less (14
         rows for 11 used, 4 rows for 12): each step takes the option that costs least (``choose_rows``)."""
         c = config
-        width = packed_width(c.data.max_prompt_tokens, c.rollout.max_new_tokens)
+        width = longest_row_tokens(c)  # the widest row a step can make, so every packed row is this wide
         budget = c.rl.microbatch_tokens
         sequences = c.rollout.prompts_per_step * c.rollout.samples_per_prompt // c.rl.minibatches
         if c.rl.microbatch_sequences > 0:
@@ -98,7 +98,7 @@ class PackingPlan:
             rows = sequences
         elif budget < width:
             raise ConfigError(f"config.rl.microbatch_tokens={budget} is less than one packed row of {width} tokens "
-                              f"(data.max_prompt_tokens + rollout.max_new_tokens, rounded up to {WIDTH_MULTIPLE})")
+                              f"(data.max_prompt_tokens + rollout.max_new_tokens, rounded up to {ROW_MULTIPLE})")
         else:
             rows = budget // width
         rows = min(rows, sequences)
@@ -118,11 +118,6 @@ class PackingPlan:
             d = divisor(d // 2)
         return cls(width=width, rows=rows, microbatches=math.ceil(sequences / rows),
                    max_segments=row_segments(width), sequences=sequences, row_options=tuple(options))
-
-
-def packed_width(max_prompt_tokens: int, max_new_tokens: int, multiple: int = WIDTH_MULTIPLE) -> int:
-    """The width of a packed row: the longest prompt + completion a step can produce, rounded up to ``multiple``."""
-    return -(-(max_prompt_tokens + max_new_tokens) // multiple) * multiple
 
 
 def first_fit_decreasing(lengths: Sequence[int], width: int, max_segments: int | None = None) -> list[list[int]]:

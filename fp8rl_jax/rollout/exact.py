@@ -35,12 +35,12 @@ from fp8rl_jax.fp8.policy import Precision
 from fp8rl_jax.model.config import LlamaConfig
 from fp8rl_jax.parallel.distributed import host_get
 from fp8rl_jax.parallel.mesh import mesh_context
+from fp8rl_jax.rl.microbatch import ROW_MULTIPLE  # the trainer's right_pad multiple: few shapes to compile
 from fp8rl_jax.rl.scoring import sample_next_token
 from fp8rl_jax.rl.step import jit_head_program
 from fp8rl_jax.rollout.driver import RolloutBatch
 from fp8rl_jax.rollout.sampling import SamplingParams
 
-WIDTH_MULTIPLE = 32  # the trainer's right_pad multiple: few shapes to compile
 # XLA:CPU (jaxlib 0.10): YNNPACK's reduce fusion sums the head's softmax normaliser in a different order in the
 # sampler's program and in the train step's (1 ulp on a few percent of the logprobs); without it they agree. Read
 # when the CPU backend starts, so it goes in the environment before the first JAX computation.
@@ -52,7 +52,7 @@ def cpu_flag_missing() -> bool:
     return jax.default_backend() == "cpu" and CPU_XLA_FLAG not in os.environ.get("XLA_FLAGS", "")
 
 
-def sequence_width(prompt_lengths, max_new_tokens: int, multiple: int = WIDTH_MULTIPLE) -> int:
+def sequence_width(prompt_lengths, max_new_tokens: int, multiple: int = ROW_MULTIPLE) -> int:
     """The fixed [rows, T] width of an exact rollout: the longest prompt plus ``max_new_tokens``, rounded up."""
     return -(-(max(prompt_lengths) + max_new_tokens) // multiple) * multiple
 

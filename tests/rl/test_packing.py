@@ -28,7 +28,7 @@ from fp8rl_jax.fp8.recipe import update_state
 from fp8rl_jax.model import llama
 from fp8rl_jax.model.config import preset
 from fp8rl_jax.rl import packing
-from fp8rl_jax.rl.packing import PackingPlan, first_fit_decreasing, pack, packed_width, sequence_keys, unpack
+from fp8rl_jax.rl.packing import PackingPlan, first_fit_decreasing, pack, sequence_keys, unpack
 from fp8rl_jax.rl.step import LossConfig, make_calibrate, make_score, make_train_step
 from fp8rl_jax.trainer import right_pad
 
@@ -89,7 +89,8 @@ def _config(max_prompt=16, max_new=12, budget=100, prompts=8, samples=8, minibat
 
 
 def test_plan_from_config():
-    assert packed_width(16, 12) == 32 and packed_width(16, 16) == 32 and packed_width(17, 16) == 64
+    # a packed row is the widest row a step can make (rl.microbatch.longest_row_tokens): 16 + 12 up to 32
+    assert PackingPlan.from_config(_config(max_prompt=17, max_new=16)).width == 64
     # 100 tokens hold 3 rows of 32; 64 sequences per minibatch need at most 64 rows: 22 microbatches; or 2 rows
     # (the largest divisor of 64 within 3), or 1 (within half of 2)
     plan = PackingPlan.from_config(_config())
