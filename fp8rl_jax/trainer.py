@@ -52,7 +52,7 @@ from fp8rl_jax.parallel.state import init_sharded, load_model_sharded
 from fp8rl_jax.reporting import Reporter, compile_seconds
 from fp8rl_jax.rl.advantages import group_advantages
 from fp8rl_jax.rl.metrics import mismatch_metrics, reduce_metric
-from fp8rl_jax.rl.microbatch import ROW_MULTIPLE, longest_row_tokens, microbatch_sequences, microbatch_source
+from fp8rl_jax.rl.microbatch import ROW_MULTIPLE, longest_row_tokens, microbatch_sequences, microbatch_source, row_width
 from fp8rl_jax.rl.packing import PackingPlan, first_fit_decreasing, pack
 from fp8rl_jax.rl.rewards import combined_rewards, reward_names
 from fp8rl_jax.rl.step import LossConfig, build_optimizer, make_calibrate, make_score, make_train_step
@@ -100,7 +100,7 @@ def load_policy(config, directory: str | Path | None = None, step: int | None = 
 
 def padded_width(rows: list, multiple: int = ROW_MULTIPLE, width: int = 0) -> int:
     """The width ``right_pad`` pads ``rows`` to: ``width`` where given, else the longest row up to ``multiple``."""
-    return width or -(-max(len(r) for r in rows) // multiple) * multiple
+    return width or row_width(max(len(r) for r in rows), multiple)
 
 
 def right_pad(rows: list, pad_id: int, multiple: int = ROW_MULTIPLE, width: int = 0) -> np.ndarray:

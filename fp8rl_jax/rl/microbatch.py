@@ -56,11 +56,15 @@ ROW_MULTIPLE = 32  # the trainer pads rows to a multiple of this (trainer.right_
 DEFAULT_MICROBATCH_TOKENS = 32768
 
 
+def row_width(tokens: int, multiple: int = ROW_MULTIPLE) -> int:
+    """A row of ``tokens`` tokens padded up to a multiple of ``multiple``: the widths the trainer compiles for."""
+    return -(-tokens // multiple) * multiple
+
+
 def longest_row_tokens(config) -> int:
     """The widest [rows, T] row the trainer can score or train: the longest prompt kept (``data.max_prompt_tokens``;
     longer ones are dropped) plus ``rollout.max_new_tokens``, padded up to a multiple of ``ROW_MULTIPLE``."""
-    longest = config.data.max_prompt_tokens + config.rollout.max_new_tokens
-    return -(-longest // ROW_MULTIPLE) * ROW_MULTIPLE
+    return row_width(config.data.max_prompt_tokens + config.rollout.max_new_tokens)
 
 
 def largest_divisor_at_most(n: int, limit: int) -> int:

@@ -35,7 +35,7 @@ from fp8rl_jax.fp8.policy import Precision
 from fp8rl_jax.model.config import LlamaConfig
 from fp8rl_jax.parallel.distributed import host_get
 from fp8rl_jax.parallel.mesh import mesh_context
-from fp8rl_jax.rl.microbatch import ROW_MULTIPLE  # the trainer's right_pad multiple: few shapes to compile
+from fp8rl_jax.rl.microbatch import ROW_MULTIPLE, row_width  # the trainer's widths: few shapes to compile
 from fp8rl_jax.rl.scoring import sample_next_token
 from fp8rl_jax.rl.step import jit_head_program
 from fp8rl_jax.rollout.driver import RolloutBatch
@@ -54,7 +54,7 @@ def cpu_flag_missing() -> bool:
 
 def sequence_width(prompt_lengths, max_new_tokens: int, multiple: int = ROW_MULTIPLE) -> int:
     """The fixed [rows, T] width of an exact rollout: the longest prompt plus ``max_new_tokens``, rounded up."""
-    return -(-(max(prompt_lengths) + max_new_tokens) // multiple) * multiple
+    return row_width(max(prompt_lengths) + max_new_tokens, multiple)
 
 
 class ExactSampler:
