@@ -2,7 +2,7 @@
 # One GPU session on the lent H100 (or an H200 host): install Transformer Engine and the project's wheels once, then
 # the stages named on the command line. Results land in $OUT (or ./gpu_out).
 #   usage: bash benchmarks/gpu_session.sh [install] [tests] [decode] [llama1b:MODE] [rollout1k] [gemm] [train] [e2e] [e2e_xla] [profile] [cluster_nb] [study] [rollout_xla] [rollout_head]
-#          [rollout8b] [agreement] [exact] [packed_attention] [e2e8b] [head_step] [multiprocess]...
+#          [rollout8b] [agreement] [exact] [packed_attention] [e2e8b] [profile8b] [head_step] [multiprocess]...
 # TE arrives in pieces (see ../shared/gpu/README.md): .gpu/te/wheels + .gpu/install_te.sh, the core wheel's five
 # parts already copied to /root/te by earlier calls; the other wheels in .gpu/wheels; a tokenizer in .gpu/smollm2_tok.
 set -uo pipefail
@@ -87,6 +87,13 @@ EOF
         --set model.preset=llama3_1b --set model.tokenizer=.gpu/smollm2_tok --set model.preset_vocab=preset \
         --set rollout.prompts_per_step=32 --modes ${PROFILE_MODES:-bf16_cublas,fp8_e2e} --timeout 190 \
         --out "$OUT/profile_h100.json" 2>&1 | grep -v "^W\|Warn" | tee "$OUT/profile.log" | tail -6 ;;
+    profile8b) # the same at the Llama-3.1-8B width with E8B_LAYERS layers (e2e8b's shapes and memory settings)
+      XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.94} timeout 500 python3 benchmarks/profile_step.py \
+        --config configs/llama1b.py --set model.source=preset --set model.preset=llama3_8b \
+        --set model.num_layers=${E8B_LAYERS:-10} --set model.tokenizer=.gpu/smollm2_tok --set model.preset_vocab=preset \
+        --set rollout.prompts_per_step=32 --set rl.microbatch_sequences=16 \
+        --modes ${PROFILE_MODES:-bf16_cublas,fp8_e2e_head} --timeout 230 \
+        --out "$OUT/profile_8b_width_h100.json" 2>&1 | grep -v "^W\|Warn" | tee "$OUT/profile8b.log" | tail -6 ;;
     cluster_nb) # the cluster notebook on this host's GPUs (smollm2_gsm8k, FSDP over all of them), outputs kept
       FP8RL_NOTEBOOK_WORKDIR=/tmp/cluster_nb timeout ${NB_TIMEOUT:-300} python3 benchmarks/run_notebook.py \
         notebooks/cluster.ipynb "$OUT/cluster_executed.ipynb" 2>&1 | grep -v "^W\|Warn" | tail -5 ;;

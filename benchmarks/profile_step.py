@@ -32,6 +32,7 @@ def profile_mode(config: str, mode: str, sets: list[str], trace_root: str) -> di
     overrides.update({"precision.mode": MODES[mode][0], "workdir": os.path.join(trace_root, "run"), "steps": 2,
                       "checkpoint.every": 0, "checkpoint.save_final": False, "logging.progress": False,
                       "logging.tensorboard": False, "logging.plots": False, "data.num_eval": 0})
+    overrides.update(MODES[mode][2])  # the mode's own settings (fp8_e2e_head: the FP8 head; fp8_e2e_xla: the backend)
     trainer = Trainer.from_file(path, arg or None, **overrides)
     trainer.step()  # compile, calibrate
     out = {}
