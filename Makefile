@@ -26,11 +26,13 @@ $(VENV)/.dev-deps: $(VENV)/.run-deps
 demo: $(VENV)/.run-deps
 	$(BIN)/python -m fp8rl_jax.main --config=configs/smollm2_gsm8k.py $(DEMO_ARGS)
 
-# two workers, a test file each at a time (module fixtures stay in one process); 14:52 on 2 cores against 16:06 in
-# one process (both with the run's compilation cache: tests/conftest.py)
+# two workers, a test file each at a time (module fixtures stay in one process), XLA:CPU's code generation at -O0
+# (tests/conftest.py); then the exact sampler's bit-for-bit tests at XLA's default optimization, as users run it
 TEST_WORKERS ?= 2
+EXACT_TESTS := tests/rollout/test_exact.py
 test: $(VENV)/.dev-deps
-	$(BIN)/python -m pytest -q -m "not gpu" -n $(TEST_WORKERS) --dist loadfile --durations=30 tests
+	$(BIN)/python -m pytest -q -m "not gpu" -n $(TEST_WORKERS) --dist loadfile --durations=30 --ignore=$(EXACT_TESTS) tests
+	FP8RL_TEST_XLA_OPT=default $(BIN)/python -m pytest -q -m "not gpu" $(EXACT_TESTS)
 
 # the edit loop's target (about 4 min on 2 cores): FP8 numerics, RL losses and steps, data, the tokenizer, sharding
 # rules and FSDP gathers, config, checkpoint and out-of-memory errors; `make test` adds the trainer, rollout engine,
