@@ -26,6 +26,9 @@ if [ ! -f "$gguf" ] && ls /root/gguf/gguf_part_* >/dev/null 2>&1; then
 fi  # its tokenizer is converted from the GGUF on first use (gguf + tokenizers; no transformers needed)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # never NVLink multicast
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
+# e2e8b's and profile8b's model: the Llama-3.1-8B width, E8B_LAYERS layers, microbatches of 16
+width8b=(--set model.source=preset --set model.preset=llama3_8b --set model.num_layers=${E8B_LAYERS:-10}
+         --set model.tokenizer=.gpu/smollm2_tok --set model.preset_vocab=preset --set rl.microbatch_sequences=16)
 for what in "$@"; do
   case $what in
     install) ;;
@@ -69,9 +72,7 @@ EOF
       # one GPU), the llama1b config's batch shapes in microbatches of 16: issue 23's e2e_8b_width_h100.json. At JAX's
       # default 75% of the H100, microbatches of 32 ran out of memory (session 19); 10 layers peak at 68.7 GiB of 94%
       XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.94} timeout 560 python3 -m fp8rl_jax.bench e2e \
-        --config configs/llama1b.py --set model.source=preset --set model.preset=llama3_8b \
-        --set model.num_layers=${E8B_LAYERS:-10} --set model.tokenizer=.gpu/smollm2_tok --set model.preset_vocab=preset \
-        --set rollout.prompts_per_step=${E2E_PROMPTS:-32} --set rl.microbatch_sequences=16 ${E2E_SET:-} \
+        --config configs/llama1b.py "${width8b[@]}" --set rollout.prompts_per_step=${E2E_PROMPTS:-32} ${E2E_SET:-} \
         --modes ${E2E_MODES:-fp8_e2e,bf16_cublas} --timeout ${E2E_MODE_TIMEOUT:-250} \
         --out "$OUT/e2e_8b_width_h100.json" 2>&1 | grep -v "^W\|Warn" | tee "$OUT/e2e8b.log" | tail -8 ;;
     e2e_xla) # bench e2e in processes without Transformer Engine (FP8 on the xla backend): there `precision.attention`
@@ -89,9 +90,7 @@ EOF
         --out "$OUT/profile_h100.json" 2>&1 | grep -v "^W\|Warn" | tee "$OUT/profile.log" | tail -6 ;;
     profile8b) # the same at the Llama-3.1-8B width with E8B_LAYERS layers (e2e8b's shapes and memory settings)
       XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.94} timeout 500 python3 benchmarks/profile_step.py \
-        --config configs/llama1b.py --set model.source=preset --set model.preset=llama3_8b \
-        --set model.num_layers=${E8B_LAYERS:-10} --set model.tokenizer=.gpu/smollm2_tok --set model.preset_vocab=preset \
-        --set rollout.prompts_per_step=32 --set rl.microbatch_sequences=16 \
+        --config configs/llama1b.py "${width8b[@]}" --set rollout.prompts_per_step=32 \
         --modes ${PROFILE_MODES:-bf16_cublas,fp8_e2e_head} --timeout 230 \
         --out "$OUT/profile_8b_width_h100.json" 2>&1 | grep -v "^W\|Warn" | tee "$OUT/profile8b.log" | tail -6 ;;
     cluster_nb) # the cluster notebook on this host's GPUs (smollm2_gsm8k, FSDP over all of them), outputs kept

@@ -23,6 +23,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Mapping
 
 
 def free_port() -> int:
@@ -37,7 +38,7 @@ def _pump(stream, prefix: str) -> None:
         sys.stdout.flush()
 
 
-def process_env(base: dict[str, str], pid: int, num_processes: int, devices_per_process: int, address: str,
+def process_env(base: Mapping[str, str], pid: int, num_processes: int, devices_per_process: int, address: str,
                 platform: str = "cpu") -> dict[str, str]:
     """Process ``pid``'s environment: the coordinator and its place in the job, and its devices (``platform``
     cpu: that many virtual CPU devices; gpu: its own block of this host's GPUs)."""
@@ -71,7 +72,7 @@ def launch(num_processes: int, devices_per_process: int, main_args: list[str], m
     address = f"127.0.0.1:{free_port()}"
     procs, pumps = [], []
     for pid in range(num_processes):
-        env = process_env(dict(os.environ), pid, num_processes, devices_per_process, address, platform)
+        env = process_env(os.environ, pid, num_processes, devices_per_process, address, platform)
         p = subprocess.Popen([sys.executable, "-m", module, *main_args], env=env, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True)
         pump = threading.Thread(target=_pump, args=(p.stdout, f"p{pid}"), daemon=True)
@@ -136,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     # killed itself (a test's timeout, a scheduler): SystemExit unwinds through _wait, which stops the processes
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:  # the device assignment checked before any process starts
-        process_env(dict(os.environ), 0, args.num_processes, args.devices_per_process, "", args.platform)
+        process_env(os.environ, 0, args.num_processes, args.devices_per_process, "", args.platform)
     except ValueError as e:
         parser.error(str(e))
     return launch(args.num_processes, args.devices_per_process, main_args, args.module, args.timeout, args.platform)
