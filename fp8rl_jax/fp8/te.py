@@ -1,17 +1,21 @@
-"""The ``te`` FP8 backend: Transformer Engine's fused cast kernels and cuBLASLt FP8 GEMMs (GPU only).
+"""The ``te`` FP8 backend: Transformer Engine's cuBLASLt FP8 GEMMs, on operands quantized by XLA (GPU only).
 
 Same contract as ``xla``: the scales come from our FP8 state (``recipe.py``), and the state's cotangent carries
 the amaxes observed in the call. TE's own ``dense`` returns its *updated quantizer state* as the cotangent,
 which adds up wrongly across microbatches and re-implements the scale update; so this module builds its own
-``custom_vjp`` from TE's primitives (``tex.quantize``, ``tex.gemm``), following ``transformer_engine.jax.dense``:
+``custom_vjp`` around TE's GEMM (``tex.gemm``), following ``transformer_engine.jax.dense``:
 
     forward   y  = gemm(q(x) [M, K],      q(w) as [N, K])          both K-major: Hopper's FP8 GEMMs need "TN"
     dgrad     dx = gemm(q(g) [M, N],      q(w) as [K, N])
     wgrad     dw = gemm(q(x) as [K, M],   q(g) as [N, M])
 
-TE quantizes with ``saturate(x * scale)`` and round-to-nearest-even, exactly as ``recipe.quantize`` does, so a
-kernel pre-quantized by the pure-JAX code (``xla.quantize_kernel``) is bit-identical to the one TE makes inside
-the training forward.
+Quantization is ``recipe.quantize`` (``saturate(x * scale)``, round-to-nearest-even: the bits TE's cast kernel
+writes) and the amaxes are ``recipe.amax``, plain XLA ops. XLA fuses them into the kernels that produce their inputs
+(the RMSNorm, the SwiGLU, the residual gradient), where TE's ``tex.quantize`` was a kernel of its own per tensor
+that read the BF16 (for an f32 output: an f32 copy) and wrote both FP8 layouts. The transposed layouts the wgrad
+needs are made in the backward pass. A GEMM writes its output in the dtype wanted (f32 for the residual stream and
+the weight gradient), not in its input's. The same code quantizes the rollout's activations
+(``prequantized_matmul``) and the training forward's, and the kernel goes through ``xla.quantize_kernel`` in both.
 
 Transformer Engine is imported lazily; ``pip install "transformer-engine[jax]"`` on a CUDA host provides it.
 Import it (``preload()``) before JAX initialises its GPU backend: JAX loads its own cuDNN, and a TE core library
@@ -31,7 +35,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from fp8rl_jax.fp8 import xla
-from fp8rl_jax.fp8.recipe import Fp8LinearState, Fp8Recipe, amax, observations
+from fp8rl_jax.fp8.recipe import Fp8LinearState, Fp8Recipe, amax, observations, quantize
 from fp8rl_jax.fp8.xla import QuantizedKernel
 from fp8rl_jax.parallel import fsdp
 
@@ -70,14 +74,7 @@ def _te():
     shared = _load_jax_cudnn()
     try:
         from transformer_engine.jax import cpp_extensions as tex
-        from transformer_engine.jax.quantize import (
-            DelayedScaleQuantizer,
-            QuantizeLayout,
-            ScaledTensorFactory,
-            ScalingMode,
-            TensorUsage,
-        )
-        from transformer_engine.jax.quantize.helper import AmaxComputeAlgo
+        from transformer_engine.jax.quantize import ScaledTensorFactory, ScalingMode
     except (ImportError, OSError) as e:
         raise ImportError(
             "precision.backend='te' needs Transformer Engine for JAX on a CUDA GPU "
@@ -86,15 +83,7 @@ def _te():
             f"(fp8rl_jax.fp8.te.preload()). Import failed with: {e}"
         ) from e
     SHARES_JAX_CUDNN = shared
-    return {
-        "tex": tex,
-        "Quantizer": DelayedScaleQuantizer,
-        "Layout": QuantizeLayout,
-        "Factory": ScaledTensorFactory,
-        "Mode": ScalingMode,
-        "Usage": TensorUsage,
-        "Algo": AmaxComputeAlgo,
-    }
+    return {"tex": tex, "Factory": ScaledTensorFactory, "Mode": ScalingMode}
 
 
 def preload() -> bool:
@@ -123,104 +112,63 @@ def unavailable_reason() -> str | None:
     return None
 
 
-def _quantizer(dtype, scale: jax.Array, both_layouts: bool):
-    """A TE delayed-scaling quantizer that uses our scale. Its own history update is never read."""
+def _operand(data: jax.Array, scale_inv: jax.Array, out_dtype) -> object:
+    """FP8 ``data`` [rows, K] (contracted on its last axis) as an operand of TE's GEMM. A GEMM writes its output in
+    its left operand's ``out_dtype`` (TE's ``dq_dtype``), so an f32 or BF16 result needs no conversion after it."""
     t = _te()
-    return t["Quantizer"](
-        q_dtype=dtype,  # TE compares against the jnp scalar types, not np.dtype instances
-        scaling_mode=t["Mode"].DELAYED_TENSOR_SCALING,  # the inherited default would be current scaling
-        q_layout=t["Layout"].ROWWISE_COLWISE if both_layouts else t["Layout"].ROWWISE,
-        data_layout="NT",
-        margin=0.0,
-        amax_compute_algo=t["Algo"].MAX,
-        scale=scale.astype(jnp.float32).reshape(1),
-        amax_history=jnp.zeros((2,), jnp.float32),
-    )
+    return t["Factory"].create_1x(data, jnp.asarray(scale_inv, jnp.float32).reshape(1),
+                                  scaling_mode=t["Mode"].DELAYED_TENSOR_SCALING, dq_dtype=out_dtype)
 
 
-def _observed_amax(scaled) -> jax.Array:
-    """The amax TE's cast kernel computed while quantizing (read from the row-wise tensor)."""
-    t = _te()
-    rowwise = scaled.get_tensor(usage=t["Usage"].LHS) if hasattr(scaled, "get_tensor") else scaled
-    return rowwise.amax.reshape(()).astype(jnp.float32)
+def _gemm(lhs, rhs) -> jax.Array:
+    """``lhs [M, K] . rhs [N, K] -> [M, N]``: both operands K-major, the one layout Hopper's FP8 GEMMs take."""
+    return _te()["tex"].gemm(lhs, rhs, contracting_dims=((1,), (1,)))
+
+
+def _inv(scale: jax.Array) -> jax.Array:
+    return 1.0 / scale.astype(jnp.float32)
 
 
 def prequantized_matmul(x: jax.Array, kernel: QuantizedKernel, x_scale: jax.Array, recipe: Fp8Recipe) -> jax.Array:
-    """``x [M, K] @ kernel`` with the kernel already FP8 [N, K]; returns [M, N] in ``x.dtype``."""
-    t = _te()
-    qx = t["tex"].quantize(x, quantizer=_quantizer(recipe.fwd_dtype, x_scale, both_layouts=False), flatten_axis=-1)
-    qw = t["Factory"].create_1x(
-        kernel.data,
-        kernel.scale_inv.astype(jnp.float32).reshape(1),
-        scaling_mode=t["Mode"].DELAYED_TENSOR_SCALING,
-        dq_dtype=x.dtype,
-    )
-    # [M, K] . [N, K] -> [M, N]
-    return t["tex"].gemm(qx, qw, contracting_dims=((1,), (1,)))
+    """``x [M, K] @ kernel`` with the kernel already FP8 [N, K]; returns [M, N] in ``x.dtype``. ``x`` is quantized
+    by XLA, inside the fusion that produces it (see the module docstring)."""
+    qx = quantize(x, x_scale, recipe.fwd_dtype)
+    return _gemm(_operand(qx, _inv(x_scale), x.dtype), _operand(kernel.data, kernel.scale_inv, x.dtype))
 
 
 @functools.cache
 def _fp8_matmul_fn(x_dtype, w_dtype, out_dtype, recipe: Fp8Recipe, gather: P | None = None):
-    # TE's GEMM writes in the input's dtype: quantize an f32 copy of x when f32 output is wanted (same FP8 bits)
-    gemm_dtype = jnp.dtype(jnp.float32) if out_dtype == jnp.dtype(jnp.float32) else x_dtype
+    fwd_dtype, bwd_dtype = recipe.fwd_dtype, recipe.bwd_dtype
 
     @jax.custom_vjp
     def f(x, kernel, state, kernel_amax):
         return fwd(x, kernel, state, kernel_amax)[0]
 
     def fwd(x, kernel, state, kernel_amax):
-        t = _te()
-        tex, usage = t["tex"], t["Usage"]
-        qx = tex.quantize(x.astype(gemm_dtype), quantizer=_quantizer(recipe.fwd_dtype, state["x"]["scale"], True))
-        if gather is not None:
-            # FSDP: each shard quantized where it is and its FP8 bits gathered (``parallel.fsdp``; the same bits as
-            # TE's cast of the whole kernel), then handed to TE's GEMM as a pre-quantized [N, K] operand
-            qk = xla.quantize_kernel(kernel, state["kernel"], recipe, "f8", gather)
-            y = tex.gemm(qx.get_tensor(usage=usage.LHS), _kernel_operand(qk.data, qk.scale_inv, gemm_dtype),
-                         contracting_dims=((1,), (1,)))
-            amax_w = amax(kernel) if kernel_amax is None else kernel_amax
-            residuals = (qx.get_tensor(usage=usage.LHS_TRANS), (qk.data, qk.scale_inv), state,
-                         _observed_amax(qx), amax_w, kernel_amax)
-            return y.astype(out_dtype), residuals
-        qw = tex.quantize(kernel, quantizer=_quantizer(recipe.fwd_dtype, state["kernel"]["scale"], True))
-        # [M, K] . [K, N] -> [M, N]; on Hopper TE hands the GEMM the K-major copy of w
-        y = tex.gemm(qx.get_tensor(usage=usage.LHS), qw.get_tensor(usage=usage.RHS), contracting_dims=((1,), (0,)))
-        residuals = (
-            qx.get_tensor(usage=usage.LHS_TRANS),
-            qw.get_tensor(usage=usage.RHS_TRANS),
-            state,
-            _observed_amax(qx),
-            _observed_amax(qw),
-            kernel_amax,
-        )
-        return y.astype(out_dtype), residuals
+        s_x = state["x"]["scale"]
+        qx = quantize(x, s_x, fwd_dtype)  # [M, K], fused by XLA into the op that produces x
+        # [N, K]; under FSDP each shard quantized where it is and its FP8 bits gathered (``parallel.fsdp``)
+        qk = xla.quantize_kernel(kernel, state["kernel"], recipe, "f8", gather)
+        y = _gemm(_operand(qx, _inv(s_x), out_dtype), _operand(qk.data, qk.scale_inv, out_dtype))
+        amax_w = amax(kernel) if kernel_amax is None else kernel_amax
+        return y, (qx, qk.data, state, amax(x), amax_w, kernel_amax)
 
     def bwd(residuals, g):
-        t = _te()
-        tex, usage = t["tex"], t["Usage"]
-        qx_t, qw_t, state, amax_x, amax_w, kernel_amax = residuals
-        qg = tex.quantize(g.astype(gemm_dtype), quantizer=_quantizer(recipe.bwd_dtype, state["grad"]["scale"], True))
-        if gather is not None:  # the gathered [N, K] FP8 kernel, laid out [K, N] for the dgrad's K-major operand
-            data, scale_inv = qw_t
-            qw_t = _kernel_operand(jnp.swapaxes(data, 0, 1), scale_inv, gemm_dtype)
-        # dx [M, K] = g [M, N] . w [K, N]^T
-        dx = tex.gemm(qg.get_tensor(usage=usage.LHS), qw_t, contracting_dims=((1,), (1,)))
-        # dw [K, N] = x [M, K]^T . g [M, N]
-        dw = tex.gemm(qx_t, qg.get_tensor(usage=usage.RHS), contracting_dims=((0,), (0,))).astype(w_dtype)
+        qx, qw, state, amax_x, amax_w, kernel_amax = residuals
+        s_x, s_w, s_g = (state[r]["scale"] for r in ("x", "kernel", "grad"))
+        qg = quantize(g, s_g, bwd_dtype)  # [M, N]
+        # dx [M, K] = g [M, N] . w [N, K]: the kernel laid out [K, N], contracted on N
+        dx = _gemm(_operand(qg, _inv(s_g), x_dtype), _operand(jnp.swapaxes(qw, 0, 1), _inv(s_w), x_dtype))
+        # dw [K, N] = x [M, K]^T . g [M, N]: both laid out token-minor, contracted on M; written in the master's dtype
+        dw = _gemm(_operand(jnp.swapaxes(qx, 0, 1), _inv(s_x), w_dtype), _operand(jnp.swapaxes(qg, 0, 1), _inv(s_g),
+                                                                                  w_dtype))
         if gather is not None:  # the devices' partial wgrads summed onto the master's shards (a reduce-scatter)
             dw = fsdp.reduce_to(dw, gather)
         no_amax = None if kernel_amax is None else jnp.zeros_like(kernel_amax)  # not differentiated
-        return dx.astype(x_dtype), dw, observations(state, amax_x, amax_w, _observed_amax(qg)), no_amax
+        return dx, dw, observations(state, amax_x, amax_w, amax(g)), no_amax
 
     f.defvjp(fwd, bwd)
     return f
-
-
-def _kernel_operand(data: jax.Array, scale_inv: jax.Array, dq_dtype):
-    """An FP8 kernel already quantized (``data`` [rows, K], contracted on its last axis) as TE's GEMM operand."""
-    t = _te()
-    return t["Factory"].create_1x(data, scale_inv.astype(jnp.float32).reshape(1),
-                                  scaling_mode=t["Mode"].DELAYED_TENSOR_SCALING, dq_dtype=dq_dtype)
 
 
 def fp8_matmul(

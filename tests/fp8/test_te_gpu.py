@@ -61,6 +61,24 @@ def test_te_prequantized_equals_te_training_forward():
     np.testing.assert_array_equal(np.asarray(roll.astype(jnp.float32)), np.asarray(train.astype(jnp.float32)))
 
 
+
+def test_te_backend_leaves_only_the_gemms_to_te():
+    """Forward, dgrad and wgrad are TE's three GEMM custom calls; the casts and amaxes are XLA's own fusions."""
+    import re
+
+    from fp8rl_jax.fp8 import te
+
+    x, w, g, st = _inputs(m=512, k=1024, n=2048)
+
+    def step(x, w, st):
+        y, vjp = jax.vjp(lambda a, b, s: te.fp8_matmul(a * jax.nn.sigmoid(a), b, s, RECIPE), x, w, st)
+        return vjp(g.astype(y.dtype))
+
+    hlo = jax.jit(step).lower(x, w, st).compile().as_text()
+    targets = re.findall(r'custom_call_target="(te_\w+)"', hlo)
+    print("TE custom calls:", targets)
+    assert len(targets) == 3 and all("gemm" in t for t in targets), targets
+
 def _fp8_gemms(hlo: str) -> list[str]:
     """GEMMs of a compiled HLO module that read FP8 operands: cuBLAS FP8 custom calls, or dots (e.g. in a Triton
     GEMM fusion) whose two operands are f8 values."""

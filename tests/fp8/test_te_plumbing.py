@@ -1,0 +1,102 @@
+"""The ``te`` backend's own code on the CPU, with a stand-in for Transformer Engine's GEMM.
+
+TE does not run here; its GEMM's contract does: FP8 operands with inverse scales, both contracted on their last axis
+(Hopper's FP8 GEMMs take only that layout, and TE refuses any other), a contracting size divisible by 16, the output
+written in the left operand's ``dq_dtype``. The stand-in checks that contract and computes the GEMM in f32 (exact
+products of FP8 values), so the layouts, scales and dtypes of ``te.py``'s forward and backward are checked against
+the ``xla`` backend on the same operands. The real GEMMs are checked on the GPU (``test_te_gpu.py``).
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fp8rl_jax.fp8 import te, xla
+from fp8rl_jax.fp8.recipe import Fp8Recipe, init_linear_state
+
+RECIPE = Fp8Recipe()
+
+
+@dataclasses.dataclass
+class _Scaled:
+    data: jax.Array
+    scale_inv: jax.Array
+    dq_dtype: object
+
+
+class _Factory:
+    @staticmethod
+    def create_1x(data, scale_inv, *, scaling_mode, dq_dtype):
+        assert scaling_mode == "delayed" and scale_inv.shape == (1,) and scale_inv.dtype == jnp.float32
+        assert data.dtype in (jnp.float8_e4m3fn, jnp.float8_e5m2), data.dtype
+        return _Scaled(data, scale_inv, jnp.dtype(dq_dtype))
+
+
+class _Tex:
+    calls: list = []
+
+    @classmethod
+    def gemm(cls, lhs, rhs, contracting_dims):
+        assert contracting_dims == ((1,), (1,)), f"not K-major on both sides: {contracting_dims}"
+        assert lhs.data.shape[1] == rhs.data.shape[1] and lhs.data.shape[1] % 16 == 0, (lhs.data.shape, rhs.data.shape)
+        cls.calls.append((lhs.data.dtype, rhs.data.dtype, lhs.dq_dtype))
+        y = jax.lax.dot_general(lhs.data.astype(jnp.float32), rhs.data.astype(jnp.float32),
+                                (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        return (y * (lhs.scale_inv[0] * rhs.scale_inv[0])).astype(lhs.dq_dtype)
+
+
+@pytest.fixture
+def fake_te(monkeypatch):
+    _Tex.calls = []
+    monkeypatch.setattr(te, "_te", lambda: {"tex": _Tex, "Factory": _Factory, "Mode": type("M", (), {
+        "DELAYED_TENSOR_SCALING": "delayed"})})
+    te._fp8_matmul_fn.cache_clear()
+    yield _Tex
+    te._fp8_matmul_fn.cache_clear()
+
+
+def _inputs(m=64, k=96, n=48):
+    rng = np.random.RandomState(0)
+    x = jnp.asarray(rng.randn(m, k), jnp.bfloat16)
+    w = jnp.asarray(rng.randn(k, n) * 0.05, jnp.float32)
+    g = jnp.asarray(rng.randn(m, n) * 1e-2, jnp.float32)
+    st = init_linear_state(RECIPE)
+    st["x"]["scale"] = jnp.float32(448 / 3.0)  # some of x saturates
+    st["kernel"]["scale"] = jnp.float32(448 / 0.2)
+    st["grad"]["scale"] = jnp.float32(57344 / 0.03)
+    return x, w, g, st
+
+
+@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
+def test_forward_backward_and_observations_equal_the_xla_backend(fake_te, out_dtype):
+    x, w, g, st = _inputs()
+    g = g.astype(out_dtype)
+    outs = {}
+    for name, backend in (("xla", xla), ("te", te)):
+        fn = jax.jit(lambda a, b, s, backend=backend: jax.vjp(
+            lambda a, b, s: backend.fp8_matmul(a, b, s, RECIPE, out_dtype), a, b, s))
+        y, vjp = fn(x, w, st)
+        outs[name] = (y, *vjp(g))
+    (y_x, dx_x, dw_x, obs_x), (y_t, dx_t, dw_t, obs_t) = outs["xla"], outs["te"]
+    assert y_t.dtype == out_dtype and dx_t.dtype == x.dtype and dw_t.dtype == w.dtype
+    # the same FP8 operands and f32 products: equal up to the order of the f32 sums
+    np.testing.assert_allclose(np.asarray(y_t, np.float32), np.asarray(y_x, np.float32), rtol=1e-2, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(dx_t, np.float32), np.asarray(dx_x, np.float32), rtol=1e-2, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(dw_t), np.asarray(dw_x), rtol=1e-5, atol=1e-7)
+    for role in ("x", "kernel", "grad"):
+        np.testing.assert_array_equal(obs_t[role]["amax_history"], obs_x[role]["amax_history"])
+    # three GEMMs (forward, dgrad, wgrad), E4M3 forward and E5M2 gradient operands, outputs in the wanted dtypes
+    assert [c[2] for c in fake_te.calls] == [jnp.dtype(out_dtype), jnp.dtype(x.dtype), jnp.dtype(w.dtype)]
+    assert fake_te.calls[1][0] == jnp.float8_e5m2 and fake_te.calls[2][1] == jnp.float8_e5m2
+
+
+def test_rollout_and_training_forward_are_the_same_gemm(fake_te):
+    x, w, _, st = _inputs(m=8)
+    train = jax.jit(lambda x, w: te.fp8_matmul(x, w, st, RECIPE))(x, w)
+    qw = xla.quantize_kernel(w, st["kernel"], RECIPE, "f8")
+    roll = jax.jit(lambda x, qw: te.prequantized_matmul(x, qw, st["x"]["scale"], RECIPE))(x, qw)
+    np.testing.assert_array_equal(np.asarray(roll, np.float32), np.asarray(train, np.float32))
+
