@@ -2,7 +2,7 @@
 # One GPU session on the lent H100 (or an H200 host): install Transformer Engine and the project's wheels once, then
 # the stages named on the command line. Results land in $OUT (or ./gpu_out).
 #   usage: bash benchmarks/gpu_session.sh [install] [tests] [decode] [llama1b:MODE] [rollout1k] [gemm] [train] [e2e] [e2e_xla] [profile] [cluster_nb] [study] [rollout_xla] [rollout_head]
-#          [rollout8b] [agreement] [exact] [packed_attention] [e2e8b] [profile8b] [head_step] [multiprocess]...
+#          [rollout8b] [agreement] [exact] [packed_attention] [e2e8b] [profile8b] [head_step] [multiprocess] [transpose]...
 # TE arrives in pieces (see ../shared/gpu/README.md): .gpu/te/wheels + .gpu/install_te.sh, the core wheel's five
 # parts already copied to /root/te by earlier calls; the other wheels in .gpu/wheels; a tokenizer in .gpu/smollm2_tok.
 set -uo pipefail
@@ -118,6 +118,9 @@ EOF
     agreement) # rollout vs scoring logprobs per precision variant (SmolLM2, 6 GSM8K solutions, teacher-forced)
       timeout 400 python3 -m fp8rl_jax.bench agreement --precisions ${AGREE_PRECISIONS:-bf16,fp8,fp8_head,fp8_te} \
         --out "$OUT/agreement.json" 2>&1 | grep -v "^W\|Warn" | tee "$OUT/agreement.log" | grep "^{\|Error" | cut -c1-300 ;;
+    transpose) # the FP8 wgrad's transposes: XLA's against the Pallas kernel's block shapes (llama1b microbatch shapes)
+      timeout 300 python3 benchmarks/transpose_fp8.py --out "$OUT/transpose_fp8_h100.json" 2>&1 | grep "^{\|rror" \
+        | cut -c1-1500 ;;
     gemm) timeout 420 python3 -m fp8rl_jax.bench gemm --out "$OUT/gemm_h100.json" 2>&1 | grep -vi warn | tee "$OUT/gemm.log" | tail -3 ;;
     train) for mode in fp8_e2e bf16; do
         timeout 240 python3 -m fp8rl_jax.main --config=configs/tiny.py:$mode --config.precision.backend=te \

@@ -32,12 +32,12 @@ import os
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from fp8rl_jax.fp8 import xla
 from fp8rl_jax.fp8.recipe import Fp8LinearState, Fp8Recipe, amax, observations, quantize
 from fp8rl_jax.fp8.xla import QuantizedKernel
+from fp8rl_jax.kernels.transpose import transpose_bytes
 from fp8rl_jax.parallel import fsdp
 
 quantize_kernel = xla.quantize_kernel  # same bits as TE's cast kernel; one place to get them from
@@ -126,11 +126,10 @@ def _gemm(lhs, rhs) -> jax.Array:
     return _te()["tex"].gemm(lhs, rhs, contracting_dims=((1,), (1,)))
 
 
-def _transposed(q: jax.Array) -> jax.Array:
-    """[R, C] FP8 -> [C, R], read from the materialized FP8 bits: without the barrier XLA fuses the producer of ``q``
-    (the SwiGLU's backward, an RMSNorm) into the transpose and computes it again there, in the transposed order
-    (measured on the H100: +224 ms of fusions in a llama1b train minibatch of 1.24 s)."""
-    return jnp.swapaxes(lax.optimization_barrier(q), 0, 1)
+def _transposed(q: jax.Array, tokens: bool = True) -> jax.Array:
+    """[R, C] FP8 -> [C, R] (``kernels.transpose``; ``tokens``: the rows are tokens, not a kernel's). XLA's own
+    transpose of one-byte data ran at a fifth of the copy rate on the H100 (180 ms of a llama1b train minibatch)."""
+    return transpose_bytes(q, tokens=tokens)
 
 
 def _inv(scale: jax.Array) -> jax.Array:
@@ -155,18 +154,23 @@ def _fp8_matmul_fn(x_dtype, w_dtype, out_dtype, recipe: Fp8Recipe, gather: P | N
     def fwd(x, kernel, state, kernel_amax):
         s_x = state["x"]["scale"]
         qx = quantize(x, s_x, fwd_dtype)  # [M, K], fused by XLA into the op that produces x
-        # [N, K]; under FSDP each shard quantized where it is and its FP8 bits gathered (``parallel.fsdp``)
-        qk = xla.quantize_kernel(kernel, state["kernel"], recipe, "f8", gather)
-        y = _gemm(_operand(qx, _inv(s_x), out_dtype), _operand(qk.data, qk.scale_inv, out_dtype))
+        s_w = state["kernel"]["scale"]
+        if gather is None:  # [K, N] (the dgrad's layout, kept) and its transpose [N, K] for this GEMM
+            qw = quantize(kernel, s_w, fwd_dtype)
+            w_nk = _transposed(qw, tokens=False)
+        else:  # [N, K]: each FSDP shard quantized where it is and its FP8 bits gathered (``parallel.fsdp``)
+            qw = w_nk = xla.quantize_kernel(kernel, state["kernel"], recipe, "f8", gather).data
+        y = _gemm(_operand(qx, _inv(s_x), out_dtype), _operand(w_nk, _inv(s_w), out_dtype))
         amax_w = amax(kernel) if kernel_amax is None else kernel_amax
-        return y, (qx, qk.data, state, amax(x), amax_w, kernel_amax)
+        return y, (qx, qw, state, amax(x), amax_w, kernel_amax)
 
     def bwd(residuals, g):
         qx, qw, state, amax_x, amax_w, kernel_amax = residuals
         s_x, s_w, s_g = (state[r]["scale"] for r in ("x", "kernel", "grad"))
         qg = quantize(g, s_g, bwd_dtype)  # [M, N]
         # dx [M, K] = g [M, N] . w [N, K]: the kernel laid out [K, N], contracted on N
-        dx = _gemm(_operand(qg, _inv(s_g), x_dtype), _operand(jnp.swapaxes(qw, 0, 1), _inv(s_w), x_dtype))
+        w_kn = qw if gather is None else _transposed(qw, tokens=False)
+        dx = _gemm(_operand(qg, _inv(s_g), x_dtype), _operand(w_kn, _inv(s_w), x_dtype))
         # dw [K, N] = x [M, K]^T . g [M, N]: both laid out token-minor, contracted on M; written in the master's dtype
         dw = _gemm(_operand(_transposed(qx), _inv(s_x), w_dtype), _operand(_transposed(qg), _inv(s_g), w_dtype))
         if gather is not None:  # the devices' partial wgrads summed onto the master's shards (a reduce-scatter)
