@@ -11,7 +11,7 @@ from jax import lax
 from fp8rl_jax.fp8 import xla
 from fp8rl_jax.fp8.policy import Precision
 from fp8rl_jax.fp8.recipe import Fp8LinearState
-from fp8rl_jax.fp8.xla import QuantizedKernel
+from fp8rl_jax.fp8.xla import QuantizedKernel, TrainKernel
 from fp8rl_jax.parallel import fsdp
 from fp8rl_jax.parallel.fsdp import FsdpKernel
 
@@ -24,7 +24,7 @@ def _te():
 
 def linear(
     x: jax.Array,
-    kernel: jax.Array | QuantizedKernel | FsdpKernel,
+    kernel: jax.Array | QuantizedKernel | FsdpKernel | TrainKernel,
     fp8_state: Fp8LinearState | None,
     precision: Precision,
     out_dtype=None,
@@ -37,6 +37,8 @@ def linear(
     A ``QuantizedKernel`` (rollout weights quantized once per RL step) needs only the input's scale.
     An ``FsdpKernel`` (a block's FSDP-sharded master, ``parallel.fsdp``) is gathered in the GEMM's precision: its
     shards quantized (FP8) or cast (BF16) where they are, then their bits gathered.
+    A ``TrainKernel`` (te backend: the master and its FP8 operands made once per optimizer update) differentiates
+    into its master.
     ``kernel_nk``: ``kernel`` is stored [N, K] (a tied embedding table used as the head) and is contracted as it
     is: handed over as a transposed [K, N] view, a BF16 table is converted whole to f32 by XLA:CPU at every call.
     """
@@ -44,6 +46,8 @@ def linear(
     out_dtype = jnp.dtype(out_dtype or dtype)
     x = x.astype(dtype)
     gather = None
+    if isinstance(kernel, TrainKernel) and not (fp8_state is not None and precision.fp8 and precision.backend == "te"):
+        kernel = kernel.master  # its FP8 operands are for the te backend's FP8 GEMMs only
     if isinstance(kernel, FsdpKernel):
         if kernel_nk:
             raise TypeError("an FsdpKernel is a block's [K, N] kernel; kernel_nk does not apply")

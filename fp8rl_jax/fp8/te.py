@@ -36,7 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 from fp8rl_jax.fp8 import xla
 from fp8rl_jax.fp8.recipe import Fp8LinearState, Fp8Recipe, amax, observations, quantize
-from fp8rl_jax.fp8.xla import QuantizedKernel
+from fp8rl_jax.fp8.xla import QuantizedKernel, TrainKernel
 from fp8rl_jax.kernels.transpose import transpose_bytes
 from fp8rl_jax.parallel import fsdp
 
@@ -143,19 +143,30 @@ def prequantized_matmul(x: jax.Array, kernel: QuantizedKernel, x_scale: jax.Arra
     return _gemm(_operand(qx, _inv(x_scale), x.dtype), _operand(kernel.data, kernel.scale_inv, x.dtype))
 
 
+def quantize_for_update(kernel: jax.Array, scale: jax.Array, recipe: Fp8Recipe) -> TrainKernel:
+    """``kernel`` [K, N] (or stacked [L, K, N] with ``scale`` [L]) as a ``TrainKernel``: the same bits the forward
+    would make from it (``recipe.quantize`` with the delayed scale; a kernel's transpose)."""
+    if kernel.ndim == 3:
+        return jax.vmap(lambda k, s: quantize_for_update(k, s, recipe))(kernel, scale)
+    kn = quantize(kernel, scale, recipe.fwd_dtype)
+    return TrainKernel(kernel, kn, _transposed(kn, tokens=False), amax(kernel))
+
+
 @functools.cache
 def _fp8_matmul_fn(x_dtype, w_dtype, out_dtype, recipe: Fp8Recipe, gather: P | None = None):
     fwd_dtype, bwd_dtype = recipe.fwd_dtype, recipe.bwd_dtype
 
     @jax.custom_vjp
-    def f(x, kernel, state, kernel_amax):
-        return fwd(x, kernel, state, kernel_amax)[0]
+    def f(x, kernel, state, kernel_amax, hoisted):
+        return fwd(x, kernel, state, kernel_amax, hoisted)[0]
 
-    def fwd(x, kernel, state, kernel_amax):
+    def fwd(x, kernel, state, kernel_amax, hoisted):
         s_x = state["x"]["scale"]
         qx = quantize(x, s_x, fwd_dtype)  # [M, K], fused by XLA into the op that produces x
         s_w = state["kernel"]["scale"]
-        if gather is None:  # [K, N] (the dgrad's layout, kept) and its transpose [N, K] for this GEMM
+        if hoisted is not None:  # made once for the update (``TrainKernel``)
+            qw, w_nk = hoisted
+        elif gather is None:  # [K, N] (the dgrad's layout, kept) and its transpose [N, K] for this GEMM
             qw = quantize(kernel, s_w, fwd_dtype)
             w_nk = _transposed(qw, tokens=False)
         else:  # [N, K]: each FSDP shard quantized where it is and its FP8 bits gathered (``parallel.fsdp``)
@@ -176,18 +187,24 @@ def _fp8_matmul_fn(x_dtype, w_dtype, out_dtype, recipe: Fp8Recipe, gather: P | N
         if gather is not None:  # the devices' partial wgrads summed onto the master's shards (a reduce-scatter)
             dw = fsdp.reduce_to(dw, gather)
         no_amax = None if kernel_amax is None else jnp.zeros_like(kernel_amax)  # not differentiated
-        return dx, dw, observations(state, amax_x, amax_w, amax(g)), no_amax
+        return dx, dw, observations(state, amax_x, amax_w, amax(g)), no_amax, None
 
     f.defvjp(fwd, bwd)
     return f
 
 
 def fp8_matmul(
-    x: jax.Array, kernel: jax.Array, state: Fp8LinearState, recipe: Fp8Recipe, out_dtype=None, *,
+    x: jax.Array, kernel: jax.Array | TrainKernel, state: Fp8LinearState, recipe: Fp8Recipe, out_dtype=None, *,
     gather: P | None = None, kernel_amax: jax.Array | None = None,
 ) -> jax.Array:
-    """Differentiable FP8 ``x [M, K] @ kernel [K, N]`` through Transformer Engine (see module docstring).
-    ``gather`` / ``kernel_amax``: an FSDP-sharded kernel, as in ``xla.fp8_matmul``."""
+    """Differentiable FP8 ``x [M, K] @ kernel [K, N]`` through Transformer Engine's GEMMs (see module docstring).
+    ``gather`` / ``kernel_amax``: an FSDP-sharded kernel, as in ``xla.fp8_matmul``. A ``TrainKernel`` brings its FP8
+    operands and amax made once for the update; the gradient goes to its master."""
     out_dtype = jnp.dtype(out_dtype or x.dtype)
+    hoisted = None
+    if isinstance(kernel, TrainKernel):
+        if gather is not None:
+            raise ValueError("a TrainKernel is a whole kernel; an FSDP-sharded one is gathered per layer instead")
+        kernel, hoisted, kernel_amax = kernel.master, (kernel.kn, kernel.nk), kernel.amax
     fn = _fp8_matmul_fn(jnp.dtype(x.dtype), jnp.dtype(kernel.dtype), out_dtype, recipe, gather)
-    return fn(x, kernel, state, kernel_amax)
+    return fn(x, kernel, state, kernel_amax, hoisted)

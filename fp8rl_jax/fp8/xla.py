@@ -77,6 +77,25 @@ class QuantizedKernel:
         return (*lead, k, n)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class TrainKernel:
+    """A block kernel for one optimizer update (the te backend's): the f32 master [K, N], whose gradient training
+    wants, and its FP8 operands made once for all the update's microbatches (``te.quantize_for_update``): ``kn``
+    [K, N] for the dgrad, ``nk`` [N, K] for the forward, and the master's ``amax``. The weights do not change between
+    an update's microbatches; quantizing, transposing and reducing them in every microbatch (twice under remat)
+    repeats that work."""
+
+    master: jax.Array
+    kn: jax.Array
+    nk: jax.Array
+    amax: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.master.shape
+
+
 def quantize_kernel(kernel: jax.Array, kernel_meta, recipe: Fp8Recipe, form: str | None = None,
                     gather: P | None = None) -> QuantizedKernel:
     """[K, N] kernel -> FP8 [N, K] with its delayed scale (``scale_inv`` a scalar), stored in ``form``'s dtype (see

@@ -28,7 +28,7 @@ from jax.experimental.pallas import triton as plgpu
 from jax.sharding import PartitionSpec as P
 
 IMPLS = ("auto", "pallas", "pallas_interpret", "xla")
-BLOCK = (64, 64)  # rows, columns per program
+BLOCK = (128, 128)  # rows, columns per program (H100 sweep: benchmarks/transpose_fp8.py)
 NUM_WARPS = 4
 
 

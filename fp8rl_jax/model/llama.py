@@ -40,6 +40,7 @@ from fp8rl_jax.fp8 import kv as kvq
 from fp8rl_jax.fp8.linear import linear
 from fp8rl_jax.fp8.policy import Precision
 from fp8rl_jax.fp8.recipe import init_linear_state
+from fp8rl_jax.fp8.xla import TrainKernel
 from fp8rl_jax.kernels import decode_attention as decode_kernel
 from fp8rl_jax.model.config import LlamaConfig
 from fp8rl_jax.parallel import fsdp, rules
@@ -321,6 +322,28 @@ def block_segments(params: Params, precision: Precision, num_layers: int):
     return segs, tuple(slice_layers(blocks, s, e, num_layers) for s, e, _ in segs)
 
 
+def update_kernels(params: Params, fp8_state: dict | None, config: LlamaConfig, precision: Precision) -> dict | None:
+    """The FP8 block kernels of all layers quantized once for an optimizer update (``te.quantize_for_update``):
+    ``{name: {"kn", "nk", "amax"}}`` stacked over the layers (``forward_hidden`` makes each layer's ``TrainKernel``
+    with its master from ``params``, so that gradients flow into ``params``). None where it does not apply: not the
+    te backend, no FP8 blocks, per-layer (rollout) params, or FSDP (sharded kernels are quantized and gathered per
+    layer)."""
+    blocks = params.get("blocks")
+    if (precision.backend != "te" or fp8_state is None or "blocks" not in fp8_state or fsdp.active()
+            or not isinstance(blocks, dict) or not any(fp8 for _, _, fp8 in precision.segments(config.num_layers))):
+        return None
+    from fp8rl_jax.fp8 import te
+
+    out = {}
+    for name in LINEARS:
+        if name in precision.bf16_linears or name not in blocks:
+            continue
+        q = te.quantize_for_update(lax.stop_gradient(blocks[name]), fp8_state["blocks"][name]["kernel"]["scale"],
+                                   precision.recipe)
+        out[name] = {"kn": q.kn, "nk": q.nk, "amax": q.amax}
+    return out
+
+
 def _as_bits(a: jax.Array) -> jax.Array:
     """The same bits as unsigned integers of the same width (bf16 -> uint16, f8 -> uint8)."""
     return lax.bitcast_convert_type(a, jnp.dtype(f"uint{8 * a.dtype.itemsize}"))
@@ -531,6 +554,7 @@ def forward_hidden(
     cache_dtype=None,
     fused_shards: int = 1,
     segment_ids: jax.Array | None = None,
+    update_kernels: dict | None = None,
 ):
     """Run the blocks and the final norm.
 
@@ -559,6 +583,8 @@ def forward_hidden(
     (``fp8rl_jax.parallel``) the residual stream is constrained at block boundaries to batch over data+fsdp.
     ``fused_shards`` > 1: the fused q|k|v and gate|up columns of ``params`` come interleaved per tensor shard (the
     rollout's layout, ``rollout.weights.interleave_fused``), split by ``_split_fused``.
+    ``update_kernels`` (``update_kernels()``): the FP8 blocks' kernels quantized once for an optimizer update; the
+    linears use them, and their gradients still go to ``params``.
     """
     if precision.fp8 and fp8_state is None:
         raise ValueError(f"precision backend {precision.backend!r} needs fp8_state")
@@ -626,11 +652,17 @@ def forward_hidden(
         if gather and fp8 is not None:
             amaxes = fsdp.kernel_amaxes(blocks, [n for n in LINEARS if n not in precision.bf16_linears])
 
+        hoisted = None
+        if update_kernels is not None and is_fp8 and not gather:
+            hoisted = slice_layers(update_kernels, start, end, c.num_layers)
+
         def body(carry, xs, is_fp8=is_fp8, gather=gather):
             x, cache = carry
-            layer, fp8_layer, idx, kernel_amax = xs
+            layer, fp8_layer, idx, kernel_amax, hoisted = xs
             if gather:
                 layer = fsdp.block_kernels(layer, kernel_amax)
+            if hoisted is not None:  # the masters beside their FP8 operands (``update_kernels``)
+                layer = {**layer, **{name: TrainKernel(layer[name], **q) for name, q in hoisted.items()}}
             x, cache, amax = _block(x, layer, fp8_layer, idx, positions, cache, kv_scales, c, precision, inv_freq,
                                     decode_impl, cache_dtype, attention_impl, fused_shards, segment_ids)
             return (constrain(x, RESIDUAL_AXES), cache), amax
@@ -642,7 +674,7 @@ def forward_hidden(
             # CPU train step). Recomputed in the backward pass, a block leaves only its f32 input to stack. No
             # effect without a gradient (scoring); numerics unchanged (the same forward, computed again).
             body = jax.checkpoint(body, prevent_cse=False)
-        xs = (blocks, fp8, jnp.arange(start, end), amaxes)
+        xs = (blocks, fp8, jnp.arange(start, end), amaxes, hoisted)
         (x, cache), (ak, av) = lax.scan(body, (x, cache), xs)
         amax_k.append(ak)
         amax_v.append(av)

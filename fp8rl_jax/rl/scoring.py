@@ -435,12 +435,14 @@ def token_logprobs(
     remat: str = "none",
     positions: jax.Array | None = None,
     segment_ids: jax.Array | None = None,
+    update_kernels: dict | None = None,
 ):
     """``logp[b, t] = log pi_T(tokens[b, t] | tokens[b, :t])`` for t >= 1 (0 at t = 0).
 
     tokens: [B, T] right-padded sequences (prompt then completion). Returns ``(logp [B, T], entropy [B, T] or
     None, kv_amax)``; ``entropy[b, t]`` is the entropy of pi_T at the step that produced token t. ``remat``: the
     blocks' rematerialization policy (``llama.REMAT_POLICIES``), for the loss under ``jax.grad``.
+    ``update_kernels``: the FP8 block kernels quantized once for the optimizer update (``llama.update_kernels``).
 
     Packed rows (``fp8rl_jax.rl.packing``): ``segment_ids`` and ``positions`` [B, T] (``llama.forward_hidden``);
     a token's logprob is then conditioned on the earlier tokens of its own segment, and a segment's first token
@@ -451,7 +453,7 @@ def token_logprobs(
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     hidden, _, kv_amax = llama.forward_hidden(
         params, tokens, positions, config=config, precision=precision, fp8_state=fp8_state, kv_scales=kv_scales,
-        remat=remat, segment_ids=segment_ids,
+        remat=remat, segment_ids=segment_ids, update_kernels=update_kernels,
     )
     # position t - 1 predicts token t: [B, T - 1, D] against targets [B, T - 1]
     hidden, targets = hidden[:, :-1], tokens[:, 1:]

@@ -289,11 +289,11 @@ def make_train_step(model: LlamaConfig, precision: Precision, optimizer: optax.G
     c = loss_cfg
     packed = packed_sequences is not None
 
-    def loss_fn(params, fp8_state, kv_scales, mb, num_tokens, num_sequences):
+    def loss_fn(params, fp8_state, kv_scales, mb, num_tokens, num_sequences, hoisted):
         logp, entropy, _ = token_logprobs(params, mb["tokens"], config=model, precision=precision,
                                           temperature=c.temperature, fp8_state=fp8_state, kv_scales=kv_scales,
                                           with_entropy=True, remat=remat, positions=mb.get("positions"),
-                                          segment_ids=mb.get("segment_ids"))
+                                          segment_ids=mb.get("segment_ids"), update_kernels=hoisted)
         segments = sequence_keys(mb["segment_ids"]) if packed else None
         old_logp = jax.lax.stop_gradient(logp) if old_logp_from_forward else mb["old_logp"]
         weights, is_metrics = is_weights(old_logp, mb["rollout_logp"], mb["mask"], c.is_correction,
@@ -308,14 +308,14 @@ def make_train_step(model: LlamaConfig, precision: Precision, optimizer: optax.G
 
     grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)
 
-    def accumulate(minibatch, params, fp8_state, kv_scales, num_tokens, num_sequences):
+    def accumulate(minibatch, params, fp8_state, kv_scales, num_tokens, num_sequences, hoisted):
         """Over the unpacked minibatch's microbatches (a scan): summed gradients, combined FP8 observations, summed
         loss, metrics (token-weighted means, max of maxima, min of minima), the loss's own logprobs (or None)."""
 
         def micro(carry, mb):
             grads, observed, loss = carry
             (mb_loss, (metrics, old_logp)), (g, obs) = grad_fn(params, fp8_state, kv_scales, mb, num_tokens,
-                                                               num_sequences)
+                                                               num_sequences, hoisted)
             grads = jax.tree.map(jnp.add, grads, g)
             observed = combine_observations(observed, obs) if precision.fp8 else observed
             return (grads, observed, loss + mb_loss), (metrics, old_logp if old_logp_from_forward else None)
@@ -328,12 +328,13 @@ def make_train_step(model: LlamaConfig, precision: Precision, optimizer: optax.G
         metrics = {name: _combine_microbatch_metric(name, values, tokens) for name, values in metrics.items()}
         return grads, observed, loss, metrics, old_logp
 
-    def accumulate_packed(minibatch, params, fp8_state, kv_scales, num_tokens, num_sequences):
+    def accumulate_packed(minibatch, params, fp8_state, kv_scales, num_tokens, num_sequences, hoisted):
         """As ``accumulate`` over a packed minibatch: a loop over the microbatches that hold rows only."""
         # rows are filled from the first microbatch on: those with a segment id > 0 are the ones to run
         active = jnp.sum(jnp.any(minibatch["segment_ids"] > 0, axis=(1, 2))).astype(jnp.int32)
         first = jax.tree.map(lambda a: a[0], minibatch)
-        metric_shapes = jax.eval_shape(grad_fn, params, fp8_state, kv_scales, first, num_tokens, num_sequences)
+        metric_shapes = jax.eval_shape(grad_fn, params, fp8_state, kv_scales, first, num_tokens, num_sequences,
+                                       hoisted)
         names = tuple(metric_shapes[0][1][0])
         tokens = _microbatch_tokens(minibatch)  # 0 in the microbatches the loop skips
 
@@ -341,7 +342,7 @@ def make_train_step(model: LlamaConfig, precision: Precision, optimizer: optax.G
             grads, observed, loss, stacked, old = carry
             mb = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), minibatch)
             (mb_loss, (metrics, old_logp)), (g, obs) = grad_fn(params, fp8_state, kv_scales, mb, num_tokens,
-                                                               num_sequences)
+                                                               num_sequences, hoisted)
             grads = jax.tree.map(jnp.add, grads, g)
             observed = combine_observations(observed, obs) if precision.fp8 else observed
             stacked = {name: stacked[name].at[i].set(metrics[name].astype(jnp.float32)) for name in names}
@@ -364,8 +365,10 @@ def make_train_step(model: LlamaConfig, precision: Precision, optimizer: optax.G
         else:
             num_sequences = jnp.float32(minibatch["tokens"].shape[0] * minibatch["tokens"].shape[1])
         params, fp8_state, kv_scales = state["params"], state["fp8_state"], state["kv_scales"]
+        # the FP8 block kernels quantized once for this update, not in every microbatch (te backend, one device)
+        hoisted = llama.update_kernels(params, fp8_state, model, precision)
         grads, observed, loss, metrics, old_logp = (accumulate_packed if packed else accumulate)(
-            minibatch, params, fp8_state, kv_scales, num_tokens, num_sequences)
+            minibatch, params, fp8_state, kv_scales, num_tokens, num_sequences, hoisted)
         grad_norm = optax.tree.norm(grads) if hasattr(optax, "tree") else optax.global_norm(grads)
 
         updates, opt_state = optimizer.update(grads, state["opt_state"], params)

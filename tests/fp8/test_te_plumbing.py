@@ -100,3 +100,50 @@ def test_rollout_and_training_forward_are_the_same_gemm(fake_te):
     roll = jax.jit(lambda x, qw: te.prequantized_matmul(x, qw, st["x"]["scale"], RECIPE))(x, qw)
     np.testing.assert_array_equal(np.asarray(roll, np.float32), np.asarray(train, np.float32))
 
+
+
+def _tiny_model():
+    from fp8rl_jax.fp8.policy import Precision
+    from fp8rl_jax.fp8.recipe import update_state
+    from fp8rl_jax.model import llama
+    from fp8rl_jax.model.config import preset
+
+    config = preset("tiny").replace(hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2, head_dim=16,
+                                    num_layers=3)
+    params = llama.init_params(config, jax.random.PRNGKey(0), std=0.05)
+    tokens = jnp.asarray(np.random.RandomState(0).randint(0, config.vocab_size, (2, 16)))
+    precision = Precision(backend="te")
+    state = llama.init_fp8_state(config, precision)
+    ref = precision.replace(backend="xla")  # scales from one observed step, so that nothing sits at scale 1
+    loss = lambda s: llama.forward(params, tokens, config=config, precision=ref, fp8_state=s)[0].sum()
+    state = update_state(state, jax.grad(loss)(state), ref.recipe)
+    return llama, config, params, tokens, precision, state
+
+
+def test_kernels_quantized_once_per_update_give_the_same_step(fake_te):
+    """``llama.update_kernels``: the FP8 operands made once for an update give the same loss, gradients (into the
+    masters) and FP8 observations as quantizing the kernels in every forward, and the forward really reads them."""
+    llama, config, params, tokens, precision, state = _tiny_model()
+    hoisted = llama.update_kernels(params, state, config, precision)
+    assert set(hoisted) == {"wqkv", "wo", "w_gate_up", "w_down"}
+    assert hoisted["w_down"]["nk"].shape == (3, 64, 128) and hoisted["w_down"]["nk"].dtype == jnp.float8_e4m3fn
+
+    def loss(params, state, hoisted):
+        hidden, _, _ = llama.forward_hidden(params, tokens, jnp.broadcast_to(jnp.arange(16), tokens.shape),
+                                            config=config, precision=precision, fp8_state=state, remat="full",
+                                            update_kernels=hoisted)
+        return jnp.sum(hidden.astype(jnp.float32) ** 2)
+
+    grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+    (l0, (g0, o0)), (l1, (g1, o1)) = grad(params, state, None), grad(params, state, hoisted)
+    assert float(l0) == float(l1)
+    for a, b in zip(jax.tree.leaves((g0, o0)), jax.tree.leaves((g1, o1)), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    wrong = {**hoisted, "wo": {**hoisted["wo"], "nk": jnp.zeros_like(hoisted["wo"]["nk"])}}
+    assert float(grad(params, state, wrong)[0]) != float(l0)
+
+
+def test_update_kernels_apply_to_the_te_backend_only():
+    llama, config, params, _, precision, state = _tiny_model()
+    assert llama.update_kernels(params, state, config, precision.replace(backend="xla")) is None
+    assert llama.update_kernels(params, None, config, precision) is None
