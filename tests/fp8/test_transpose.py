@@ -27,16 +27,18 @@ def _as_np_bytes(a):
 
 @pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.uint8])
 def test_kernel_is_the_transpose_bit_for_bit(dtype):
-    q = _bytes((128, 192), dtype)
-    got = jax.jit(lambda a: transpose_bytes(a, impl="pallas_interpret"))(q)
-    assert got.dtype == q.dtype and got.shape == (192, 128)
+    q = _bytes((256, 384), dtype)
+    fn = lambda a: transpose_bytes(a, impl="pallas_interpret")
+    assert "pallas_call" in str(jax.make_jaxpr(fn)(q))
+    got = jax.jit(fn)(q)
+    assert got.dtype == q.dtype and got.shape == (384, 256)
     np.testing.assert_array_equal(_as_np_bytes(got), _as_np_bytes(q).T)
 
 
 def test_shapes_the_blocks_do_not_divide_get_xla_transpose():
     q = _bytes((100, 64), jnp.float8_e4m3fn)
     assert "pallas_call" in str(jax.make_jaxpr(lambda a: transpose_bytes(a, impl="pallas_interpret"))(
-        _bytes((128, 64), jnp.float8_e4m3fn)))
+        _bytes((128, 256), jnp.float8_e4m3fn)))
     assert "pallas_call" not in str(jax.make_jaxpr(lambda a: transpose_bytes(a, impl="pallas_interpret"))(q))
     np.testing.assert_array_equal(_as_np_bytes(transpose_bytes(q, impl="pallas_interpret")), _as_np_bytes(q).T)
 
@@ -51,7 +53,7 @@ def test_bad_input_is_named():
 @pytest.mark.parametrize("data,fsdp", [(1, 8), (2, 4)])
 def test_under_a_mesh_each_device_transposes_its_own_tokens(data, fsdp):
     mesh = make_mesh(types.SimpleNamespace(data=data, fsdp=fsdp, tensor=1))
-    q = _bytes((8 * 128, 192), jnp.float8_e4m3fn)
+    q = _bytes((8 * 128, 256), jnp.float8_e4m3fn)
     batch = tuple(a for a, n in (("data", data), ("fsdp", fsdp)) if n > 1)
     spec = batch if len(batch) > 1 else batch[0]
     q = jax.device_put(q, NamedSharding(mesh, P(spec, None)))
