@@ -147,3 +147,38 @@ def test_update_kernels_apply_to_the_te_backend_only():
     llama, config, params, _, precision, state = _tiny_model()
     assert llama.update_kernels(params, state, config, precision.replace(backend="xla")) is None
     assert llama.update_kernels(params, None, config, precision) is None
+
+
+def test_under_fsdp_the_token_transposes_stay_on_their_devices(fake_te, monkeypatch):
+    """FSDP over 8 forced CPU devices: tokens split over ``fsdp``, the te backend's forward and backward (the byte
+    transposes through the Pallas kernel's interpreter, under ``shard_map``) equal the one-device result, and the
+    only collective is the weight gradient's reduction (no activation is gathered)."""
+    import functools
+    import types
+
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from fp8rl_jax.kernels import transpose
+    from fp8rl_jax.parallel import hlo
+    from fp8rl_jax.parallel.mesh import make_mesh, mesh_context
+
+    monkeypatch.setattr(te, "transpose_bytes", functools.partial(transpose.transpose_bytes, impl="pallas_interpret"))
+    x, w, g, st = _inputs(m=8 * 128, k=128, n=256)
+
+    def step(x, w, st):
+        y, vjp = jax.vjp(lambda a, b, s: te.fp8_matmul(a, b, s, RECIPE), x, w, st)
+        return y, vjp(g.astype(y.dtype))
+
+    want = jax.jit(step)(x, w, st)
+    mesh = make_mesh(types.SimpleNamespace(data=1, fsdp=8, tensor=1))
+    xs = jax.device_put(x, NamedSharding(mesh, P("fsdp")))
+    with mesh_context(mesh):
+        fn = jax.jit(step)
+        got = fn(xs, w, st)
+        text = fn.lower(xs, w, st).compile().as_text()
+        assert str(jax.make_jaxpr(step)(xs, w, st)).count("shard_map") == 2  # q(x) and q(g), token-minor
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-5, atol=1e-6)
+    kinds = {c.kind for c in hlo.collectives(text)}
+    assert kinds <= {"all-reduce", "reduce-scatter"}, hlo.collectives(text)
