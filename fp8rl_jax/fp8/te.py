@@ -13,9 +13,12 @@ Quantization is ``recipe.quantize`` (``saturate(x * scale)``, round-to-nearest-e
 writes) and the amaxes are ``recipe.amax``, plain XLA ops. XLA fuses them into the kernels that produce their inputs
 (the RMSNorm, the SwiGLU, the residual gradient), where TE's ``tex.quantize`` was a kernel of its own per tensor
 that read the BF16 (for an f32 output: an f32 copy) and wrote both FP8 layouts. The transposed layouts the wgrad
-needs are made in the backward pass. A GEMM writes its output in the dtype wanted (f32 for the residual stream and
-the weight gradient), not in its input's. The same code quantizes the rollout's activations
-(``prequantized_matmul``) and the training forward's, and the kernel goes through ``xla.quantize_kernel`` in both.
+needs (token-minor: the weight gradient contracts over the tokens) are made in the backward pass by a byte
+transpose kernel (``kernels.transpose``). A GEMM writes its output in the dtype wanted (f32 for the residual stream
+and the weight gradient), not in its input's, in the rollout's GEMM (``prequantized_matmul``) as in training's.
+The same code quantizes the rollout's activations and the training forward's, and the kernel's bits are
+``xla.quantize_kernel``'s in both. On one device the kernels' FP8 operands can be made once per optimizer update
+(``TrainKernel``, ``quantize_for_update``) instead of in every forward.
 
 Transformer Engine is imported lazily; ``pip install "transformer-engine[jax]"`` on a CUDA host provides it.
 Import it (``preload()``) before JAX initialises its GPU backend: JAX loads its own cuDNN, and a TE core library
@@ -136,11 +139,14 @@ def _inv(scale: jax.Array) -> jax.Array:
     return 1.0 / scale.astype(jnp.float32)
 
 
-def prequantized_matmul(x: jax.Array, kernel: QuantizedKernel, x_scale: jax.Array, recipe: Fp8Recipe) -> jax.Array:
-    """``x [M, K] @ kernel`` with the kernel already FP8 [N, K]; returns [M, N] in ``x.dtype``. ``x`` is quantized
-    by XLA, inside the fusion that produces it (see the module docstring)."""
+def prequantized_matmul(x: jax.Array, kernel: QuantizedKernel, x_scale: jax.Array, recipe: Fp8Recipe, *,
+                        out_dtype=None) -> jax.Array:
+    """``x [M, K] @ kernel`` with the kernel already FP8 [N, K]; returns [M, N] in ``out_dtype`` (default
+    ``x.dtype``), written so by the GEMM as the training forward writes it (an f32 output is never rounded to BF16
+    first). ``x`` is quantized by XLA, inside the fusion that produces it (see the module docstring)."""
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
     qx = quantize(x, x_scale, recipe.fwd_dtype)
-    return _gemm(_operand(qx, _inv(x_scale), x.dtype), _operand(kernel.data, kernel.scale_inv, x.dtype))
+    return _gemm(_operand(qx, _inv(x_scale), out_dtype), _operand(kernel.data, kernel.scale_inv, out_dtype))
 
 
 def quantize_for_update(kernel: jax.Array, scale: jax.Array, recipe: Fp8Recipe) -> TrainKernel:

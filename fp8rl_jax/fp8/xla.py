@@ -134,9 +134,10 @@ def _mm(a: jax.Array, b: jax.Array, a_contract: int, b_contract: int) -> jax.Arr
 
 
 def prequantized_matmul(
-    x: jax.Array, kernel: QuantizedKernel, x_scale: jax.Array, recipe: Fp8Recipe, form: str | None = None
+    x: jax.Array, kernel: QuantizedKernel, x_scale: jax.Array, recipe: Fp8Recipe, form: str | None = None, *,
+    out_dtype=None,
 ):
-    """``x [M, K] @ kernel`` with only ``x`` quantized here; returns f32 [M, N].
+    """``x [M, K] @ kernel`` with only ``x`` quantized here; returns [M, N] in ``out_dtype`` (default f32).
 
     The training forward calls this too, after ``quantize_kernel``: rollout with pre-quantized weights and the
     training forward run the same arithmetic on the same FP8 operands.
@@ -146,10 +147,12 @@ def prequantized_matmul(
     if recipe.scaling == "rowwise":  # x_scale unused: each token's row has its own current scale
         qx, x_scale_inv = _rowwise_quantize(x, recipe.fwd_dtype)
         # [M, K] . [N, K] -> [M, N], scaled back per token and per output channel
-        return _mm(gemm_operand(qx, recipe.fwd_dtype, form), qw, 1, 1) * (x_scale_inv[:, None] * kernel.scale_inv)
-    qx = gemm_operand(quantize(x, x_scale, recipe.fwd_dtype), recipe.fwd_dtype, form)
-    # [M, K] . [N, K] -> [M, N]
-    return _mm(qx, qw, 1, 1) * ((1.0 / x_scale.astype(jnp.float32)) * kernel.scale_inv)
+        y = _mm(gemm_operand(qx, recipe.fwd_dtype, form), qw, 1, 1) * (x_scale_inv[:, None] * kernel.scale_inv)
+    else:
+        qx = gemm_operand(quantize(x, x_scale, recipe.fwd_dtype), recipe.fwd_dtype, form)
+        # [M, K] . [N, K] -> [M, N]
+        y = _mm(qx, qw, 1, 1) * ((1.0 / x_scale.astype(jnp.float32)) * kernel.scale_inv)
+    return y if out_dtype is None else y.astype(out_dtype)
 
 
 @functools.cache

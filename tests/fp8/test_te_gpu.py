@@ -51,13 +51,15 @@ def test_te_and_xla_agree_forward_backward_and_observations():
         np.testing.assert_array_equal(obs_t[role]["amax_history"], obs_x[role]["amax_history"])
 
 
-def test_te_prequantized_equals_te_training_forward():
+@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
+def test_te_prequantized_equals_te_training_forward(out_dtype):
     from fp8rl_jax.fp8 import te
 
     x, w, _, st = _inputs(m=64)
-    train = jax.jit(lambda x, w: te.fp8_matmul(x, w, st, RECIPE))(x, w)
+    train = jax.jit(lambda x, w: te.fp8_matmul(x, w, st, RECIPE, out_dtype))(x, w)
     qw = jax.jit(lambda w: te.quantize_kernel(w, st["kernel"], RECIPE))(w)
-    roll = jax.jit(lambda x, qw: te.prequantized_matmul(x, qw, st["x"]["scale"], RECIPE))(x, qw)
+    roll = jax.jit(lambda x, qw: te.prequantized_matmul(x, qw, st["x"]["scale"], RECIPE, out_dtype=out_dtype))(x, qw)
+    assert roll.dtype == train.dtype == out_dtype
     np.testing.assert_array_equal(np.asarray(roll.astype(jnp.float32)), np.asarray(train.astype(jnp.float32)))
 
 

@@ -93,13 +93,23 @@ def test_forward_backward_and_observations_equal_the_xla_backend(fake_te, out_dt
     assert fake_te.calls[1][0] == jnp.float8_e5m2 and fake_te.calls[2][1] == jnp.float8_e5m2
 
 
-def test_rollout_and_training_forward_are_the_same_gemm(fake_te):
-    x, w, _, st = _inputs(m=8)
-    train = jax.jit(lambda x, w: te.fp8_matmul(x, w, st, RECIPE))(x, w)
-    qw = xla.quantize_kernel(w, st["kernel"], RECIPE, "f8")
-    roll = jax.jit(lambda x, qw: te.prequantized_matmul(x, qw, st["x"]["scale"], RECIPE))(x, qw)
-    np.testing.assert_array_equal(np.asarray(roll, np.float32), np.asarray(train, np.float32))
+@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
+def test_rollout_and_training_forward_are_the_same_gemm(fake_te, out_dtype):
+    """Through ``linear``: the rollout's pre-quantized kernel and the training forward give the same output in the
+    wanted dtype (an f32 output, ``wo`` and ``w_down`` into the residual stream, is not rounded to BF16 in either)."""
+    from fp8rl_jax.fp8.linear import linear
+    from fp8rl_jax.fp8.policy import Precision
 
+    precision = Precision(backend="te")
+    x, w, _, st = _inputs(m=8)
+    train = jax.jit(lambda x, w: linear(x, w, st, precision, out_dtype))(x, w)
+    qw = xla.quantize_kernel(w, st["kernel"], precision.recipe, "f8")  # as rollout.weights makes it on a GPU
+    roll = jax.jit(lambda x, qw: linear(x, qw, st, precision, out_dtype))(x, qw)
+    assert train.dtype == roll.dtype == out_dtype
+    assert [c[2] for c in fake_te.calls] == [jnp.dtype(out_dtype)] * 2  # written so by the GEMM itself
+    # the same FP8 operands and scales; the stand-in's f32 sums may run in another order on XLA:CPU (one ulp; TE's
+    # GEMM gives the same bits, tests/fp8/test_te_gpu.py)
+    np.testing.assert_allclose(np.asarray(roll, np.float32), np.asarray(train, np.float32), rtol=2e-7, atol=0)
 
 
 def _tiny_model():
