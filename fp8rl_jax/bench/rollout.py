@@ -129,7 +129,8 @@ def bench_rollout(model_name: str, batches: list[int], new_tokens: list[int], mo
             bound_tok_s = batch / (step_bytes / bw)
             rows.append({"batch": batch, "new_tokens": new, "mode": mode, "tokens_per_s": round(tok_s, 1),
                          "hbm_bound_tokens_per_s": round(bound_tok_s, 1),
-                         "hbm_bound_fraction": round(tok_s / bound_tok_s, 3), "model": model_name,
+                         # three significant digits: a loaded CPU's tiny fraction is not rounded to 0
+                         "hbm_bound_fraction": float(f"{tok_s / bound_tok_s:.3g}"), "model": model_name,
                          "ms_per_step": round(1e3 * sec / done_steps, 3), "compiler_options": option,
                          "layer_loop": layer_loop, "prefill_ms": round(prefill_ms, 3), "insert_ms": round(insert_ms, 3),
                          "insert_temp_bytes": insert_temp, "insert_samples_slots": len(rest),
