@@ -129,12 +129,6 @@ def _gemm(lhs, rhs) -> jax.Array:
     return _te()["tex"].gemm(lhs, rhs, contracting_dims=((1,), (1,)))
 
 
-def _transposed(q: jax.Array, tokens: bool = True) -> jax.Array:
-    """[R, C] FP8 -> [C, R] (``kernels.transpose``; ``tokens``: the rows are tokens, not a kernel's). XLA's own
-    transpose of one-byte data ran at a fifth of the copy rate on the H100 (180 ms of a llama1b train minibatch)."""
-    return transpose_bytes(q, tokens=tokens)
-
-
 def _inv(scale: jax.Array) -> jax.Array:
     return 1.0 / scale.astype(jnp.float32)
 
@@ -155,7 +149,7 @@ def quantize_for_update(kernel: jax.Array, scale: jax.Array, recipe: Fp8Recipe) 
     if kernel.ndim == 3:
         return jax.vmap(lambda k, s: quantize_for_update(k, s, recipe))(kernel, scale)
     kn = quantize(kernel, scale, recipe.fwd_dtype)
-    return TrainKernel(kernel, kn, _transposed(kn, tokens=False), amax(kernel))
+    return TrainKernel(kernel, kn, transpose_bytes(kn, tokens=False), amax(kernel))
 
 
 @functools.cache
@@ -174,7 +168,7 @@ def _fp8_matmul_fn(x_dtype, w_dtype, out_dtype, recipe: Fp8Recipe, gather: P | N
             qw, w_nk = hoisted
         elif gather is None:  # [K, N] (the dgrad's layout, kept) and its transpose [N, K] for this GEMM
             qw = quantize(kernel, s_w, fwd_dtype)
-            w_nk = _transposed(qw, tokens=False)
+            w_nk = transpose_bytes(qw, tokens=False)
         else:  # [N, K]: each FSDP shard quantized where it is and its FP8 bits gathered (``parallel.fsdp``)
             qw = w_nk = xla.quantize_kernel(kernel, state["kernel"], recipe, "f8", gather).data
         y = _gemm(_operand(qx, _inv(s_x), out_dtype), _operand(w_nk, _inv(s_w), out_dtype))
@@ -186,10 +180,11 @@ def _fp8_matmul_fn(x_dtype, w_dtype, out_dtype, recipe: Fp8Recipe, gather: P | N
         s_x, s_w, s_g = (state[r]["scale"] for r in ("x", "kernel", "grad"))
         qg = quantize(g, s_g, bwd_dtype)  # [M, N]
         # dx [M, K] = g [M, N] . w [N, K]: the kernel laid out [K, N], contracted on N
-        w_kn = qw if gather is None else _transposed(qw, tokens=False)
+        w_kn = qw if gather is None else transpose_bytes(qw, tokens=False)
         dx = _gemm(_operand(qg, _inv(s_g), x_dtype), _operand(w_kn, _inv(s_w), x_dtype))
         # dw [K, N] = x [M, K]^T . g [M, N]: both laid out token-minor, contracted on M; written in the master's dtype
-        dw = _gemm(_operand(_transposed(qx), _inv(s_x), w_dtype), _operand(_transposed(qg), _inv(s_g), w_dtype))
+        dw = _gemm(_operand(transpose_bytes(qx), _inv(s_x), w_dtype),
+                   _operand(transpose_bytes(qg), _inv(s_g), w_dtype))
         if gather is not None:  # the devices' partial wgrads summed onto the master's shards (a reduce-scatter)
             dw = fsdp.reduce_to(dw, gather)
         no_amax = None if kernel_amax is None else jnp.zeros_like(kernel_amax)  # not differentiated
