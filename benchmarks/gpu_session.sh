@@ -2,11 +2,11 @@
 # One GPU session on the lent H100 (or an H200 host): install Transformer Engine and the project's wheels once, then
 # the stages named on the command line. Results land in $OUT (or ./gpu_out).
 #   usage: bash benchmarks/gpu_session.sh [install] [tests] [decode] [llama1b:MODE] [rollout1k] [gemm] [train] [e2e] [e2e_xla] [profile] [cluster_nb] [study] [rollout_xla] [rollout_head]
-#          [rollout8b] [agreement] [exact] [packed_attention] [e2e8b] [profile8b] [head_step] [multiprocess] [transpose]...
+#          [rollout8b] [agreement] [exact] [packed_attention] [e2e8b] [profile8b] [head_step] [multiprocess] [transpose] [swiglu]...
 # TE arrives in pieces (see ../shared/gpu/README.md): .gpu/te/wheels + .gpu/install_te.sh, the core wheel's five
 # parts already copied to /root/te by earlier calls; the other wheels in .gpu/wheels; a tokenizer in .gpu/smollm2_tok.
 set -uo pipefail
-OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
+OUT=${OUT:-gpu_out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 export PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda PYTHONPATH=/tmp/site:$PWD
 # installs survive on a warm machine: skip what is there
 if ! python3 -c "import transformer_engine.jax" 2>/dev/null && [ -d .gpu/te/wheels ]; then
@@ -83,11 +83,14 @@ EOF
         --set model.preset_vocab=preset --set rollout.prompts_per_step=${E2E_PROMPTS:-32} ${E2E_SET:-} \
         --modes ${E2E_MODES:-fp8_e2e,bf16_cublas} --timeout ${E2E_MODE_TIMEOUT:-170} \
         --out "$OUT/e2e_xla_h100${E2E_TAG:-}.json" 2>&1 | grep -v "^W\|Warn" | tee "$OUT/e2e_xla${E2E_TAG:-}.log" | tail -8 ;;
-    profile) # top GPU kernels of a decode chunk and a train step (llama1b shapes, one wave of 256 sequences)
-      timeout 400 python3 benchmarks/profile_step.py --config configs/llama1b.py --set model.source=preset \
+    profile) # top GPU kernels of a decode chunk and a train step (llama1b shapes, one wave of 256 sequences);
+      # PROFILE_DUMP=1 also keeps the optimized HLO of those two programs (the fusions the kernel names refer to)
+      dump=(); [ -n "${PROFILE_DUMP:-}" ] && dump=(env "XLA_FLAGS=${XLA_FLAGS:-} --xla_dump_to=/tmp/hlo_dump --xla_dump_hlo_as_text --xla_dump_hlo_module_re=jit_train_step|jit__generate_steps_impl")
+      "${dump[@]}" timeout 400 python3 benchmarks/profile_step.py --config configs/llama1b.py --set model.source=preset \
         --set model.preset=llama3_1b --set model.tokenizer=.gpu/smollm2_tok --set model.preset_vocab=preset \
         --set rollout.prompts_per_step=32 --modes ${PROFILE_MODES:-bf16_cublas,fp8_e2e} --timeout 190 \
-        --out "$OUT/profile_h100.json" 2>&1 | grep -v "^W\|Warn" | tee "$OUT/profile.log" | tail -6 ;;
+        --out "$OUT/profile_h100.json" 2>&1 | grep -v "^W\|Warn" | tee "$OUT/profile.log" | tail -6
+      [ -d /tmp/hlo_dump ] && (cd /tmp/hlo_dump && tar czf "$OUT/hlo_dump.tgz" $(ls | grep after_optimizations.txt)) ;;
     profile8b) # the same at the Llama-3.1-8B width with E8B_LAYERS layers (e2e8b's shapes and memory settings)
       XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.94} timeout 500 python3 benchmarks/profile_step.py \
         --config configs/llama1b.py "${width8b[@]}" --set rollout.prompts_per_step=32 \
@@ -121,6 +124,9 @@ EOF
     transpose) # the FP8 wgrad's transposes: XLA's against the Pallas kernel's block shapes (llama1b microbatch shapes)
       timeout 300 python3 benchmarks/transpose_fp8.py --out "$OUT/transpose_fp8_h100.json" 2>&1 | grep "^{\|rror" \
         | cut -c1-1500 ;;
+    swiglu) # the MLP's fused SwiGLU backward kernel against the XLA ops it replaces (llama1b microbatch shapes)
+      timeout 300 python3 benchmarks/swiglu_grad.py --out "$OUT/swiglu_grad_h100.json" 2>&1 | grep "^{\|rror" \
+        | cut -c1-400 ;;
     gemm) timeout 420 python3 -m fp8rl_jax.bench gemm --out "$OUT/gemm_h100.json" 2>&1 | grep -vi warn | tee "$OUT/gemm.log" | tail -3 ;;
     train) for mode in fp8_e2e bf16; do
         timeout 240 python3 -m fp8rl_jax.main --config=configs/tiny.py:$mode --config.precision.backend=te \

@@ -69,7 +69,8 @@ def linear(
     x2 = x.reshape(-1, k)
     backend = _te() if precision.backend == "te" else xla
     if isinstance(kernel, QuantizedKernel):
-        y = backend.prequantized_matmul(x2, kernel, fp8_state["x"]["scale"], precision.recipe, out_dtype=out_dtype)
+        y = backend.prequantized_matmul(x2, kernel, fp8_state["x"]["scale"], precision.recipe, out_dtype=out_dtype,
+                                        x_scale_inv=fp8_state["x"].get("scale_inv"))
     elif gather is not None:
         y = backend.fp8_matmul(x2, kernel, fp8_state, precision.recipe, out_dtype, gather=gather,
                                kernel_amax=kernel_amax)

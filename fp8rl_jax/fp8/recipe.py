@@ -114,6 +114,21 @@ def init_linear_state(recipe: Fp8Recipe, stack: tuple[int, ...] = ()) -> Fp8Line
     return {role: init_meta(recipe.amax_history_len, stack) for role in ROLES}
 
 
+def with_input_scale_inv(fp8_state):
+    """``fp8_state`` (any tree of linear states: a model's, stacked or per layer) with ``1 / scale`` beside each
+    input scale (``state["x"]["scale_inv"]``), for programs that run the forward many times with fixed scales (the
+    rollout): a pre-quantized GEMM then reads its input's inverse scale instead of computing it each time."""
+    if isinstance(fp8_state, dict):
+        out = {k: with_input_scale_inv(v) for k, v in fp8_state.items()}
+        x = out.get("x")
+        if isinstance(x, dict) and "scale" in x and "amax_history" in x:
+            out["x"] = {**x, "scale_inv": 1.0 / x["scale"].astype(jnp.float32)}
+        return out
+    if isinstance(fp8_state, (tuple, list)):
+        return type(fp8_state)(with_input_scale_inv(v) for v in fp8_state)
+    return fp8_state
+
+
 def quantize(x: jax.Array, scale: jax.Array, dtype) -> jax.Array:
     """Saturating cast of ``x * scale`` to FP8. The multiply is in f32, so the cast rounds once."""
     limit = fp8_max(dtype)

@@ -40,6 +40,7 @@ from jax.sharding import PartitionSpec as P
 from fp8rl_jax.fp8 import xla
 from fp8rl_jax.fp8.recipe import Fp8LinearState, Fp8Recipe, amax, observations, quantize
 from fp8rl_jax.fp8.xla import QuantizedKernel, TrainKernel
+from fp8rl_jax.kernels.swiglu_grad import swiglu_grad_fp8
 from fp8rl_jax.kernels.transpose import transpose_bytes
 from fp8rl_jax.parallel import fsdp
 
@@ -134,13 +135,16 @@ def _inv(scale: jax.Array) -> jax.Array:
 
 
 def prequantized_matmul(x: jax.Array, kernel: QuantizedKernel, x_scale: jax.Array, recipe: Fp8Recipe, *,
-                        out_dtype=None) -> jax.Array:
+                        out_dtype=None, x_scale_inv: jax.Array | None = None) -> jax.Array:
     """``x [M, K] @ kernel`` with the kernel already FP8 [N, K]; returns [M, N] in ``out_dtype`` (default
     ``x.dtype``), written so by the GEMM as the training forward writes it (an f32 output is never rounded to BF16
-    first). ``x`` is quantized by XLA, inside the fusion that produces it (see the module docstring)."""
+    first). ``x`` is quantized by XLA, inside the fusion that produces it (see the module docstring).
+    ``x_scale_inv``: ``1 / x_scale`` made beforehand (``recipe.with_input_scale_inv``; the rollout's, once per RL
+    step): the GEMM reads it from memory, and computed here it is a one-thread XLA kernel before every GEMM."""
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     qx = quantize(x, x_scale, recipe.fwd_dtype)
-    return _gemm(_operand(qx, _inv(x_scale), out_dtype), _operand(kernel.data, kernel.scale_inv, out_dtype))
+    x_scale_inv = _inv(x_scale) if x_scale_inv is None else x_scale_inv
+    return _gemm(_operand(qx, x_scale_inv, out_dtype), _operand(kernel.data, kernel.scale_inv, out_dtype))
 
 
 def quantize_for_update(kernel: jax.Array, scale: jax.Array, recipe: Fp8Recipe) -> TrainKernel:
@@ -209,3 +213,59 @@ def fp8_matmul(
         kernel, hoisted, kernel_amax = kernel.master, (kernel.kn, kernel.nk), kernel.amax
     fn = _fp8_matmul_fn(jnp.dtype(x.dtype), jnp.dtype(kernel.dtype), out_dtype, recipe, gather)
     return fn(x, kernel, state, kernel_amax, hoisted)
+
+
+@functools.cache
+def _fp8_swiglu_mlp_fn(x_dtype, out_dtype, gu_dtype, down_dtype, recipe: Fp8Recipe):
+    fwd_dtype, bwd_dtype = recipe.fwd_dtype, recipe.bwd_dtype
+
+    @jax.custom_vjp
+    def fp8_swiglu_mlp(x, w_gate_up, w_down, st_gu, st_down, hoisted):
+        return fwd(x, w_gate_up, w_down, st_gu, st_down, hoisted)[0]
+
+    def fwd(x, w_gate_up, w_down, st_gu, st_down, hoisted):
+        (gu_kn, gu_nk, gu_amax), (down_kn, down_nk, down_amax) = hoisted
+        s_x, s_h = st_gu["x"]["scale"], st_down["x"]["scale"]
+        # the two linears' forwards exactly (the rollout runs them as two ``linear`` calls)
+        qx = quantize(x, s_x, fwd_dtype)
+        gate_up = _gemm(_operand(qx, _inv(s_x), x_dtype), _operand(gu_nk, _inv(st_gu["kernel"]["scale"]), x_dtype))
+        gate, up = jnp.split(gate_up, 2, axis=-1)
+        qh = quantize(jax.nn.silu(gate) * up, s_h, fwd_dtype)
+        y = _gemm(_operand(qh, _inv(s_h), out_dtype), _operand(down_nk, _inv(st_down["kernel"]["scale"]), out_dtype))
+        # q(h) is not kept: the backward's kernel makes it again with its transpose, from gate_up
+        return y, (qx, gate_up, st_gu, st_down, amax(x), gu_kn, down_kn, gu_amax, down_amax)
+
+    def bwd(residuals, g):
+        qx, gate_up, st_gu, st_down, amax_x, gu_kn, down_kn, gu_amax, down_amax = residuals
+        s_x, s_h = st_gu["x"]["scale"], st_down["x"]["scale"]
+        s_gy, s_ggu = st_down["grad"]["scale"], st_gu["grad"]["scale"]
+        s_gu, s_down = st_gu["kernel"]["scale"], st_down["kernel"]["scale"]
+        qgy = quantize(g, s_gy, bwd_dtype)  # [M, D]
+        # g_h [M, F] = g [M, D] . w_down [F, D]^T
+        g_h = _gemm(_operand(qgy, _inv(s_gy), x_dtype), _operand(down_kn, _inv(s_down), x_dtype))
+        qh, qh_t, qg, qg_t, amax_h, amax_g = swiglu_grad_fp8(gate_up, g_h, s_h, s_ggu, fwd_dtype, bwd_dtype)
+        # dw_down [F, D] = h^T g;  dx [M, D] = g_gu [M, 2F] . w_gate_up [D, 2F]^T;  dw_gate_up [D, 2F] = x^T g_gu
+        d_down = _gemm(_operand(qh_t, _inv(s_h), down_dtype), _operand(transpose_bytes(qgy), _inv(s_gy), down_dtype))
+        dx = _gemm(_operand(qg, _inv(s_ggu), x_dtype), _operand(gu_kn, _inv(s_gu), x_dtype))
+        d_gu = _gemm(_operand(transpose_bytes(qx), _inv(s_x), gu_dtype), _operand(qg_t, _inv(s_ggu), gu_dtype))
+        return (dx, d_gu, d_down, observations(st_gu, amax_x, gu_amax, amax_g),
+                observations(st_down, amax_h, down_amax, amax(g)), None)
+
+    fp8_swiglu_mlp.defvjp(fwd, bwd)
+    return fp8_swiglu_mlp
+
+
+def fp8_swiglu_mlp(x: jax.Array, w_gate_up: TrainKernel, w_down: TrainKernel, st_gu: Fp8LinearState,
+                   st_down: Fp8LinearState, recipe: Fp8Recipe, out_dtype=None) -> jax.Array:
+    """The MLP ``down(silu(gate) * up)`` of ``x`` [M, D] through TE's FP8 GEMMs, with kernels made once for the
+    update (``TrainKernel``, one device), as one differentiable function. Its forward is the two ``fp8_matmul``
+    forwards, bit for bit; its backward makes every FP8 operand of the gate/up linear's GEMMs and the down
+    projection's weight gradient in one kernel (``kernels.swiglu_grad``: the SwiGLU's backward, q(h) and q(dgate_up)
+    in both layouts, their amaxes) instead of three XLA passes over the [M, 2F] gate/up output and two byte
+    transposes. The observations are the two linears' as ``fp8_matmul`` makes them. Returns [M, D] in
+    ``out_dtype`` (default ``x.dtype``)."""
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    hoisted = ((w_gate_up.kn, w_gate_up.nk, w_gate_up.amax), (w_down.kn, w_down.nk, w_down.amax))
+    fn = _fp8_swiglu_mlp_fn(jnp.dtype(x.dtype), out_dtype, jnp.dtype(w_gate_up.master.dtype),
+                            jnp.dtype(w_down.master.dtype), recipe)
+    return fn(x, w_gate_up.master, w_down.master, st_gu, st_down, hoisted)

@@ -135,12 +135,13 @@ def _mm(a: jax.Array, b: jax.Array, a_contract: int, b_contract: int) -> jax.Arr
 
 def prequantized_matmul(
     x: jax.Array, kernel: QuantizedKernel, x_scale: jax.Array, recipe: Fp8Recipe, form: str | None = None, *,
-    out_dtype=None,
+    out_dtype=None, x_scale_inv: jax.Array | None = None,
 ):
     """``x [M, K] @ kernel`` with only ``x`` quantized here; returns [M, N] in ``out_dtype`` (default f32).
 
     The training forward calls this too, after ``quantize_kernel``: rollout with pre-quantized weights and the
-    training forward run the same arithmetic on the same FP8 operands.
+    training forward run the same arithmetic on the same FP8 operands. ``x_scale_inv``: ``1 / x_scale`` made
+    beforehand (``recipe.with_input_scale_inv``), the same value.
     """
     form = gemm_form(form)
     qw = gemm_operand(kernel.data, recipe.fwd_dtype, form)
@@ -151,7 +152,9 @@ def prequantized_matmul(
     else:
         qx = gemm_operand(quantize(x, x_scale, recipe.fwd_dtype), recipe.fwd_dtype, form)
         # [M, K] . [N, K] -> [M, N]
-        y = _mm(qx, qw, 1, 1) * ((1.0 / x_scale.astype(jnp.float32)) * kernel.scale_inv)
+        if x_scale_inv is None:
+            x_scale_inv = 1.0 / x_scale.astype(jnp.float32)
+        y = _mm(qx, qw, 1, 1) * (x_scale_inv * kernel.scale_inv)
     return y if out_dtype is None else y.astype(out_dtype)
 
 

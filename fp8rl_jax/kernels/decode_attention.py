@@ -12,7 +12,9 @@ emits; the padding rows are masked out of loads and stores), then walks blocks o
 online softmax in f32 (scale 1/sqrt(H)). The splits divide each sequence's *filled* length (its number of
 blocks), not the cache length, so every split has work at any fill level; a split that gets no block (a short
 sequence) runs no iteration. Each split writes its unnormalised partial row max, row sum and
-accumulator (f32, the G real rows only); four XLA ops combine the splits.
+accumulator (f32, the G real rows only); four XLA ops combine the splits. With one split (batch 256 at K=8) the
+kernel normalises and writes the output itself, so no XLA op runs beside it: at decode sizes each such op is a
+kernel launch of its own (~1.3 us), and the scalar ones (1/sqrt(H) / k_scale) ran once per layer and step.
 
 Several kv heads per program (``heads_per_program`` P, off by default: P = 1 is the kernel above, unchanged). With
 G = 4 three quarters of the [16, block_k] score tile are padding, and the softmax's elementwise work (scale, mask,
@@ -34,8 +36,9 @@ FP8 K/V. E4M3 values convert to F16 exactly, so the kernel casts the stored E4M3
 BF16 query is rounded to F16 once; F16 operands measured 10-22% faster than BF16 ones on the H100: Hopper
 converts E4M3 pairs to F16 in one instruction) and applies the per-layer scales in f32 where they cost least:
 ``1/k_scale`` joins the softmax scale on the [G, block_k] scores and ``1/v_scale`` multiplies the combined [G, H]
-output. That is the dequantization ``q8 * (1/scale)`` in exact arithmetic, with one rounding fewer than the XLA
-path (which rounds the dequantized K/V to BF16 before its dots). No BF16 copy of the cache is made.
+output (the kernel takes the scales and inverts them itself). That is the dequantization ``q8 * (1/scale)`` in
+exact arithmetic, with one rounding fewer than the XLA path (which rounds the dequantized K/V to BF16 before its
+dots). No BF16 copy of the cache is made.
 
 The cache is read in place. The kernel takes the whole stacked cache [L, B, K, S, H] and the layer index (a
 traced scalar inside the layer scan) and indexes the layer itself: slicing one layer out of the scan's carried
@@ -215,14 +218,16 @@ def decode_attention_xla(q, k_cache, v_cache, lengths, *, layer=None, k_scale=No
 # the Pallas kernel
 
 
-def _kernel(layer_ref, lengths_ref, score_scale_ref, q_ref, k_ref, v_ref, acc_ref, row_max_ref, row_sum_ref, *,
+def _kernel(layer_ref, lengths_ref, kv_scales_ref, q_ref, k_ref, v_ref, *out_refs,
             kv_heads: int, groups: int, heads_per_program: int, rows_padded: int, rows_per_layer: int,
-            cache_len: int, block_k: int, k_splits: int, compute_dtype, precision):
+            cache_len: int, block_k: int, k_splits: int, compute_dtype, precision, softmax_scale: float):
     """``heads_per_program`` (P) consecutive kv heads of one sequence and one split. Refs (whole arrays, indexed
     here):
 
-    layer [1] i32; lengths [B] i32; score_scale [1] f32 (1/sqrt(H) / k_scale); q [B*K*G, H];
-    k, v [L*B*K, S, H]; out: acc [k_splits, B*K*G, H] f32, row_max and row_sum [k_splits, B*K*G] f32.
+    layer [1] i32; lengths [B] i32; kv_scales [2] f32 (k_scale, v_scale: 1 for a BF16 cache); q [B*K*G, H];
+    k, v [L*B*K, S, H]; out: with several splits acc [k_splits, B*K*G, H] f32, row_max and row_sum
+    [k_splits, B*K*G] f32 (combined by XLA); with one split the normalised output [B*K*G, H] in q's dtype (no
+    combine: the scales are applied here, so no scalar XLA op runs beside the kernel in the decode step).
 
     P = 1: one kv head, its G query rows padded with zero rows. P > 1: the P*G query rows of the P heads are
     one tile; head j's dot takes a copy of it with every row outside head j zeroed, so the P score tiles add up
@@ -252,7 +257,8 @@ def _kernel(layer_ref, lengths_ref, score_scale_ref, q_ref, k_ref, v_ref, acc_re
     else:  # head j's rows are j*G .. j*G+G-1; its dot operand has zeros everywhere else
         head_rows = [(row_index >= j * groups) & (row_index < (j + 1) * groups) for j in range(n_heads)]
         qs = [jnp.where(rows_j[:, None], q, 0).astype(compute_dtype) for rows_j in head_rows]
-    score_scale = score_scale_ref[0]
+    # 1/sqrt(H) and the K dequantization 1/k_scale, on the scores
+    score_scale = softmax_scale * (1.0 / kv_scales_ref[0])
     block_offsets = jnp.arange(block_k)
 
     def body(block, carry):
@@ -290,6 +296,12 @@ def _kernel(layer_ref, lengths_ref, score_scale_ref, q_ref, k_ref, v_ref, acc_re
     acc = accs[0]
     for rows_j, acc_j in zip(head_rows[1:], accs[1:], strict=True):
         acc = jnp.where(rows_j[:, None], acc_j, acc)
+    if k_splits == 1:  # normalised here; a length-0 sequence (row sum 0, accumulator 0) gets zeros
+        (out_ref,) = out_refs
+        norm = (1.0 / kv_scales_ref[1]) / jnp.where(row_sum > 0, row_sum, 1.0)  # 1/v_scale dequantizes V
+        plgpu.store(out_ref.at[heads, :], (acc * norm[:, None]).astype(out_ref.dtype), mask=head_ok[:, None])
+        return
+    acc_ref, row_max_ref, row_sum_ref = out_refs
     plgpu.store(acc_ref.at[split, heads, :], acc, mask=head_ok[:, None])
     plgpu.store(row_max_ref.at[split, heads], row_max, mask=head_ok)
     plgpu.store(row_sum_ref.at[split, heads], row_sum, mask=head_ok)
@@ -366,19 +378,24 @@ def decode_attention_pallas(q, k_cache, v_cache, lengths, *, layer=None, k_scale
     else:
         q_dot = q.astype(compute_dtype)
     precision = lax.Precision.HIGHEST if compute_dtype == jnp.float32 else None
-    score_scale = (1.0 / math.sqrt(h)) * _inverse_scale(k_scale)
+    # the scales themselves, not their inverses: computed in the kernel, no scalar XLA kernels per layer and step
+    kv_scales = jnp.stack([jnp.asarray(1.0 if a is None else a, jnp.float32).reshape(()) for a in (k_scale, v_scale)])
 
     kernel = functools.partial(
         _kernel, kv_heads=kh, groups=g, heads_per_program=n_heads,
         rows_padded=_pow2_ceil(max(n_heads * g, MIN_DOT_ROWS)), rows_per_layer=rows,
         cache_len=s, block_k=block_k, k_splits=k_splits, compute_dtype=compute_dtype, precision=precision,
+        softmax_scale=1.0 / math.sqrt(h),
     )
-    out_shape = (
-        jax.ShapeDtypeStruct((k_splits, rows * g, h), jnp.float32),  # acc
-        jax.ShapeDtypeStruct((k_splits, rows * g), jnp.float32),  # row_max
-        jax.ShapeDtypeStruct((k_splits, rows * g), jnp.float32),  # row_sum
-    )
-    acc, row_max, row_sum = pl.pallas_call(
+    if k_splits == 1:  # the output itself
+        out_shape = (jax.ShapeDtypeStruct((rows * g, h), q.dtype),)
+    else:  # each split's partial results, combined below
+        out_shape = (
+            jax.ShapeDtypeStruct((k_splits, rows * g, h), jnp.float32),  # acc
+            jax.ShapeDtypeStruct((k_splits, rows * g), jnp.float32),  # row_max
+            jax.ShapeDtypeStruct((k_splits, rows * g), jnp.float32),  # row_sum
+        )
+    outs = pl.pallas_call(
         kernel,
         grid=(programs, k_splits),
         out_shape=out_shape,
@@ -388,13 +405,17 @@ def decode_attention_pallas(q, k_cache, v_cache, lengths, *, layer=None, k_scale
     )(
         jnp.reshape(layer, (1,)),
         lengths.astype(jnp.int32),
-        jnp.reshape(score_scale, (1,)).astype(jnp.float32),
+        kv_scales,
         # [B, K, G, H] -> [B*K*G, H]
         q_dot.reshape(rows * g, h),
         # [L, B, K, S, H] -> [L*B*K, S, H]: contiguous, a free reshape
         k_cache.reshape(n_layers * rows, s, h),
         v_cache.reshape(n_layers * rows, s, h),
     )
+    if k_splits == 1:
+        # [B*K*G, H] -> [B, K, G, H]
+        return outs[0].reshape(b, kh, g, h)
+    acc, row_max, row_sum = outs
     # combine the splits, each weighted by exp(its row max - the overall max); an empty split's max is -inf
     overall_max = jnp.max(row_max, axis=0)
     overall_max = jnp.where(jnp.isfinite(overall_max), overall_max, 0.0)

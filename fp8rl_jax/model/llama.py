@@ -521,11 +521,26 @@ def _block(x, layer, fp8, idx, positions, cache, kv_scales, config: LlamaConfig,
     x = x + linear(attn.reshape(b, t, c.q_size), layer["wo"], fp8.get("wo"), precision, out_dtype=x.dtype)
 
     h = rms_norm(x, layer["mlp_norm"], eps, precision.dtype)
+    if _fused_mlp(layer, fp8, precision, fused_shards):
+        from fp8rl_jax.fp8 import te  # the te backend's MLP in one custom VJP: its forward is the two linears'
+
+        # [B, T, D] -> [B T, D] -> [B, T, D]
+        y = te.fp8_swiglu_mlp(h.reshape(-1, c.hidden_size).astype(precision.dtype), layer["w_gate_up"],
+                              layer["w_down"], fp8["w_gate_up"], fp8["w_down"], precision.recipe, x.dtype)
+        return x + y.reshape(x.shape), cache, kv_amax
     # [B, T, D] -> [B, T, 2F]
     gate, up = _split_fused(linear(h, layer["w_gate_up"], fp8.get("w_gate_up"), precision),
                             (c.intermediate_size,) * 2, fused_shards)
     x = x + linear(jax.nn.silu(gate) * up, layer["w_down"], fp8.get("w_down"), precision, out_dtype=x.dtype)
     return x, cache, kv_amax
+
+
+def _fused_mlp(layer, fp8, precision: Precision, fused_shards: int) -> bool:
+    """The te backend's training forward with both MLP kernels made once for the update (``TrainKernel``: one
+    device) takes ``te.fp8_swiglu_mlp``, whose backward makes the SwiGLU's gradient and its FP8 operands in one
+    kernel; everything else (the rollout, BF16, the xla backend, FSDP) runs the two ``linear`` calls."""
+    return (precision.fp8 and precision.backend == "te" and fused_shards == 1
+            and all(isinstance(layer.get(n), TrainKernel) and fp8.get(n) is not None for n in ("w_gate_up", "w_down")))
 
 
 def _remat(body, remat: str):

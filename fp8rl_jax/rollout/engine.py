@@ -45,6 +45,7 @@ import numpy as np
 
 from fp8rl_jax.fp8 import kv as kvq
 from fp8rl_jax.fp8.policy import Precision
+from fp8rl_jax.fp8.recipe import with_input_scale_inv
 from fp8rl_jax.kernels.decode_attention import IMPLS as DECODE_ATTENTION_IMPLS
 from fp8rl_jax.model import llama
 from fp8rl_jax.model.config import LlamaConfig
@@ -217,10 +218,17 @@ class Engine:
         self._per_layer = config.layer_loop != "scan"
         self._load = jax.jit((lambda p, s: per_layer(load(p, s))) if self._per_layer else load)
         # with per-layer weights the blocks' FP8 state and the KV scales come per layer too (llama.forward_hidden):
-        # the unrolled layers are then identical computations, compiled once
-        self._split_layers = jax.jit(lambda fp8_state, kv_scales: (
-            fp8_state and {**fp8_state, "blocks": llama.split_layers(fp8_state["blocks"])},
-            kv_scales and {n: tuple(a[i] for i in range(a.shape[0])) for n, a in kv_scales.items()}))
+        # the unrolled layers are then identical computations, compiled once. The input scales' inverses are made
+        # here, once per RL step: the GEMMs read them, where computed in the step they were a one-thread kernel
+        # before every GEMM of every decode step (65 a step at llama1b shapes)
+        def split(fp8_state, kv_scales):
+            if fp8_state and self._per_layer:
+                fp8_state = {**fp8_state, "blocks": llama.split_layers(fp8_state["blocks"])}
+            if kv_scales and self._per_layer:
+                kv_scales = {n: tuple(a[i] for i in range(a.shape[0])) for n, a in kv_scales.items()}
+            return fp8_state and with_input_scale_inv(fp8_state), kv_scales
+
+        self._split_layers = jax.jit(split)
         if self.mesh is not None:
             self._jit_on_mesh(self.mesh)
 
@@ -297,9 +305,8 @@ class Engine:
             weights = self._load(params, fp8_state)
         else:  # the rollout's layout; FP8 state and KV scales replicated on the rollout mesh
             weights, fp8_state, kv_scales = self._reshard(params, fp8_state, kv_scales)
-        if self._per_layer:
-            with mesh_context(self.mesh, self.precision.backend):
-                fp8_state, kv_scales = self._split_layers(fp8_state, kv_scales)
+        with mesh_context(self.mesh, self.precision.backend):
+            fp8_state, kv_scales = self._split_layers(fp8_state, kv_scales)
         return {"weights": weights, "fp8_state": fp8_state, "kv_scales": kv_scales}
 
     def init_decode_state(self) -> DecodeState:

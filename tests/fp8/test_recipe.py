@@ -15,6 +15,7 @@ from fp8rl_jax.fp8.recipe import (
     quantize,
     update_meta,
     update_state,
+    with_input_scale_inv,
 )
 
 
@@ -110,3 +111,22 @@ def test_kv_scales_are_guarded_like_the_linears():
     np.testing.assert_array_equal(got["k"], [F32_MAX, 4.0, 5.0, 6.0, 112.0])
     np.testing.assert_array_equal(got["v"], got["k"])
     assert np.all(np.asarray(kvq.quantize_kv(jnp.zeros(3), got["k"][0]).astype(jnp.float32)) == 0.0)
+
+
+def test_input_scale_inverses_sit_beside_the_input_scales():
+    """``with_input_scale_inv``: ``1/scale`` beside every linear's input scale, in stacked and per-layer trees;
+    the kernel and gradient metas, the scales themselves and anything else unchanged."""
+    recipe = Fp8Recipe()
+    stacked = init_linear_state(recipe, stack=(3,))
+    stacked["x"]["scale"] = jnp.array([2.0, 0.5, 3.0], jnp.float32)
+    per_layer = tuple({r: {k: v[i] for k, v in m.items()} for r, m in stacked.items()} for i in range(3))
+    tree = {"blocks": {"wqkv": stacked, "wo": per_layer}, "lm_head": init_linear_state(recipe), "step": jnp.int32(1)}
+    out = with_input_scale_inv(tree)
+    np.testing.assert_array_equal(out["blocks"]["wqkv"]["x"]["scale_inv"], 1.0 / np.array([2.0, 0.5, 3.0], np.float32))
+    assert isinstance(out["blocks"]["wo"], tuple)
+    assert [float(m["x"]["scale_inv"]) for m in out["blocks"]["wo"]] == [0.5, 2.0, float(np.float32(1) / np.float32(3))]
+    assert float(out["lm_head"]["x"]["scale_inv"]) == 1.0
+    for meta in (out["blocks"]["wqkv"], out["lm_head"]):
+        assert set(meta["kernel"]) == set(meta["grad"]) == {"scale", "amax_history"}
+    np.testing.assert_array_equal(out["blocks"]["wqkv"]["x"]["scale"], stacked["x"]["scale"])
+    assert out["step"] is tree["step"]

@@ -131,3 +131,46 @@ def test_model_with_te_matches_xla_backend():
     d_fp8 = float(jnp.abs(out["xla"] - out["bf16"]).mean())
     print(f"one block, mean |dlogp|: te vs xla {d_te:.2e}, xla FP8 vs BF16 {d_fp8:.2e}")
     assert d_te < d_fp8
+
+
+def test_te_fused_mlp_follows_the_two_linears():
+    """``te.fp8_swiglu_mlp`` (the training step's MLP with kernels made once for the update, its backward's FP8
+    operands from one kernel) against the two ``fp8_matmul`` calls, on TE's GEMMs: the forward the same to f32
+    rounding (XLA may keep the BF16 SwiGLU in f32 differently in the two programs), gradients within the FP8
+    rounding that the f32 SwiGLU backward can move."""
+    from fp8rl_jax.fp8 import te
+
+    rng = np.random.RandomState(5)
+    m, d, f = 512, 256, 512
+    x = jnp.asarray(rng.randn(m, d), jnp.bfloat16)
+    w_gu = jnp.asarray(rng.randn(d, 2 * f) * 0.1, jnp.float32)
+    w_down = jnp.asarray(rng.randn(f, d) * 0.05, jnp.float32)
+    g = jnp.asarray(rng.randn(m, d) * 1e-2, jnp.float32)
+    states = []
+    for amaxes in ((4.0, 0.4, 0.05), (3.0, 0.2, 0.02)):
+        st = init_linear_state(RECIPE)
+        for role, a in zip(("x", "kernel", "grad"), amaxes, strict=True):
+            st[role]["scale"] = jnp.float32((57344 if role == "grad" else 448) / a)
+        states.append(st)
+    hoisted = [te.quantize_for_update(w, st["kernel"]["scale"], RECIPE)
+               for w, st in zip((w_gu, w_down), states, strict=True)]
+
+    def two_linears(x, w_gu, w_down, st_gu, st_down):
+        gate, up = jnp.split(te.fp8_matmul(x, w_gu, st_gu, RECIPE), 2, axis=-1)
+        return te.fp8_matmul(jax.nn.silu(gate) * up, w_down, st_down, RECIPE, jnp.float32)
+
+    def fused(x, w_gu, w_down, st_gu, st_down):
+        k_gu, k_down = (k.__class__(w, k.kn, k.nk, k.amax) for k, w in zip(hoisted, (w_gu, w_down), strict=True))
+        return te.fp8_swiglu_mlp(x, k_gu, k_down, st_gu, st_down, RECIPE, jnp.float32)
+
+    outs = {}
+    for name, fn in (("two", two_linears), ("fused", fused)):
+        y, vjp = jax.jit(lambda *a, fn=fn: jax.vjp(fn, *a))(x, w_gu, w_down, *states)
+        outs[name] = (y, *vjp(g))
+    (y0, *g0), (y1, *g1) = outs["two"], outs["fused"]
+    assert _rel(y1, y0) < 1e-3
+    for a, b in zip(g0[:3], g1[:3], strict=True):
+        assert _rel(b, a) < 3e-2
+    for obs0, obs1 in zip(g0[3:], g1[3:], strict=True):
+        for role in ("x", "kernel", "grad"):
+            np.testing.assert_allclose(obs1[role]["amax_history"], obs0[role]["amax_history"], rtol=1e-2)

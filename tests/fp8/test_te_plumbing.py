@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from fp8rl_jax.fp8 import te, xla
-from fp8rl_jax.fp8.recipe import Fp8Recipe, init_linear_state
+from fp8rl_jax.fp8.recipe import Fp8Recipe, init_linear_state, with_input_scale_inv
 
 RECIPE = Fp8Recipe()
 
@@ -54,8 +54,10 @@ def fake_te(monkeypatch):
     monkeypatch.setattr(te, "_te", lambda: {"tex": _Tex, "Factory": _Factory, "Mode": type("M", (), {
         "DELAYED_TENSOR_SCALING": "delayed"})})
     te._fp8_matmul_fn.cache_clear()
+    te._fp8_swiglu_mlp_fn.cache_clear()
     yield _Tex
     te._fp8_matmul_fn.cache_clear()
+    te._fp8_swiglu_mlp_fn.cache_clear()
 
 
 def _inputs(m=64, k=96, n=48):
@@ -110,6 +112,12 @@ def test_rollout_and_training_forward_are_the_same_gemm(fake_te, out_dtype):
     # the same FP8 operands and scales; the stand-in's f32 sums may run in another order on XLA:CPU (one ulp; TE's
     # GEMM gives the same bits, tests/fp8/test_te_gpu.py)
     np.testing.assert_allclose(np.asarray(roll, np.float32), np.asarray(train, np.float32), rtol=2e-7, atol=0)
+    # the rollout's state carries 1/scale of the input, made once per RL step (``recipe.with_input_scale_inv``):
+    # the same value, and no division left in the step
+    st_inv = with_input_scale_inv(st)
+    step = lambda x, qw: linear(x, qw, st_inv, precision, out_dtype)
+    assert "div" not in str(jax.make_jaxpr(step)(x, qw))
+    np.testing.assert_array_equal(np.asarray(jax.jit(step)(x, qw), np.float32), np.asarray(roll, np.float32))
 
 
 def _tiny_model():
@@ -130,10 +138,12 @@ def _tiny_model():
     return llama, config, params, tokens, precision, state
 
 
-def test_kernels_quantized_once_per_update_give_the_same_step(fake_te):
+def test_kernels_quantized_once_per_update_give_the_same_step(fake_te, monkeypatch):
     """``llama.update_kernels``: the FP8 operands made once for an update give the same loss, gradients (into the
-    masters) and FP8 observations as quantizing the kernels in every forward, and the forward really reads them."""
+    masters) and FP8 observations as quantizing the kernels in every forward, and the forward really reads them.
+    (With the MLP's two linears as such: its fused form, which the hoisted kernels enable, has a test of its own.)"""
     llama, config, params, tokens, precision, state = _tiny_model()
+    monkeypatch.setattr(llama, "_fused_mlp", lambda *args: False)
     hoisted = llama.update_kernels(params, state, config, precision)
     assert set(hoisted) == {"wqkv", "wo", "w_gate_up", "w_down"}
     assert hoisted["w_down"]["nk"].shape == (3, 64, 128) and hoisted["w_down"]["nk"].dtype == jnp.float8_e4m3fn
@@ -151,6 +161,80 @@ def test_kernels_quantized_once_per_update_give_the_same_step(fake_te):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     wrong = {**hoisted, "wo": {**hoisted["wo"], "nk": jnp.zeros_like(hoisted["wo"]["nk"])}}
     assert float(grad(params, state, wrong)[0]) != float(l0)
+
+
+def test_fused_mlp_forward_is_the_two_linears_and_its_backward_follows_them(fake_te):
+    """``te.fp8_swiglu_mlp`` (what the training step runs with kernels made once for the update) against the two
+    ``fp8_matmul`` calls it replaces: the same output bit for bit (the rollout runs the two linears), gradients and
+    observations within the FP8 rounding that its f32 SwiGLU backward (BF16 in autodiff) can move."""
+    from fp8rl_jax.fp8.policy import Precision
+
+    rng = np.random.RandomState(3)
+    m, d, f = 64, 32, 64
+    x = jnp.asarray(rng.randn(m, d), jnp.bfloat16)
+    w_gu = jnp.asarray(rng.randn(d, 2 * f) * 0.2, jnp.float32)
+    w_down = jnp.asarray(rng.randn(f, d) * 0.1, jnp.float32)
+    g = jnp.asarray(rng.randn(m, d) * 1e-2, jnp.float32)
+    recipe = Precision(backend="te").recipe
+    states = []
+    for amaxes in ((4.0, 0.8, 0.05), (1.0, 0.4, 0.02)):  # x, kernel, grad
+        st = init_linear_state(recipe)
+        for role, a in zip(("x", "kernel", "grad"), amaxes, strict=True):
+            st[role]["scale"] = jnp.float32((57344 if role == "grad" else 448) / a)
+        states.append(st)
+    hoisted = [te.quantize_for_update(w, st["kernel"]["scale"], recipe)
+               for w, st in zip((w_gu, w_down), states, strict=True)]
+
+    def two_linears(x, w_gu, w_down, st_gu, st_down):
+        gate, up = jnp.split(te.fp8_matmul(x, w_gu, st_gu, recipe), 2, axis=-1)
+        return te.fp8_matmul(jax.nn.silu(gate) * up, w_down, st_down, recipe, jnp.float32)
+
+    def fused(x, w_gu, w_down, st_gu, st_down):
+        k_gu, k_down = (dataclasses.replace(k, master=w) for k, w in zip(hoisted, (w_gu, w_down), strict=True))
+        return te.fp8_swiglu_mlp(x, k_gu, k_down, st_gu, st_down, recipe, jnp.float32)
+
+    outs = {}
+    for name, fn in (("two", two_linears), ("fused", fused)):
+        y, vjp = jax.jit(lambda *a, fn=fn: jax.vjp(fn, *a))(x, w_gu, w_down, *states)
+        outs[name] = (y, *vjp(g))
+    (y0, *grads0), (y1, *grads1) = outs["two"], outs["fused"]
+    assert y1.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(y1), np.asarray(y0))
+    for a, b in zip(grads0[:3], grads1[:3], strict=True):  # dx, dw_gate_up, dw_down
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_allclose(b, a, rtol=0, atol=0.15 * np.abs(a).max())  # an E5M2 step of a few terms
+        assert np.corrcoef(a.ravel(), b.ravel())[0, 1] > 0.999
+    for obs0, obs1 in zip(grads0[3:], grads1[3:], strict=True):
+        for role in ("x", "kernel", "grad"):
+            np.testing.assert_allclose(obs1[role]["amax_history"], obs0[role]["amax_history"], rtol=1e-2)
+    # the kernel amaxes and the gate/up input's are the same values
+    for obs0, obs1 in zip(grads0[3:], grads1[3:], strict=True):
+        np.testing.assert_array_equal(obs1["kernel"]["amax_history"], obs0["kernel"]["amax_history"])
+    np.testing.assert_array_equal(grads1[3]["x"]["amax_history"], grads0[3]["x"]["amax_history"])
+
+
+def test_fused_mlp_runs_in_the_model_step_with_kernels_made_once(fake_te):
+    """Through ``forward_hidden`` with ``update_kernels``: the fused MLP is taken (one custom VJP per layer) and the
+    step's loss is the unfused one's, bit for bit once XLA may not keep BF16 intermediates in f32 (its "excess
+    precision", which depends on how it fuses the ops around them); its gradients follow the unfused step's."""
+    llama, config, params, tokens, precision, state = _tiny_model()
+    hoisted = llama.update_kernels(params, state, config, precision)
+
+    def loss(params, state, hoisted):
+        hidden, _, _ = llama.forward_hidden(params, tokens, jnp.broadcast_to(jnp.arange(16), tokens.shape),
+                                            config=config, precision=precision, fp8_state=state, remat="full",
+                                            update_kernels=hoisted)
+        return jnp.sum(hidden.astype(jnp.float32) ** 2)
+
+    grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)), compiler_options={"xla_allow_excess_precision": False})
+    assert "name=fp8_swiglu_mlp" not in str(jax.make_jaxpr(loss)(params, state, None))
+    assert "name=fp8_swiglu_mlp" in str(jax.make_jaxpr(loss)(params, state, hoisted))
+    (l0, (g0, _)), (l1, (g1, _)) = grad(params, state, None), grad(params, state, hoisted)
+    assert float(l0) == float(l1)
+    for name in ("w_gate_up", "w_down", "wqkv", "wo"):
+        a, b = np.asarray(g0["blocks"][name]), np.asarray(g1["blocks"][name])
+        assert np.corrcoef(a.ravel(), b.ravel())[0, 1] > 0.99, name
 
 
 def test_update_kernels_apply_to_the_te_backend_only():

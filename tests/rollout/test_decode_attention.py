@@ -88,6 +88,7 @@ CASES = [  # kind, G, block_k, k_splits
     ("bf16", 3, 16, 1),
     ("fp8", 4, 16, 2),
     ("fp8", 8, 16, 3),
+    ("fp8", 4, 16, 1),  # one split: the kernel normalises and applies 1/v_scale itself
     ("fp8_f32q", 4, 16, 2),
     ("fp8_bf16dot", 4, 16, 2),  # BF16 dot operands instead of the default F16
 ]

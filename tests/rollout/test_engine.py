@@ -177,6 +177,9 @@ def test_prefill_batch_equals_prefill_per_prompt(params):
     precision = Precision(backend="xla", kv_cache_dtype="float8_e4m3fn")
     engine = _engine(precision, 6, SamplingParams(), 8, ())
     p = engine.load_params(params, llama.init_fp8_state(CONFIG, precision), kvq.init_kv_scales(CONFIG.num_layers))
+    # every input scale comes with its inverse, made once here rather than in every decode step
+    paths = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_leaves_with_path(p["fp8_state"])]
+    assert sum("['x']['scale_inv']" in k for k in paths) == sum("['x']['scale']" in k for k in paths) > 0
     padded = np.zeros((len(PROMPTS), 16), np.int32)
     for i, prompt in enumerate(PROMPTS):
         padded[i, : len(prompt)] = prompt

@@ -1,0 +1,120 @@
+"""The SwiGLU's backward and the FP8 operands of the MLP's weight and data gradients, in one pass.
+
+Why. In the te backend's training step the MLP's backward took three XLA fusions per layer and microbatch, each
+reading the [M, 2F] gate/up GEMM output again (llama1b, the H100 profile in benchmarks/RESULTS.md, 2.5 ms of a
+layer's backward): one wrote the gate's gradient in BF16 with q(h) and amax(h) beside it, one concatenated the
+gate's and the up's gradients and quantized them, one took their amax; then byte transposes made the token-minor
+copies of q(h) and q(dgate_up) that the weight gradients need. Here one kernel reads the gate/up output and the
+gradient of h once and writes every FP8 operand the three backward GEMMs take, in both layouts, with both amaxes.
+
+What it computes, from ``gate_up`` [M, 2F] (gate | up) and ``g_h`` [M, F] (the gradient of h = silu(gate) * up),
+in f32:
+
+    s = sigmoid(gate);  h = gate * s * up
+    dgate = g_h * up * s * (1 + gate * (1 - s));  dup = g_h * gate * s
+
+and returns q(h) [M, F] and its transpose [F, M] (the down projection's weight gradient), q([dgate | dup]) [M, 2F]
+and its transpose [2F, M] (the gate/up projection's data and weight gradients), amax(h) and amax([dgate | dup]).
+q is ``recipe.quantize`` (``saturate(v * scale)``, round to nearest even) with the scales given. The forward's q(h)
+is XLA's (``jax.nn.silu(gate) * up`` in BF16, then quantized); this one is from the same inputs in f32, so a value
+near a rounding boundary may land on the neighbouring FP8 value: the weight gradient of the down projection sees
+the more exact h. The amaxes are those of the values quantized here.
+
+The kernel (Pallas, Triton backend). Grid ``(M / block_m, F / block_f)``: a program loads one [block_m, block_f]
+tile of the gate, of the up and of g_h, and stores its four FP8 tiles row-major and transposed (Triton moves the
+transposed ones through shared memory) and its column maxima of |h| and |dgate|, |dup| (XLA takes the maximum of
+those, a few MB). ``impl="xla"``: the same arithmetic as XLA ops (CPU, and shapes the blocks do not divide).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from fp8rl_jax.fp8.recipe import fp8_max
+
+IMPLS = ("auto", "pallas", "pallas_interpret", "xla")
+BLOCK = (64, 64)  # tokens, intermediate columns per program
+NUM_WARPS = 4
+
+
+def _math(gate: jax.Array, up: jax.Array, g_h: jax.Array):
+    """h, dgate, dup in f32 from the gate, the up and the gradient of h."""
+    gate, up, g_h = (a.astype(jnp.float32) for a in (gate, up, g_h))
+    s = 1.0 / (1.0 + jnp.exp(-gate))
+    gs = gate * s
+    return gs * up, g_h * up * (s + gs * (1.0 - s)), g_h * gs
+
+
+def _q(v: jax.Array, scale: jax.Array, dtype) -> jax.Array:
+    limit = fp8_max(dtype)
+    return jnp.clip(v * scale, -limit, limit).astype(dtype)
+
+
+def swiglu_grad_fp8(gate_up: jax.Array, g_h: jax.Array, h_scale: jax.Array, g_scale: jax.Array, h_dtype, g_dtype, *,
+                    impl: str = "auto", block: tuple[int, int] = BLOCK, num_warps: int = NUM_WARPS):
+    """The FP8 operands of an MLP's backward GEMMs (module docstring): ``gate_up`` [M, 2F], ``g_h`` [M, F], the
+    delayed scales of h (``h_dtype``, E4M3) and of the gate/up gradient (``g_dtype``). Returns ``(qh [M, F],
+    qh_t [F, M], qg [M, 2F], qg_t [2F, M], amax_h, amax_g)``. ``impl``: ``pallas`` (GPU), ``pallas_interpret``
+    (tests), ``xla``, ``auto`` (pallas on a GPU where the blocks divide the shapes, else xla)."""
+    if impl not in IMPLS:
+        raise ValueError(f"swiglu_grad impl={impl!r}; allowed: {IMPLS}")
+    m, f2 = gate_up.shape
+    f = f2 // 2
+    if f2 % 2 or g_h.shape != (m, f):
+        raise ValueError(f"gate_up [M, 2F] = {list(gate_up.shape)} and g_h [M, F] = {list(g_h.shape)} do not match")
+    h_scale, g_scale = (jnp.asarray(s, jnp.float32).reshape(()) for s in (h_scale, g_scale))
+    divides = m % block[0] == 0 and f % block[1] == 0
+    if impl == "auto":
+        impl = "pallas" if jax.default_backend() == "gpu" and divides else "xla"
+    if impl == "xla":
+        h, dgate, dup = _math(gate_up[:, :f], gate_up[:, f:], g_h)
+        g = jnp.concatenate([dgate, dup], axis=1)
+        qh, qg = _q(h, h_scale, h_dtype), _q(g, g_scale, g_dtype)
+        return qh, qh.T, qg, qg.T, jnp.max(jnp.abs(h)), jnp.max(jnp.abs(g))
+    if not divides:
+        raise ValueError(f"swiglu_grad blocks {block} do not divide [M, F] = [{m}, {f}]")
+    return _pallas(gate_up, g_h, h_scale, g_scale, jnp.dtype(h_dtype), jnp.dtype(g_dtype), block=block,
+                   num_warps=num_warps, interpret=impl == "pallas_interpret")
+
+
+def _pallas(gate_up, g_h, h_scale, g_scale, h_dtype, g_dtype, *, block, num_warps, interpret):
+    m, f = g_h.shape
+    bm, bf = block
+    grid = (m // bm, f // bf)
+
+    def kernel(scales_ref, gate_up_ref, g_h_ref, qh_ref, qh_t_ref, qg_ref, qg_t_ref, amax_h_ref, amax_g_ref):
+        i, j = pl.program_id(0), pl.program_id(1)
+        rows, cols = pl.ds(i * bm, bm), pl.ds(j * bf, bf)
+        up_cols = pl.ds(f + j * bf, bf)
+        h, dgate, dup = _math(gate_up_ref[rows, cols], gate_up_ref[rows, up_cols], g_h_ref[rows, cols])
+        s_h, s_g = scales_ref[0], scales_ref[1]
+        qh, qdgate, qdup = _q(h, s_h, h_dtype), _q(dgate, s_g, g_dtype), _q(dup, s_g, g_dtype)
+        qh_ref[rows, cols] = qh
+        qh_t_ref[cols, rows] = qh.T
+        qg_ref[rows, cols] = qdgate
+        qg_ref[rows, up_cols] = qdup
+        qg_t_ref[cols, rows] = qdgate.T
+        qg_t_ref[up_cols, rows] = qdup.T
+        amax_h_ref[i, cols] = jnp.max(jnp.abs(h), axis=0)
+        amax_g_ref[i, cols] = jnp.maximum(jnp.max(jnp.abs(dgate), axis=0), jnp.max(jnp.abs(dup), axis=0))
+
+    qh, qh_t, qg, qg_t, amax_h, amax_g = pl.pallas_call(
+        kernel,
+        grid=grid,
+        out_shape=(
+            jax.ShapeDtypeStruct((m, f), h_dtype),
+            jax.ShapeDtypeStruct((f, m), h_dtype),
+            jax.ShapeDtypeStruct((m, 2 * f), g_dtype),
+            jax.ShapeDtypeStruct((2 * f, m), g_dtype),
+            jax.ShapeDtypeStruct((grid[0], f), jnp.float32),  # column maxima of |h| per row block
+            jax.ShapeDtypeStruct((grid[0], f), jnp.float32),  # of max(|dgate|, |dup|)
+        ),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name="swiglu_grad_fp8",
+    )(jnp.stack([h_scale, g_scale]), gate_up, g_h)
+    return qh, qh_t, qg, qg_t, jnp.max(amax_h), jnp.max(amax_g)
+
