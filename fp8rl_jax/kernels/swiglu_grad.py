@@ -36,7 +36,7 @@ from jax.experimental.pallas import triton as plgpu
 from fp8rl_jax.fp8.recipe import fp8_max
 
 IMPLS = ("auto", "pallas", "pallas_interpret", "xla")
-BLOCK = (64, 64)  # tokens, intermediate columns per program
+BLOCK = (32, 64)  # tokens, intermediate columns per program (H100 sweep: benchmarks/swiglu_grad.py)
 NUM_WARPS = 4
 
 
