@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from fp8rl_jax.fp8.recipe import fp8_max
+from fp8rl_jax.fp8.recipe import amax, quantize
 
 IMPLS = ("auto", "pallas", "pallas_interpret", "xla")
 BLOCK = (32, 64)  # tokens, intermediate columns per program (H100 sweep: benchmarks/swiglu_grad.py)
@@ -46,11 +46,6 @@ def _math(gate: jax.Array, up: jax.Array, g_h: jax.Array):
     s = 1.0 / (1.0 + jnp.exp(-gate))
     gs = gate * s
     return gs * up, g_h * up * (s + gs * (1.0 - s)), g_h * gs
-
-
-def _q(v: jax.Array, scale: jax.Array, dtype) -> jax.Array:
-    limit = fp8_max(dtype)
-    return jnp.clip(v * scale, -limit, limit).astype(dtype)
 
 
 def swiglu_grad_fp8(gate_up: jax.Array, g_h: jax.Array, h_scale: jax.Array, g_scale: jax.Array, h_dtype, g_dtype, *,
@@ -72,8 +67,8 @@ def swiglu_grad_fp8(gate_up: jax.Array, g_h: jax.Array, h_scale: jax.Array, g_sc
     if impl == "xla":
         h, dgate, dup = _math(gate_up[:, :f], gate_up[:, f:], g_h)
         g = jnp.concatenate([dgate, dup], axis=1)
-        qh, qg = _q(h, h_scale, h_dtype), _q(g, g_scale, g_dtype)
-        return qh, qh.T, qg, qg.T, jnp.max(jnp.abs(h)), jnp.max(jnp.abs(g))
+        qh, qg = quantize(h, h_scale, h_dtype), quantize(g, g_scale, g_dtype)
+        return qh, qh.T, qg, qg.T, amax(h), amax(g)
     if not divides:
         raise ValueError(f"swiglu_grad blocks {block} do not divide [M, F] = [{m}, {f}]")
     return _pallas(gate_up, g_h, h_scale, g_scale, jnp.dtype(h_dtype), jnp.dtype(g_dtype), block=block,
@@ -91,7 +86,7 @@ def _pallas(gate_up, g_h, h_scale, g_scale, h_dtype, g_dtype, *, block, num_warp
         up_cols = pl.ds(f + j * bf, bf)
         h, dgate, dup = _math(gate_up_ref[rows, cols], gate_up_ref[rows, up_cols], g_h_ref[rows, cols])
         s_h, s_g = scales_ref[0], scales_ref[1]
-        qh, qdgate, qdup = _q(h, s_h, h_dtype), _q(dgate, s_g, g_dtype), _q(dup, s_g, g_dtype)
+        qh, qdgate, qdup = quantize(h, s_h, h_dtype), quantize(dgate, s_g, g_dtype), quantize(dup, s_g, g_dtype)
         qh_ref[rows, cols] = qh
         qh_t_ref[cols, rows] = qh.T
         qg_ref[rows, cols] = qdgate

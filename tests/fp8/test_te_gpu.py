@@ -7,12 +7,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_te_plumbing import mlp_vjps, tiny_model  # the same cases as on CPU (tests/fp8 is on pytest's path)
 
 from fp8rl_jax.fp8 import xla
 from fp8rl_jax.fp8.policy import Precision
-from fp8rl_jax.fp8.recipe import Fp8Recipe, init_linear_state, update_state
-from fp8rl_jax.model import llama
-from fp8rl_jax.model.config import preset
+from fp8rl_jax.fp8.recipe import Fp8Recipe, init_linear_state
 
 pytestmark = pytest.mark.gpu
 RECIPE = Fp8Recipe()
@@ -114,14 +113,8 @@ def test_model_with_te_matches_xla_backend():
     above); every later GEMM quantizes slightly different inputs, and FP8 rounding turns ~1e-3 differences into
     flips of whole FP8 steps. So te and xla are compared with the FP8-vs-BF16 difference as the yardstick: they
     must be closer to each other than FP8 is to BF16 (measured on the H100: 0.020 against 0.033 mean |dlogp|)."""
-    config = preset("tiny").replace(hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2, head_dim=32,
-                                    num_layers=1)
-    params = llama.init_params(config, jax.random.PRNGKey(0), std=0.05)
-    tokens = jnp.asarray(np.random.RandomState(0).randint(0, config.vocab_size, (4, 32)))
-    ref = Precision(backend="xla")
-    state = llama.init_fp8_state(config, ref)
-    loss = lambda s: llama.forward(params, tokens, config=config, precision=ref, fp8_state=s)[0].sum()
-    state = update_state(state, jax.grad(loss)(state), ref.recipe)
+    llama, config, params, tokens, _, state = tiny_model((4, 32), hidden_size=128, intermediate_size=256, head_dim=32,
+                                                         num_layers=1)
     out = {}
     for backend in ("xla", "te", "bf16"):
         precision = Precision(backend=backend)
@@ -138,35 +131,7 @@ def test_te_fused_mlp_follows_the_two_linears():
     operands from one kernel) against the two ``fp8_matmul`` calls, on TE's GEMMs: the forward the same to f32
     rounding (XLA may keep the BF16 SwiGLU in f32 differently in the two programs), gradients within the FP8
     rounding that the f32 SwiGLU backward can move."""
-    from fp8rl_jax.fp8 import te
-
-    rng = np.random.RandomState(5)
-    m, d, f = 512, 256, 512
-    x = jnp.asarray(rng.randn(m, d), jnp.bfloat16)
-    w_gu = jnp.asarray(rng.randn(d, 2 * f) * 0.1, jnp.float32)
-    w_down = jnp.asarray(rng.randn(f, d) * 0.05, jnp.float32)
-    g = jnp.asarray(rng.randn(m, d) * 1e-2, jnp.float32)
-    states = []
-    for amaxes in ((4.0, 0.4, 0.05), (3.0, 0.2, 0.02)):
-        st = init_linear_state(RECIPE)
-        for role, a in zip(("x", "kernel", "grad"), amaxes, strict=True):
-            st[role]["scale"] = jnp.float32((57344 if role == "grad" else 448) / a)
-        states.append(st)
-    hoisted = [te.quantize_for_update(w, st["kernel"]["scale"], RECIPE)
-               for w, st in zip((w_gu, w_down), states, strict=True)]
-
-    def two_linears(x, w_gu, w_down, st_gu, st_down):
-        gate, up = jnp.split(te.fp8_matmul(x, w_gu, st_gu, RECIPE), 2, axis=-1)
-        return te.fp8_matmul(jax.nn.silu(gate) * up, w_down, st_down, RECIPE, jnp.float32)
-
-    def fused(x, w_gu, w_down, st_gu, st_down):
-        k_gu, k_down = (k.__class__(w, k.kn, k.nk, k.amax) for k, w in zip(hoisted, (w_gu, w_down), strict=True))
-        return te.fp8_swiglu_mlp(x, k_gu, k_down, st_gu, st_down, RECIPE, jnp.float32)
-
-    outs = {}
-    for name, fn in (("two", two_linears), ("fused", fused)):
-        y, vjp = jax.jit(lambda *a, fn=fn: jax.vjp(fn, *a))(x, w_gu, w_down, *states)
-        outs[name] = (y, *vjp(g))
+    outs = mlp_vjps(m=512, d=256, f=512, seed=5, weight_std=(0.1, 0.05), amaxes=((4.0, 0.4, 0.05), (3.0, 0.2, 0.02)))
     (y0, *g0), (y1, *g1) = outs["two"], outs["fused"]
     assert _rel(y1, y0) < 1e-3
     for a, b in zip(g0[:3], g1[:3], strict=True):

@@ -120,19 +120,23 @@ def test_rollout_and_training_forward_are_the_same_gemm(fake_te, out_dtype):
     np.testing.assert_array_equal(np.asarray(jax.jit(step)(x, qw), np.float32), np.asarray(roll, np.float32))
 
 
-def _tiny_model():
+def tiny_model(tokens_shape=(2, 16), **sizes):
+    """A tiny Llama (``sizes`` override its shape), random tokens and an FP8 state whose scales come from one observed
+    xla-backend step, so that nothing sits at scale 1. Returns (llama, config, params, tokens, te precision, state);
+    ``test_te_gpu.py`` uses it too."""
     from fp8rl_jax.fp8.policy import Precision
     from fp8rl_jax.fp8.recipe import update_state
     from fp8rl_jax.model import llama
     from fp8rl_jax.model.config import preset
 
-    config = preset("tiny").replace(hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2, head_dim=16,
-                                    num_layers=3)
+    sizes = {"hidden_size": 64, "intermediate_size": 128, "num_heads": 4, "num_kv_heads": 2, "head_dim": 16,
+             "num_layers": 3, **sizes}
+    config = preset("tiny").replace(**sizes)
     params = llama.init_params(config, jax.random.PRNGKey(0), std=0.05)
-    tokens = jnp.asarray(np.random.RandomState(0).randint(0, config.vocab_size, (2, 16)))
+    tokens = jnp.asarray(np.random.RandomState(0).randint(0, config.vocab_size, tokens_shape))
     precision = Precision(backend="te")
     state = llama.init_fp8_state(config, precision)
-    ref = precision.replace(backend="xla")  # scales from one observed step, so that nothing sits at scale 1
+    ref = precision.replace(backend="xla")
     loss = lambda s: llama.forward(params, tokens, config=config, precision=ref, fp8_state=s)[0].sum()
     state = update_state(state, jax.grad(loss)(state), ref.recipe)
     return llama, config, params, tokens, precision, state
@@ -142,7 +146,7 @@ def test_kernels_quantized_once_per_update_give_the_same_step(fake_te, monkeypat
     """``llama.update_kernels``: the FP8 operands made once for an update give the same loss, gradients (into the
     masters) and FP8 observations as quantizing the kernels in every forward, and the forward really reads them.
     (With the MLP's two linears as such: its fused form, which the hoisted kernels enable, has a test of its own.)"""
-    llama, config, params, tokens, precision, state = _tiny_model()
+    llama, config, params, tokens, precision, state = tiny_model()
     monkeypatch.setattr(llama, "_fused_mlp", lambda *args: False)
     hoisted = llama.update_kernels(params, state, config, precision)
     assert set(hoisted) == {"wqkv", "wo", "w_gate_up", "w_down"}
@@ -163,40 +167,46 @@ def test_kernels_quantized_once_per_update_give_the_same_step(fake_te, monkeypat
     assert float(grad(params, state, wrong)[0]) != float(l0)
 
 
-def test_fused_mlp_forward_is_the_two_linears_and_its_backward_follows_them(fake_te):
-    """``te.fp8_swiglu_mlp`` (what the training step runs with kernels made once for the update) against the two
-    ``fp8_matmul`` calls it replaces: the same output bit for bit (the rollout runs the two linears), gradients and
-    observations within the FP8 rounding that its f32 SwiGLU backward (BF16 in autodiff) can move."""
-    from fp8rl_jax.fp8.policy import Precision
-
-    rng = np.random.RandomState(3)
-    m, d, f = 64, 32, 64
+def mlp_vjps(m: int, d: int, f: int, seed: int, weight_std: tuple[float, float], amaxes) -> dict:
+    """An MLP of random ``x`` [m, d], ``w_gate_up`` [d, 2f], ``w_down`` [f, d] with two linear states (``amaxes``: per
+    linear the (x, kernel, grad) amaxes its scales come from), differentiated at a random f32 cotangent in two ways:
+    ``te.fp8_swiglu_mlp`` with kernels made once for the update ("fused") and the two ``te.fp8_matmul`` calls it
+    replaces ("two"). Each: (y, dx, dw_gate_up, dw_down, observations of w_gate_up, of w_down). ``test_te_gpu.py``
+    runs it on TE's GEMMs."""
+    rng = np.random.RandomState(seed)
     x = jnp.asarray(rng.randn(m, d), jnp.bfloat16)
-    w_gu = jnp.asarray(rng.randn(d, 2 * f) * 0.2, jnp.float32)
-    w_down = jnp.asarray(rng.randn(f, d) * 0.1, jnp.float32)
+    w_gu = jnp.asarray(rng.randn(d, 2 * f) * weight_std[0], jnp.float32)
+    w_down = jnp.asarray(rng.randn(f, d) * weight_std[1], jnp.float32)
     g = jnp.asarray(rng.randn(m, d) * 1e-2, jnp.float32)
-    recipe = Precision(backend="te").recipe
     states = []
-    for amaxes in ((4.0, 0.8, 0.05), (1.0, 0.4, 0.02)):  # x, kernel, grad
-        st = init_linear_state(recipe)
-        for role, a in zip(("x", "kernel", "grad"), amaxes, strict=True):
+    for linear_amaxes in amaxes:
+        st = init_linear_state(RECIPE)
+        for role, a in zip(("x", "kernel", "grad"), linear_amaxes, strict=True):
             st[role]["scale"] = jnp.float32((57344 if role == "grad" else 448) / a)
         states.append(st)
-    hoisted = [te.quantize_for_update(w, st["kernel"]["scale"], recipe)
+    hoisted = [te.quantize_for_update(w, st["kernel"]["scale"], RECIPE)
                for w, st in zip((w_gu, w_down), states, strict=True)]
 
     def two_linears(x, w_gu, w_down, st_gu, st_down):
-        gate, up = jnp.split(te.fp8_matmul(x, w_gu, st_gu, recipe), 2, axis=-1)
-        return te.fp8_matmul(jax.nn.silu(gate) * up, w_down, st_down, recipe, jnp.float32)
+        gate, up = jnp.split(te.fp8_matmul(x, w_gu, st_gu, RECIPE), 2, axis=-1)
+        return te.fp8_matmul(jax.nn.silu(gate) * up, w_down, st_down, RECIPE, jnp.float32)
 
     def fused(x, w_gu, w_down, st_gu, st_down):
         k_gu, k_down = (dataclasses.replace(k, master=w) for k, w in zip(hoisted, (w_gu, w_down), strict=True))
-        return te.fp8_swiglu_mlp(x, k_gu, k_down, st_gu, st_down, recipe, jnp.float32)
+        return te.fp8_swiglu_mlp(x, k_gu, k_down, st_gu, st_down, RECIPE, jnp.float32)
 
     outs = {}
     for name, fn in (("two", two_linears), ("fused", fused)):
         y, vjp = jax.jit(lambda *a, fn=fn: jax.vjp(fn, *a))(x, w_gu, w_down, *states)
         outs[name] = (y, *vjp(g))
+    return outs
+
+
+def test_fused_mlp_forward_is_the_two_linears_and_its_backward_follows_them(fake_te):
+    """``te.fp8_swiglu_mlp`` (what the training step runs with kernels made once for the update) against the two
+    ``fp8_matmul`` calls it replaces: the same output bit for bit (the rollout runs the two linears), gradients and
+    observations within the FP8 rounding that its f32 SwiGLU backward (BF16 in autodiff) can move."""
+    outs = mlp_vjps(m=64, d=32, f=64, seed=3, weight_std=(0.2, 0.1), amaxes=((4.0, 0.8, 0.05), (1.0, 0.4, 0.02)))
     (y0, *grads0), (y1, *grads1) = outs["two"], outs["fused"]
     assert y1.dtype == jnp.float32
     np.testing.assert_array_equal(np.asarray(y1), np.asarray(y0))
@@ -218,7 +228,7 @@ def test_fused_mlp_runs_in_the_model_step_with_kernels_made_once(fake_te):
     """Through ``forward_hidden`` with ``update_kernels``: the fused MLP is taken (one custom VJP per layer) and the
     step's loss is the unfused one's, bit for bit once XLA may not keep BF16 intermediates in f32 (its "excess
     precision", which depends on how it fuses the ops around them); its gradients follow the unfused step's."""
-    llama, config, params, tokens, precision, state = _tiny_model()
+    llama, config, params, tokens, precision, state = tiny_model()
     hoisted = llama.update_kernels(params, state, config, precision)
 
     def loss(params, state, hoisted):
@@ -238,7 +248,7 @@ def test_fused_mlp_runs_in_the_model_step_with_kernels_made_once(fake_te):
 
 
 def test_update_kernels_apply_to_the_te_backend_only():
-    llama, config, params, _, precision, state = _tiny_model()
+    llama, config, params, _, precision, state = tiny_model()
     assert llama.update_kernels(params, state, config, precision.replace(backend="xla")) is None
     assert llama.update_kernels(params, None, config, precision) is None
 
