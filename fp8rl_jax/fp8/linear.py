@@ -41,10 +41,16 @@ def linear(
     into its master.
     ``kernel_nk``: ``kernel`` is stored [N, K] (a tied embedding table used as the head) and is contracted as it
     is: handed over as a transposed [K, N] view, a BF16 table is converted whole to f32 by XLA:CPU at every call.
+    An FP8 ``x`` is the input already quantized with this linear's input scale (the decode attention kernel
+    writes it so): it takes a ``QuantizedKernel`` and goes to the GEMM as it is.
     """
     dtype = precision.dtype
     out_dtype = jnp.dtype(out_dtype or dtype)
-    x = x.astype(dtype)
+    if jnp.dtype(x.dtype).itemsize == 1:
+        if not (isinstance(kernel, QuantizedKernel) and fp8_state is not None and precision.fp8):
+            raise TypeError(f"an {x.dtype} input is pre-quantized: it needs a QuantizedKernel and its FP8 state")
+    else:
+        x = x.astype(dtype)
     gather = None
     if isinstance(kernel, TrainKernel) and not (fp8_state is not None and precision.fp8 and precision.backend == "te"):
         kernel = kernel.master  # its FP8 operands are for the te backend's FP8 GEMMs only

@@ -140,9 +140,12 @@ def prequantized_matmul(x: jax.Array, kernel: QuantizedKernel, x_scale: jax.Arra
     ``x.dtype``), written so by the GEMM as the training forward writes it (an f32 output is never rounded to BF16
     first). ``x`` is quantized by XLA, inside the fusion that produces it (see the module docstring).
     ``x_scale_inv``: ``1 / x_scale`` made beforehand (``recipe.with_input_scale_inv``; the rollout's, once per RL
-    step): the GEMM reads it from memory, and computed here it is a one-thread XLA kernel before every GEMM."""
+    step): the GEMM reads it from memory, and computed here it is a one-thread XLA kernel before every GEMM.
+    An FP8 ``x`` is already quantized with ``x_scale`` (then ``out_dtype`` is required)."""
+    if jnp.dtype(x.dtype).itemsize == 1 and out_dtype is None:
+        raise ValueError("a pre-quantized FP8 input needs out_dtype")
     out_dtype = jnp.dtype(out_dtype or x.dtype)
-    qx = quantize(x, x_scale, recipe.fwd_dtype)
+    qx = x if jnp.dtype(x.dtype).itemsize == 1 else quantize(x, x_scale, recipe.fwd_dtype)
     x_scale_inv = _inv(x_scale) if x_scale_inv is None else x_scale_inv
     return _gemm(_operand(qx, x_scale_inv, out_dtype), _operand(kernel.data, kernel.scale_inv, out_dtype))
 

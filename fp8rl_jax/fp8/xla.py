@@ -141,16 +141,20 @@ def prequantized_matmul(
 
     The training forward calls this too, after ``quantize_kernel``: rollout with pre-quantized weights and the
     training forward run the same arithmetic on the same FP8 operands. ``x_scale_inv``: ``1 / x_scale`` made
-    beforehand (``recipe.with_input_scale_inv``), the same value.
+    beforehand (``recipe.with_input_scale_inv``), the same value. An FP8 ``x`` is already quantized with
+    ``x_scale`` (per-tensor scaling only).
     """
     form = gemm_form(form)
     qw = gemm_operand(kernel.data, recipe.fwd_dtype, form)
+    quantized = jnp.dtype(x.dtype).itemsize == 1
+    if quantized and recipe.scaling == "rowwise":
+        raise ValueError("a pre-quantized FP8 input has one scale; rowwise scaling quantizes each row itself")
     if recipe.scaling == "rowwise":  # x_scale unused: each token's row has its own current scale
         qx, x_scale_inv = _rowwise_quantize(x, recipe.fwd_dtype)
         # [M, K] . [N, K] -> [M, N], scaled back per token and per output channel
         y = _mm(gemm_operand(qx, recipe.fwd_dtype, form), qw, 1, 1) * (x_scale_inv[:, None] * kernel.scale_inv)
     else:
-        qx = gemm_operand(quantize(x, x_scale, recipe.fwd_dtype), recipe.fwd_dtype, form)
+        qx = gemm_operand(x if quantized else quantize(x, x_scale, recipe.fwd_dtype), recipe.fwd_dtype, form)
         # [M, K] . [N, K] -> [M, N]
         if x_scale_inv is None:
             x_scale_inv = 1.0 / x_scale.astype(jnp.float32)

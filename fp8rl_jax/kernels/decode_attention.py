@@ -38,7 +38,14 @@ converts E4M3 pairs to F16 in one instruction) and applies the per-layer scales 
 ``1/k_scale`` joins the softmax scale on the [G, block_k] scores and ``1/v_scale`` multiplies the combined [G, H]
 output (the kernel takes the scales and inverts them itself). That is the dequantization ``q8 * (1/scale)`` in
 exact arithmetic, with one rounding fewer than the XLA path (which rounds the dequantized K/V to BF16 before its
-dots). No BF16 copy of the cache is made.
+dots). No BF16 copy of the cache is made. Each scale is an operand of its own, as the step has it: a layer's
+scalar (the unrolled decode step's per-layer buffers) or, with a stacked cache, all layers' [L], read at the layer
+index. Gathering them into one array cost a one-thread XLA kernel per layer and step (16 a step at llama1b).
+
+The output. With ``out_dtype`` FP8 and ``out_scale`` (the rollout's pre-quantized ``wo``: its input scale) the
+kernel rounds the output to the query's dtype and quantizes it as ``recipe.quantize`` would, so ``wo``'s GEMM
+reads it as it is (``linear`` takes an FP8 input as quantized with its input scale): the same bits, and no XLA
+quantize kernel per layer and step (16 a step, ~1.5-2 us each on the H100).
 
 The cache is read in place. The kernel takes the whole stacked cache [L, B, K, S, H] and the layer index (a
 traced scalar inside the layer scan) and indexes the layer itself: slicing one layer out of the scan's carried
@@ -93,6 +100,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jax.sharding import PartitionSpec as P
+
+from fp8rl_jax.fp8.recipe import fp8_max, quantize
 
 IMPLS = ("auto", "pallas", "pallas_interpret", "xla")
 NEG_INF = -1e30  # the XLA path's mask value (as in ``llama.attention``)
@@ -180,17 +189,52 @@ def _check(q, k_cache, v_cache, lengths, k_scale, v_scale):
         raise ValueError(f"lengths must be int [B={b}], got {lengths.dtype} {lengths.shape}")
     if jnp.dtype(k_cache.dtype).itemsize == 1 and (k_scale is None or v_scale is None):
         raise ValueError(f"a {k_cache.dtype} K/V cache needs k_scale and v_scale")
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if scale is not None and jnp.ndim(scale) not in (0, 1):
+            raise ValueError(f"{name} must be a scalar or one per layer [L], got shape {jnp.shape(scale)}")
+        if scale is not None and jnp.ndim(scale) == 1 and jnp.shape(scale)[0] != k_cache.shape[0]:
+            raise ValueError(f"{name} has {jnp.shape(scale)[0]} per-layer entries; "
+                             f"the cache has {k_cache.shape[0]} layers")
+
+
+def _out_format(out_scale, out_dtype, q_dtype) -> tuple[jnp.dtype, bool]:
+    """The output dtype and whether it is quantized (an FP8 ``out_dtype``, which needs ``out_scale``)."""
+    out_dtype = jnp.dtype(out_dtype or q_dtype)
+    quantized = out_dtype.itemsize == 1
+    if quantized != (out_scale is not None):
+        raise ValueError(f"out_scale goes with an FP8 out_dtype (got out_dtype={out_dtype}, out_scale "
+                         f"{'set' if out_scale is not None else 'None'})")
+    return out_dtype, quantized
+
+
+def _layer_scale(scale, layer):
+    """A scalar scale as it is; one per layer [L] indexed by ``layer``."""
+    if scale is None or jnp.ndim(scale) == 0:
+        return scale
+    return jnp.asarray(scale)[layer]
 
 
 def _inverse_scale(scale) -> jax.Array:
     return jnp.float32(1.0) if scale is None else 1.0 / jnp.asarray(scale, jnp.float32)
 
 
+def _output(out: jax.Array, q_dtype, out_dtype, out_scale) -> jax.Array:
+    """The attention output rounded to the query's dtype, then, for an FP8 ``out_dtype``, quantized with
+    ``out_scale`` exactly as the next linear would quantize that BF16 value (``recipe.quantize``)."""
+    if out_scale is None:
+        return out.astype(q_dtype)
+    # the rounding to q's dtype as reduce_precision: XLA may fold an f32 -> bf16 -> f32 convert pair away
+    f = jnp.finfo(q_dtype)
+    out = lax.reduce_precision(out.astype(jnp.float32), exponent_bits=f.nexp, mantissa_bits=f.nmant)
+    return quantize(out, jnp.asarray(out_scale, jnp.float32), out_dtype)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # the XLA path
 
 
-def decode_attention_xla(q, k_cache, v_cache, lengths, *, layer=None, k_scale=None, v_scale=None) -> jax.Array:
+def decode_attention_xla(q, k_cache, v_cache, lengths, *, layer=None, k_scale=None, v_scale=None, out_scale=None,
+                         out_dtype=None) -> jax.Array:
     """The model's masked einsum over all S positions (FP8 K/V dequantized to the query dtype first).
 
     Positions at or past a sequence's length are masked out of the scores and zeroed in V, so whatever they
@@ -198,6 +242,8 @@ def decode_attention_xla(q, k_cache, v_cache, lengths, *, layer=None, k_scale=No
     """
     (k_cache, _), (v_cache, layer) = _stacked(k_cache, layer), _stacked(v_cache, layer)
     _check(q, k_cache, v_cache, lengths, k_scale, v_scale)
+    out_dtype, _ = _out_format(out_scale, out_dtype, q.dtype)
+    k_scale, v_scale = _layer_scale(k_scale, layer), _layer_scale(v_scale, layer)
     s, h = k_cache.shape[3], q.shape[-1]
     # [L, B, K, S, H] -> [B, K, S, H]
     k, v = k_cache[layer], v_cache[layer]
@@ -211,23 +257,28 @@ def decode_attention_xla(q, k_cache, v_cache, lengths, *, layer=None, k_scale=No
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     v = jnp.where(visible[:, None, :, None], v, 0)
     # [B, K, G, S] x [B, K, S, H] -> [B, K, G, H]
-    return jnp.einsum("bkgs,bksh->bkgh", probs, v, preferred_element_type=v.dtype).astype(q.dtype)
+    out = jnp.einsum("bkgs,bksh->bkgh", probs, v, preferred_element_type=v.dtype)
+    return _output(out, q.dtype, out_dtype, out_scale)
 
 
 # ----------------------------------------------------------------------------------------------------------
 # the Pallas kernel
 
 
-def _kernel(layer_ref, lengths_ref, kv_scales_ref, q_ref, k_ref, v_ref, *out_refs,
+def _kernel(layer_ref, lengths_ref, k_scale_ref, v_scale_ref, out_scale_ref, q_ref, k_ref, v_ref, *out_refs,
             kv_heads: int, groups: int, heads_per_program: int, rows_padded: int, rows_per_layer: int,
-            cache_len: int, block_k: int, k_splits: int, compute_dtype, precision, softmax_scale: float):
+            cache_len: int, block_k: int, k_splits: int, compute_dtype, precision, softmax_scale: float,
+            q_dtype, out_limit: float | None):
     """``heads_per_program`` (P) consecutive kv heads of one sequence and one split. Refs (whole arrays, indexed
     here):
 
-    layer [1] i32; lengths [B] i32; kv_scales [2] f32 (k_scale, v_scale: 1 for a BF16 cache); q [B*K*G, H];
-    k, v [L*B*K, S, H]; out: with several splits acc [k_splits, B*K*G, H] f32, row_max and row_sum
-    [k_splits, B*K*G] f32 (combined by XLA); with one split the normalised output [B*K*G, H] in q's dtype (no
-    combine: the scales are applied here, so no scalar XLA op runs beside the kernel in the decode step).
+    layer [1] i32; lengths [B] i32; k_scale, v_scale [1] or one per layer [L] (read at the layer index) f32, 1
+    for a BF16 cache; out_scale [1] f32, the output's quantization scale (read with ``out_limit`` only); each
+    scale is an operand of its own, so that the decode step hands over the buffers it has (no per-layer op
+    gathers them); q [B*K*G, H]; k, v [L*B*K, S, H]; out: with several splits acc [k_splits,
+    B*K*G, H] f32, row_max and row_sum [k_splits, B*K*G] f32 (combined by XLA); with one split the normalised
+    output [B*K*G, H], rounded to ``q_dtype`` and, with ``out_limit``, quantized to FP8 (no combine: the scales
+    are applied here, so no scalar XLA op runs beside the kernel in the decode step).
 
     P = 1: one kv head, its G query rows padded with zero rows. P > 1: the P*G query rows of the P heads are
     one tile; head j's dot takes a copy of it with every row outside head j zeroed, so the P score tiles add up
@@ -257,8 +308,9 @@ def _kernel(layer_ref, lengths_ref, kv_scales_ref, q_ref, k_ref, v_ref, *out_ref
     else:  # head j's rows are j*G .. j*G+G-1; its dot operand has zeros everywhere else
         head_rows = [(row_index >= j * groups) & (row_index < (j + 1) * groups) for j in range(n_heads)]
         qs = [jnp.where(rows_j[:, None], q, 0).astype(compute_dtype) for rows_j in head_rows]
+    k_scale, v_scale = (ref[layer_ref[0]] if ref.shape[0] > 1 else ref[0] for ref in (k_scale_ref, v_scale_ref))
     # 1/sqrt(H) and the K dequantization 1/k_scale, on the scores
-    score_scale = softmax_scale * (1.0 / kv_scales_ref[0])
+    score_scale = softmax_scale * (1.0 / k_scale)
     block_offsets = jnp.arange(block_k)
 
     def body(block, carry):
@@ -298,8 +350,11 @@ def _kernel(layer_ref, lengths_ref, kv_scales_ref, q_ref, k_ref, v_ref, *out_ref
         acc = jnp.where(rows_j[:, None], acc_j, acc)
     if k_splits == 1:  # normalised here; a length-0 sequence (row sum 0, accumulator 0) gets zeros
         (out_ref,) = out_refs
-        norm = (1.0 / kv_scales_ref[1]) / jnp.where(row_sum > 0, row_sum, 1.0)  # 1/v_scale dequantizes V
-        plgpu.store(out_ref.at[heads, :], (acc * norm[:, None]).astype(out_ref.dtype), mask=head_ok[:, None])
+        norm = (1.0 / v_scale) / jnp.where(row_sum > 0, row_sum, 1.0)  # 1/v_scale dequantizes V
+        out = (acc * norm[:, None]).astype(q_dtype)
+        if out_limit is not None:  # recipe.quantize of that value: the next FP8 GEMM's operand
+            out = jnp.clip(out.astype(jnp.float32) * out_scale_ref[0], -out_limit, out_limit)
+        plgpu.store(out_ref.at[heads, :], out.astype(out_ref.dtype), mask=head_ok[:, None])
         return
     acc_ref, row_max_ref, row_sum_ref = out_refs
     plgpu.store(acc_ref.at[split, heads, :], acc, mask=head_ok[:, None])
@@ -339,9 +394,9 @@ def _widen_byte_array_offsets() -> bool:
 
 
 def decode_attention_pallas(q, k_cache, v_cache, lengths, *, layer=None, k_scale=None, v_scale=None,
-                            block_k: int | None = None, k_splits: int | None = None, num_warps: int = 4,
-                            num_stages: int = 2, dot_dtype=None, heads_per_program: int = 1,
-                            interpret: bool = False) -> jax.Array:
+                            out_scale=None, out_dtype=None, block_k: int | None = None,
+                            k_splits: int | None = None, num_warps: int = 4, num_stages: int = 2, dot_dtype=None,
+                            heads_per_program: int = 1, interpret: bool = False) -> jax.Array:
     """The Pallas kernel (see the module note); ``interpret=True`` runs it on any backend through Pallas'
     interpreter (tests). ``block_k`` / ``k_splits`` default from the shapes (``default_block_k`` /
     ``default_k_splits``). ``dot_dtype``: the dots' operand dtype (default ``default_dot_dtype``); ``float16``
@@ -351,6 +406,7 @@ def decode_attention_pallas(q, k_cache, v_cache, lengths, *, layer=None, k_scale
     rows sharing one score tile and one online softmax (the module note); 1, the default, is one kv head."""
     (k_cache, _), (v_cache, layer) = _stacked(k_cache, layer), _stacked(v_cache, layer)
     _check(q, k_cache, v_cache, lengths, k_scale, v_scale)
+    out_dtype, quantized = _out_format(out_scale, out_dtype, q.dtype)
     reason = pallas_unsupported(q.shape[-1])
     if reason:
         raise ValueError(f"decode attention kernel: {reason}; use decode_attention='xla'")
@@ -369,6 +425,7 @@ def decode_attention_pallas(q, k_cache, v_cache, lengths, *, layer=None, k_scale
     if itemsize == 1 and k_cache.size > 2**31 and not interpret and not _widen_byte_array_offsets():
         warnings.warn("decode attention: Pallas offsets are 32-bit for this FP8 cache; slicing the layer (a copy)",
                       stacklevel=2)
+        k_scale, v_scale = _layer_scale(k_scale, layer), _layer_scale(v_scale, layer)
         k_cache, v_cache, layer = k_cache[layer][None], v_cache[layer][None], jnp.int32(0)
         n_layers = 1
     compute_dtype = jnp.dtype(dot_dtype or default_dot_dtype(q.dtype, k_cache.dtype))
@@ -378,17 +435,19 @@ def decode_attention_pallas(q, k_cache, v_cache, lengths, *, layer=None, k_scale
     else:
         q_dot = q.astype(compute_dtype)
     precision = lax.Precision.HIGHEST if compute_dtype == jnp.float32 else None
-    # the scales themselves, not their inverses: computed in the kernel, no scalar XLA kernels per layer and step
-    kv_scales = jnp.stack([jnp.asarray(1.0 if a is None else a, jnp.float32).reshape(()) for a in (k_scale, v_scale)])
+    # the scales themselves, not their inverses (computed in the kernel), each as it is ([1] or [L]: a free
+    # reshape): no scalar XLA kernel per layer and step
+    scales = [jnp.asarray(1.0 if a is None else a, jnp.float32).reshape(-1) for a in (k_scale, v_scale, out_scale)]
 
     kernel = functools.partial(
         _kernel, kv_heads=kh, groups=g, heads_per_program=n_heads,
         rows_padded=_pow2_ceil(max(n_heads * g, MIN_DOT_ROWS)), rows_per_layer=rows,
         cache_len=s, block_k=block_k, k_splits=k_splits, compute_dtype=compute_dtype, precision=precision,
-        softmax_scale=1.0 / math.sqrt(h),
+        softmax_scale=1.0 / math.sqrt(h), q_dtype=jnp.dtype(q.dtype),
+        out_limit=fp8_max(out_dtype) if quantized else None,
     )
     if k_splits == 1:  # the output itself
-        out_shape = (jax.ShapeDtypeStruct((rows * g, h), q.dtype),)
+        out_shape = (jax.ShapeDtypeStruct((rows * g, h), out_dtype),)
     else:  # each split's partial results, combined below
         out_shape = (
             jax.ShapeDtypeStruct((k_splits, rows * g, h), jnp.float32),  # acc
@@ -405,7 +464,7 @@ def decode_attention_pallas(q, k_cache, v_cache, lengths, *, layer=None, k_scale
     )(
         jnp.reshape(layer, (1,)),
         lengths.astype(jnp.int32),
-        kv_scales,
+        *scales,
         # [B, K, G, H] -> [B*K*G, H]
         q_dot.reshape(rows * g, h),
         # [L, B, K, S, H] -> [L*B*K, S, H]: contiguous, a free reshape
@@ -423,9 +482,9 @@ def decode_attention_pallas(q, k_cache, v_cache, lengths, *, layer=None, k_scale
     total = jnp.sum(weight * row_sum, axis=0)
     acc = jnp.sum(weight[..., None] * acc, axis=0)  # [B*K*G, H]
     # a length-0 sequence (total 0) gets zeros; 1/v_scale is the V dequantization
-    out = acc * (_inverse_scale(v_scale) / jnp.where(total > 0, total, 1.0))[:, None]
+    out = acc * (_inverse_scale(_layer_scale(v_scale, layer)) / jnp.where(total > 0, total, 1.0))[:, None]
     # [B*K*G, H] -> [B, K, G, H]
-    return out.reshape(b, kh, g, h).astype(q.dtype)
+    return _output(out.reshape(b, kh, g, h), q.dtype, out_dtype, out_scale)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -433,13 +492,17 @@ def decode_attention_pallas(q, k_cache, v_cache, lengths, *, layer=None, k_scale
 
 
 def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengths: jax.Array, *, layer=None,
-                     k_scale=None, v_scale=None, impl: str = "auto", **tuning) -> jax.Array:
+                     k_scale=None, v_scale=None, out_scale=None, out_dtype=None, impl: str = "auto",
+                     **tuning) -> jax.Array:
     """Attention of one query token per sequence over cache positions ``0 .. lengths[b] - 1``.
 
     q [B, K, G, H] (bf16 or f32); k_cache, v_cache [B, K, S, H], or [L, B, K, S, H] with ``layer`` (an int or
-    a traced scalar), in bf16 / f32, or float8_e4m3fn with that layer's scalar ``k_scale`` / ``v_scale``
-    (stored value = value * scale); lengths [B] int (clipped to [0, S]; a length-0 row returns zeros from the
-    kernel). Returns [B, K, G, H] in q's dtype.
+    a traced scalar), in bf16 / f32, or float8_e4m3fn with that layer's scalar ``k_scale`` / ``v_scale``, or
+    with a stacked cache the scales of every layer [L] (read at ``layer``: the decode step then makes no
+    per-layer array of them) (stored value = value * scale); lengths [B] int (clipped to [0, S]; a length-0 row
+    returns zeros from the kernel). Returns [B, K, G, H] in q's dtype, or with an FP8 ``out_dtype`` and its
+    ``out_scale`` that value quantized for the next FP8 GEMM (``recipe.quantize``, bit for bit what that linear
+    would make of the BF16 output; the kernel writes it, so no XLA kernel quantizes it in the decode step).
 
     impl: ``pallas`` (the Triton kernel, GPU), ``pallas_interpret`` (the same kernel through Pallas'
     interpreter: any backend, slow, for tests), ``xla`` (the masked einsum), ``auto`` (pallas on a GPU backend
@@ -452,31 +515,31 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengt
     if impl == "pallas" and jax.default_backend() != "gpu":
         raise ValueError(f"decode_attention='pallas' needs a GPU backend (this one is {jax.default_backend()!r}); "
                          "use 'pallas_interpret' or 'xla'")
+    scales = {"k_scale": k_scale, "v_scale": v_scale, "out_scale": out_scale}
     if impl == "xla":
-        return decode_attention_xla(q, k_cache, v_cache, lengths, layer=layer, k_scale=k_scale, v_scale=v_scale)
-    kernel = functools.partial(decode_attention_pallas, interpret=impl == "pallas_interpret", **tuning)
+        return decode_attention_xla(q, k_cache, v_cache, lengths, layer=layer, out_dtype=out_dtype, **scales)
+    kernel = functools.partial(decode_attention_pallas, interpret=impl == "pallas_interpret", out_dtype=out_dtype,
+                               **tuning)
     from fp8rl_jax.parallel import rules
 
     mesh = rules.active_mesh()
     if mesh is None:
-        return kernel(q, k_cache, v_cache, lengths, layer=layer, k_scale=k_scale, v_scale=v_scale)
-    return _shard_mapped(kernel, mesh, q, k_cache, v_cache, lengths, layer, k_scale, v_scale)
+        return kernel(q, k_cache, v_cache, lengths, layer=layer, **scales)
+    return _shard_mapped(kernel, mesh, q, k_cache, v_cache, lengths, layer, scales)
 
 
-def _shard_mapped(kernel, mesh, q, k_cache, v_cache, lengths, layer, k_scale, v_scale) -> jax.Array:
+def _shard_mapped(kernel, mesh, q, k_cache, v_cache, lengths, layer, scales: dict) -> jax.Array:
     """``kernel`` under ``jax.shard_map`` over the batch and kv heads of the active ``mesh``, split as the sharding
     rules split the KV cache (what does not divide stays whole); layer index and scales replicated."""
     from fp8rl_jax.parallel import rules
 
     # q [B, K, G, H] and the output split as the cache's B and K
     cache_spec, head_spec, rows_spec = rules.cache_local_specs(mesh, k_cache.shape)
-    extras = tuple(jnp.asarray(a) for a in (layer, k_scale, v_scale) if a is not None)
+    given = {name: jnp.asarray(a) for name, a in {"layer": layer, **scales}.items() if a is not None}
 
-    def local(q, k_cache, v_cache, lengths, *extras):
-        it = iter(extras)
-        layer_, k_scale_, v_scale_ = (next(it) if a is not None else None for a in (layer, k_scale, v_scale))
-        return kernel(q, k_cache, v_cache, lengths, layer=layer_, k_scale=k_scale_, v_scale=v_scale_)
+    def local(q, k_cache, v_cache, lengths, given):
+        return kernel(q, k_cache, v_cache, lengths, **given)
 
-    mapped = jax.shard_map(local, mesh=mesh, in_specs=(head_spec, cache_spec, cache_spec, rows_spec)
-                           + (P(),) * len(extras), out_specs=head_spec, check_vma=False)
-    return mapped(q, k_cache, v_cache, lengths, *extras)
+    mapped = jax.shard_map(local, mesh=mesh, in_specs=(head_spec, cache_spec, cache_spec, rows_spec, P()),
+                           out_specs=head_spec, check_vma=False)
+    return mapped(q, k_cache, v_cache, lengths, given)

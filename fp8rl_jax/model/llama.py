@@ -40,7 +40,7 @@ from fp8rl_jax.fp8 import kv as kvq
 from fp8rl_jax.fp8.linear import linear
 from fp8rl_jax.fp8.policy import Precision
 from fp8rl_jax.fp8.recipe import init_linear_state
-from fp8rl_jax.fp8.xla import TrainKernel
+from fp8rl_jax.fp8.xla import QuantizedKernel, TrainKernel
 from fp8rl_jax.kernels import decode_attention as decode_kernel
 from fp8rl_jax.model.config import LlamaConfig
 from fp8rl_jax.parallel import fsdp, rules
@@ -476,6 +476,7 @@ def _block(x, layer, fp8, idx, positions, cache, kv_scales, config: LlamaConfig,
     v = v.reshape(b, t, c.num_kv_heads, c.head_dim)
     kv_amax = (jnp.max(jnp.abs(k)).astype(jnp.float32), jnp.max(jnp.abs(v)).astype(jnp.float32))
 
+    k_scale = v_scale = None
     if precision.kv_fp8:
         k_scale, v_scale = kv_scales["k"][idx], kv_scales["v"][idx]
     if cache is None:
@@ -502,7 +503,6 @@ def _block(x, layer, fp8, idx, positions, cache, kv_scales, config: LlamaConfig,
     if cache is not None and t == 1 and decode_impl != "xla":
         # decode: read each sequence's filled positions 0..position only, from the (FP8) cache in place (the
         # whole-cache keys / values above are then dead code, dropped by XLA)
-        scales = {"k_scale": k_scale, "v_scale": v_scale} if precision.kv_fp8 else {}
         # [B, 1, N, H] -> [B, K, G, H]
         q_heads = q.reshape(b, c.num_kv_heads, c.num_heads // c.num_kv_heads, c.head_dim)
         layered = isinstance(cache["k"], tuple)  # one array per layer: this layer's, [B, K, S, H]
@@ -510,7 +510,9 @@ def _block(x, layer, fp8, idx, positions, cache, kv_scales, config: LlamaConfig,
         native = {n: a if a.dtype == cache_dtype else lax.bitcast_convert_type(a, cache_dtype)
                   for n, a in native.items()}
         attn = decode_kernel.decode_attention(q_heads, native["k"], native["v"], positions[:, 0] + 1,
-                                              layer=None if layered else idx, impl=decode_impl, **scales)
+                                              layer=None if layered else idx, impl=decode_impl,
+                                              **_decode_scales(kv_scales, k_scale, v_scale, layered, precision),
+                                              **_decode_output(layer["wo"], fp8.get("wo"), precision))
         # [B, K, G, H] -> [B, 1, N, H]
         attn = attn.reshape(b, 1, c.num_heads, c.head_dim)
     elif cache is None and attention_impl != "xla":
@@ -533,6 +535,28 @@ def _block(x, layer, fp8, idx, positions, cache, kv_scales, config: LlamaConfig,
                             (c.intermediate_size,) * 2, fused_shards)
     x = x + linear(jax.nn.silu(gate) * up, layer["w_down"], fp8.get("w_down"), precision, out_dtype=x.dtype)
     return x, cache, kv_amax
+
+
+def _decode_scales(kv_scales, k_scale, v_scale, layered: bool, precision: Precision) -> dict:
+    """The decode kernel's KV scales: with a stacked cache and stacked scales all layers' [L] (the kernel reads
+    its layer's: the scan's per-layer slices would each be gathered into a buffer of their own, a kernel per layer
+    and step), else this layer's (per-layer scalars, each a buffer already)."""
+    if not precision.kv_fp8:
+        return {}
+    if not layered and not isinstance(kv_scales["k"], (tuple, list)):
+        return {"k_scale": kv_scales["k"], "v_scale": kv_scales["v"]}
+    return {"k_scale": k_scale, "v_scale": v_scale}
+
+
+def _decode_output(wo, wo_state, precision: Precision) -> dict:
+    """With the rollout's pre-quantized ``wo`` (per-tensor scaling) the decode kernel writes the attention output
+    already quantized with ``wo``'s input scale, as ``linear`` would quantize it (no XLA kernel does it in the
+    decode step); else the output stays in the compute dtype."""
+    if wo_state is None or not precision.fp8 or not isinstance(wo, QuantizedKernel):
+        return {}
+    if precision.recipe.scaling != "tensor":
+        return {}
+    return {"out_scale": wo_state["x"]["scale"], "out_dtype": precision.recipe.fwd_dtype}
 
 
 def _fused_mlp(layer, fp8, precision: Precision, fused_shards: int) -> bool:

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from fp8rl_jax.fp8 import te, xla
-from fp8rl_jax.fp8.recipe import Fp8Recipe, init_linear_state, with_input_scale_inv
+from fp8rl_jax.fp8.recipe import Fp8Recipe, init_linear_state, quantize, with_input_scale_inv
 
 RECIPE = Fp8Recipe()
 
@@ -118,6 +118,13 @@ def test_rollout_and_training_forward_are_the_same_gemm(fake_te, out_dtype):
     step = lambda x, qw: linear(x, qw, st_inv, precision, out_dtype)
     assert "div" not in str(jax.make_jaxpr(step)(x, qw))
     np.testing.assert_array_equal(np.asarray(jax.jit(step)(x, qw), np.float32), np.asarray(roll, np.float32))
+    # an input already quantized with the input scale (the decode attention kernel's output) goes to the GEMM as
+    # it is: the same result
+    x8 = quantize(x.astype(precision.dtype), st["x"]["scale"], precision.recipe.fwd_dtype)
+    pre = jax.jit(lambda x8, qw: linear(x8, qw, st_inv, precision, out_dtype))(x8, qw)
+    np.testing.assert_array_equal(np.asarray(pre, np.float32), np.asarray(roll, np.float32))
+    with pytest.raises(TypeError, match="pre-quantized: it needs a QuantizedKernel"):
+        linear(x8, w, st, precision, out_dtype)
 
 
 def tiny_model(tokens_shape=(2, 16), **sizes):

@@ -145,6 +145,10 @@ def test_cpu_form_equals_fp8_dot_bit_for_bit(fmt):
 
         qk = jax.jit(lambda w: xla.quantize_kernel(w, st["kernel"], recipe, form))(w)
         roll = jax.jit(lambda x, qk: xla.prequantized_matmul(x, qk, st["x"]["scale"], recipe, form))(x, qk)
+        # an input quantized beforehand with the same scale (the decode kernel's output): the same GEMM
+        x8 = quantize(x, st["x"]["scale"], recipe.fwd_dtype)
+        pre = jax.jit(lambda x8, qk: xla.prequantized_matmul(x8, qk, st["x"]["scale"], recipe, form))(x8, qk)
+        np.testing.assert_array_equal(np.asarray(pre), np.asarray(roll))
         return (*jax.jit(train)(x, w), roll, qk.data.astype(jnp.float32))
 
     for f8_out, f32_out in zip(run("f8"), run("f32"), strict=True):

@@ -180,6 +180,43 @@ def test_stacked_cache_reads_the_given_layer():
         np.testing.assert_allclose(got, _reference(q64, k64[layer], v64[layer], LENGTHS), rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("impl", ["pallas_interpret", "xla"])
+def test_per_layer_scales_are_read_at_the_layer(impl):
+    """Stacked per-layer scales [L] with a traced layer index: bit for bit the result with that layer's scalars."""
+    q, k, v, k_scale, v_scale, *_ = _inputs("fp8", 4, layers=3)
+    k_scales = np.array([1.0, k_scale, 2.0 * k_scale], np.float32)
+    v_scales = np.array([0.5, 0.25 * v_scale, v_scale], np.float32)
+    for layer in (1, 2):
+        got = _attend(impl, q, k, v, LENGTHS, k_scales, v_scales, layer=jnp.int32(layer), k_splits=1)
+        want = _attend(impl, q, k, v, LENGTHS, k_scales[layer], v_scales[layer], layer=jnp.int32(layer), k_splits=1)
+        np.testing.assert_array_equal(got, want)
+    with pytest.raises(ValueError, match="k_scale has 2 per-layer entries; the cache has 3 layers"):
+        da.decode_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(LENGTHS), layer=0,
+                            k_scale=k_scales[:2], v_scale=v_scales, impl=impl)
+
+
+@pytest.mark.parametrize("impl,k_splits", [("pallas_interpret", 1), ("pallas_interpret", 2), ("xla", None)])
+@pytest.mark.parametrize("kind", ["bf16", "fp8"])
+def test_fp8_output_is_the_next_linear_quantization(impl, k_splits, kind):
+    """``out_dtype`` FP8 with ``out_scale``: bit for bit ``recipe.quantize`` of the BF16 output (what the next
+    linear would make of it), whether the kernel writes it (one split) or XLA's combine of the splits does."""
+    from fp8rl_jax.fp8.recipe import quantize
+
+    q, k, v, k_scale, v_scale, *_ = _inputs(kind, 4)
+    tuning = {} if impl == "xla" else {"block_k": 16, "k_splits": k_splits}
+    args = [jnp.asarray(a) for a in (q, k, v, LENGTHS)]
+    run = functools.partial(da.decode_attention, k_scale=k_scale, v_scale=v_scale, impl=impl, **tuning)
+    out_scale = jnp.float32(448.0 / 2.0)  # saturates: |out| reaches ~3 here
+    plain = jax.jit(run)(*args)
+    got = jax.jit(functools.partial(run, out_scale=out_scale, out_dtype=jnp.float8_e4m3fn))(*args)
+    assert got.dtype == jnp.float8_e4m3fn and plain.dtype == q.dtype
+    want = quantize(plain, out_scale, jnp.float8_e4m3fn)
+    assert np.abs(np.asarray(want, np.float32)).max() == 448.0  # the clip is exercised
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    with pytest.raises(ValueError, match="out_scale goes with an FP8 out_dtype"):
+        run(*args, out_dtype=jnp.float8_e4m3fn)
+
+
 def test_defaults_hand_derived():
     # 16 KiB of K per block: 16384 / (128 * 2) = 64; FP8 and H=64 give 128 or more, capped at 128
     assert da.default_block_k(128, 2, 1088) == 64
@@ -365,6 +402,20 @@ def test_kernel_lowers_to_triton(cache_dtype, q_dtype):
         assert "tt.fp_to_fp" in ttir and "f8E4M3FN" in ttir
 
 
+def test_fp8_output_and_per_layer_scales_lower_to_triton():
+    """Llama-3.2-1B shapes, FP8 cache, the scales of all layers [L] and an FP8 output: the kernel lowers, reads the
+    scales at the layer index and stores E4M3 values."""
+    q = jax.ShapeDtypeStruct((8, 8, 4, 64), jnp.bfloat16)
+    cache = jax.ShapeDtypeStruct((16, 8, 8, 1088, 64), jnp.float8_e4m3fn)
+    scales = jax.ShapeDtypeStruct((16,), jnp.float32)
+    fn = functools.partial(da.decode_attention_pallas, out_dtype=jnp.float8_e4m3fn, k_splits=1)
+    [ttir] = _triton_ir(lambda q, k, v, n, i, ks, vs, s: fn(q, k, v, n, layer=i, k_scale=ks, v_scale=vs, out_scale=s),
+                        q, cache, cache, jax.ShapeDtypeStruct((8,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32),
+                        scales, scales, jax.ShapeDtypeStruct((), jnp.float32))
+    stores = [line for line in ttir.splitlines() if "tt.store" in line]
+    assert any("f8E4M3FN" in line for line in stores), stores
+
+
 @pytest.mark.parametrize("cache_dtype,q_dtype", [("float8_e4m3fn", "bfloat16"), ("bfloat16", "bfloat16")])
 def test_packed_heads_kernel_lowers_to_triton(cache_dtype, q_dtype):
     """Llama-3.2-1B shapes with 4 kv heads per program (16 query rows): one loop, 4 QK and 4 PV dots in it."""
@@ -401,6 +452,25 @@ def test_gpu_kernel_matches_float64_reference(kind, g, block_k, k_splits):
     got = _attend("pallas", q, k, v, LENGTHS, k_scale, v_scale, block_k=block_k, k_splits=k_splits,
                   dot_dtype="bfloat16" if kind == "fp8_bf16dot" else None)
     np.testing.assert_allclose(got, _reference(q64, k64, v64, LENGTHS), rtol=TOL[kind], atol=TOL[kind])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k_splits", [1, 2])
+def test_gpu_fp8_output_is_the_next_linear_quantization(k_splits):
+    """On the GPU the kernel's E4M3 output (one split: written by the kernel) is bit for bit ``recipe.quantize``
+    of its BF16 output, with per-layer scales read at the layer index."""
+    from fp8rl_jax.fp8.recipe import quantize
+
+    q, k, v, k_scale, v_scale, *_ = _inputs("fp8", 4, layers=2)
+    args = [jnp.asarray(a) for a in (q, k, v, LENGTHS)]
+    scales = dict(k_scale=jnp.asarray([1.0, k_scale], jnp.float32), v_scale=jnp.asarray([1.0, v_scale], jnp.float32))
+    run = functools.partial(da.decode_attention, layer=jnp.int32(1), impl="pallas", block_k=16, k_splits=k_splits,
+                            **scales)
+    out_scale = jnp.float32(448.0 / 3.0)
+    plain = jax.jit(run)(*args)
+    got = jax.jit(functools.partial(run, out_scale=out_scale, out_dtype=jnp.float8_e4m3fn))(*args)
+    want = quantize(plain, out_scale, jnp.float8_e4m3fn)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
 @pytest.mark.gpu

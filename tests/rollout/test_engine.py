@@ -213,3 +213,34 @@ def test_rollout_does_not_depend_on_the_prompts_sharing_its_prefill(params, monk
     rows = slice(0, 6)  # prompts 0-2, two samples each
     np.testing.assert_array_equal(a.tokens[rows], b.tokens[rows])
     np.testing.assert_array_equal(a.logprobs[rows], b.logprobs[rows])
+
+
+@pytest.mark.parametrize("layer_loop", ["unrolled", "scan"])
+def test_decode_kernel_writes_the_output_projection_input(params, layer_loop, monkeypatch):
+    """FP8 rollout with the decode kernel (interpreted): the kernel hands ``wo`` its input already quantized and
+    reads the KV scales it is given (each layer's, or all layers' under a scan); the tokens and logprobs are bit
+    for bit those of the path that quantizes the BF16 attention output in XLA."""
+    precision = Precision(backend="xla", kv_cache_dtype="float8_e4m3fn")
+    calls = []
+    original = llama._decode_output
+
+    def spy(*args):
+        calls.append(original(*args))
+        return calls[-1]
+
+    def rollout(decode_output):
+        monkeypatch.setattr(llama, "_decode_output", decode_output)
+        engine = Engine(CONFIG, precision, EngineConfig(max_concurrent_decodes=4, max_prefill_length=16,
+                                                        max_new_tokens=6, layer_loop=layer_loop,
+                                                        decode_attention="pallas_interpret"))
+        state = llama.init_fp8_state(CONFIG, precision)
+        wo = state["blocks"]["wo"]["x"]
+        wo["scale"] = jnp.full_like(wo["scale"], 2.0**10)  # the attention outputs' FP8 range, some clipped
+        p = engine.load_params(params, state, kvq.init_kv_scales(CONFIG.num_layers))
+        return driver.generate(engine, p, PROMPTS[:2], 2, jax.random.PRNGKey(3), steps_per_sync=3)
+
+    fused = rollout(spy)
+    assert calls and all(c.get("out_dtype") == jnp.float8_e4m3fn for c in calls)
+    plain = rollout(lambda *args: {})
+    np.testing.assert_array_equal(fused.tokens, plain.tokens)
+    np.testing.assert_array_equal(fused.logprobs, plain.logprobs)
