@@ -370,6 +370,8 @@ class Trainer:
                 arrays["old_logp"] = score(self.state["params"])
             if self.ref_params is not None:
                 arrays["ref_logp"] = score(self.ref_params)
+            # the phase's own time: unwaited, the scoring would run on into the train phase's
+            jax.block_until_ready([arrays.get("old_logp"), arrays.get("ref_logp")])
         memory["score"] = peak_memory_gib()
 
         with self._phase(times, "train"):
