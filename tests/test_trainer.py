@@ -267,6 +267,22 @@ def test_one_minibatch_ratio_is_exactly_one(first_fp8_update):
         assert record[name] == pytest.approx(float(value), rel=1e-6, abs=1e-9), name
 
 
+def test_head_grad_fp8_calibrates_and_trains_the_heads_fp8_state(tmp_path):
+    """precision.lm_head_grad_fp8 (the BF16 head's backward GEMMs in FP8) through the trainer: the train state holds
+    the head's FP8 state, the initial calibration sets its three scales (its BF16 forward observes nothing through
+    the pullback: ``rl.step.make_calibrate``), and the step rolls in the head's observations."""
+    trainer = Trainer(_config(tmp_path, steps=1, **{"precision.lm_head_grad_fp8": True}))
+    assert trainer.train_precision.lm_head_grad_fp8 and not trainer.rollout_precision.lm_head_fp8
+    calibrated = jax.device_get(trainer.state["fp8_state"]["lm_head"])
+    record = trainer.step()
+    head = jax.device_get(trainer.state["fp8_state"]["lm_head"])
+    trainer.close()
+    assert record["skipped_updates"] == 0 and np.isfinite(record["loss"])
+    for role in ("x", "kernel", "grad"):
+        assert calibrated[role]["amax_history"][0] > 0 and calibrated[role]["scale"] != 1.0, role
+        assert head[role]["amax_history"][0] > 0 and head[role]["amax_history"][1] > 0, role  # the step's, rolled
+
+
 def test_max_and_min_metrics_reduce_across_minibatches(tmp_path):
     trainer = Trainer(_config(tmp_path, steps=1, **{"rl.minibatches": 2}))
     calls = _spy_on_train_step(trainer)

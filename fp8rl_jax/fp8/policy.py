@@ -27,6 +27,10 @@ class Precision:
     bf16_linears: linears kept out of FP8 in every block, by name (``w_down``: the input that carries the
       massive activations of many LLMs).
     lm_head_fp8: run the output projection in FP8 too (off by default: logits are precision-sensitive).
+    lm_head_grad_fp8: the BF16 head's two backward GEMMs (logit gradient x kernel, hidden x logit gradient) in FP8:
+      E5M2 logit gradient, E4M3 kernel and hidden state, the head's own delayed scales; the forward, its logits and
+      logprobs, and the rollout's head stay BF16 (``rl.scoring.fp8_grad_head_logprobs``). With ``lm_head_fp8``
+      too, ``lm_head_fp8`` wins: the head is FP8 both ways.
     kv_cache_dtype: ``float8_e4m3fn`` stores K/V in FP8 with per-layer scales; the full-sequence forward then
       rounds K/V through the same FP8 values, so scoring sees what rollout saw.
     attention: the full-sequence (no-cache) attention of scoring and training: ``xla`` (the masked einsum, the
@@ -43,6 +47,7 @@ class Precision:
     bf16_layers: tuple[int, ...] = ()
     bf16_linears: tuple[str, ...] = ()
     lm_head_fp8: bool = False
+    lm_head_grad_fp8: bool = False
     kv_cache_dtype: str = "bfloat16"
     attention: str = "auto"
 
@@ -139,6 +144,7 @@ def from_config(config, role: str) -> Precision:
         bf16_layers=config_list(p.bf16_layers, int),
         bf16_linears=config_list(p.bf16_linears, str),
         lm_head_fp8=p.lm_head_fp8 and fp8,
+        lm_head_grad_fp8=p.lm_head_grad_fp8 and fp8,
         kv_cache_dtype=p.kv_cache_dtype if fp8 else p.compute_dtype,
         attention=p.attention,
     )

@@ -92,7 +92,7 @@ def init_fp8_state(config: LlamaConfig, precision: Precision) -> dict:
     """FP8 state for every linear of every block (used or not, so the layout never depends on the knobs)."""
     L = config.num_layers
     state = {"blocks": {name: init_linear_state(precision.recipe, (L,)) for name in LINEARS}}
-    if precision.lm_head_fp8:
+    if precision.lm_head_fp8 or precision.lm_head_grad_fp8:
         state["lm_head"] = init_linear_state(precision.recipe)
     return state
 

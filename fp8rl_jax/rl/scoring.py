@@ -28,6 +28,19 @@ to a logit gradient on an E5M2 rounding boundary: ``tests/rl/test_scoring.py``);
 transposed the 128k-vocabulary kernel in every chunk, forward and backward, and lost to the BF16 head (5.62 s
 against 5.48 s a train step on the H100).
 
+With ``lm_head_grad_fp8`` alone the head is ``fp8_grad_head_logprobs``: the BF16 head's forward as it is (the custom
+VJP's primal and forward are ``_chunked_head``'s, so the logprobs, the entropies and the rollout's agreement with
+them do not move) and the FP8 head's two backward GEMMs (``_fp8_head_backward``, shared with it). Each chunk's
+logits are recomputed in BF16 as the BF16 head's backward does; the logit gradient is quantized with the grad
+scale (E5M2), and the master kernel and the hidden state are quantized once per call with the kernel and x scales,
+in the backward pass (nothing FP8 lives between the two passes). Those are two of the head's four GEMMs per chunk
+(the logits, their recompute, dx, dW), the two whose rounding never reaches a logprob: the gradients carry E5M2
+rounding as every other FP8 linear's do. On the H100 (a llama1b microbatch: 32 x 1280 tokens, 2048 x 128256,
+tied) the head's forward and backward take 122 ms against the BF16 head's 144 ms (the FP8 head's: 92 ms;
+``benchmarks/head_step.py``). Its forward observes nothing, so the calibration observes the head's three operands
+itself (``rl.step.make_calibrate``). It serves ``rowwise`` scaling as it is: a rowwise linear's backward is per
+tensor with the delayed scales too.
+
 ``autodiff_head_logprobs`` (the reference both heads are tested against, and the FP8 head under ``rowwise``
 scaling) runs ``linear`` per chunk under ``jax.checkpoint`` and plain autodiff. Its FP8 state must not be closed
 over by the chunk loop: a value closed over by ``lax.map``'s body gets the *sum* of its per-iteration cotangents,
@@ -338,19 +351,19 @@ def _fp8_chunked_head_fwd(hidden, kernel, targets, state, spec: _Fp8HeadSpec):
     return _fp8_chunked_head_fwd_impl(hidden, kernel, targets, state, spec)
 
 
-def _fp8_chunked_head_bwd(spec: _Fp8HeadSpec, res, cotangents):
-    h, w_vd, w_dv, targets, m, lse, ent, state, amax_x, amax_w = res
+def _fp8_head_backward(chunk_cotangent, xs, w_dv: jax.Array, state, spec: _Fp8HeadSpec):
+    """The head's two backward GEMMs in FP8, chunk by chunk over ``xs`` (a scan): ``chunk_cotangent(x)`` gives one
+    chunk's cotangent of its scaled logits ``dz`` [B, C, V] (f32) and its hidden state quantized with the x scale
+    [B, C, D]; the logit gradient ``dz / T`` is quantized with the grad scale (E5M2 in ``hybrid``), ``w_dv`` is
+    the quantized kernel [D, V] (``_fp8_head_kernels``). Returns ``(dx [nC, B, C, D] f32, dW in the master's
+    dtype and layout, reduced onto its shards under FSDP, the largest |dz / T| of any chunk)``."""
     s_x, s_w, s_g = _fp8_scales(state)
-    g_logp, g_ent, entropy_grad = _head_cotangents(cotangents, spec.with_entropy)
     bwd_dtype, tied = spec.recipe.bwd_dtype, spec.kernel_nk
-    inv_scale = (1.0 / s_x) * (1.0 / s_w)
 
     def chunk(carry, xs):
         dw, amax_g = carry
-        h_c, y, m, lse, g, g_h, ent = xs
+        dz, h_c = chunk_cotangent(xs)
         b, c, d = h_c.shape
-        z = _fp8_scaled_logits(h_c, w_vd, inv_scale, spec)  # recomputed: [B, C, V] f32
-        dz = _logits_cotangent(z, y, m, lse, g, g_h, ent, entropy_grad)
         dlogits = (dz / spec.temperature).reshape(b * c, -1)  # the cotangent of the unscaled logits
         g8 = xla.gemm_operand(quantize(dlogits, s_g, bwd_dtype), bwd_dtype, spec.form)
         h2 = h_c.reshape(b * c, d)
@@ -364,12 +377,26 @@ def _fp8_chunked_head_bwd(spec: _Fp8HeadSpec, res, cotangents):
         dw = dw + lax.dot_general(a, bb, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
         return (dw, jnp.maximum(amax_g, amax(dlogits))), dx.reshape(b, c, d)
 
-    shape = w_vd.shape if tied else w_dv.shape
-    (dw, amax_g), dx = lax.scan(chunk, (jnp.zeros(shape, jnp.float32), jnp.float32(0.0)),
-                                (h, targets, m, lse, g_logp, g_ent, ent))
+    shape = w_dv.shape[::-1] if tied else w_dv.shape  # the master's layout: [V, D] tied, else [D, V]
+    (dw, amax_g), dx = lax.scan(chunk, (jnp.zeros(shape, jnp.float32), jnp.float32(0.0)), xs)
     dw = (dw * ((1.0 / s_x) * (1.0 / s_g))).astype(spec.kernel_dtype)  # the scales are the same in every chunk
     if spec.gather is not None:  # the devices' partial gradients summed onto the master's shards
         dw = fsdp.reduce_to(dw, spec.gather)
+    return dx, dw, amax_g
+
+
+def _fp8_chunked_head_bwd(spec: _Fp8HeadSpec, res, cotangents):
+    h, w_vd, w_dv, targets, m, lse, ent, state, amax_x, amax_w = res
+    s_x, s_w, _ = _fp8_scales(state)
+    g_logp, g_ent, entropy_grad = _head_cotangents(cotangents, spec.with_entropy)
+    inv_scale = (1.0 / s_x) * (1.0 / s_w)
+
+    def chunk_cotangent(xs):
+        h_c, y, m, lse, g, g_h, ent = xs
+        z = _fp8_scaled_logits(h_c, w_vd, inv_scale, spec)  # recomputed: [B, C, V] f32
+        return _logits_cotangent(z, y, m, lse, g, g_h, ent, entropy_grad), h_c
+
+    dx, dw, amax_g = _fp8_head_backward(chunk_cotangent, (h, targets, m, lse, g_logp, g_ent, ent), w_dv, state, spec)
     return dx.astype(spec.dtype), dw, None, observations(state, amax_x, amax_w, amax_g)
 
 
@@ -397,6 +424,67 @@ def fp8_chunked_head_logprobs(hidden: jax.Array, kernel: jax.Array, targets: jax
     c = min(chunk, n)
     spec = _fp8_head_spec(kernel, precision, temperature=temperature, with_entropy=with_entropy, kernel_nk=kernel_nk)
     logp, ent = _fp8_chunked_head(_to_chunks(hidden, c), kernel, _to_chunks(targets, c), head_state, spec)
+    return _from_chunks(logp, n), (_from_chunks(ent, n) if with_entropy else None)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the BF16 head with its two backward GEMMs in FP8 (``lm_head_grad_fp8``): ``_chunked_head``'s forward,
+# ``_fp8_head_backward``'s GEMMs
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _fp8_grad_head(hidden, kernel, targets, state, spec: _HeadSpec, fp8: _Fp8HeadSpec):
+    del state, fp8  # they scale the backward's operands only: the primal is the BF16 head's
+    return _chunked_head(hidden, kernel, targets, spec)
+
+
+def _fp8_grad_head_fwd(hidden, kernel, targets, state, spec: _HeadSpec, fp8: _Fp8HeadSpec):
+    del fp8
+    out, residuals = _chunked_head_fwd(hidden, kernel, targets, spec)  # the BF16 head's forward, as it is
+    kernel, state = jax.tree.map(  # symbolic_zeros: each primal leaf is a CustomVJPPrimal
+        lambda p: p.value, (kernel, state), is_leaf=lambda p: isinstance(p, CustomVJPPrimal))
+    # the master kernel, not an FP8 copy: the backward quantizes it, so nothing FP8 lives between the two passes
+    return out, (residuals, kernel, state)
+
+
+def _fp8_grad_head_bwd(spec: _HeadSpec, fp8: _Fp8HeadSpec, res, cotangents):
+    (hidden, w, targets, m, lse, ent), kernel, state = res
+    g_logp, g_ent, entropy_grad = _head_cotangents(cotangents, spec.with_entropy)
+    # once per call: the kernel quantized with its delayed scale in the [D, V] layout the hidden state's gradient
+    # reads (the [V, D] one is dead code here), the hidden state (the forward's compute-dtype operand) with the x
+    # scale for the kernel's gradient: the operands the FP8 head's backward reads
+    _, w_dv = _fp8_head_kernels(kernel, state, fp8)
+    h8, _ = _fp8_hidden(hidden, state, fp8)
+
+    def chunk_cotangent(xs):
+        h, h8_c, y, m, lse, g, g_h, ent = xs
+        z = _scaled_logits(h, w, spec)  # recomputed in the compute dtype, as _chunked_head_bwd does: [B, C, V] f32
+        return _logits_cotangent(z, y, m, lse, g, g_h, ent, entropy_grad), h8_c
+
+    xs = (hidden, h8, targets, m, lse, g_logp, g_ent, ent)
+    dx, dw, amax_g = _fp8_head_backward(chunk_cotangent, xs, w_dv, state, fp8)
+    return dx.astype(spec.dtype), dw, None, observations(state, amax(hidden), amax(kernel), amax_g)
+
+
+_fp8_grad_head.defvjp(_fp8_grad_head_fwd, _fp8_grad_head_bwd, symbolic_zeros=True)
+
+
+def fp8_grad_head_logprobs(hidden: jax.Array, kernel: jax.Array, targets: jax.Array, head_state, *,
+                           precision: Precision, temperature: float = 1.0, chunk: int = HEAD_CHUNK,
+                           with_entropy: bool = False, kernel_nk: bool = False):
+    """As ``chunked_head_logprobs`` (the same forward: logprobs and entropies bit for bit), with the backward's
+    two GEMMs in FP8 under ``head_state`` (``precision.lm_head_grad_fp8``), as ``fp8_chunked_head_logprobs``
+    runs them: the logit gradient quantized with the grad scale (E5M2 in ``hybrid``), the kernel with its
+    delayed kernel scale, the hidden state with its x scale; the state's cotangent carries the three amaxes
+    observed over the whole call. The logits the backward differentiates are recomputed in the compute dtype.
+    Under ``rowwise`` scaling the backward is per tensor with the delayed scales, as every rowwise linear's."""
+    n = targets.shape[1]
+    c = min(chunk, n)
+    spec = _head_spec(kernel, temperature=temperature, with_entropy=with_entropy, kernel_nk=kernel_nk,
+                      dtype=precision.dtype)
+    fp8 = _fp8_head_spec(kernel, precision, temperature=temperature, with_entropy=with_entropy, kernel_nk=kernel_nk)
+    hidden = hidden.astype(spec.dtype)
+    logp, ent = _fp8_grad_head(_to_chunks(hidden, c), kernel, _to_chunks(targets, c), head_state, spec, fp8)
     return _from_chunks(logp, n), (_from_chunks(ent, n) if with_entropy else None)
 
 
@@ -468,6 +556,8 @@ def token_logprobs(
     # position t - 1 predicts token t: [B, T - 1, D] against targets [B, T - 1]
     hidden, targets = hidden[:, :-1], tokens[:, 1:]
     head_state = fp8_state.get("lm_head") if (fp8_state is not None and precision.lm_head_fp8) else None
+    # lm_head_grad_fp8 (lm_head_fp8 wins where both are set): the BF16 head, its backward GEMMs in FP8
+    grad_state = fp8_state.get("lm_head") if (fp8_state is not None and precision.lm_head_grad_fp8) else None
     tied = "lm_head" not in params
     kernel = params["embed"] if tied else params["lm_head"]
     if head_state is not None and precision.recipe.scaling == "tensor":
@@ -477,6 +567,10 @@ def token_logprobs(
     elif head_state is not None:  # rowwise scaling: each token's row and each channel scaled by its own amax
         logp, ent = autodiff_head_logprobs(params, hidden, targets, precision=precision, head_state=head_state,
                                            temperature=temperature, chunk=chunk, with_entropy=with_entropy)
+    elif grad_state is not None:  # either scaling: the backward is per tensor (the forward is not FP8)
+        logp, ent = fp8_grad_head_logprobs(hidden, kernel, targets, grad_state, precision=precision,
+                                           temperature=temperature, chunk=chunk, with_entropy=with_entropy,
+                                           kernel_nk=tied)
     else:
         logp, ent = chunked_head_logprobs(hidden, kernel, targets, temperature=temperature, chunk=chunk,
                                           with_entropy=with_entropy, kernel_nk=tied, dtype=precision.dtype)

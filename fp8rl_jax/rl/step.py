@@ -32,7 +32,7 @@ import optax
 
 from fp8rl_jax.fp8 import kv as kvq
 from fp8rl_jax.fp8.policy import Precision
-from fp8rl_jax.fp8.recipe import combine_observations, update_state
+from fp8rl_jax.fp8.recipe import amax, combine_observations, observations, update_state
 from fp8rl_jax.model import llama
 from fp8rl_jax.model.config import LlamaConfig
 from fp8rl_jax.parallel import rules
@@ -97,14 +97,18 @@ def build_optimizer(optim, total_updates: int) -> tuple[optax.GradientTransforma
 # XLA:GPU options for the programs that run the LM head's training or scoring forward (scoring, the train step, the
 # calibration) when that head is FP8: its GEMMs are XLA's FP8 dots (``scoring.fp8_chunked_head_logprobs``), and with
 # XLA's Triton GEMMs the head's forward + backward at llama1b shapes had not finished compiling and running after
-# 90 s on the H100; on cuBLAS it compiled in 1.4 s and ran in 105 ms (benchmarks/head_step.py, RESULTS.md).
+# 90 s on the H100; on cuBLAS it compiled in 1.4 s and ran in 105 ms (benchmarks/head_step.py, RESULTS.md). The same
+# for a head with FP8 backward GEMMs only (``lm_head_grad_fp8``): 59 s to compile its forward + backward with Triton
+# GEMMs, 0.7 s without, the same 122 ms a step. Every program of such a run gets the options, the scoring and the
+# exact sampler's too, so the BF16 forward of the head compiles alike in all of them.
 FP8_HEAD_GPU_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
 
 
 def jit_head_program(fn, precision: Precision, **kwargs):
-    """``jax.jit`` of a program that runs the LM head, with ``FP8_HEAD_GPU_OPTIONS`` where that head is FP8 on a
-    GPU (``gpu_compiler_options``: the user's ``XLA_FLAGS`` win)."""
-    options = gpu_compiler_options(FP8_HEAD_GPU_OPTIONS) if precision.lm_head_fp8 else {}
+    """``jax.jit`` of a program that runs the LM head, with ``FP8_HEAD_GPU_OPTIONS`` where that head has FP8 GEMMs
+    (``lm_head_fp8`` or ``lm_head_grad_fp8``) on a GPU (``gpu_compiler_options``: the user's ``XLA_FLAGS`` win)."""
+    fp8_head = precision.lm_head_fp8 or precision.lm_head_grad_fp8
+    options = gpu_compiler_options(FP8_HEAD_GPU_OPTIONS) if fp8_head else {}
     return jax.jit(fn, compiler_options=options or None, **kwargs)
 
 
@@ -163,14 +167,18 @@ def make_calibrate(model: LlamaConfig, precision: Precision, kv_margin: int = 0,
     calibrated model computes. One pass is enough once the scales are set (the recalibration after an update).
     """
 
+    # lm_head_grad_fp8: the head's state scales its backward's operands, which the train step's head observes
+    head_grad_fp8 = precision.lm_head_grad_fp8 and not precision.lm_head_fp8
+
     def observe(params, fp8_state, kv_scales, tokens, rows):
         """One microbatch of a pass: its FP8 observations and per-layer K/V amaxes; ``rows`` (f32) the pass's."""
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
 
         def forward(state):
-            logits, _, kv_amax = llama.forward(params, tokens, positions, config=model, precision=precision,
-                                               fp8_state=state, kv_scales=kv_scales, remat=remat)
-            return logits, kv_amax
+            hidden, _, kv_amax = llama.forward_hidden(params, tokens, positions, config=model, precision=precision,
+                                                      fp8_state=state, kv_scales=kv_scales, remat=remat)
+            logits = llama.logits_from_hidden(params, hidden, precision=precision, fp8_state=state)
+            return logits, (kv_amax, hidden)
 
         def mean_loglik(logits):
             # position t - 1 predicts token t: [B, T - 1, V] against [B, T - 1]; the mean over all the pass's rows
@@ -178,9 +186,12 @@ def make_calibrate(model: LlamaConfig, precision: Precision, kv_margin: int = 0,
             return jnp.sum(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)) / (rows * (tokens.shape[1] - 1))
 
         if precision.fp8 and observe_fp8:
-            logits, pullback, kv_amax = jax.vjp(forward, fp8_state, has_aux=True)
+            logits, pullback, (kv_amax, hidden) = jax.vjp(forward, fp8_state, has_aux=True)
             cotangent = jax.grad(mean_loglik)(logits) if gradients else jnp.zeros_like(logits)
             (observations,) = pullback(cotangent)
+            # a BF16 head observes nothing in its forward: the operands of its FP8 backward, observed here
+            if head_grad_fp8 and "lm_head" in fp8_state:
+                observations["lm_head"] = _head_grad_observations(params, fp8_state["lm_head"], hidden, cotangent)
         else:  # K/V amaxes only: the blocks' forward, no head, nothing kept for a backward pass
             _, _, kv_amax = llama.forward_hidden(params, tokens, positions, config=model, precision=precision,
                                                  fp8_state=fp8_state, kv_scales=kv_scales)
@@ -225,6 +236,15 @@ def make_calibrate(model: LlamaConfig, precision: Precision, kv_margin: int = 0,
 
     calibrate_passes.observe = observe_call
     return calibrate_passes
+
+
+def _head_grad_observations(params, head_state, hidden: jax.Array, dlogits: jax.Array):
+    """The LM head's FP8 observations where its forward is BF16 and its backward GEMMs FP8 (``lm_head_grad_fp8``,
+    ``scoring.fp8_grad_head_logprobs``): the amaxes of the hidden state [B, T, D] at the positions that predict a
+    token (all but the last, as ``token_logprobs`` feeds the head), of the master kernel, and of the cotangent of
+    the logits ``dlogits`` [B, T, V] (zeros: the gradient role observes 0 and keeps its scale)."""
+    kernel = params["lm_head"] if "lm_head" in params else params["embed"]
+    return observations(head_state, amax(hidden[:, :-1]), amax(kernel), amax(dlogits))
 
 
 def make_score(model: LlamaConfig, precision: Precision, temperature: float, *, state_sharding=None):

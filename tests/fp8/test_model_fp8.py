@@ -40,6 +40,8 @@ POLICIES = {
     "bf16": Precision(),
     # per-token x per-output-channel current scales in the forward (xla backend)
     "rowwise_fp8_head": Precision(backend="xla", recipe=Fp8Recipe(scaling="rowwise"), lm_head_fp8=True),
+    # the head's backward GEMMs in FP8 only: the rollout's head stays BF16, as the training forward's
+    "fp8_head_grad": Precision(backend="xla", lm_head_grad_fp8=True),
 }
 
 

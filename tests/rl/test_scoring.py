@@ -23,6 +23,7 @@ import functools
 import jax
 import jax.extend
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -316,13 +317,15 @@ def test_fp8_head_custom_vjp_equals_autodiff(tied, dtype, chunk):
         assert float(got[0]) > 0 and not np.any(np.asarray(got[1:])), role  # one observation, in row 0
 
 
+@pytest.mark.parametrize("head", ["lm_head_fp8", "lm_head_grad_fp8"])
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-def test_fp8_head_kernel_is_quantized_once_per_call(tied):
+def test_fp8_head_kernel_is_quantized_once_per_call(tied, head):
     """The FP8 head's kernel is quantized (a saturating cast of the master) and laid out outside the chunk loops,
     forward and backward: no loop body makes an array of the kernel's size from another (a per-chunk quantize
-    and transpose of the 128k-vocabulary table was the autodiff head's cost)."""
+    and transpose of the 128k-vocabulary table was the autodiff head's cost). The same for the BF16 head with FP8
+    backward GEMMs (``lm_head_grad_fp8``): its BF16 cast and its quantized kernel are both made once."""
     config, params = _tiny(tied)
-    precision = Precision(backend="xla", compute_dtype="bfloat16", lm_head_fp8=True)
+    precision = Precision(backend="xla", compute_dtype="bfloat16", **{head: True})
     fp8_state = llama.init_fp8_state(config, precision)
     tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 21), 0, config.vocab_size)
     kernel, _ = _head_kernel(params)
@@ -333,7 +336,151 @@ def test_fp8_head_kernel_is_quantized_once_per_call(tied):
         return jnp.sum(logp) + jnp.sum(jax.lax.stop_gradient(ent))
 
     jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(params, fp8_state).jaxpr
-    made = [inside for eqn, inside in _loop_bodies(jaxpr)
+    made = [(str(eqn.outvars[0].aval.dtype), inside) for eqn, inside in _loop_bodies(jaxpr)
             if eqn.primitive.name in ("convert_element_type", "reduce_precision", "transpose", "clamp", "mul")
             and any(getattr(v.aval, "size", 0) == kernel.size for v in eqn.outvars)]
-    assert made and not any(made), made
+    assert ("float8_e4m3fn", False) in made and not any(inside for _, inside in made), made  # quantized, once
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the BF16 head with FP8 backward GEMMs (lm_head_grad_fp8)
+
+
+def _fp8_grad_head_state(config, precision):
+    """``_fp8_head_state``'s scales, with the grad scale fitted to this loss's logit gradient (|dz / T| <= 3.8:
+    random weights on every logprob and entropy), so that E5M2 rounds it and does not saturate it."""
+    state = _fp8_head_state(config, precision)
+    state["grad"] = dict(state["grad"], scale=jnp.float32(57344 / 4.0))
+    return state
+
+
+def _fp8_grad_head_grads(which, tied, chunk, dtype="bfloat16"):
+    """(logp, entropy), d/d(hidden, kernel, state) of sum(logp * a) + sum(entropy * b) under the BF16 head
+    (``bf16``) or the BF16 head with FP8 backward GEMMs (``fp8_grad``), jitted; and the inputs."""
+    from fp8rl_jax.rl.scoring import fp8_grad_head_logprobs
+
+    config, params = _tiny(tied)
+    precision = Precision(backend="xla", compute_dtype=dtype, lm_head_grad_fp8=True)
+    state = _fp8_grad_head_state(config, precision)
+    hidden, targets = _head_inputs(config, dtype)
+    kernel, _ = _head_kernel(params)
+    a, b = _weights(targets.shape)
+
+    def loss(h, k, st):
+        kw = dict(temperature=TEMPERATURE, chunk=chunk, with_entropy=True, kernel_nk=tied)
+        if which == "fp8_grad":
+            logp, ent = fp8_grad_head_logprobs(h, k, targets, st, precision=precision, **kw)
+        else:
+            logp, ent = chunked_head_logprobs(h, k, targets, dtype=dtype, **kw)
+        return jnp.sum(logp * a) + jnp.sum(ent * b), (logp, ent)
+
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(hidden, kernel, state)
+    return out, grads, (hidden, kernel, targets, state, a, b)
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("chunk", CHUNKS)
+def test_fp8_grad_head_forward_is_the_bf16_heads_bit_for_bit(tied, chunk):
+    """The forward of ``lm_head_grad_fp8`` is the BF16 head's, so its logprobs (and the rollout's agreement with
+    them) do not move: logprobs and entropies bitwise equal, differentiated or not (scoring runs the primal)."""
+    from fp8rl_jax.rl.scoring import fp8_grad_head_logprobs
+
+    (logp, ent), _, (hidden, kernel, targets, state, _, _) = _fp8_grad_head_grads("fp8_grad", tied, chunk)
+    (logp0, ent0), _, _ = _fp8_grad_head_grads("bf16", tied, chunk)
+    np.testing.assert_array_equal(np.asarray(logp), np.asarray(logp0))
+    np.testing.assert_array_equal(np.asarray(ent), np.asarray(ent0))
+    precision = Precision(backend="xla", lm_head_grad_fp8=True)
+    kw = dict(temperature=TEMPERATURE, chunk=chunk, with_entropy=True, kernel_nk=tied)
+    scored = jax.jit(lambda h, k: fp8_grad_head_logprobs(h, k, targets, state, precision=precision, **kw))(
+        hidden, kernel)
+    scored0 = jax.jit(lambda h, k: chunked_head_logprobs(h, k, targets, **kw))(hidden, kernel)
+    for got, want in zip(scored, scored0, strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def _fp8_roundtrip(x, scale, dtype):
+    """``x`` (float64) quantized as ``recipe.quantize`` does (saturating, the product rounded to f32 first) and
+    scaled back, in numpy: the value an FP8 GEMM operand stands for."""
+    limit = float(ml_dtypes.finfo(dtype).max)
+    y = np.clip(np.float32(x) * np.float32(scale), -limit, limit)
+    return y.astype(dtype).astype(np.float64) / np.float64(np.float32(scale))
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("chunk", (256, 7))
+def test_fp8_grad_head_backward_is_the_bf16_backward_on_fp8_operands(tied, chunk):
+    """The backward of ``lm_head_grad_fp8`` against an independent numpy (float64) reference: the BF16 head's
+    backward (logits from the BF16 hidden state and kernel, the exact logit gradient of the log-softmax and the
+    entropy) with the logit gradient, the master kernel and the hidden state rounded through FP8 with the state's
+    scales (E5M2, E4M3, E4M3). Bounds: 1e-5 of the largest value (measured <= 9.7e-7: f32 sums against float64
+    ones, and dx's BF16 rounding where the two straddle a BF16 rounding boundary; no logit gradient here lies
+    within 4.9e-6 (relative) of an E5M2 rounding boundary, where a 1-ulp difference in the softmax would round
+    it the other way and move its row by an E5M2 step). Against the BF16 head's gradients: relative (norm) error
+    < 15% (E5M2's 2 mantissa bits; measured 6.3% - 7.0%). The state's cotangent: the three amaxes observed over
+    the call, in history row 0."""
+    _, (d_h, d_k, observed), (hidden, kernel, targets, state, a, b) = _fp8_grad_head_grads("fp8_grad", tied, chunk)
+    _, (d_h0, d_k0, _), _ = _fp8_grad_head_grads("bf16", tied, chunk)
+    assert d_h.dtype == d_h0.dtype == jnp.bfloat16 and d_k.dtype == d_k0.dtype == jnp.float32
+
+    h = np.asarray(hidden, np.float64)  # [B, T, D], BF16 values
+    master = np.asarray(kernel, np.float64)
+    w_dv = master.T if tied else master  # [D, V]
+    z = h @ np.asarray(jnp.asarray(w_dv, jnp.float32).astype(jnp.bfloat16), np.float64) / TEMPERATURE
+    logp_all = z - z.max(-1, keepdims=True)
+    logp_all -= np.log(np.exp(logp_all).sum(-1, keepdims=True))
+    p = np.exp(logp_all)
+    entropy = -(p * logp_all).sum(-1, keepdims=True)
+    onehot = np.eye(z.shape[-1])[np.asarray(targets)]
+    a, b = np.asarray(a, np.float64)[..., None], np.asarray(b, np.float64)[..., None]
+    # d/dz of sum(a logp) + sum(b H), z the scaled logits; the logits' own gradient is that over T
+    dlogits = (a * (onehot - p) - b * p * (logp_all + entropy)) / TEMPERATURE
+    scale = {role: float(state[role]["scale"]) for role in ("x", "kernel", "grad")}
+    q_g = _fp8_roundtrip(dlogits, scale["grad"], ml_dtypes.float8_e5m2)
+    q_w = _fp8_roundtrip(w_dv, scale["kernel"], ml_dtypes.float8_e4m3fn)
+    q_h = _fp8_roundtrip(h, scale["x"], ml_dtypes.float8_e4m3fn)
+    want_h = q_g @ q_w.T  # [B, T, D]
+    want_k = np.einsum("btd,btv->dv", q_h, q_g)
+    want_k = want_k.T if tied else want_k
+    # dx leaves the head in the compute dtype (BF16): compared at that rounding
+    want_h = np.asarray(jnp.asarray(want_h, jnp.float32).astype(jnp.bfloat16), np.float64)
+    _close(d_h, want_h, 0, 1e-5, "d hidden")
+    _close(d_k, want_k, 0, 1e-5, "d kernel")
+
+    for got, ref, what in ((d_h, d_h0, "d hidden"), (d_k, d_k0, "d kernel")):
+        got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+        err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+        assert err < 0.15, (what, err)
+
+    want = {"x": np.abs(h).max(), "kernel": np.abs(master).max(), "grad": np.abs(dlogits).max()}
+    for role in ("x", "kernel", "grad"):
+        history = np.asarray(observed[role]["amax_history"])
+        np.testing.assert_allclose(history[0], want[role], rtol=1e-5, err_msg=role)
+        assert not np.any(history[1:]), role  # one observation, in row 0
+        assert not np.any(np.asarray(observed[role]["scale"])), role
+
+
+@pytest.mark.parametrize("scaling", ["tensor", "rowwise"])
+def test_token_logprobs_with_head_grad_fp8_scores_as_the_bf16_head(scaling):
+    """Through ``token_logprobs`` (FP8 blocks, either scaling): ``lm_head_grad_fp8`` scores exactly as the BF16 head
+    (same blocks, same head forward), and its gradient observes the head's three roles; under ``rowwise`` the
+    head's backward is per tensor with the delayed scales, as every rowwise linear's."""
+    from fp8rl_jax.fp8.recipe import Fp8Recipe
+
+    config, params = _tiny(False)
+    recipe = Fp8Recipe(scaling=scaling)
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 21), 0, config.vocab_size)
+    precisions = {grad: Precision(backend="xla", recipe=recipe, lm_head_grad_fp8=grad) for grad in (False, True)}
+    states = {grad: llama.init_fp8_state(config, p) for grad, p in precisions.items()}
+    assert "lm_head" in states[True] and "lm_head" not in states[False]
+
+    def total_logp(state, grad):
+        logp, _, _ = token_logprobs(params, tokens, config=config, precision=precisions[grad],
+                                    temperature=TEMPERATURE, fp8_state=state, chunk=8)
+        return jnp.sum(logp), logp
+
+    scored = {grad: jax.jit(total_logp, static_argnums=1)(states[grad], grad)[1] for grad in (False, True)}
+    np.testing.assert_array_equal(np.asarray(scored[True]), np.asarray(scored[False]))
+    observed, logp = jax.jit(jax.grad(total_logp, has_aux=True), static_argnums=1)(states[True], True)
+    np.testing.assert_array_equal(np.asarray(logp), np.asarray(scored[False]))
+    for role in ("x", "kernel", "grad"):
+        assert float(observed["lm_head"][role]["amax_history"][0]) > 0, role
