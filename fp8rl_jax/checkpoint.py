@@ -179,6 +179,24 @@ def _path_name(path: tuple) -> str:
     return ".".join(str(p) for p in parts)
 
 
+def _without(tree: PyTree, names: set[str], prefix: tuple = ()) -> PyTree:
+    """``tree`` without the leaves named in ``names`` (``_path_name``) and the dicts they leave empty; the named
+    leaves must sit in nested dicts."""
+    if isinstance(tree, dict):
+        kept = {k: _without(v, names, (*prefix, k)) for k, v in tree.items()}
+        kept = {k: v for k, v in kept.items() if v is not _DROPPED}
+        return kept if kept or not tree else _DROPPED
+    name = ".".join(str(p) for p in prefix)
+    if name in names:
+        return _DROPPED
+    if any(n.startswith(name + ".") for n in names if name):
+        raise TypeError(f"{name}: leaves to leave out must sit in nested dicts, not in a {type(tree).__name__}")
+    return tree
+
+
+_DROPPED = object()
+
+
 def _mismatches(target: PyTree, on_disk: PyTree) -> list[str]:
     """Differences in structure and shape between a restore target and the saved tree's metadata."""
     want = {_path_name(p): np.shape(x) for p, x in jax.tree_util.tree_flatten_with_path(target)[0]}
@@ -291,14 +309,25 @@ class Checkpointer:
         """Saved steps, ascending (in-flight async saves included, as in ``latest_step``)."""
         return sorted(self._manager.all_steps())
 
-    def restore(self, step: int | None = None, *, like: PyTree) -> tuple[PyTree, dict]:
+    def restore(self, step: int | None = None, *, like: PyTree, absent_ok: tuple[str, ...] = ()) -> tuple[PyTree, dict]:
         """Restores ``(train_state, metadata)`` of ``step`` (default: the latest).
 
         ``like`` gives the structure, shapes, dtypes and placement: a concrete tree (as built at start-up) or an
         abstract one (``jax.ShapeDtypeStruct`` with ``sharding``, e.g. from ``jax.eval_shape``). jax.Array leaves
         come back on ``like``'s shardings and in ``like``'s dtypes; typed-key leaves come back as typed keys.
         Waits for this process's pending saves first.
+
+        ``absent_ok``: subtrees of dicts, named as the mismatch messages name them (``"fp8_state.lm_head"``), that a
+        checkpoint written before they existed may lack: they keep ``like``'s (concrete) values, and the metadata's
+        ``"absent"`` lists their leaves. Anything else missing is an error, as ever.
         """
+        absent = self._absent(step, like, absent_ok) if absent_ok else []
+        if absent:
+            restored, meta = self.restore(step, like=_without(like, set(absent)))
+            by_name = {_path_name(p): x for p, x in jax.tree_util.tree_flatten_with_path(restored)[0]}
+            leaves, treedef = jax.tree_util.tree_flatten_with_path(like)
+            return jax.tree.unflatten(treedef, [by_name.get(_path_name(p), x) for p, x in leaves]), {**meta,
+                                                                                                   "absent": absent}
         self.wait()
         steps = self.all_steps()
         if step is None:
@@ -339,6 +368,23 @@ class Checkpointer:
                 a = np.asarray(a)
             out.append(a)
         return jax.tree.unflatten(treedef, out), dict(restored[_META])
+
+    def _absent(self, step: int | None, like: PyTree, prefixes: tuple[str, ...]) -> list[str]:
+        """The leaves of ``like`` under ``prefixes`` that the checkpoint of ``step`` lacks (none where Orbax gives
+        no metadata to compare with: the restore then checks, as ever)."""
+        self.wait()
+        steps = self.all_steps()
+        step = steps[-1] if step is None and steps else step
+        if step not in steps:
+            return []  # restore's own error names what is there
+        try:
+            on_disk = self._manager.item_metadata(step)[_TREE]
+        except Exception:
+            return []
+        on_disk = getattr(on_disk, "tree", on_disk)
+        have = {_path_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(on_disk)[0]}
+        names = [_path_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(like)[0]]
+        return sorted(n for n in names if n not in have and any(n == q or n.startswith(q + ".") for q in prefixes))
 
     def wait(self) -> None:
         """Blocks until every started save is committed; ``CheckpointSaveError`` if one failed."""

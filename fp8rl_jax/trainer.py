@@ -61,6 +61,10 @@ from fp8rl_jax.rollout.sampler import Sampler
 from fp8rl_jax.rollout.sampling import SamplingParams
 from fp8rl_jax.workdir_lock import LOCK_NAME, WorkdirLock, WorkdirLockedError
 
+# train state that checkpoints of earlier versions may lack (``Checkpointer.restore``'s ``absent_ok``): the LM head's
+# FP8 state, which ``precision.lm_head_grad_fp8`` (on by default since it was added) needs in fp8_e2e
+ADDED_STATE = ("fp8_state.lm_head",)
+
 
 def restore_policy(config, directory: str | Path | None = None, step: int | None = None):
     """``(model, policy, tokenizer, metadata)`` of a trainer checkpoint: ``policy`` holds its ``params``,
@@ -84,7 +88,7 @@ def restore_policy(config, directory: str | Path | None = None, step: int | None
     }
     checkpointer = Checkpointer(directory, async_save=False)
     try:
-        state, meta = checkpointer.restore(step, like=like)
+        state, meta = checkpointer.restore(step, like=like, absent_ok=ADDED_STATE)
     finally:
         checkpointer.close()
     policy = {name: state[name] for name in ("params", "fp8_state", "kv_scales")}
@@ -276,6 +280,7 @@ class Trainer:
 
         self.checkpointer = Checkpointer(self.workdir / "checkpoints", keep=c.checkpoint.keep,
                                          async_save=c.checkpoint.async_save, save_every=c.checkpoint.every)
+        self.restore_note = None  # what a resume from an earlier version's checkpoint had to make fresh
         resumed = c.checkpoint.resume == "auto" and latest_complete_step(self.workdir / "checkpoints") is not None
         if resumed:
             self.restore()
@@ -289,6 +294,8 @@ class Trainer:
         if primary:
             self._write_run_json()
         self.reporter.message(f"precision: {c.precision.mode}, FP8 backend {self.backend} ({self.backend_reason})")
+        if self.restore_note:
+            self.reporter.message(self.restore_note)
         if self.microbatch < self.minibatch:
             self.reporter.message(f"microbatches of {self.microbatch} sequences x up to {self.row_tokens} tokens "
                                   f"({microbatch_source(c)}), {self.minibatch // self.microbatch} per update")
@@ -749,10 +756,17 @@ class Trainer:
         tmp.replace(path)
 
     def restore(self, step: int | None = None) -> None:
-        self.state, meta = self.checkpointer.restore(step, like=self.state)  # onto this mesh's shardings
+        # onto this mesh's shardings
+        self.state, meta = self.checkpointer.restore(step, like=self.state, absent_ok=ADDED_STATE)
         self.state = place(self.state, self.state_sharding)  # (a no-op but for uncommitted scalars)
         self.prompts.set_state(json.loads(meta["data_state"]))
         self.bad_steps = int(meta.get("bad_steps", 0))
+        if meta.get("absent"):  # an earlier version's checkpoint: what it lacks starts fresh, scaled by calibration
+            self._initial_calibration()
+            parts = sorted({".".join(name.split(".")[:2]) for name in meta["absent"]})
+            self.restore_note = (f"checkpoint of step {self.step_count} has no "
+                                 f"{', '.join(parts)} (an earlier version's): made fresh, and the FP8 and KV scales "
+                                 "calibrated again as at a first start")
 
     def close(self) -> None:
         """Waits for the pending checkpoint save (a failed one raises ``CheckpointSaveError``), closes the

@@ -95,6 +95,24 @@ def test_round_trip(tmp_path, async_save):
     assert latest_complete_step(tmp_path / "ckpt") == 3
 
 
+def test_restore_keeps_like_where_a_checkpoint_lacks_an_added_subtree(tmp_path):
+    """``absent_ok``: a subtree added since the checkpoint was written keeps ``like``'s values, the rest is restored
+    bit for bit and the metadata lists what was absent; a missing leaf elsewhere is still an error."""
+    state = make_state(3)
+    with Checkpointer(tmp_path / "ckpt", async_save=False) as ckpt:
+        ckpt.save(3, state, metadata(3), force=True)
+        like = make_state(9)
+        like["fp8_state"]["head"] = {"x": {"scale": jnp.float32(7.0)}}
+        restored, meta = ckpt.restore(like=like, absent_ok=("fp8_state.head",))
+        assert meta["absent"] == ["fp8_state.head.x.scale"]
+        assert float(restored["fp8_state"]["head"]["x"]["scale"]) == 7.0
+        del restored["fp8_state"]["head"]
+        assert_bit_equal(restored, state)
+        like["fp8_state"]["other"] = {"scale": jnp.float32(1.0)}
+        with pytest.raises(ValueError, match="fp8_state.other.scale: in `like`, not in the checkpoint"):
+            ckpt.restore(like=like, absent_ok=("fp8_state.head",))
+
+
 def test_restore_abstract_like_and_typed_key(tmp_path):
     state = make_state(1)
     state["rng"] = jax.random.split(jax.random.key(5, impl="rbg"), 3)  # typed key, non-default impl

@@ -283,6 +283,25 @@ def test_head_grad_fp8_calibrates_and_trains_the_heads_fp8_state(tmp_path):
         assert head[role]["amax_history"][0] > 0 and head[role]["amax_history"][1] > 0, role  # the step's, rolled
 
 
+def test_resume_from_a_checkpoint_without_the_heads_fp8_state(tmp_path):
+    """A checkpoint of an earlier version (no ``fp8_state.lm_head``: written with lm_head_grad_fp8 off) resumes with
+    it on: every saved array comes back, the head's state is made fresh and calibrated, and the run says so."""
+    old = Trainer(_config(tmp_path, steps=2, **{"precision.lm_head_grad_fp8": False}))
+    old.run(1)
+    saved = jax.device_get(old.state)
+    old.close()
+    assert "lm_head" not in saved["fp8_state"]
+    resumed = Trainer(_config(tmp_path, steps=2, **{"precision.lm_head_grad_fp8": True}))
+    assert resumed.step_count == 1 and "fp8_state.lm_head" in resumed.restore_note
+    state = jax.device_get(resumed.state)
+    for a, b in zip(jax.tree.leaves(saved["params"]), jax.tree.leaves(state["params"]), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert all(state["fp8_state"]["lm_head"][role]["scale"] != 1.0 for role in ("x", "kernel", "grad"))
+    record = resumed.step()
+    resumed.close()
+    assert record["skipped_updates"] == 0 and np.isfinite(record["loss"])
+
+
 def test_max_and_min_metrics_reduce_across_minibatches(tmp_path):
     trainer = Trainer(_config(tmp_path, steps=1, **{"rl.minibatches": 2}))
     calls = _spy_on_train_step(trainer)
