@@ -49,8 +49,10 @@ MODES = {
     # finer scaling: per token x per output channel in the forward (xla backend only)
     "fp8_e2e_rowwise_tis": {"precision.mode": "fp8_e2e", "precision.backend": "xla", "precision.scaling": "rowwise",
                             "rl.is_correction": "tis"},
-    # the BF16 head's two backward GEMMs in FP8 (its forward, and so every logprob, unchanged)
-    "fp8_e2e_headgrad": {"precision.mode": "fp8_e2e", "precision.lm_head_grad_fp8": True, "rl.is_correction": "none"},
+    # the BF16 head's backward GEMMs in BF16 too (precision.lm_head_grad_fp8 off: the default before session 22,
+    # whose study called the default fp8_e2e_headgrad)
+    "fp8_e2e_bf16_head_grad": {"precision.mode": "fp8_e2e", "precision.lm_head_grad_fp8": False,
+                               "rl.is_correction": "none"},
     # the exact sampler (rollout.exact): rollouts drawn by the trainer's own forward, sampler == trainer bit for bit
     "fp8_e2e_exact": {"precision.mode": "fp8_e2e", "rollout.exact": True, "rl.is_correction": "none"},
     "bf16_exact": {"precision.mode": "bf16", "rollout.exact": True, "rl.is_correction": "none"},

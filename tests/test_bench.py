@@ -105,8 +105,8 @@ def test_e2e_measures_a_mode_and_summarizes_against_the_best_bf16():
     row = e2e.measure("configs/tiny.py", "fp8_e2e_head", ["rollout.max_new_tokens=6"], warmup=1, steps=1)
     assert row["mode"] == "fp8_e2e_head" and row["steps"] == 1 and row["max_new_tokens"] == 6
     assert row["lm_head_fp8"] is True and row["backend"] == "xla" and "xla_flags" in row
-    assert row["lm_head_grad_fp8"] is False  # fp8_e2e_headgrad's (the trainer runs it: tests/test_trainer.py)
-    assert e2e.MODES["fp8_e2e_headgrad"] == ("fp8_e2e", "", {"precision.lm_head_grad_fp8": True})
+    assert row["lm_head_grad_fp8"] is True  # the default (with lm_head_fp8, which wins, the head is FP8 both ways)
+    assert e2e.MODES["fp8_e2e_bf16_head_grad"] == ("fp8_e2e", "", {"precision.lm_head_grad_fp8": False})
     assert row["attention"] == llama.resolve_attention("auto", jnp.bfloat16, 16)  # the tiny config's head dim
     assert all(row[f"time_{p}"] > 0 for p in ("weights", "rollout", "train", "step"))
     assert row["train_tflops"] > 0 and row["rollout_tokens_per_s"] > 0

@@ -238,18 +238,23 @@ def test_initial_calibration_sets_the_gradient_scales_and_the_first_update_match
             assert np.all(lin[role]["amax_history"][..., 0] > 0), (name, role)  # every block observed
             assert np.all(lin[role]["scale"] != 1.0), (name, role)
     state, minibatch = calls[0]["state"], calls[0]["minibatch"]
-    fp8 = _surrogate_grads(trainer, state["params"], trainer.train_precision, state["fp8_state"],
-                           state["kv_scales"], minibatch)
     f32 = _surrogate_grads(trainer, state["params"], Precision(compute_dtype="float32"), None, None, minibatch)
     names = [n for n in ("wqkv", "wo", "w_gate_up", "w_down") if n in f32["blocks"]]
-    got = np.concatenate([np.ravel(fp8["blocks"][n]) for n in names])
     want = np.concatenate([np.ravel(f32["blocks"][n]) for n in names])
-    rel = np.linalg.norm(got - want) / np.linalg.norm(want)
-    flushed = np.mean((got == 0) & (want != 0))
-    print(f"first update, block weight gradients: relative error {rel:.3f} against f32, {flushed:.3f} flushed to 0")
+    errors = {}
+    # the blocks' own FP8 backward (the head's backward in BF16), and with the head's in FP8 too (the default)
+    for head_grad_fp8 in (False, True):
+        precision = trainer.train_precision.replace(lm_head_grad_fp8=head_grad_fp8)
+        fp8 = _surrogate_grads(trainer, state["params"], precision, state["fp8_state"], state["kv_scales"], minibatch)
+        got = np.concatenate([np.ravel(fp8["blocks"][n]) for n in names])
+        errors[head_grad_fp8] = (np.linalg.norm(got - want) / np.linalg.norm(want), np.mean((got == 0) & (want != 0)))
+        print(f"first update, block weight gradients (head backward FP8: {head_grad_fp8}): relative error "
+              f"{errors[head_grad_fp8][0]:.3f} against f32, {errors[head_grad_fp8][1]:.3f} flushed to 0")
     # measured on CPU (xla backend): 0.072 and 0 (E5M2's 2-bit mantissa sets the floor: observed scales give 0.076);
-    # with the grad scales left at 1 it was 0.111 with 13% of the entries flushed to 0
-    assert rel < 0.09 and flushed < 0.01
+    # with the grad scales left at 1 it was 0.111 with 13% of the entries flushed to 0. The head's backward in FP8
+    # hands the blocks an E5M2-rounded gradient from the start: 0.102 (RESULTS.md, session 22)
+    assert errors[False][0] < 0.09 and errors[False][1] < 0.01
+    assert errors[True][0] < 0.12 and errors[True][1] < 0.01
 
 
 def test_one_minibatch_ratio_is_exactly_one(first_fp8_update):
@@ -283,11 +288,17 @@ def test_head_grad_fp8_calibrates_and_trains_the_heads_fp8_state(tmp_path):
         assert head[role]["amax_history"][0] > 0 and head[role]["amax_history"][1] > 0, role  # the step's, rolled
 
 
-def test_resume_from_a_checkpoint_without_the_heads_fp8_state(tmp_path):
-    """A checkpoint of an earlier version (no ``fp8_state.lm_head``: written with lm_head_grad_fp8 off) resumes with
-    it on: every saved array comes back, the head's state is made fresh and calibrated, and the run says so."""
-    old = Trainer(_config(tmp_path, steps=2, **{"precision.lm_head_grad_fp8": False}))
-    old.run(1)
+def test_resume_from_a_checkpoint_without_the_heads_fp8_state(tmp_path, monkeypatch):
+    """A checkpoint of an earlier version (no ``fp8_state.lm_head``: it was made only with lm_head_fp8) resumes with
+    lm_head_grad_fp8 on: every saved array comes back, the head's state is made fresh and calibrated, and the run
+    says so."""
+    from fp8rl_jax.model import llama
+
+    with monkeypatch.context() as m:  # the earlier version's layout
+        made = llama.init_fp8_state
+        m.setattr(llama, "init_fp8_state", lambda *a: {k: v for k, v in made(*a).items() if k != "lm_head"})
+        old = Trainer(_config(tmp_path, steps=2, **{"precision.lm_head_grad_fp8": False}))
+        old.run(1)
     saved = jax.device_get(old.state)
     old.close()
     assert "lm_head" not in saved["fp8_state"]

@@ -10,10 +10,10 @@ rollout    Decode throughput of the engine on a Llama-3.2-1B shape with random w
 agreement  How far the sampler's logprobs are from the trainer's, and each precision's from f32 (SmolLM2, GSM8K
            solutions teacher-forced through the rollout engine and the scoring forward).
 e2e        Whole GRPO steps of a config (default ``configs/llama1b.py``) per phase, bf16 / bf16 with cuBLAS /
-           fp8_rollout / fp8_e2e / fp8_e2e_head (the LM head in FP8 too) / fp8_e2e_headgrad (its two backward
-           GEMMs only) / fp8_e2e_cublas / fp8_e2e_xla (XLA's FP8 GEMMs, no TE), each mode in its own process after
-           warm-up steps: phase times, tokens/s, train TFLOP/s and MFU, peak memory, fp8_e2e's speedups over the
-           best BF16 (``bench/e2e.py``).
+           fp8_rollout / fp8_e2e / fp8_e2e_head (the LM head in FP8 too) / fp8_e2e_bf16_head_grad (the head's
+           backward GEMMs in BF16 too) / fp8_e2e_cublas / fp8_e2e_xla (XLA's FP8 GEMMs, no TE), each mode in its
+           own process after warm-up steps: phase times, tokens/s, train TFLOP/s and MFU, peak memory, fp8_e2e's
+           speedups over the best BF16 (``bench/e2e.py``).
 table      Markdown tables of result files, for benchmarks/RESULTS.md.
 
 Timing: everything runs inside one jit (a scan over several distinct weights for small GEMMs, so dispatch and

@@ -10,7 +10,8 @@ then ``--steps`` timed steps whose phase times (``time/weights``: the sampler's 
     fp8_rollout    FP8 sampler, BF16 trainer
     fp8_e2e        FP8 sampler and trainer, one set of delayed scales
     fp8_e2e_head   the same with the LM head in FP8 too (``precision.lm_head_fp8``)
-    fp8_e2e_headgrad  fp8_e2e with the BF16 LM head's two backward GEMMs in FP8 (``precision.lm_head_grad_fp8``)
+    fp8_e2e_bf16_head_grad  fp8_e2e with the BF16 LM head's backward GEMMs in BF16 too (``precision.lm_head_grad_fp8``
+                   off, the default before session 22; its results files call fp8_e2e with it on fp8_e2e_headgrad)
     fp8_e2e_cublas fp8_e2e with its BF16 GEMMs (head, BF16 blocks) on cuBLAS, as bf16_cublas's
     fp8_e2e_xla    fp8_e2e on the xla backend (XLA's FP8 GEMMs and fusions, no TE), cuBLAS for the rest
 
@@ -59,7 +60,7 @@ MODES = {  # mode -> (precision.mode, extra XLA flags, config overrides)
     "fp8_rollout": ("fp8_rollout", "", {}),
     "fp8_e2e": ("fp8_e2e", "", {}),
     "fp8_e2e_head": ("fp8_e2e", "", {"precision.lm_head_fp8": True}),
-    "fp8_e2e_headgrad": ("fp8_e2e", "", {"precision.lm_head_grad_fp8": True}),
+    "fp8_e2e_bf16_head_grad": ("fp8_e2e", "", {"precision.lm_head_grad_fp8": False}),
     # the BF16 GEMMs of an FP8 step (the head, the BF16 first / last blocks) on cuBLAS, as bf16_cublas's
     "fp8_e2e_cublas": ("fp8_e2e", "--xla_gpu_enable_triton_gemm=false", {}),
     # XLA's own FP8 GEMMs (cuBLASLt), its fusions around them (casts and amaxes inside the producers' kernels)

@@ -89,12 +89,12 @@ def init_params(config: LlamaConfig, key: jax.Array, dtype=jnp.float32, std: flo
 
 
 def init_fp8_state(config: LlamaConfig, precision: Precision) -> dict:
-    """FP8 state for every linear of every block (used or not, so the layout never depends on the knobs)."""
+    """FP8 state for every linear of every block and for the LM head (used or not, so the layout never depends on
+    the knobs: a checkpoint restores whatever the head's precision; ``lm_head_fp8`` and ``lm_head_grad_fp8`` use
+    the head's)."""
     L = config.num_layers
-    state = {"blocks": {name: init_linear_state(precision.recipe, (L,)) for name in LINEARS}}
-    if precision.lm_head_fp8 or precision.lm_head_grad_fp8:
-        state["lm_head"] = init_linear_state(precision.recipe)
-    return state
+    return {"blocks": {name: init_linear_state(precision.recipe, (L,)) for name in LINEARS},
+            "lm_head": init_linear_state(precision.recipe)}
 
 
 def init_cache(config: LlamaConfig, batch: int, max_len: int, dtype) -> Cache:
