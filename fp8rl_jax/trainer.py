@@ -62,7 +62,8 @@ from fp8rl_jax.rollout.sampling import SamplingParams
 from fp8rl_jax.workdir_lock import LOCK_NAME, WorkdirLock, WorkdirLockedError
 
 # train state that checkpoints of earlier versions may lack (``Checkpointer.restore``'s ``absent_ok``): the LM head's
-# FP8 state, which ``precision.lm_head_grad_fp8`` (on by default since it was added) needs in fp8_e2e
+# FP8 state, always in the state since ``precision.lm_head_grad_fp8`` (on by default) came; before, only with
+# ``lm_head_fp8``
 ADDED_STATE = ("fp8_state.lm_head",)
 
 
