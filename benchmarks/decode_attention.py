@@ -191,6 +191,7 @@ def bench_shape(model, batch, cache_len, fill, kv, impls, *, tunings, repeats, w
                            k_splits=tuning.get("k_splits") or da.default_k_splits(programs, cache_len, block_k),
                            heads_per_program=heads, num_warps=tuning.get("num_warps", 4),
                            num_stages=tuning.get("num_stages", 2), dot_dtype=tuning.get("dot_dtype") or "bfloat16")
+                row["tail_loop"] = tuning.get("tail_loop", da.default_tail_loop(row["k_splits"]))
                 row["max_abs_diff_vs_xla"] = diffs[i]
             try:
                 seconds, k_cache, v_cache = _time_layers(fn, k_cache, v_cache, (q_layers, lengths_dev, scale, scale),
@@ -238,6 +239,8 @@ def main(argv=None):
     p.add_argument("--sweep_k_splits", default="", help="comma-separated k_splits values instead of SWEEP_TILES'")
     p.add_argument("--sweep_heads_per_program", default="1",
                    help="comma-separated kv heads per kernel program to cross the first stage with, e.g. 1,2,4")
+    p.add_argument("--ab_tail_loop", action="store_true",
+                   help="time the kernel with tail_loop=True and False (whole blocks unmasked, or every block masked)")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--max_layers", type=int, default=None)
@@ -253,7 +256,8 @@ def main(argv=None):
                   max_layers=args.max_layers)
     rows = []
     for model, batch, cache_len, fill, kv in itertools.product(models, batches, lens, args.fill, args.kv):
-        rows += bench_shape(model, batch, cache_len, fill, kv, args.impls, tunings=[{}], **common)
+        tunings = [{"tail_loop": True}, {"tail_loop": False}] if args.ab_tail_loop else [{}]
+        rows += bench_shape(model, batch, cache_len, fill, kv, args.impls, tunings=tunings, **common)
     sweep = []
     if args.sweep:
         shapes = [("tiny", 4, 40, 0.5, "fp8")] if args.interpret else SWEEP_SHAPES

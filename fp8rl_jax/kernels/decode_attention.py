@@ -147,6 +147,15 @@ def default_k_splits(rows: int, cache_len: int, block_k: int) -> int:
     return max(min(splits, blocks), 1)
 
 
+def default_tail_loop(k_splits: int) -> bool:
+    """The unmasked loop over whole blocks (then the partial last block on its own) with one split, where a program
+    walks the whole sequence: on the H100 an FP8 cache at batch 256 (1 split) took 100.6 / 153.6 us a layer-step
+    against 113.1 / 164.4 with every block masked (half / whole 1,088-position cache); at batch 64 (4 splits, 2-3
+    blocks a split) the second loop's pipeline start cost more than the masks (52.3 / 67.2 against 49.1 / 62.9 us).
+    ``benchmarks/decode_attention.py --ab_tail_loop``, ``results/decode_tail_loop_h100.json``."""
+    return k_splits == 1
+
+
 def default_dot_dtype(q_dtype, cache_dtype):
     """float16 for a BF16 query over an FP8 cache (measured 10-22% faster on the H100 than BF16 operands,
     ``benchmarks/results/decode_sweep_h100.json``); the query's dtype otherwise."""
@@ -268,7 +277,7 @@ def decode_attention_xla(q, k_cache, v_cache, lengths, *, layer=None, k_scale=No
 def _kernel(layer_ref, lengths_ref, k_scale_ref, v_scale_ref, out_scale_ref, q_ref, k_ref, v_ref, *out_refs,
             kv_heads: int, groups: int, heads_per_program: int, rows_padded: int, rows_per_layer: int,
             cache_len: int, block_k: int, k_splits: int, compute_dtype, precision, softmax_scale: float,
-            q_dtype, out_limit: float | None):
+            q_dtype, out_limit: float | None, tail_loop: bool):
     """``heads_per_program`` (P) consecutive kv heads of one sequence and one split. Refs (whole arrays, indexed
     here):
 
@@ -313,29 +322,32 @@ def _kernel(layer_ref, lengths_ref, k_scale_ref, v_scale_ref, out_scale_ref, q_r
     score_scale = softmax_scale * (1.0 / k_scale)
     block_offsets = jnp.arange(block_k)
 
-    def body(block, carry):
+    def body(block, carry, masked: bool = True):
+        """One block of ``block_k`` positions; ``masked=False`` for a block wholly inside the sequence (no masks)."""
         accs, row_max, row_sum = carry
         start = block * block_k
         in_seq = start + block_offsets < length  # [block_k]
         positions = pl.ds(start, block_k)
+        load_mask = in_seq[:, None] if masked else None
         # [Gp, H] x [block_k, H]^T -> [Gp, block_k], summed over the heads (each row has one head's scores);
         # masked loads never touch positions past the length (nor past the cache end)
         s = None
         for q_j, cache_row_j in zip(qs, cache_rows, strict=True):
-            k = plgpu.load(k_ref.at[cache_row_j, positions, :], mask=in_seq[:, None]).astype(compute_dtype)
+            k = plgpu.load(k_ref.at[cache_row_j, positions, :], mask=load_mask).astype(compute_dtype)
             s_j = plgpu.dot(q_j, k, trans_b=True, precision=precision)
             s = s_j if s is None else s + s_j
-        # masked columns may hold anything: replaced by -inf
         s = s * score_scale
-        s = jnp.where(in_seq[None, :], s, -jnp.inf)
+        if masked:  # masked columns may hold anything: replaced by -inf
+            s = jnp.where(in_seq[None, :], s, -jnp.inf)
         new_max = jnp.maximum(row_max, jnp.max(s, axis=1))  # finite: a visited block has a position
         correction = jnp.exp(row_max - new_max)
         p = jnp.exp(s - new_max[:, None])
         row_sum = correction * row_sum + jnp.sum(p, axis=1)
         new_accs = []
         for acc, cache_row_j in zip(accs, cache_rows, strict=True):
-            v = plgpu.load(v_ref.at[cache_row_j, positions, :], mask=in_seq[:, None]).astype(compute_dtype)
-            v = jnp.where(in_seq[:, None], v, 0)  # 0 * NaN would leak: masked rows of V must be zeros
+            v = plgpu.load(v_ref.at[cache_row_j, positions, :], mask=load_mask).astype(compute_dtype)
+            if masked:
+                v = jnp.where(in_seq[:, None], v, 0)  # 0 * NaN would leak: masked rows of V must be zeros
             # [Gp, block_k] x [block_k, H] -> [Gp, H]
             new_accs.append(correction[:, None] * acc + plgpu.dot(p.astype(compute_dtype), v, precision=precision))
         return tuple(new_accs), new_max, row_sum
@@ -343,7 +355,12 @@ def _kernel(layer_ref, lengths_ref, k_scale_ref, v_scale_ref, out_scale_ref, q_r
     h = q_ref.shape[-1]
     init = (tuple(jnp.zeros((rows_padded, h), jnp.float32) for _ in range(n_heads)),
             jnp.full((rows_padded,), -jnp.inf, jnp.float32), jnp.zeros((rows_padded,), jnp.float32))
-    accs, row_max, row_sum = lax.fori_loop(first, last, body, init)
+    if tail_loop:  # the split's whole blocks without masks, then the sequence's partial last block (if here) with
+        full_end = jnp.clip(length // block_k, first, last)
+        carry = lax.fori_loop(first, full_end, functools.partial(body, masked=False), init)
+        accs, row_max, row_sum = lax.fori_loop(full_end, last, body, carry)
+    else:
+        accs, row_max, row_sum = lax.fori_loop(first, last, body, init)
     # each head's rows from its own accumulator
     acc = accs[0]
     for rows_j, acc_j in zip(head_rows[1:], accs[1:], strict=True):
@@ -396,14 +413,17 @@ def _widen_byte_array_offsets() -> bool:
 def decode_attention_pallas(q, k_cache, v_cache, lengths, *, layer=None, k_scale=None, v_scale=None,
                             out_scale=None, out_dtype=None, block_k: int | None = None,
                             k_splits: int | None = None, num_warps: int = 4, num_stages: int = 2, dot_dtype=None,
-                            heads_per_program: int = 1, interpret: bool = False) -> jax.Array:
+                            heads_per_program: int = 1, tail_loop: bool | None = None,
+                            interpret: bool = False) -> jax.Array:
     """The Pallas kernel (see the module note); ``interpret=True`` runs it on any backend through Pallas'
     interpreter (tests). ``block_k`` / ``k_splits`` default from the shapes (``default_block_k`` /
     ``default_k_splits``). ``dot_dtype``: the dots' operand dtype (default ``default_dot_dtype``); ``float16``
     with an FP8 cache (every E4M3 value is exact in f16, and the conversion is one instruction per two values on
     Hopper) takes the query rounded to f16 (clipped to its range) and the probabilities in f16.
     ``heads_per_program``: P consecutive kv heads of a sequence per program (must divide K), their P*G query
-    rows sharing one score tile and one online softmax (the module note); 1, the default, is one kv head."""
+    rows sharing one score tile and one online softmax (the module note); 1, the default, is one kv head.
+    ``tail_loop``: walk a split's whole blocks without masks and the sequence's partial last block in a loop of its
+    own (False: one loop, every block masked); default: with one split (``default_tail_loop``)."""
     (k_cache, _), (v_cache, layer) = _stacked(k_cache, layer), _stacked(v_cache, layer)
     _check(q, k_cache, v_cache, lengths, k_scale, v_scale)
     out_dtype, quantized = _out_format(out_scale, out_dtype, q.dtype)
@@ -420,6 +440,7 @@ def decode_attention_pallas(q, k_cache, v_cache, lengths, *, layer=None, k_scale
     itemsize = jnp.dtype(k_cache.dtype).itemsize
     block_k = block_k or default_block_k(h, itemsize, s, n_heads)
     k_splits = k_splits or default_k_splits(programs, s, block_k)
+    tail_loop = default_tail_loop(k_splits) if tail_loop is None else tail_loop
     if block_k < 16 or block_k & (block_k - 1):
         raise ValueError(f"block_k={block_k} must be a power of two >= 16")
     if itemsize == 1 and k_cache.size > 2**31 and not interpret and not _widen_byte_array_offsets():
@@ -444,7 +465,7 @@ def decode_attention_pallas(q, k_cache, v_cache, lengths, *, layer=None, k_scale
         rows_padded=_pow2_ceil(max(n_heads * g, MIN_DOT_ROWS)), rows_per_layer=rows,
         cache_len=s, block_k=block_k, k_splits=k_splits, compute_dtype=compute_dtype, precision=precision,
         softmax_scale=1.0 / math.sqrt(h), q_dtype=jnp.dtype(q.dtype),
-        out_limit=fp8_max(out_dtype) if quantized else None,
+        out_limit=fp8_max(out_dtype) if quantized else None, tail_loop=tail_loop,
     )
     if k_splits == 1:  # the output itself
         out_shape = (jax.ShapeDtypeStruct((rows * g, h), out_dtype),)

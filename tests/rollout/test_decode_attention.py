@@ -180,6 +180,26 @@ def test_stacked_cache_reads_the_given_layer():
         np.testing.assert_allclose(got, _reference(q64, k64[layer], v64[layer], LENGTHS), rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("kind,k_splits", [("fp8", 1), ("fp8", 3), ("bf16", 2)])
+def test_unmasked_whole_blocks_change_nothing(kind, k_splits):
+    """``tail_loop`` (whole blocks without masks, the partial last block masked in a loop of its own; the default
+    with one split) gives the one masked loop's result bit for bit, lengths on and off block boundaries, garbage
+    past them."""
+    q, k, v, k_scale, v_scale, *_ = _inputs(kind, 4)
+    lengths = np.array([16, 23, 32, S], np.int32)
+    k_bad, v_bad = k.astype(np.float32), v.astype(np.float32)
+    for b, n in enumerate(lengths):
+        k_bad[b, :, n:], v_bad[b, :, n:] = np.nan, np.nan
+    args = [jnp.asarray(a) for a in (q, k_bad.astype(k.dtype), v_bad.astype(v.dtype), lengths)]
+    run = functools.partial(da.decode_attention_pallas, k_scale=k_scale, v_scale=v_scale, block_k=16,
+                            k_splits=k_splits, interpret=True)
+    one_loop = np.asarray(jax.jit(functools.partial(run, tail_loop=False))(*args), np.float32)
+    assert np.isfinite(one_loop).all()
+    two_loops = np.asarray(jax.jit(functools.partial(run, tail_loop=True))(*args), np.float32)
+    np.testing.assert_array_equal(two_loops, one_loop)
+    assert da.default_tail_loop(1) and not da.default_tail_loop(k_splits if k_splits > 1 else 2)
+
+
 @pytest.mark.parametrize("impl", ["pallas_interpret", "xla"])
 def test_per_layer_scales_are_read_at_the_layer(impl):
     """Stacked per-layer scales [L] with a traced layer index: bit for bit the result with that layer's scalars."""
@@ -425,6 +445,7 @@ def test_packed_heads_kernel_lowers_to_triton(cache_dtype, q_dtype):
                            heads_per_program=4)
     [ttir] = _triton_ir(lambda q, k, v, n, i: fn(q, k, v, n, layer=i), q, cache, cache,
                         jax.ShapeDtypeStruct((8,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32))
+    # several splits here (16 programs): one loop, every block masked (``default_tail_loop``)
     assert ttir.count("scf.for") == 1 and ttir.count("tt.dot") == 8
 
 
