@@ -148,12 +148,14 @@ def default_k_splits(rows: int, cache_len: int, block_k: int) -> int:
 
 
 def default_tail_loop(k_splits: int) -> bool:
-    """The unmasked loop over whole blocks (then the partial last block on its own) with one split, where a program
-    walks the whole sequence: on the H100 an FP8 cache at batch 256 (1 split) took 100.6 / 153.6 us a layer-step
-    against 113.1 / 164.4 with every block masked (half / whole 1,088-position cache); at batch 64 (4 splits, 2-3
-    blocks a split) the second loop's pipeline start cost more than the masks (52.3 / 67.2 against 49.1 / 62.9 us).
-    ``benchmarks/decode_attention.py --ab_tail_loop``, ``results/decode_tail_loop_h100.json``."""
-    return k_splits == 1
+    """Off: one masked loop. Measured on the H100 (``benchmarks/decode_attention.py --ab_tail_loop``,
+    ``results/decode_tail_loop_h100.json``): alone, the unmasked loop made an FP8 cache at batch 256 (1 split)
+    faster, 100.6 / 153.6 us a layer-step against 113.1 / 164.4 (half / whole 1,088-position cache), and batch 64
+    (4 splits, 2-3 blocks a split) slower, 52.3 / 67.2 against 49.1 / 62.9 us; but the batch-256 rollout with it
+    on for one split (``bench rollout``, same session) made 89.5k tokens/s against 91.7k without. ``k_splits`` is
+    for a rule that a later measurement may justify."""
+    del k_splits
+    return False
 
 
 def default_dot_dtype(q_dtype, cache_dtype):
@@ -423,7 +425,7 @@ def decode_attention_pallas(q, k_cache, v_cache, lengths, *, layer=None, k_scale
     ``heads_per_program``: P consecutive kv heads of a sequence per program (must divide K), their P*G query
     rows sharing one score tile and one online softmax (the module note); 1, the default, is one kv head.
     ``tail_loop``: walk a split's whole blocks without masks and the sequence's partial last block in a loop of its
-    own (False: one loop, every block masked); default: with one split (``default_tail_loop``)."""
+    own (False, the default: one loop, every block masked; ``default_tail_loop`` says why)."""
     (k_cache, _), (v_cache, layer) = _stacked(k_cache, layer), _stacked(v_cache, layer)
     _check(q, k_cache, v_cache, lengths, k_scale, v_scale)
     out_dtype, quantized = _out_format(out_scale, out_dtype, q.dtype)

@@ -182,9 +182,9 @@ def test_stacked_cache_reads_the_given_layer():
 
 @pytest.mark.parametrize("kind,k_splits", [("fp8", 1), ("fp8", 3), ("bf16", 2)])
 def test_unmasked_whole_blocks_change_nothing(kind, k_splits):
-    """``tail_loop`` (whole blocks without masks, the partial last block masked in a loop of its own; the default
-    with one split) gives the one masked loop's result bit for bit, lengths on and off block boundaries, garbage
-    past them."""
+    """``tail_loop`` (whole blocks without masks, the partial last block masked in a loop of its own; off by
+    default) gives the one masked loop's result bit for bit, lengths on and off block boundaries, garbage past
+    them."""
     q, k, v, k_scale, v_scale, *_ = _inputs(kind, 4)
     lengths = np.array([16, 23, 32, S], np.int32)
     k_bad, v_bad = k.astype(np.float32), v.astype(np.float32)
@@ -197,7 +197,7 @@ def test_unmasked_whole_blocks_change_nothing(kind, k_splits):
     assert np.isfinite(one_loop).all()
     two_loops = np.asarray(jax.jit(functools.partial(run, tail_loop=True))(*args), np.float32)
     np.testing.assert_array_equal(two_loops, one_loop)
-    assert da.default_tail_loop(1) and not da.default_tail_loop(k_splits if k_splits > 1 else 2)
+    assert not da.default_tail_loop(k_splits)
 
 
 @pytest.mark.parametrize("impl", ["pallas_interpret", "xla"])
@@ -445,7 +445,7 @@ def test_packed_heads_kernel_lowers_to_triton(cache_dtype, q_dtype):
                            heads_per_program=4)
     [ttir] = _triton_ir(lambda q, k, v, n, i: fn(q, k, v, n, layer=i), q, cache, cache,
                         jax.ShapeDtypeStruct((8,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32))
-    # several splits here (16 programs): one loop, every block masked (``default_tail_loop``)
+    # one loop, every block masked (``default_tail_loop``)
     assert ttir.count("scf.for") == 1 and ttir.count("tt.dot") == 8
 
 
