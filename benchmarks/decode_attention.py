@@ -191,7 +191,7 @@ def bench_shape(model, batch, cache_len, fill, kv, impls, *, tunings, repeats, w
                            k_splits=tuning.get("k_splits") or da.default_k_splits(programs, cache_len, block_k),
                            heads_per_program=heads, num_warps=tuning.get("num_warps", 4),
                            num_stages=tuning.get("num_stages", 2), dot_dtype=tuning.get("dot_dtype") or "bfloat16")
-                row["tail_loop"] = tuning.get("tail_loop", da.default_tail_loop(row["k_splits"]))
+                row["tail_loop"] = tuning.get("tail_loop", False)
                 row["max_abs_diff_vs_xla"] = diffs[i]
             try:
                 seconds, k_cache, v_cache = _time_layers(fn, k_cache, v_cache, (q_layers, lengths_dev, scale, scale),

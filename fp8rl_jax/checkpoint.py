@@ -179,6 +179,16 @@ def _path_name(path: tuple) -> str:
     return ".".join(str(p) for p in parts)
 
 
+def _absent(like: PyTree, on_disk: PyTree | None, prefixes: tuple[str, ...]) -> list[str]:
+    """The leaves of ``like`` under ``prefixes`` that the saved tree ``on_disk`` lacks (none where Orbax gave no
+    metadata to compare with: the restore then checks, as ever)."""
+    if on_disk is None or not prefixes:
+        return []
+    have = {_path_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(on_disk)[0]}
+    names = [_path_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(like)[0]]
+    return sorted(n for n in names if n not in have and any(n == q or n.startswith(q + ".") for q in prefixes))
+
+
 def _without(tree: PyTree, names: set[str], prefix: tuple = ()) -> PyTree:
     """``tree`` without the leaves named in ``names`` (``_path_name``) and the dicts they leave empty; the named
     leaves must sit in nested dicts."""
@@ -321,13 +331,6 @@ class Checkpointer:
         checkpoint written before they existed may lack: they keep ``like``'s (concrete) values, and the metadata's
         ``"absent"`` lists their leaves. Anything else missing is an error, as ever.
         """
-        absent = self._absent(step, like, absent_ok) if absent_ok else []
-        if absent:
-            restored, meta = self.restore(step, like=_without(like, set(absent)))
-            by_name = {_path_name(p): x for p, x in jax.tree_util.tree_flatten_with_path(restored)[0]}
-            leaves, treedef = jax.tree_util.tree_flatten_with_path(like)
-            return jax.tree.unflatten(treedef, [by_name.get(_path_name(p), x) for p, x in leaves]), {**meta,
-                                                                                                   "absent": absent}
         self.wait()
         steps = self.all_steps()
         if step is None:
@@ -336,17 +339,24 @@ class Checkpointer:
             step = steps[-1]
         elif step not in steps:
             raise FileNotFoundError(f"no checkpoint of step {step} in {self.directory}; steps there: {steps}")
+        try:  # our own check first: clearer than Orbax's error and no noise from its cancelled reads
+            on_disk = self._manager.item_metadata(step)[_TREE]
+            on_disk = getattr(on_disk, "tree", on_disk)
+        except Exception:  # metadata layout differs across Orbax versions; Orbax still checks
+            on_disk = None
+        if (absent := _absent(like, on_disk, absent_ok)):
+            restored, meta = self.restore(step, like=_without(like, set(absent)))
+            by_name = {_path_name(p): x for p, x in jax.tree_util.tree_flatten_with_path(restored)[0]}
+            leaves, treedef = jax.tree_util.tree_flatten_with_path(like)
+            return jax.tree.unflatten(treedef, [by_name.get(_path_name(p), x) for p, x in leaves]), {**meta,
+                                                                                                   "absent": absent}
         leaves, treedef = jax.tree_util.tree_flatten_with_path(like)
         target = jax.tree.unflatten(treedef, [_restore_target(x) for _, x in leaves])
         args = ocp.args.Composite(
             **{_TREE: ocp.args.StandardRestore(target), _META: ocp.args.JsonRestore(), _KEYS: ocp.args.JsonRestore()}
         )
         step_dir = os.path.join(self.directory, str(step))
-        try:  # our own check first: clearer than Orbax's error and no noise from its cancelled reads
-            on_disk = self._manager.item_metadata(step)[_TREE]
-        except Exception:  # metadata layout differs across Orbax versions; Orbax still checks
-            on_disk = None
-        if on_disk is not None and (problems := _mismatches(target, getattr(on_disk, "tree", on_disk))):
+        if on_disk is not None and (problems := _mismatches(target, on_disk)):
             shown = "\n  ".join(problems[:10]) + (f"\n  ... {len(problems) - 10} more" if len(problems) > 10 else "")
             raise ValueError(f"checkpoint {step_dir} does not match the `like` tree:\n  {shown}")
         try:
@@ -368,23 +378,6 @@ class Checkpointer:
                 a = np.asarray(a)
             out.append(a)
         return jax.tree.unflatten(treedef, out), dict(restored[_META])
-
-    def _absent(self, step: int | None, like: PyTree, prefixes: tuple[str, ...]) -> list[str]:
-        """The leaves of ``like`` under ``prefixes`` that the checkpoint of ``step`` lacks (none where Orbax gives
-        no metadata to compare with: the restore then checks, as ever)."""
-        self.wait()
-        steps = self.all_steps()
-        step = steps[-1] if step is None and steps else step
-        if step not in steps:
-            return []  # restore's own error names what is there
-        try:
-            on_disk = self._manager.item_metadata(step)[_TREE]
-        except Exception:
-            return []
-        on_disk = getattr(on_disk, "tree", on_disk)
-        have = {_path_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(on_disk)[0]}
-        names = [_path_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(like)[0]]
-        return sorted(n for n in names if n not in have and any(n == q or n.startswith(q + ".") for q in prefixes))
 
     def wait(self) -> None:
         """Blocks until every started save is committed; ``CheckpointSaveError`` if one failed."""

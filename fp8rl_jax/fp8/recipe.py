@@ -136,6 +136,12 @@ def quantize(x: jax.Array, scale: jax.Array, dtype) -> jax.Array:
     return jnp.clip(y, -limit, limit).astype(dtype)
 
 
+def quantize_input(x: jax.Array, scale: jax.Array, dtype) -> jax.Array:
+    """A GEMM input ``quantize``d, or ``x`` as it is where it is FP8 already: quantized with ``scale`` beforehand
+    (the decode attention kernel writes ``wo``'s input so)."""
+    return x if jnp.dtype(x.dtype).itemsize == 1 else quantize(x, scale, dtype)
+
+
 def amax(x: jax.Array) -> jax.Array:
     return jnp.max(jnp.abs(x)).astype(jnp.float32)
 

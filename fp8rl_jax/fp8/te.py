@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from fp8rl_jax.fp8 import xla
-from fp8rl_jax.fp8.recipe import Fp8LinearState, Fp8Recipe, amax, observations, quantize
+from fp8rl_jax.fp8.recipe import Fp8LinearState, Fp8Recipe, amax, observations, quantize, quantize_input
 from fp8rl_jax.fp8.xla import QuantizedKernel, TrainKernel
 from fp8rl_jax.kernels.swiglu_grad import swiglu_grad_fp8
 from fp8rl_jax.kernels.transpose import transpose_bytes
@@ -145,7 +145,7 @@ def prequantized_matmul(x: jax.Array, kernel: QuantizedKernel, x_scale: jax.Arra
     if jnp.dtype(x.dtype).itemsize == 1 and out_dtype is None:
         raise ValueError("a pre-quantized FP8 input needs out_dtype")
     out_dtype = jnp.dtype(out_dtype or x.dtype)
-    qx = x if jnp.dtype(x.dtype).itemsize == 1 else quantize(x, x_scale, recipe.fwd_dtype)
+    qx = quantize_input(x, x_scale, recipe.fwd_dtype)
     x_scale_inv = _inv(x_scale) if x_scale_inv is None else x_scale_inv
     return _gemm(_operand(qx, x_scale_inv, out_dtype), _operand(kernel.data, kernel.scale_inv, out_dtype))
 

@@ -32,7 +32,16 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from fp8rl_jax.fp8.recipe import Fp8LinearState, Fp8Recipe, amax, fp8_max, observations, quantize, scale_from_amax
+from fp8rl_jax.fp8.recipe import (
+    Fp8LinearState,
+    Fp8Recipe,
+    amax,
+    fp8_max,
+    observations,
+    quantize,
+    quantize_input,
+    scale_from_amax,
+)
 from fp8rl_jax.parallel import fsdp
 
 GEMM_FORMS = ("f8", "f32")
@@ -146,15 +155,14 @@ def prequantized_matmul(
     """
     form = gemm_form(form)
     qw = gemm_operand(kernel.data, recipe.fwd_dtype, form)
-    quantized = jnp.dtype(x.dtype).itemsize == 1
-    if quantized and recipe.scaling == "rowwise":
+    if jnp.dtype(x.dtype).itemsize == 1 and recipe.scaling == "rowwise":
         raise ValueError("a pre-quantized FP8 input has one scale; rowwise scaling quantizes each row itself")
     if recipe.scaling == "rowwise":  # x_scale unused: each token's row has its own current scale
         qx, x_scale_inv = _rowwise_quantize(x, recipe.fwd_dtype)
         # [M, K] . [N, K] -> [M, N], scaled back per token and per output channel
         y = _mm(gemm_operand(qx, recipe.fwd_dtype, form), qw, 1, 1) * (x_scale_inv[:, None] * kernel.scale_inv)
     else:
-        qx = gemm_operand(x if quantized else quantize(x, x_scale, recipe.fwd_dtype), recipe.fwd_dtype, form)
+        qx = gemm_operand(quantize_input(x, x_scale, recipe.fwd_dtype), recipe.fwd_dtype, form)
         # [M, K] . [N, K] -> [M, N]
         if x_scale_inv is None:
             x_scale_inv = 1.0 / x_scale.astype(jnp.float32)

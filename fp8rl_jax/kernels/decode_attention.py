@@ -147,17 +147,6 @@ def default_k_splits(rows: int, cache_len: int, block_k: int) -> int:
     return max(min(splits, blocks), 1)
 
 
-def default_tail_loop(k_splits: int) -> bool:
-    """Off: one masked loop. Measured on the H100 (``benchmarks/decode_attention.py --ab_tail_loop``,
-    ``results/decode_tail_loop_h100.json``): alone, the unmasked loop made an FP8 cache at batch 256 (1 split)
-    faster, 100.6 / 153.6 us a layer-step against 113.1 / 164.4 (half / whole 1,088-position cache), and batch 64
-    (4 splits, 2-3 blocks a split) slower, 52.3 / 67.2 against 49.1 / 62.9 us; but the batch-256 rollout with it
-    on for one split (``bench rollout``, same session) made 89.5k tokens/s against 91.7k without. ``k_splits`` is
-    for a rule that a later measurement may justify."""
-    del k_splits
-    return False
-
-
 def default_dot_dtype(q_dtype, cache_dtype):
     """float16 for a BF16 query over an FP8 cache (measured 10-22% faster on the H100 than BF16 operands,
     ``benchmarks/results/decode_sweep_h100.json``); the query's dtype otherwise."""
@@ -415,7 +404,7 @@ def _widen_byte_array_offsets() -> bool:
 def decode_attention_pallas(q, k_cache, v_cache, lengths, *, layer=None, k_scale=None, v_scale=None,
                             out_scale=None, out_dtype=None, block_k: int | None = None,
                             k_splits: int | None = None, num_warps: int = 4, num_stages: int = 2, dot_dtype=None,
-                            heads_per_program: int = 1, tail_loop: bool | None = None,
+                            heads_per_program: int = 1, tail_loop: bool = False,
                             interpret: bool = False) -> jax.Array:
     """The Pallas kernel (see the module note); ``interpret=True`` runs it on any backend through Pallas'
     interpreter (tests). ``block_k`` / ``k_splits`` default from the shapes (``default_block_k`` /
@@ -425,7 +414,11 @@ def decode_attention_pallas(q, k_cache, v_cache, lengths, *, layer=None, k_scale
     ``heads_per_program``: P consecutive kv heads of a sequence per program (must divide K), their P*G query
     rows sharing one score tile and one online softmax (the module note); 1, the default, is one kv head.
     ``tail_loop``: walk a split's whole blocks without masks and the sequence's partial last block in a loop of its
-    own (False, the default: one loop, every block masked; ``default_tail_loop`` says why)."""
+    own (False, the default: one loop, every block masked). Measured on the H100 (``benchmarks/decode_attention.py
+    --ab_tail_loop``, ``results/decode_tail_loop_h100.json``): alone, it made an FP8 cache at batch 256 (1 split)
+    faster, 100.6 / 153.6 us a layer-step against 113.1 / 164.4 (half / whole 1,088-position cache), and batch 64
+    (4 splits) slower, 52.3 / 67.2 against 49.1 / 62.9 us; but the batch-256 rollout with it on for one split made
+    89.5k tokens/s against 91.7k without (``results/rollout_tail_loop_h100.json``)."""
     (k_cache, _), (v_cache, layer) = _stacked(k_cache, layer), _stacked(v_cache, layer)
     _check(q, k_cache, v_cache, lengths, k_scale, v_scale)
     out_dtype, quantized = _out_format(out_scale, out_dtype, q.dtype)
@@ -442,7 +435,6 @@ def decode_attention_pallas(q, k_cache, v_cache, lengths, *, layer=None, k_scale
     itemsize = jnp.dtype(k_cache.dtype).itemsize
     block_k = block_k or default_block_k(h, itemsize, s, n_heads)
     k_splits = k_splits or default_k_splits(programs, s, block_k)
-    tail_loop = default_tail_loop(k_splits) if tail_loop is None else tail_loop
     if block_k < 16 or block_k & (block_k - 1):
         raise ValueError(f"block_k={block_k} must be a power of two >= 16")
     if itemsize == 1 and k_cache.size > 2**31 and not interpret and not _widen_byte_array_offsets():

@@ -552,9 +552,8 @@ def _decode_output(wo, wo_state, precision: Precision) -> dict:
     """With the rollout's pre-quantized ``wo`` (per-tensor scaling) the decode kernel writes the attention output
     already quantized with ``wo``'s input scale, as ``linear`` would quantize it (no XLA kernel does it in the
     decode step); else the output stays in the compute dtype."""
-    if wo_state is None or not precision.fp8 or not isinstance(wo, QuantizedKernel):
-        return {}
-    if precision.recipe.scaling != "tensor":
+    per_tensor = precision.fp8 and precision.recipe.scaling == "tensor"
+    if wo_state is None or not per_tensor or not isinstance(wo, QuantizedKernel):
         return {}
     return {"out_scale": wo_state["x"]["scale"], "out_dtype": precision.recipe.fwd_dtype}
 

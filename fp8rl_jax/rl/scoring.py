@@ -36,10 +36,10 @@ scale (E5M2), and the master kernel and the hidden state are quantized once per 
 in the backward pass (nothing FP8 lives between the two passes). Those are two of the head's four GEMMs per chunk
 (the logits, their recompute, dx, dW), the two whose rounding never reaches a logprob: the gradients carry E5M2
 rounding as every other FP8 linear's do. On the H100 (a llama1b microbatch: 32 x 1280 tokens, 2048 x 128256,
-tied) the head's forward and backward take 122 ms against the BF16 head's 144 ms (the FP8 head's: 92 ms;
-``benchmarks/head_step.py``). Its forward observes nothing, so the calibration observes the head's three operands
-itself (``rl.step.make_calibrate``). It serves ``rowwise`` scaling as it is: a rowwise linear's backward is per
-tensor with the delayed scales too.
+tied) the head's forward and backward take 121 ms against the BF16 head's 142 ms (the FP8 head's: 92 ms;
+``benchmarks/results/head_step_grad_h100.json``). Its forward observes nothing, so the calibration observes the
+head's three operands itself (``rl.step.make_calibrate``). It serves ``rowwise`` scaling as it is: a rowwise
+linear's backward is per tensor with the delayed scales too.
 
 ``autodiff_head_logprobs`` (the reference both heads are tested against, and the FP8 head under ``rowwise``
 scaling) runs ``linear`` per chunk under ``jax.checkpoint`` and plain autodiff. Its FP8 state must not be closed

@@ -191,7 +191,7 @@ def make_calibrate(model: LlamaConfig, precision: Precision, kv_margin: int = 0,
             cotangent = jax.grad(mean_loglik)(logits) if gradients else jnp.zeros_like(logits)
             (observations,) = pullback(cotangent)
             # a BF16 head observes nothing in its forward: the operands of its FP8 backward, observed here
-            if head_grad_fp8 and "lm_head" in fp8_state:
+            if head_grad_fp8:
                 observations["lm_head"] = _head_grad_observations(params, fp8_state["lm_head"], hidden, cotangent)
         else:  # K/V amaxes only: the blocks' forward, no head, nothing kept for a backward pass
             _, _, kv_amax = llama.forward_hidden(params, tokens, positions, config=model, precision=precision,
@@ -244,8 +244,7 @@ def _head_grad_observations(params, head_state, hidden: jax.Array, dlogits: jax.
     ``scoring.fp8_grad_head_logprobs``): the amaxes of the hidden state [B, T, D] at the positions that predict a
     token (all but the last, as ``token_logprobs`` feeds the head), of the master kernel, and of the cotangent of
     the logits ``dlogits`` [B, T, V] (zeros: the gradient role observes 0 and keeps its scale)."""
-    kernel = params["lm_head"] if "lm_head" in params else params["embed"]
-    return observations(head_state, amax(hidden[:, :-1]), amax(kernel), amax(dlogits))
+    return observations(head_state, amax(hidden[:, :-1]), amax(llama.lm_head_kernel(params)), amax(dlogits))
 
 
 def make_score(model: LlamaConfig, precision: Precision, temperature: float, *, state_sharding=None):

@@ -10,6 +10,7 @@ Tolerances (max |got - reference| <= atol + rtol |reference|):
 """
 
 import functools
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -197,7 +198,7 @@ def test_unmasked_whole_blocks_change_nothing(kind, k_splits):
     assert np.isfinite(one_loop).all()
     two_loops = np.asarray(jax.jit(functools.partial(run, tail_loop=True))(*args), np.float32)
     np.testing.assert_array_equal(two_loops, one_loop)
-    assert not da.default_tail_loop(k_splits)
+    assert inspect.signature(da.decode_attention_pallas).parameters["tail_loop"].default is False
 
 
 @pytest.mark.parametrize("impl", ["pallas_interpret", "xla"])
@@ -445,7 +446,7 @@ def test_packed_heads_kernel_lowers_to_triton(cache_dtype, q_dtype):
                            heads_per_program=4)
     [ttir] = _triton_ir(lambda q, k, v, n, i: fn(q, k, v, n, layer=i), q, cache, cache,
                         jax.ShapeDtypeStruct((8,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32))
-    # one loop, every block masked (``default_tail_loop``)
+    # one loop, every block masked (``tail_loop`` off by default)
     assert ttir.count("scf.for") == 1 and ttir.count("tt.dot") == 8
 
 
