@@ -16,7 +16,9 @@ layer. Lengths are ragged around ``fill * S`` (uniform in [0.5, 1.5] x fill x S,
 means all S). Caches that would not fit use fewer layers (``layers_timed``); the per-layer figure is the same.
 ``--sweep`` tunes the kernel on ``SWEEP_SHAPES``: block_k x k_splits (num_warps 4, num_stages 2), then num_warps x
 num_stages around the best pair; ``--sweep_heads_per_program 1,2,4`` crosses the first stage with the kernel's kv
-heads per program (values that do not divide a shape's K are left out for it). The full default run is ~150
+heads per program (values that do not divide a shape's K are left out for it); ``--sweep_num_warps 1,2,4``
+(and ``--sweep_num_stages``) cross launch settings into the first stage too (the grid is then all of it: no
+second stage). The full default run is ~150
 timed configurations (each compiled once): split it with ``--models`` / ``--kv`` to keep each invocation within a
 few minutes.
 """
@@ -49,11 +51,12 @@ MODELS = {  # name: (kv heads K, query heads per kv head G, head dim H, layers L
     "tiny": (2, 2, 16, 2),  # the CPU check (--interpret)
 }
 SWEEP_TILES = {"block_k": (32, 64, 128, 256), "k_splits": (1, 2, 4, 8)}  # first stage
-SWEEP_DOT_DTYPES = {"bf16": (None,), "fp8": (None, "float16")}  # also first stage, per KV dtype
+SWEEP_DOT_DTYPES = {"bf16": (None,), "fp8": (None,)}  # also first stage, per KV dtype (None: the kernel's default)
 SWEEP_LAUNCH = {"num_warps": (4, 8), "num_stages": (2, 3, 4)}  # second stage, at the best tiles
 SWEEP_SHAPES = (  # model, batch, cache_len, fill, kv
     ("1b", 64, 1088, 0.5, "fp8"), ("1b", 256, 1088, 0.5, "fp8"), ("1b", 256, 4160, 0.5, "fp8"),
-    ("1b", 256, 1088, 0.5, "bf16"), ("8b", 64, 4160, 0.5, "fp8"), ("8b", 256, 1088, 0.5, "fp8"),
+    ("1b", 64, 1088, 0.5, "bf16"), ("1b", 256, 1088, 0.5, "bf16"), ("8b", 64, 4160, 0.5, "fp8"),
+    ("8b", 256, 1088, 0.5, "fp8"),
 )
 
 
@@ -190,7 +193,9 @@ def bench_shape(model, batch, cache_len, fill, kv, impls, *, tunings, repeats, w
                 row.update(block_k=block_k,
                            k_splits=tuning.get("k_splits") or da.default_k_splits(programs, cache_len, block_k),
                            heads_per_program=heads, num_warps=tuning.get("num_warps", 4),
-                           num_stages=tuning.get("num_stages", 2), dot_dtype=tuning.get("dot_dtype") or "bfloat16")
+                           num_stages=tuning.get("num_stages", 2),
+                           dot_dtype=str(jnp.dtype(tuning.get("dot_dtype") or da.default_dot_dtype(
+                               jnp.bfloat16, jnp.float8_e4m3fn if kv == "fp8" else jnp.bfloat16))))
                 row["tail_loop"] = tuning.get("tail_loop", False)
                 row["max_abs_diff_vs_xla"] = diffs[i]
             try:
@@ -234,11 +239,16 @@ def main(argv=None):
     p.add_argument("--impls", nargs="+", default=("xla", "pallas", "scatter_only"),
                    choices=("xla", "pallas", "scatter_only"))
     p.add_argument("--sweep", action="store_true", help="also tune the kernel on SWEEP_SHAPES")
-    p.add_argument("--sweep_filter", default="", help="only the sweep shapes whose model/kv matches, e.g. 1b/fp8")
+    p.add_argument("--sweep_filter", default="",
+                   help="only the sweep shapes with all these parts of model/bBATCH/sCACHE/kv, e.g. 1b/s1088/bf16")
     p.add_argument("--sweep_block_k", default="", help="comma-separated block_k values instead of SWEEP_TILES'")
     p.add_argument("--sweep_k_splits", default="", help="comma-separated k_splits values instead of SWEEP_TILES'")
     p.add_argument("--sweep_heads_per_program", default="1",
                    help="comma-separated kv heads per kernel program to cross the first stage with, e.g. 1,2,4")
+    p.add_argument("--sweep_num_warps", default="",
+                   help="comma-separated num_warps crossed into the first stage (e.g. 1,2,4)")
+    p.add_argument("--sweep_num_stages", default="",
+                   help="comma-separated num_stages crossed into the first stage (e.g. 2,3)")
     p.add_argument("--ab_tail_loop", action="store_true",
                    help="time the kernel with tail_loop=True and False (whole blocks unmasked, or every block masked)")
     p.add_argument("--repeats", type=int, default=10)
@@ -261,9 +271,12 @@ def main(argv=None):
     sweep = []
     if args.sweep:
         shapes = [("tiny", 4, 40, 0.5, "fp8")] if args.interpret else SWEEP_SHAPES
-        shapes = [sh for sh in shapes if args.sweep_filter in f"{sh[0]}/{sh[4]}"]
+        wanted = set(filter(None, args.sweep_filter.split("/")))  # e.g. 1b/fp8 or 1b/s1088/bf16
+        shapes = [sh for sh in shapes if wanted <= {sh[0], f"b{sh[1]}", f"s{sh[2]}", sh[4]}]
         grid = dict(SWEEP_TILES)
-        for key, arg in (("block_k", args.sweep_block_k), ("k_splits", args.sweep_k_splits)):
+        crossed = {key: arg for key, arg in (("num_warps", args.sweep_num_warps),
+                                             ("num_stages", args.sweep_num_stages)) if arg}
+        for key, arg in (("block_k", args.sweep_block_k), ("k_splits", args.sweep_k_splits), *crossed.items()):
             if arg:
                 grid[key] = tuple(int(v) for v in arg.split(","))
         heads_per_program = tuple(int(v) for v in args.sweep_heads_per_program.split(","))
@@ -285,9 +298,9 @@ def main(argv=None):
             first = bench_shape(*shape, ("xla", "pallas"), tunings=tiles, **common)
             timed = [r for r in first if r.get("impl") == "pallas" and "us_per_layer" in r]
             sweep += first
-            if timed:
+            if timed and not crossed:
                 best = min(timed, key=lambda r: r["us_per_layer"])
-                dot_dtype = None if best["dot_dtype"] == "bfloat16" else best["dot_dtype"]
+                dot_dtype = best["dot_dtype"]
                 around = [{"block_k": best["block_k"], "k_splits": best["k_splits"], "dot_dtype": dot_dtype,
                            "heads_per_program": best["heads_per_program"], **lc}
                           for lc in launch if (lc["num_warps"], lc["num_stages"]) != (4, 2)]
