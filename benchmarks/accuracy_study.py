@@ -53,6 +53,10 @@ MODES = {
     # whose study called the default fp8_e2e_headgrad)
     "fp8_e2e_bf16_head_grad": {"precision.mode": "fp8_e2e", "precision.lm_head_grad_fp8": False,
                                "rl.is_correction": "none"},
+    # the head's backward logit recompute in BF16 (precision.lm_head_recompute_fp8 off: the default before session
+    # 23; the FP8 recompute gives the FP8 head's gradient under the BF16 head's forward and logprobs)
+    "fp8_e2e_bf16_recompute": {"precision.mode": "fp8_e2e", "precision.lm_head_recompute_fp8": False,
+                               "rl.is_correction": "none"},
     # the exact sampler (rollout.exact): rollouts drawn by the trainer's own forward, sampler == trainer bit for bit
     "fp8_e2e_exact": {"precision.mode": "fp8_e2e", "rollout.exact": True, "rl.is_correction": "none"},
     "bf16_exact": {"precision.mode": "bf16", "rollout.exact": True, "rl.is_correction": "none"},

@@ -1,6 +1,7 @@
 """The LM head's training step alone on one GPU: forward + backward of the chunked head (BF16, the FP8 custom VJP,
-the autodiff FP8 head it replaced, and ``fp8_grad``: the BF16 head with its backward GEMMs in FP8,
-``precision.lm_head_grad_fp8``) at a microbatch's shape, compile and run timed separately.
+the autodiff FP8 head it replaced, ``fp8_grad``: the BF16 head with its backward GEMMs in FP8,
+``precision.lm_head_grad_fp8``, and ``fp8_recompute``: that head with its backward's logit recompute in FP8 too,
+``precision.lm_head_recompute_fp8``) at a microbatch's shape, compile and run timed separately.
 
     JAX_PLATFORMS=cuda python benchmarks/head_step.py --out head_step.json [--hidden 4096 --untied]
 
@@ -41,7 +42,9 @@ def main() -> None:
     tied = not args.untied
     precision = Precision(backend="xla", lm_head_fp8=True)
     programs = {"bf16": precision.replace(lm_head_fp8=False),  # each variant's precision, as the trainer jits it
-                "fp8_grad": precision.replace(lm_head_fp8=False, lm_head_grad_fp8=True)}
+                "fp8_grad": precision.replace(lm_head_fp8=False, lm_head_grad_fp8=True),
+                "fp8_recompute": precision.replace(lm_head_fp8=False, lm_head_grad_fp8=True,
+                                                   lm_head_recompute_fp8=True)}
     config = dataclasses.replace(preset("tiny"), hidden_size=args.hidden, vocab_size=args.vocab, tie_embeddings=tied)
     state = llama.init_fp8_state(config, precision)["lm_head"]
     for role, scale in (("x", 448 / 8.0), ("kernel", 448 / 0.1), ("grad", 57344 / 0.05)):
@@ -57,9 +60,8 @@ def main() -> None:
             logp, _ = scoring.chunked_head_logprobs(h, k, targets, kernel_nk=tied, dtype=jnp.bfloat16)
         elif variant == "fp8":
             logp, _ = scoring.fp8_chunked_head_logprobs(h, k, targets, st, precision=precision, kernel_nk=tied)
-        elif variant == "fp8_grad":
-            logp, _ = scoring.fp8_grad_head_logprobs(h, k, targets, st, precision=programs["fp8_grad"],
-                                                     kernel_nk=tied)
+        elif variant in ("fp8_grad", "fp8_recompute"):
+            logp, _ = scoring.fp8_grad_head_logprobs(h, k, targets, st, precision=programs[variant], kernel_nk=tied)
         else:
             params = {"embed": k} if tied else {"lm_head": k}
             logp, _ = scoring.autodiff_head_logprobs(params, h, targets, precision=precision, head_state=st)

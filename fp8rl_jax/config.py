@@ -65,6 +65,9 @@ def base_config() -> ml_collections.ConfigDict:
     # lm_head_fp8 wins where both are set). On: the same logprobs, 3-5% faster train phase on the H100 and the same
     # accuracy in the fidelity study (benchmarks/RESULTS.md, session 22)
     c.precision.lm_head_grad_fp8 = True
+    # with lm_head_grad_fp8: the backward's logit recompute in FP8 too (the FP8 head's gradient, normalised on the FP8
+    # logits), the forward and its logprobs still BF16 (benchmarks/RESULTS.md, session 23)
+    c.precision.lm_head_recompute_fp8 = True
     c.precision.kv_cache_dtype = "bfloat16"  # bfloat16 | float8_e4m3fn
     c.precision.kv_margin = 0
     # scoring and training attention: auto (GPU: cuDNN flash attention, Pallas' beside a Transformer Engine on

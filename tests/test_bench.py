@@ -106,7 +106,9 @@ def test_e2e_measures_a_mode_and_summarizes_against_the_best_bf16():
     assert row["mode"] == "fp8_e2e_head" and row["steps"] == 1 and row["max_new_tokens"] == 6
     assert row["lm_head_fp8"] is True and row["backend"] == "xla" and "xla_flags" in row
     assert row["lm_head_grad_fp8"] is True  # the default (with lm_head_fp8, which wins, the head is FP8 both ways)
+    assert row["lm_head_recompute_fp8"] is True  # the default (read only with lm_head_grad_fp8)
     assert e2e.MODES["fp8_e2e_bf16_head_grad"] == ("fp8_e2e", "", {"precision.lm_head_grad_fp8": False})
+    assert e2e.MODES["fp8_e2e_bf16_recompute"] == ("fp8_e2e", "", {"precision.lm_head_recompute_fp8": False})
     assert row["attention"] == llama.resolve_attention("auto", jnp.bfloat16, 16)  # the tiny config's head dim
     assert all(row[f"time_{p}"] > 0 for p in ("weights", "rollout", "train", "step"))
     assert row["train_tflops"] > 0 and row["rollout_tokens_per_s"] > 0

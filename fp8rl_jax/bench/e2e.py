@@ -12,6 +12,8 @@ then ``--steps`` timed steps whose phase times (``time/weights``: the sampler's 
     fp8_e2e_head   the same with the LM head in FP8 too (``precision.lm_head_fp8``)
     fp8_e2e_bf16_head_grad  fp8_e2e with the BF16 LM head's backward GEMMs in BF16 too (``precision.lm_head_grad_fp8``
                    off, the default before session 22; its results files call fp8_e2e with it on fp8_e2e_headgrad)
+    fp8_e2e_bf16_recompute  fp8_e2e with the LM head's backward logit recompute in BF16
+                   (``precision.lm_head_recompute_fp8`` off, the default before session 23: two of its four GEMMs FP8)
     fp8_e2e_cublas fp8_e2e with its BF16 GEMMs (head, BF16 blocks) on cuBLAS, as bf16_cublas's
     fp8_e2e_xla    fp8_e2e on the xla backend (XLA's FP8 GEMMs and fusions, no TE), cuBLAS for the rest
 
@@ -61,6 +63,7 @@ MODES = {  # mode -> (precision.mode, extra XLA flags, config overrides)
     "fp8_e2e": ("fp8_e2e", "", {}),
     "fp8_e2e_head": ("fp8_e2e", "", {"precision.lm_head_fp8": True}),
     "fp8_e2e_bf16_head_grad": ("fp8_e2e", "", {"precision.lm_head_grad_fp8": False}),
+    "fp8_e2e_bf16_recompute": ("fp8_e2e", "", {"precision.lm_head_recompute_fp8": False}),
     # the BF16 GEMMs of an FP8 step (the head, the BF16 first / last blocks) on cuBLAS, as bf16_cublas's
     "fp8_e2e_cublas": ("fp8_e2e", "--xla_gpu_enable_triton_gemm=false", {}),
     # XLA's own FP8 GEMMs (cuBLASLt), its fusions around them (casts and amaxes inside the producers' kernels)
@@ -164,6 +167,7 @@ def measure(config_path: str, mode: str, sets: list[str], warmup: int, steps: in
            "hidden_size": model.hidden_size, "params_billion": model.num_params() / 1e9,
            "attention": llama.resolve_attention(precision.attention, precision.dtype, model.head_dim),
            "lm_head_fp8": precision.lm_head_fp8, "lm_head_grad_fp8": train_precision.lm_head_grad_fp8,
+           "lm_head_recompute_fp8": train_precision.lm_head_recompute_fp8,
            **{f"time_{p}": mean(f"time/{p}") for p in PHASES if f"time/{p}" in timed[0]},
            "response_length_mean": mean("response_length_mean"),
            "time_score_train": mean_of(timed, lambda r: r["time/score"] + r["time/train"]),

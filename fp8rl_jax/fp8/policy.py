@@ -31,6 +31,10 @@ class Precision:
       E5M2 logit gradient, E4M3 kernel and hidden state, the head's own delayed scales; the forward, its logits and
       logprobs, and the rollout's head stay BF16 (``rl.scoring.fp8_grad_head_logprobs``). With ``lm_head_fp8``
       too, ``lm_head_fp8`` wins: the head is FP8 both ways.
+    lm_head_recompute_fp8: with ``lm_head_grad_fp8`` (and not ``lm_head_fp8``), the backward's recompute of the
+      logits in FP8 too, with the head's delayed x and kernel scales, normalised on the FP8 logits' own softmax
+      statistics: the FP8 head's backward under the BF16 forward, whose logits, logprobs and rollout stay BF16.
+      Read only with ``lm_head_grad_fp8``.
     kv_cache_dtype: ``float8_e4m3fn`` stores K/V in FP8 with per-layer scales; the full-sequence forward then
       rounds K/V through the same FP8 values, so scoring sees what rollout saw.
     attention: the full-sequence (no-cache) attention of scoring and training: ``xla`` (the masked einsum, the
@@ -48,6 +52,7 @@ class Precision:
     bf16_linears: tuple[str, ...] = ()
     lm_head_fp8: bool = False
     lm_head_grad_fp8: bool = False
+    lm_head_recompute_fp8: bool = False
     kv_cache_dtype: str = "bfloat16"
     attention: str = "auto"
 
@@ -145,6 +150,7 @@ def from_config(config, role: str) -> Precision:
         bf16_linears=config_list(p.bf16_linears, str),
         lm_head_fp8=p.lm_head_fp8 and fp8,
         lm_head_grad_fp8=p.lm_head_grad_fp8 and fp8,
+        lm_head_recompute_fp8=p.lm_head_recompute_fp8 and fp8,
         kv_cache_dtype=p.kv_cache_dtype if fp8 else p.compute_dtype,
         attention=p.attention,
     )

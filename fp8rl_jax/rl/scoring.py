@@ -41,6 +41,18 @@ tied) the head's forward and backward take 121 ms against the BF16 head's 142 ms
 head's three operands itself (``rl.step.make_calibrate``). It serves ``rowwise`` scaling as it is: a rowwise
 linear's backward is per tensor with the delayed scales too.
 
+With ``lm_head_recompute_fp8`` too, the backward's logit recompute is the FP8 head's GEMM as well
+(``_fp8_scaled_logits``: the kernel quantized once per call in both layouts, the hidden state once), so three of
+the four GEMMs per chunk are FP8 and only the forward's logits are BF16; the forward, and with it every logprob and
+entropy, is still the BF16 head's bit for bit. The recomputed logits are normalised on their own log-sum-exp, not
+on the forward's: exp(z8 - max - lse) with the BF16 logits' lse does not sum to 1, and the gradient 1 - p of a
+confident target (p ~ 0.99) could change sign. The gradient is then the FP8 head's (the softmax of the FP8 logits,
+the same operands and GEMMs: ``tests/rl/test_scoring.py``) while the loss's logprobs are the BF16 head's; the first
+update's block gradients on the tiny config are 0.103 from f32's, against 0.102 with the BF16 recompute
+(``tests/test_trainer.py``). Renormalising costs one reduction over each chunk's logits, the sum of their
+exponentials shifted by the forward's max (the entropy's gradient, where it is taken, recomputes all their
+statistics). The observations are the same three operands'.
+
 ``autodiff_head_logprobs`` (the reference both heads are tested against, and the FP8 head under ``rowwise``
 scaling) runs ``linear`` per chunk under ``jax.checkpoint`` and plain autodiff. Its FP8 state must not be closed
 over by the chunk loop: a value closed over by ``lax.map``'s body gets the *sum* of its per-iteration cotangents,
@@ -429,17 +441,17 @@ def fp8_chunked_head_logprobs(hidden: jax.Array, kernel: jax.Array, targets: jax
 
 # ----------------------------------------------------------------------------------------------------------
 # the BF16 head with its two backward GEMMs in FP8 (``lm_head_grad_fp8``): ``_chunked_head``'s forward,
-# ``_fp8_head_backward``'s GEMMs
+# ``_fp8_head_backward``'s GEMMs; with ``lm_head_recompute_fp8`` the FP8 head's logit recompute too
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _fp8_grad_head(hidden, kernel, targets, state, spec: _HeadSpec, fp8: _Fp8HeadSpec):
-    del state, fp8  # they scale the backward's operands only: the primal is the BF16 head's
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _fp8_grad_head(hidden, kernel, targets, state, spec: _HeadSpec, fp8: _Fp8HeadSpec, recompute_fp8: bool):
+    del state, fp8, recompute_fp8  # they shape the backward pass only: the primal is the BF16 head's
     return _chunked_head(hidden, kernel, targets, spec)
 
 
-def _fp8_grad_head_fwd(hidden, kernel, targets, state, spec: _HeadSpec, fp8: _Fp8HeadSpec):
-    del fp8
+def _fp8_grad_head_fwd(hidden, kernel, targets, state, spec: _HeadSpec, fp8: _Fp8HeadSpec, recompute_fp8: bool):
+    del fp8, recompute_fp8
     out, residuals = _chunked_head_fwd(hidden, kernel, targets, spec)  # the BF16 head's forward, as it is
     kernel, state = jax.tree.map(  # symbolic_zeros: each primal leaf is a CustomVJPPrimal
         lambda p: p.value, (kernel, state), is_leaf=lambda p: isinstance(p, CustomVJPPrimal))
@@ -447,21 +459,37 @@ def _fp8_grad_head_fwd(hidden, kernel, targets, state, spec: _HeadSpec, fp8: _Fp
     return out, (residuals, kernel, state)
 
 
-def _fp8_grad_head_bwd(spec: _HeadSpec, fp8: _Fp8HeadSpec, res, cotangents):
+def _fp8_grad_head_bwd(spec: _HeadSpec, fp8: _Fp8HeadSpec, recompute_fp8: bool, res, cotangents):
     (hidden, w, targets, m, lse, ent), kernel, state = res
     g_logp, g_ent, entropy_grad = _head_cotangents(cotangents, spec.with_entropy)
     # once per call: the kernel quantized with its delayed scale in the [D, V] layout the hidden state's gradient
-    # reads (the [V, D] one is dead code here), the hidden state (the forward's compute-dtype operand) with the x
-    # scale for the kernel's gradient: the operands the FP8 head's backward reads
-    _, w_dv = _fp8_head_kernels(kernel, state, fp8)
-    h8, _ = _fp8_hidden(hidden, state, fp8)
+    # reads (and the [V, D] one the FP8 logits read: dead code without recompute_fp8), the hidden state (the
+    # forward's compute-dtype operand) with the x scale for the kernel's gradient: the FP8 head's backward operands
+    w_vd, w_dv = _fp8_head_kernels(kernel, state, fp8)
+    h8, inv_scale = _fp8_hidden(hidden, state, fp8)
 
-    def chunk_cotangent(xs):
-        h, h8_c, y, m, lse, g, g_h, ent = xs
-        z = _scaled_logits(h, w, spec)  # recomputed in the compute dtype, as _chunked_head_bwd does: [B, C, V] f32
-        return _logits_cotangent(z, y, m, lse, g, g_h, ent, entropy_grad), h8_c
+    if recompute_fp8:
+        def chunk_cotangent(xs):
+            h8_c, y, m, g, g_h = xs
+            z = _fp8_scaled_logits(h8_c, w_vd, inv_scale, fp8)  # the FP8 head's logits: [B, C, V] f32
+            # normalised on their own log-sum-exp: the softmax of the FP8 logits, the FP8 head's gradient. The
+            # forward's (BF16) lse would not normalise them: sum(p) != 1, and 1 - p of a confident target (p ~ 0.99)
+            # can change sign. Shifted by the forward's max (any shift gives the same softmax, and the FP8 logits
+            # sit within FP8's rounding of the BF16 ones, so nothing overflows): one pass over the logits, the sum
+            if entropy_grad:  # the entropy's gradient needs the FP8 logits' own entropy: their full statistics
+                _, ent, m, lse = _chunk_logprobs(z, y, True)
+            else:
+                ent, lse = None, jnp.log(jnp.sum(jnp.exp(z - m[..., None]), axis=-1))
+            return _logits_cotangent(z, y, m, lse, g, g_h, ent, entropy_grad), h8_c
 
-    xs = (hidden, h8, targets, m, lse, g_logp, g_ent, ent)
+        xs = (h8, targets, m, g_logp, g_ent)
+    else:
+        def chunk_cotangent(xs):
+            h, h8_c, y, m, lse, g, g_h, ent = xs
+            z = _scaled_logits(h, w, spec)  # recomputed in the compute dtype, as _chunked_head_bwd does: f32
+            return _logits_cotangent(z, y, m, lse, g, g_h, ent, entropy_grad), h8_c
+
+        xs = (hidden, h8, targets, m, lse, g_logp, g_ent, ent)
     dx, dw, amax_g = _fp8_head_backward(chunk_cotangent, xs, w_dv, state, fp8)
     return dx.astype(spec.dtype), dw, None, observations(state, amax(hidden), amax(kernel), amax_g)
 
@@ -476,7 +504,9 @@ def fp8_grad_head_logprobs(hidden: jax.Array, kernel: jax.Array, targets: jax.Ar
     two GEMMs in FP8 under ``head_state`` (``precision.lm_head_grad_fp8``), as ``fp8_chunked_head_logprobs``
     runs them: the logit gradient quantized with the grad scale (E5M2 in ``hybrid``), the kernel with its
     delayed kernel scale, the hidden state with its x scale; the state's cotangent carries the three amaxes
-    observed over the whole call. The logits the backward differentiates are recomputed in the compute dtype.
+    observed over the whole call. The logits the backward differentiates are recomputed in the compute dtype, or
+    with ``precision.lm_head_recompute_fp8`` by the FP8 head's GEMM (the kernel and the hidden state quantized as
+    above) and normalised on their own log-softmax statistics: the FP8 head's backward under the BF16 forward.
     Under ``rowwise`` scaling the backward is per tensor with the delayed scales, as every rowwise linear's."""
     n = targets.shape[1]
     c = min(chunk, n)
@@ -484,7 +514,8 @@ def fp8_grad_head_logprobs(hidden: jax.Array, kernel: jax.Array, targets: jax.Ar
                       dtype=precision.dtype)
     fp8 = _fp8_head_spec(kernel, precision, temperature=temperature, with_entropy=with_entropy, kernel_nk=kernel_nk)
     hidden = hidden.astype(spec.dtype)
-    logp, ent = _fp8_grad_head(_to_chunks(hidden, c), kernel, _to_chunks(targets, c), head_state, spec, fp8)
+    logp, ent = _fp8_grad_head(_to_chunks(hidden, c), kernel, _to_chunks(targets, c), head_state, spec, fp8,
+                               precision.lm_head_recompute_fp8)
     return _from_chunks(logp, n), (_from_chunks(ent, n) if with_entropy else None)
 
 
@@ -556,7 +587,8 @@ def token_logprobs(
     # position t - 1 predicts token t: [B, T - 1, D] against targets [B, T - 1]
     hidden, targets = hidden[:, :-1], tokens[:, 1:]
     head_state = fp8_state.get("lm_head") if (fp8_state is not None and precision.lm_head_fp8) else None
-    # lm_head_grad_fp8 (lm_head_fp8 wins where both are set): the BF16 head, its backward GEMMs in FP8
+    # lm_head_grad_fp8 (lm_head_fp8 wins where both are set): the BF16 head, its backward GEMMs in FP8 (and its
+    # logit recompute, with lm_head_recompute_fp8: fp8_grad_head_logprobs reads it)
     grad_state = fp8_state.get("lm_head") if (fp8_state is not None and precision.lm_head_grad_fp8) else None
     tied = "lm_head" not in params
     kernel = params["embed"] if tied else params["lm_head"]

@@ -34,6 +34,8 @@ MESHES = {"fsdp8": (1, 8, 1), "fsdp4_tensor2": (1, 4, 2), "data2_fsdp4": (2, 4, 
 PRECISIONS = {"fp8": Precision(backend="xla", compute_dtype="float32"),
               "fp8_head": Precision(backend="xla", compute_dtype="float32", lm_head_fp8=True),
               "fp8_head_grad": Precision(backend="xla", compute_dtype="float32", lm_head_grad_fp8=True),
+              "fp8_head_recompute": Precision(backend="xla", compute_dtype="float32", lm_head_grad_fp8=True,
+                                              lm_head_recompute_fp8=True),
               "f32": Precision(backend="bf16", compute_dtype="float32")}
 TOLERANCE = {"params": 1e-6, "opt_state": 1e-5}  # max |sharded - single| / max |single|, per leaf
 AMAX_RTOL = 2e-6
@@ -126,11 +128,12 @@ def test_sharded_fp8_head_train_step_equals_single_device(mesh_name):
     _check_step("fp8_head", mesh_name)
 
 
-def test_sharded_fp8_head_grad_train_step_equals_single_device():
+@pytest.mark.parametrize("precision_name", ["fp8_head_grad", "fp8_head_recompute"])
+def test_sharded_fp8_head_grad_train_step_equals_single_device(precision_name):
     """The BF16 head with FP8 backward GEMMs under FSDP (``scoring.fp8_grad_head_logprobs``): the BF16 forward's
-    gathered cast, the kernel's shards quantized where they are in the backward and their FP8 bits gathered, the
-    gradient reduce-scattered back."""
-    _check_step("fp8_head_grad", "fsdp4_tensor2")
+    gathered cast, the kernel's shards quantized where they are in the backward and their FP8 bits gathered (both
+    layouts with ``lm_head_recompute_fp8``), the gradient reduce-scattered back."""
+    _check_step(precision_name, "fsdp4_tensor2")
 
 
 def test_sharded_f32_train_step_equals_single_device():
