@@ -129,13 +129,43 @@ def test_e2e_measures_a_mode_and_summarizes_against_the_best_bf16():
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def _script(name: str):
+    """benchmarks/NAME.py (a script, not a package module)."""
+    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "benchmarks", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _study_module():
-    """benchmarks/accuracy_study.py (a script, not a package module)."""
-    path = os.path.join(REPO, "benchmarks", "accuracy_study.py")
-    spec = importlib.util.spec_from_file_location("accuracy_study", path)
-    study = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(study)
-    return study
+    return _script("accuracy_study")
+
+
+@pytest.mark.parametrize("m,n,k,block_n,out_dtype", [(5, 40, 256, 16, "float32"), (130, 16, 96, None, "bfloat16")])
+def test_fp8_gemm_benchmark_kernel_against_float64(m, n, k, block_n, out_dtype):
+    """benchmarks/fp8_gemm.py's weight-streaming kernel (interpreted): rows padded to 64 and columns past N masked
+    out; the products of FP8 values are exact in f32, so only the f32 sums' order and the output's rounding part it
+    from float64."""
+    import jax.numpy as jnp
+
+    bench = _script("fp8_gemm")
+    rng = np.random.default_rng(0)
+    x, w = (jnp.asarray(rng.normal(size=s) * 40, jnp.float32).astype(jnp.float8_e4m3fn) for s in ((m, k), (n, k)))
+    got = bench.fp8_gemm(x, w, jnp.float32(0.5), jnp.float32(0.25), out_dtype, block_n=block_n,
+                         impl="pallas_interpret")
+    f64 = lambda a: np.asarray(a.astype(jnp.float32), np.float64)
+    want = f64(x) @ f64(w).T * 0.125
+    rtol = 2e-6 if out_dtype == "float32" else 2**-8
+    assert got.shape == (m, n) and got.dtype == jnp.dtype(out_dtype)
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=rtol, atol=rtol * np.abs(want).max())
+
+
+def test_fp8_gemm_benchmark_runs_interpreted(tmp_path):
+    out = tmp_path / "fp8_gemm.json"
+    _script("fp8_gemm").main(["--interpret", "--rows", "5", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["impl"] for r in rows} == {"xla", "pallas_interpret"}
+    assert all(r["wall_us_per_gemm"] > 0 and r["max_rel_diff"] < 1e-6 for r in rows)
 
 
 def test_accuracy_study_runs_a_mode_and_writes_table_and_plots(tmp_path):
