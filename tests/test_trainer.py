@@ -242,9 +242,10 @@ def test_initial_calibration_sets_the_gradient_scales_and_the_first_update_match
     names = [n for n in ("wqkv", "wo", "w_gate_up", "w_down") if n in f32["blocks"]]
     want = np.concatenate([np.ravel(f32["blocks"][n]) for n in names])
     errors = {}
-    # the blocks' own FP8 backward (the head's backward in BF16), with the head's backward GEMMs in FP8 too (the
-    # default), and with its logit recompute in FP8 too (lm_head_recompute_fp8)
-    settings = {"head backward BF16": {"lm_head_grad_fp8": False}, "head backward FP8": {"lm_head_grad_fp8": True},
+    # the blocks' own FP8 backward (the head's backward in BF16), with the head's backward GEMMs in FP8 too, and
+    # with its logit recompute in FP8 too (lm_head_recompute_fp8: the default)
+    settings = {"head backward BF16": {"lm_head_grad_fp8": False, "lm_head_recompute_fp8": False},
+                "head backward FP8": {"lm_head_grad_fp8": True, "lm_head_recompute_fp8": False},
                 "head recompute FP8": {"lm_head_grad_fp8": True, "lm_head_recompute_fp8": True}}
     for setting, knobs in settings.items():
         precision = trainer.train_precision.replace(**knobs)
