@@ -41,8 +41,14 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=32 * 1184)
     p.add_argument("--intermediate", type=int, default=8192)
     p.add_argument("--runs", type=int, default=10)
+    p.add_argument("--configs", default="",
+                   help="block shapes and warps instead of CONFIGS', e.g. 16x64:4,32x64:8 (tokens x columns:warps)")
     p.add_argument("--out", default="")
     args = p.parse_args()
+    configs = CONFIGS
+    if args.configs:
+        configs = [(tuple(int(v) for v in shape.split("x")), int(warps))
+                   for shape, warps in (c.split(":") for c in args.configs.split(","))]
     m, f = args.tokens, args.intermediate
     k = jax.random.split(jax.random.PRNGKey(0), 2)
     gate_up = (jax.random.normal(k[0], (m, 2 * f), jnp.float32) * 2).astype(jnp.bfloat16)
@@ -58,7 +64,7 @@ def main() -> None:
         row = {"impl": name, "ms": sec * 1e3, "tb_s": nbytes / sec / 1e12}
         print(json.dumps(row))
         out["rows"].append(row)
-    for block, warps in CONFIGS:
+    for block, warps in configs:
         fn = jax.jit(lambda a, b, block=block, warps=warps: swiglu_grad_fp8(
             a, b, s_h, s_g, E4M3, E5M2, impl="pallas", block=block, num_warps=warps))
         row = {"impl": "pallas", "block": block, "num_warps": warps}
