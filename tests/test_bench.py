@@ -137,10 +137,6 @@ def _script(name: str):
     return module
 
 
-def _study_module():
-    return _script("accuracy_study")
-
-
 @pytest.mark.parametrize("m,n,k,block_n,out_dtype", [(5, 40, 256, 16, "float32"), (130, 16, 96, None, "bfloat16")])
 def test_fp8_gemm_benchmark_kernel_against_float64(m, n, k, block_n, out_dtype):
     """benchmarks/fp8_gemm.py's weight-streaming kernel (interpreted): rows padded to 64 and columns past N masked
@@ -169,7 +165,7 @@ def test_fp8_gemm_benchmark_runs_interpreted(tmp_path):
 
 
 def test_accuracy_study_runs_a_mode_and_writes_table_and_plots(tmp_path):
-    study = _study_module()
+    study = _script("accuracy_study")
     args = ["--config", "configs/tiny.py", "--steps", "2", "--modes", "fp8_e2e_tis", "--parallel", "1",
             "--set", "data.num_eval=4", "--set", "data.eval_every=2", "--workdir", str(tmp_path / "runs"),
             "--out", str(tmp_path / "accuracy.json"), "--docs", str(tmp_path / "docs")]
@@ -204,7 +200,7 @@ def test_accuracy_study_runs_a_mode_and_writes_table_and_plots(tmp_path):
 def test_every_accuracy_study_mode_is_a_valid_config():
     from fp8rl_jax.config import load_config_file, validate
 
-    study = _study_module()
+    study = _script("accuracy_study")
     assert set(study.DEFAULT_MODES) <= set(study.MODES)
     for overrides in study.MODES.values():
         config = load_config_file(os.path.join(REPO, "configs", "smollm2_arith.py"))
