@@ -91,13 +91,13 @@ EOF
       dump=(); [ -n "${PROFILE_DUMP:-}" ] && dump=(env "XLA_FLAGS=${XLA_FLAGS:-} --xla_dump_to=/tmp/hlo_dump --xla_dump_hlo_as_text --xla_dump_hlo_module_re=jit_train_step|jit__generate_steps_impl")
       "${dump[@]}" timeout 400 python3 benchmarks/profile_step.py --config configs/llama1b.py --set model.source=preset \
         --set model.preset=llama3_1b --set model.tokenizer=.gpu/smollm2_tok --set model.preset_vocab=preset \
-        --set rollout.prompts_per_step=32 --modes ${PROFILE_MODES:-bf16_cublas,fp8_e2e} --timeout 190 \
+        --set rollout.prompts_per_step=32 --modes ${PROFILE_MODES:-bf16_cublas,fp8_e2e} --timeout 190 --top ${PROFILE_TOP:-25} \
         --out "$OUT/profile_h100.json" 2>&1 | grep -v "^W\|Warn" | tee "$OUT/profile.log" | tail -6
       [ -d /tmp/hlo_dump ] && (cd /tmp/hlo_dump && tar czf "$OUT/hlo_dump.tgz" $(ls | grep after_optimizations.txt)) ;;
     profile8b) # the same at the Llama-3.1-8B width with E8B_LAYERS layers (e2e8b's shapes and memory settings)
       XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.94} timeout 500 python3 benchmarks/profile_step.py \
         --config configs/llama1b.py "${width8b[@]}" --set rollout.prompts_per_step=32 \
-        --modes ${PROFILE_MODES:-bf16_cublas,fp8_e2e_head} --timeout 230 \
+        --modes ${PROFILE_MODES:-bf16_cublas,fp8_e2e_head} --timeout 230 --top ${PROFILE_TOP:-25} \
         --out "$OUT/profile_8b_width_h100.json" 2>&1 | grep -v "^W\|Warn" | tee "$OUT/profile8b.log" | tail -6 ;;
     cluster_nb) # the cluster notebook on this host's GPUs (smollm2_gsm8k, FSDP over all of them), outputs kept
       FP8RL_NOTEBOOK_WORKDIR=/tmp/cluster_nb timeout ${NB_TIMEOUT:-300} python3 benchmarks/run_notebook.py \
@@ -127,9 +127,10 @@ EOF
     transpose) # the FP8 wgrad's transposes: XLA's against the Pallas kernel's block shapes (llama1b microbatch shapes)
       timeout 300 python3 benchmarks/transpose_fp8.py --out "$OUT/transpose_fp8_h100.json" 2>&1 | grep "^{\|rror" \
         | cut -c1-1500 ;;
-    swiglu) # the MLP's fused SwiGLU backward kernel against the XLA ops it replaces (llama1b microbatch shapes)
-      timeout 300 python3 benchmarks/swiglu_grad.py --out "$OUT/swiglu_grad_h100.json" 2>&1 | grep "^{\|rror" \
-        | cut -c1-400 ;;
+    swiglu) # the MLP's fused SwiGLU backward kernel against the XLA ops it replaces (llama1b microbatch shapes unless
+      # SWIGLU_ARGS says otherwise, e.g. "--tokens 20480 --intermediate 14336 --transposes fp8,f32"); SWIGLU_NAME
+      timeout ${SWIGLU_TIMEOUT:-300} python3 benchmarks/swiglu_grad.py ${SWIGLU_ARGS:-} \
+        --out "$OUT/${SWIGLU_NAME:-swiglu_grad_h100}.json" 2>&1 | grep "^{\|rror" | cut -c1-400 ;;
     gemm) timeout 420 python3 -m fp8rl_jax.bench gemm --out "$OUT/gemm_h100.json" 2>&1 | grep -vi warn | tee "$OUT/gemm.log" | tail -3 ;;
     train) for mode in fp8_e2e bf16; do
         timeout 240 python3 -m fp8rl_jax.main --config=configs/tiny.py:$mode --config.precision.backend=te \

@@ -21,7 +21,7 @@ import tempfile
 from fp8rl_jax.bench.trace import summarize_trace
 
 
-def profile_mode(config: str, mode: str, sets: list[str], trace_root: str) -> dict:
+def profile_mode(config: str, mode: str, sets: list[str], trace_root: str, top: int = 25) -> dict:
     import jax
 
     from fp8rl_jax.bench.e2e import MODES, _value
@@ -46,7 +46,7 @@ def profile_mode(config: str, mode: str, sets: list[str], trace_root: str) -> di
             jax.profiler.start_trace(d)
             result = jax.block_until_ready(fn(*args, **kw))
             jax.profiler.stop_trace()
-            out[phase] = summarize_trace(d)
+            out[phase] = summarize_trace(d, top=top)
             return result
         return wrapper
 
@@ -67,6 +67,7 @@ def main(argv=None) -> None:
     ap.add_argument("--modes", default="bf16_cublas,fp8_e2e")
     ap.add_argument("--out", default="profile.json")
     ap.add_argument("--timeout", type=float, default=None)
+    ap.add_argument("--top", type=int, default=25, help="kernel names kept per phase (by time)")
     ap.add_argument("--one", default="")
     args = ap.parse_args(argv)
     if args.one:
@@ -74,7 +75,7 @@ def main(argv=None) -> None:
 
         te.preload()
         with tempfile.TemporaryDirectory() as tmp:
-            result = profile_mode(args.config, args.one, args.set, tmp)
+            result = profile_mode(args.config, args.one, args.set, tmp, args.top)
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
         return
@@ -88,7 +89,7 @@ def main(argv=None) -> None:
         with tempfile.TemporaryDirectory() as tmp:
             one = os.path.join(tmp, "one.json")
             cmd = [sys.executable, __file__, "--one", mode, "--config", args.config, "--out", one,
-                   *[f"--set={s}" for s in args.set]]
+                   "--top", str(args.top), *[f"--set={s}" for s in args.set]]
             try:
                 code = subprocess.run(cmd, env=env, timeout=args.timeout).returncode
             except subprocess.TimeoutExpired:

@@ -1,17 +1,19 @@
 """The MLP's fused SwiGLU backward alone on one GPU (``fp8rl_jax.kernels.swiglu_grad``): the Pallas kernel over
-block shapes and warps against what the te backend ran before it (XLA's autodiff of ``silu(gate) * up`` in BF16,
-its quantization and amaxes, and the byte transposes of q(h) and q(dgate_up)) and against the kernel's own XLA form,
-at a llama1b microbatch's shape (32 x 1,184 tokens, F = 8,192) unless told otherwise.
+block shapes, warps and what it transposes (``--transposes``) against what the te backend ran before it (XLA's
+autodiff of ``silu(gate) * up`` in BF16, its quantization and amaxes, and the byte transposes of q(h) and
+q(dgate_up)) and against the kernel's own XLA form, at a llama1b microbatch's shape (32 x 1,184 tokens, F = 8,192)
+unless told otherwise.
 
     JAX_PLATFORMS=cuda python benchmarks/swiglu_grad.py --out swiglu_grad.json
 
 Each entry: the median of ``--runs`` calls of one jitted function (``fp8rl_jax.bench.timeit``) and the bytes it
-must move (the gate/up output and g_h read; q(h), q(dgate_up) written in both layouts) per second.
+must move (the gate/up output and g_h read; q(h) token-minor, q(dgate_up) in both layouts written) per second.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 
 import jax
@@ -20,7 +22,7 @@ import numpy as np
 
 from fp8rl_jax.bench import device_name, timeit
 from fp8rl_jax.fp8.recipe import E4M3, E5M2, amax, quantize
-from fp8rl_jax.kernels.swiglu_grad import swiglu_grad_fp8
+from fp8rl_jax.kernels.swiglu_grad import TILES_PER_PROGRAM, TRANSPOSE, TRANSPOSES, swiglu_grad_fp8
 from fp8rl_jax.kernels.transpose import transpose_bytes
 
 CONFIGS = [((64, 64), 4), ((64, 64), 8), ((32, 128), 4), ((64, 128), 4), ((64, 128), 8), ((128, 64), 8),
@@ -33,7 +35,7 @@ def before(gate_up, g_h, s_h, s_g):
     h, vjp = jax.vjp(lambda gu: (lambda g, u: jax.nn.silu(g) * u)(gu[:, :f], gu[:, f:]), gate_up)
     (dgu,) = vjp(g_h)
     qh, qg = quantize(h, s_h, E4M3), quantize(dgu, s_g, E5M2)
-    return qh, transpose_bytes(qh), qg, transpose_bytes(qg), amax(h), amax(dgu)
+    return transpose_bytes(qh), qg, transpose_bytes(qg), amax(h), amax(dgu)
 
 
 def main() -> None:
@@ -43,6 +45,9 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=10)
     p.add_argument("--configs", default="",
                    help="block shapes and warps instead of CONFIGS', e.g. 16x64:4,32x64:8 (tokens x columns:warps)")
+    p.add_argument("--transposes", default=TRANSPOSE, help=f"comma-separated, of {TRANSPOSES}")
+    p.add_argument("--tiles_per_program", default=str(TILES_PER_PROGRAM), help="comma-separated, e.g. 1,4,8")
+    p.add_argument("--num_stages", default="1", help="comma-separated, e.g. 1,2")
     p.add_argument("--out", default="")
     args = p.parse_args()
     configs = CONFIGS
@@ -54,7 +59,7 @@ def main() -> None:
     gate_up = (jax.random.normal(k[0], (m, 2 * f), jnp.float32) * 2).astype(jnp.bfloat16)
     g_h = (jax.random.normal(k[1], (m, f), jnp.float32) * 1e-3).astype(jnp.bfloat16)
     s_h, s_g = jnp.float32(448 / 30), jnp.float32(57344 / 0.05)
-    nbytes = m * f * (2 * 2 + 2) + 2 * m * f + 2 * 2 * m * f  # read gate_up, g_h; write q(h) x2, q(dgate_up) x2
+    nbytes = m * f * (2 * 2 + 2) + m * f + 2 * 2 * m * f  # read gate_up, g_h; write q(h)^T, q(dgate_up) x2
     out = {"device": device_name(), "tokens": m, "intermediate": f, "bytes": nbytes, "rows": []}
     ref = jax.jit(lambda a, b: swiglu_grad_fp8(a, b, s_h, s_g, E4M3, E5M2, impl="xla"))(gate_up, g_h)
     for name, fn in (("before (autodiff BF16 + XLA quantize/amax + byte transposes)", before),
@@ -64,17 +69,21 @@ def main() -> None:
         row = {"impl": name, "ms": sec * 1e3, "tb_s": nbytes / sec / 1e12}
         print(json.dumps(row))
         out["rows"].append(row)
-    for block, warps in configs:
-        fn = jax.jit(lambda a, b, block=block, warps=warps: swiglu_grad_fp8(
-            a, b, s_h, s_g, E4M3, E5M2, impl="pallas", block=block, num_warps=warps))
-        row = {"impl": "pallas", "block": block, "num_warps": warps}
+    ints = lambda text: [int(v) for v in text.split(",")]
+    for transpose, (block, warps), tiles, stages in itertools.product(
+            args.transposes.split(","), configs, ints(args.tiles_per_program), ints(args.num_stages)):
+        if transpose == "packed" and tiles > 1:
+            continue
+        kw = dict(block=block, num_warps=warps, transpose=transpose, tiles_per_program=tiles, num_stages=stages)
+        fn = jax.jit(lambda a, b, kw=kw: swiglu_grad_fp8(a, b, s_h, s_g, E4M3, E5M2, impl="pallas", **kw))
+        row = {"impl": "pallas", **kw}
         try:
             got = fn(gate_up, g_h)
             same = [float(np.mean(np.asarray(a[:512, :512].astype(jnp.float32) == b[:512, :512].astype(jnp.float32))))
-                    for a, b in zip(got[:4], ref[:4], strict=True)]
+                    for a, b in zip(got[:3], ref[:3], strict=True)]
             sec = timeit(fn, gate_up, g_h, repeats=args.runs)
             row.update(ms=sec * 1e3, tb_s=nbytes / sec / 1e12, equal_to_xla_form=min(same),
-                       amax_rel=[abs(float(a) / float(b) - 1) for a, b in zip(got[4:], ref[4:], strict=True)])
+                       amax_rel=[abs(float(a) / float(b) - 1) for a, b in zip(got[3:], ref[3:], strict=True)])
         except Exception as e:  # a config Triton refuses: say so, go on
             row["error"] = str(e)[:300]
         print(json.dumps(row))

@@ -235,7 +235,7 @@ def _fp8_swiglu_mlp_fn(x_dtype, out_dtype, gu_dtype, down_dtype, recipe: Fp8Reci
         gate, up = jnp.split(gate_up, 2, axis=-1)
         qh = quantize(jax.nn.silu(gate) * up, s_h, fwd_dtype)
         y = _gemm(_operand(qh, _inv(s_h), out_dtype), _operand(down_nk, _inv(st_down["kernel"]["scale"]), out_dtype))
-        # q(h) is not kept: the backward's kernel makes it again with its transpose, from gate_up
+        # q(h) is not kept: the backward's kernel makes its transpose, from gate_up
         return y, (qx, gate_up, st_gu, st_down, amax(x), gu_kn, down_kn, gu_amax, down_amax)
 
     def bwd(residuals, g):
@@ -246,7 +246,7 @@ def _fp8_swiglu_mlp_fn(x_dtype, out_dtype, gu_dtype, down_dtype, recipe: Fp8Reci
         qgy = quantize(g, s_gy, bwd_dtype)  # [M, D]
         # g_h [M, F] = g [M, D] . w_down [F, D]^T
         g_h = _gemm(_operand(qgy, _inv(s_gy), x_dtype), _operand(down_kn, _inv(s_down), x_dtype))
-        qh, qh_t, qg, qg_t, amax_h, amax_g = swiglu_grad_fp8(gate_up, g_h, s_h, s_ggu, fwd_dtype, bwd_dtype)
+        qh_t, qg, qg_t, amax_h, amax_g = swiglu_grad_fp8(gate_up, g_h, s_h, s_ggu, fwd_dtype, bwd_dtype)
         # dw_down [F, D] = h^T g;  dx [M, D] = g_gu [M, 2F] . w_gate_up [D, 2F]^T;  dw_gate_up [D, 2F] = x^T g_gu
         d_down = _gemm(_operand(qh_t, _inv(s_h), down_dtype), _operand(transpose_bytes(qgy), _inv(s_gy), down_dtype))
         dx = _gemm(_operand(qg, _inv(s_ggu), x_dtype), _operand(gu_kn, _inv(s_gu), x_dtype))
@@ -263,8 +263,8 @@ def fp8_swiglu_mlp(x: jax.Array, w_gate_up: TrainKernel, w_down: TrainKernel, st
     """The MLP ``down(silu(gate) * up)`` of ``x`` [M, D] through TE's FP8 GEMMs, with kernels made once for the
     update (``TrainKernel``, one device), as one differentiable function. Its forward is the two ``fp8_matmul``
     forwards, bit for bit; its backward makes every FP8 operand of the gate/up linear's GEMMs and the down
-    projection's weight gradient in one kernel (``kernels.swiglu_grad``: the SwiGLU's backward, q(h) and q(dgate_up)
-    in both layouts, their amaxes) instead of three XLA passes over the [M, 2F] gate/up output and two byte
+    projection's weight gradient in one kernel (``kernels.swiglu_grad``: the SwiGLU's backward, q(h) token-minor and
+    q(dgate_up) in both layouts, their amaxes) instead of three XLA passes over the [M, 2F] gate/up output and two byte
     transposes. The observations are the two linears' as ``fp8_matmul`` makes them. Returns [M, D] in
     ``out_dtype`` (default ``x.dtype``)."""
     out_dtype = jnp.dtype(out_dtype or x.dtype)
