@@ -106,7 +106,6 @@ def _attention_fn(impl: str, tuning: dict, interpret: bool):
 def _layer_scan(impl: str, tuning: dict, interpret: bool):
     """jit(cache_k, cache_v, q_layers [L, B, K, G, H], lengths, scales) -> (caches, outputs [L, B, K, G, H])."""
     attend = None if impl == "scatter_only" else _attention_fn(impl, tuning, interpret)
-    v_hs = tuning.get("v_layout") == "hs"
 
     def run(k_cache, v_cache, q_layers, lengths, k_scale, v_scale):
         b = lengths.shape[0]
@@ -118,10 +117,7 @@ def _layer_scan(impl: str, tuning: dict, interpret: bool):
             # the new token's K/V at position length-1 (the model writes before it attends)
             new = q[:, :, 0, :].astype(k_cache.dtype)  # [B, K, H]
             k_cache = k_cache.at[layer, rows, :, lengths - 1].set(new, mode="drop")
-            if v_hs:  # V stored [L, B, K, H, S]: the new token is a column
-                v_cache = v_cache.at[layer, rows, :, :, lengths - 1].set(new, mode="drop")
-            else:
-                v_cache = v_cache.at[layer, rows, :, lengths - 1].set(new, mode="drop")
+            v_cache = v_cache.at[layer, rows, :, lengths - 1].set(new, mode="drop")
             if attend is None:
                 out = jnp.zeros_like(q)
             else:
@@ -176,12 +172,10 @@ def bench_shape(model, batch, cache_len, fill, kv, impls, *, tunings, repeats, w
     check = (q_layers[0], k_cache, v_cache, lengths_dev, 0, scale, scale)
     reference = _attention_fn("xla", {}, interpret)(*check).astype(jnp.float32)
     diffs = {}
-    v_swapped = jax.jit(lambda v: jnp.swapaxes(v, -1, -2))  # the V layout a tuning with v_layout="hs" reads
     if "pallas" in impls:
         for i, tuning in enumerate(tunings):
             try:
-                args = (*check[:2], v_swapped(v_cache), *check[3:]) if tuning.get("v_layout") == "hs" else check
-                got = _attention_fn("pallas", tuning, interpret)(*args).astype(jnp.float32)
+                got = _attention_fn("pallas", tuning, interpret)(*check).astype(jnp.float32)
                 diffs[i] = float(jnp.max(jnp.abs(got - reference)))
             except Exception as e:  # a tuning Triton rejects: the timing below records the error
                 diffs[i] = f"{type(e).__name__}"
@@ -202,16 +196,10 @@ def bench_shape(model, batch, cache_len, fill, kv, impls, *, tunings, repeats, w
                            dot_dtype=str(jnp.dtype(tuning.get("dot_dtype") or da.default_dot_dtype(
                                jnp.bfloat16, jnp.float8_e4m3fn if kv == "fp8" else jnp.bfloat16))))
                 row["tail_loop"] = tuning.get("tail_loop", False)
-                row["v_layout"] = tuning.get("v_layout", "sh")
                 row["max_abs_diff_vs_xla"] = diffs[i]
-            hs = tuning.get("v_layout") == "hs"
             try:
-                if hs:
-                    v_cache = v_swapped(v_cache)
                 seconds, k_cache, v_cache = _time_layers(fn, k_cache, v_cache, (q_layers, lengths_dev, scale, scale),
                                                          repeats, warmup)
-                if hs:
-                    v_cache = v_swapped(v_cache)
             except Exception as e:  # a tuning Triton rejects (shared memory, registers): record it, go on
                 row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
                 k_cache, _ = _make_cache(layers_timed, batch, kv_heads, cache_len, head_dim, kv, seed)
@@ -262,9 +250,6 @@ def main(argv=None):
                    help="comma-separated num_stages crossed into the first stage (e.g. 2,3)")
     p.add_argument("--ab_tail_loop", action="store_true",
                    help="time the kernel with tail_loop=True and False (whole blocks unmasked, or every block masked)")
-    p.add_argument("--v_layouts", default="sh",
-                   help="comma-separated V cache layouts the kernel reads (sh: [.., S, H] as K; hs: [.., H, S]), "
-                        "crossed into every kernel tuning")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--max_layers", type=int, default=None)
@@ -279,10 +264,8 @@ def main(argv=None):
     common = dict(repeats=args.repeats, warmup=args.warmup, interpret=args.interpret, mem_fraction=args.mem_fraction,
                   max_layers=args.max_layers)
     rows = []
-    v_layouts = args.v_layouts.split(",")
     for model, batch, cache_len, fill, kv in itertools.product(models, batches, lens, args.fill, args.kv):
         tunings = [{"tail_loop": True}, {"tail_loop": False}] if args.ab_tail_loop else [{}]
-        tunings = [{**t, "v_layout": v} for t in tunings for v in v_layouts]
         rows += bench_shape(model, batch, cache_len, fill, kv, args.impls, tunings=tunings, **common)
     sweep = []
     if args.sweep:
@@ -304,8 +287,8 @@ def main(argv=None):
                 print(f"{shape}: heads_per_program {sorted(set(heads_per_program) - set(heads))} left out "
                       f"(K={kv_heads})", flush=True)
             # the dots' operand dtype is the kernel's default (F16 for an FP8 cache: measured faster, session 8)
-            tiles = [{**dict(zip(grid, v, strict=True)), "heads_per_program": n, "v_layout": layout}
-                     for v in itertools.product(*grid.values()) for n in heads for layout in v_layouts]
+            tiles = [{**dict(zip(grid, v, strict=True)), "heads_per_program": n}
+                     for v in itertools.product(*grid.values()) for n in heads]
             if args.interpret:  # the interpreter ignores launch settings; a few tilings show the path works
                 picked = {}  # the first tiling of each heads_per_program, and the last one
                 for t in tiles:
@@ -318,7 +301,7 @@ def main(argv=None):
             if timed and not crossed:
                 best = min(timed, key=lambda r: r["us_per_layer"])
                 around = [{"block_k": best["block_k"], "k_splits": best["k_splits"],
-                           "heads_per_program": best["heads_per_program"], "v_layout": best["v_layout"], **lc}
+                           "heads_per_program": best["heads_per_program"], **lc}
                           for lc in launch if (lc["num_warps"], lc["num_stages"]) != (4, 2)]
                 second = bench_shape(*shape, ("pallas",), tunings=around, **common)
                 xla = [r["us_per_layer"] for r in first if r.get("impl") == "xla" and "us_per_layer" in r]
@@ -339,8 +322,7 @@ def main(argv=None):
             key = f'{row["model"]}/b{row["batch"]}/s{row["cache_len"]}/f{row["fill"]}/{row["kv_dtype"]}'
             if key not in best or row["us_per_layer"] < best[key]["us_per_layer"]:
                 best[key] = {k: row[k] for k in ("block_k", "k_splits", "heads_per_program", "num_warps",
-                                                 "num_stages", "dot_dtype", "v_layout", "us_per_layer",
-                                                 "gb_per_s_needed")}
+                                                 "num_stages", "dot_dtype", "us_per_layer", "gb_per_s_needed")}
     result["sweep_best"] = best
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

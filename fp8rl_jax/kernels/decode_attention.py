@@ -268,7 +268,7 @@ def decode_attention_xla(q, k_cache, v_cache, lengths, *, layer=None, k_scale=No
 def _kernel(layer_ref, lengths_ref, k_scale_ref, v_scale_ref, out_scale_ref, q_ref, k_ref, v_ref, *out_refs,
             kv_heads: int, groups: int, heads_per_program: int, rows_padded: int, rows_per_layer: int,
             cache_len: int, block_k: int, k_splits: int, compute_dtype, precision, softmax_scale: float,
-            q_dtype, out_limit: float | None, tail_loop: bool, v_hs: bool = False):
+            q_dtype, out_limit: float | None, tail_loop: bool):
     """``heads_per_program`` (P) consecutive kv heads of one sequence and one split. Refs (whole arrays, indexed
     here):
 
@@ -336,20 +336,11 @@ def _kernel(layer_ref, lengths_ref, k_scale_ref, v_scale_ref, out_scale_ref, q_r
         row_sum = correction * row_sum + jnp.sum(p, axis=1)
         new_accs = []
         for acc, cache_row_j in zip(accs, cache_rows, strict=True):
-            if v_hs:  # V stored [H, S]: the tile [H, block_k], positions minor (the dot's K-major B operand)
-                v = plgpu.load(v_ref.at[cache_row_j, :, positions], mask=in_seq[None, :] if masked else None)
-                v = v.astype(compute_dtype)
-                if masked:
-                    v = jnp.where(in_seq[None, :], v, 0)
-                # [Gp, block_k] x [H, block_k]^T -> [Gp, H]
-                pv = plgpu.dot(p.astype(compute_dtype), v, trans_b=True, precision=precision)
-            else:
-                v = plgpu.load(v_ref.at[cache_row_j, positions, :], mask=load_mask).astype(compute_dtype)
-                if masked:
-                    v = jnp.where(in_seq[:, None], v, 0)  # 0 * NaN would leak: masked rows of V must be zeros
-                # [Gp, block_k] x [block_k, H] -> [Gp, H]
-                pv = plgpu.dot(p.astype(compute_dtype), v, precision=precision)
-            new_accs.append(correction[:, None] * acc + pv)
+            v = plgpu.load(v_ref.at[cache_row_j, positions, :], mask=load_mask).astype(compute_dtype)
+            if masked:
+                v = jnp.where(in_seq[:, None], v, 0)  # 0 * NaN would leak: masked rows of V must be zeros
+            # [Gp, block_k] x [block_k, H] -> [Gp, H]
+            new_accs.append(correction[:, None] * acc + plgpu.dot(p.astype(compute_dtype), v, precision=precision))
         return tuple(new_accs), new_max, row_sum
 
     h = q_ref.shape[-1]
@@ -413,7 +404,7 @@ def _widen_byte_array_offsets() -> bool:
 def decode_attention_pallas(q, k_cache, v_cache, lengths, *, layer=None, k_scale=None, v_scale=None,
                             out_scale=None, out_dtype=None, block_k: int | None = None,
                             k_splits: int | None = None, num_warps: int = 4, num_stages: int = 2, dot_dtype=None,
-                            heads_per_program: int = 1, tail_loop: bool = False, v_layout: str = "sh",
+                            heads_per_program: int = 1, tail_loop: bool = False,
                             interpret: bool = False) -> jax.Array:
     """The Pallas kernel (see the module note); ``interpret=True`` runs it on any backend through Pallas'
     interpreter (tests). ``block_k`` / ``k_splits`` default from the shapes (``default_block_k`` /
@@ -428,11 +419,8 @@ def decode_attention_pallas(q, k_cache, v_cache, lengths, *, layer=None, k_scale
     faster, 100.6 / 153.6 us a layer-step against 113.1 / 164.4 (half / whole 1,088-position cache), and batch 64
     (4 splits) slower, 52.3 / 67.2 against 49.1 / 62.9 us; but the batch-256 rollout with it on for one split made
     89.5k tokens/s against 91.7k without (``results/rollout_tail_loop_h100.json``)."""
-    if v_layout not in ("sh", "hs"):
-        raise ValueError(f"v_layout={v_layout!r}; allowed: 'sh' ([..., S, H], as K), 'hs' ([..., H, S])")
-    v_hs = v_layout == "hs"
     (k_cache, _), (v_cache, layer) = _stacked(k_cache, layer), _stacked(v_cache, layer)
-    _check(q, k_cache, jnp.swapaxes(v_cache, -1, -2) if v_hs else v_cache, lengths, k_scale, v_scale)
+    _check(q, k_cache, v_cache, lengths, k_scale, v_scale)
     out_dtype, quantized = _out_format(out_scale, out_dtype, q.dtype)
     reason = pallas_unsupported(q.shape[-1])
     if reason:
@@ -471,7 +459,7 @@ def decode_attention_pallas(q, k_cache, v_cache, lengths, *, layer=None, k_scale
         rows_padded=_pow2_ceil(max(n_heads * g, MIN_DOT_ROWS)), rows_per_layer=rows,
         cache_len=s, block_k=block_k, k_splits=k_splits, compute_dtype=compute_dtype, precision=precision,
         softmax_scale=1.0 / math.sqrt(h), q_dtype=jnp.dtype(q.dtype),
-        out_limit=fp8_max(out_dtype) if quantized else None, tail_loop=tail_loop, v_hs=v_hs,
+        out_limit=fp8_max(out_dtype) if quantized else None, tail_loop=tail_loop,
     )
     if k_splits == 1:  # the output itself
         out_shape = (jax.ShapeDtypeStruct((rows * g, h), out_dtype),)
@@ -496,7 +484,7 @@ def decode_attention_pallas(q, k_cache, v_cache, lengths, *, layer=None, k_scale
         q_dot.reshape(rows * g, h),
         # [L, B, K, S, H] -> [L*B*K, S, H]: contiguous, a free reshape
         k_cache.reshape(n_layers * rows, s, h),
-        v_cache.reshape(n_layers * rows, *((h, s) if v_hs else (s, h))),
+        v_cache.reshape(n_layers * rows, s, h),
     )
     if k_splits == 1:
         # [B*K*G, H] -> [B, K, G, H]
