@@ -128,7 +128,7 @@ EOF
       timeout 300 python3 benchmarks/transpose_fp8.py --out "$OUT/transpose_fp8_h100.json" 2>&1 | grep "^{\|rror" \
         | cut -c1-1500 ;;
     swiglu) # the MLP's fused SwiGLU backward kernel against the XLA ops it replaces (llama1b microbatch shapes unless
-      # SWIGLU_ARGS says otherwise, e.g. "--tokens 20480 --intermediate 14336 --transposes fp8,f32"); SWIGLU_NAME
+      # SWIGLU_ARGS says otherwise, e.g. "--tokens 20480 --intermediate 14336 --configs 32x64:4"); SWIGLU_NAME
       timeout ${SWIGLU_TIMEOUT:-300} python3 benchmarks/swiglu_grad.py ${SWIGLU_ARGS:-} \
         --out "$OUT/${SWIGLU_NAME:-swiglu_grad_h100}.json" 2>&1 | grep "^{\|rror" | cut -c1-400 ;;
     gemm) timeout 420 python3 -m fp8rl_jax.bench gemm --out "$OUT/gemm_h100.json" 2>&1 | grep -vi warn | tee "$OUT/gemm.log" | tail -3 ;;

@@ -1,8 +1,7 @@
 """The MLP's fused SwiGLU backward alone on one GPU (``fp8rl_jax.kernels.swiglu_grad``): the Pallas kernel over
-block shapes, warps and what it transposes (``--transposes``) against what the te backend ran before it (XLA's
-autodiff of ``silu(gate) * up`` in BF16, its quantization and amaxes, and the byte transposes of q(h) and
-q(dgate_up)) and against the kernel's own XLA form, at a llama1b microbatch's shape (32 x 1,184 tokens, F = 8,192)
-unless told otherwise.
+block shapes and warps against what the te backend ran before it (XLA's autodiff of ``silu(gate) * up`` in BF16,
+its quantization and amaxes, and the byte transposes of q(h) and q(dgate_up)) and against the kernel's own XLA form,
+at a llama1b microbatch's shape (32 x 1,184 tokens, F = 8,192) unless told otherwise.
 
     JAX_PLATFORMS=cuda python benchmarks/swiglu_grad.py --out swiglu_grad.json
 
@@ -13,7 +12,6 @@ must move (the gate/up output and g_h read; q(h) token-minor, q(dgate_up) in bot
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 
 import jax
@@ -22,7 +20,7 @@ import numpy as np
 
 from fp8rl_jax.bench import device_name, timeit
 from fp8rl_jax.fp8.recipe import E4M3, E5M2, amax, quantize
-from fp8rl_jax.kernels.swiglu_grad import TILES_PER_PROGRAM, TRANSPOSE, TRANSPOSES, swiglu_grad_fp8
+from fp8rl_jax.kernels.swiglu_grad import swiglu_grad_fp8
 from fp8rl_jax.kernels.transpose import transpose_bytes
 
 CONFIGS = [((64, 64), 4), ((64, 64), 8), ((32, 128), 4), ((64, 128), 4), ((64, 128), 8), ((128, 64), 8),
@@ -45,9 +43,6 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=10)
     p.add_argument("--configs", default="",
                    help="block shapes and warps instead of CONFIGS', e.g. 16x64:4,32x64:8 (tokens x columns:warps)")
-    p.add_argument("--transposes", default=TRANSPOSE, help=f"comma-separated, of {TRANSPOSES}")
-    p.add_argument("--tiles_per_program", default=str(TILES_PER_PROGRAM), help="comma-separated, e.g. 1,4,8")
-    p.add_argument("--num_stages", default="1", help="comma-separated, e.g. 1,2")
     p.add_argument("--out", default="")
     args = p.parse_args()
     configs = CONFIGS
@@ -69,14 +64,10 @@ def main() -> None:
         row = {"impl": name, "ms": sec * 1e3, "tb_s": nbytes / sec / 1e12}
         print(json.dumps(row))
         out["rows"].append(row)
-    ints = lambda text: [int(v) for v in text.split(",")]
-    for transpose, (block, warps), tiles, stages in itertools.product(
-            args.transposes.split(","), configs, ints(args.tiles_per_program), ints(args.num_stages)):
-        if transpose == "packed" and tiles > 1:
-            continue
-        kw = dict(block=block, num_warps=warps, transpose=transpose, tiles_per_program=tiles, num_stages=stages)
-        fn = jax.jit(lambda a, b, kw=kw: swiglu_grad_fp8(a, b, s_h, s_g, E4M3, E5M2, impl="pallas", **kw))
-        row = {"impl": "pallas", **kw}
+    for block, warps in configs:
+        fn = jax.jit(lambda a, b, block=block, warps=warps: swiglu_grad_fp8(
+            a, b, s_h, s_g, E4M3, E5M2, impl="pallas", block=block, num_warps=warps))
+        row = {"impl": "pallas", "block": block, "num_warps": warps}
         try:
             got = fn(gate_up, g_h)
             same = [float(np.mean(np.asarray(a[:512, :512].astype(jnp.float32) == b[:512, :512].astype(jnp.float32))))
