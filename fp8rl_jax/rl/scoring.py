@@ -316,12 +316,27 @@ def _tokens_minor(q: jax.Array) -> jax.Array:
     return transpose_bytes(q) if jnp.dtype(q.dtype).itemsize == 1 else q.T
 
 
-def _fp8_scaled_logits(h: jax.Array, w_vd: jax.Array, inv_scale: jax.Array, spec: _Fp8HeadSpec) -> jax.Array:
+# The dtype ``lm_head_recompute_fp8``'s recomputed logits are written in: BF16 halves the bytes of the [M, V] logits
+# that the GEMM writes and two passes read (the renormalisation's sum and the logit gradient). Its rounding (2^-9 of
+# each logit) is below that of the FP8 GEMM that makes them, the softmax is taken on their own log-sum-exp (so it
+# still sums to 1: no sign flip of 1 - p), and the gradient formed from them is rounded to E5M2 (2 mantissa bits)
+# next. The forward's logits, which give every logprob, stay f32, as do the FP8 head's recomputed ones (its backward
+# normalises them on the forward's statistics, which BF16 logits would not sum to 1 under).
+RECOMPUTE_LOGITS_DTYPE = jnp.bfloat16
+
+
+def _fp8_scaled_logits(h: jax.Array, w_vd: jax.Array, inv_scale: jax.Array, spec: _Fp8HeadSpec,
+                       dtype=jnp.float32) -> jax.Array:
     """FP8 [B, C, D] x FP8 [V, D] -> logits / T [B, C, V], f32: the GEMM as ``xla.prequantized_matmul`` runs it
-    (2-D operands, f32 accumulation, then the inverse scales), so rollout and scoring round alike."""
+    (2-D operands, f32 accumulation, then the inverse scales), so rollout and scoring round alike. ``dtype``: the
+    GEMM's output (the f32 accumulator rounded to it before the scales; ``RECOMPUTE_LOGITS_DTYPE`` in
+    ``lm_head_recompute_fp8``'s recompute)."""
     b, c, d = h.shape
-    z = lax.dot_general(h.reshape(b * c, d), w_vd, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    return (z * inv_scale).reshape(b, c, -1) / spec.temperature
+    z = lax.dot_general(h.reshape(b * c, d), w_vd, (((1,), (1,)), ((), ())), preferred_element_type=dtype)
+    if jnp.dtype(dtype) != jnp.float32:  # the rounding made explicit: XLA may fold a dot's f32 -> dtype -> f32 away
+        f = jnp.finfo(dtype)
+        z = lax.reduce_precision(z.astype(jnp.float32), exponent_bits=f.nexp, mantissa_bits=f.nmant)
+    return (z.astype(jnp.float32) * inv_scale).reshape(b, c, -1) / spec.temperature
 
 
 def _fp8_scales(state):
@@ -445,13 +460,13 @@ def fp8_chunked_head_logprobs(hidden: jax.Array, kernel: jax.Array, targets: jax
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _fp8_grad_head(hidden, kernel, targets, state, spec: _HeadSpec, fp8: _Fp8HeadSpec, recompute_fp8: bool):
-    del state, fp8, recompute_fp8  # they shape the backward pass only: the primal is the BF16 head's
+def _fp8_grad_head(hidden, kernel, targets, state, spec: _HeadSpec, fp8: _Fp8HeadSpec, recompute: str | None):
+    del state, fp8, recompute  # they shape the backward pass only: the primal is the BF16 head's
     return _chunked_head(hidden, kernel, targets, spec)
 
 
-def _fp8_grad_head_fwd(hidden, kernel, targets, state, spec: _HeadSpec, fp8: _Fp8HeadSpec, recompute_fp8: bool):
-    del fp8, recompute_fp8
+def _fp8_grad_head_fwd(hidden, kernel, targets, state, spec: _HeadSpec, fp8: _Fp8HeadSpec, recompute: str | None):
+    del fp8, recompute
     out, residuals = _chunked_head_fwd(hidden, kernel, targets, spec)  # the BF16 head's forward, as it is
     kernel, state = jax.tree.map(  # symbolic_zeros: each primal leaf is a CustomVJPPrimal
         lambda p: p.value, (kernel, state), is_leaf=lambda p: isinstance(p, CustomVJPPrimal))
@@ -459,19 +474,21 @@ def _fp8_grad_head_fwd(hidden, kernel, targets, state, spec: _HeadSpec, fp8: _Fp
     return out, (residuals, kernel, state)
 
 
-def _fp8_grad_head_bwd(spec: _HeadSpec, fp8: _Fp8HeadSpec, recompute_fp8: bool, res, cotangents):
+def _fp8_grad_head_bwd(spec: _HeadSpec, fp8: _Fp8HeadSpec, recompute: str | None, res, cotangents):
+    """``recompute``: None, the logits recomputed in the compute dtype; else by the FP8 head's GEMM, written in that
+    dtype (``lm_head_recompute_fp8``)."""
     (hidden, w, targets, m, lse, ent), kernel, state = res
     g_logp, g_ent, entropy_grad = _head_cotangents(cotangents, spec.with_entropy)
     # once per call: the kernel quantized with its delayed scale in the [D, V] layout the hidden state's gradient
-    # reads (and the [V, D] one the FP8 logits read: dead code without recompute_fp8), the hidden state (the
+    # reads (and the [V, D] one the FP8 logits read: dead code without the FP8 recompute), the hidden state (the
     # forward's compute-dtype operand) with the x scale for the kernel's gradient: the FP8 head's backward operands
     w_vd, w_dv = _fp8_head_kernels(kernel, state, fp8)
     h8, inv_scale = _fp8_hidden(hidden, state, fp8)
 
-    if recompute_fp8:
+    if recompute is not None:
         def chunk_cotangent(xs):
             h8_c, y, m, g, g_h = xs
-            z = _fp8_scaled_logits(h8_c, w_vd, inv_scale, fp8)  # the FP8 head's logits: [B, C, V] f32
+            z = _fp8_scaled_logits(h8_c, w_vd, inv_scale, fp8, recompute)  # the FP8 head's logits: [B, C, V]
             # normalised on their own log-sum-exp: the softmax of the FP8 logits, the FP8 head's gradient. The
             # forward's (BF16) lse would not normalise them: sum(p) != 1, and 1 - p of a confident target (p ~ 0.99)
             # can change sign. Shifted by the forward's max (any shift gives the same softmax, and the FP8 logits
@@ -499,23 +516,27 @@ _fp8_grad_head.defvjp(_fp8_grad_head_fwd, _fp8_grad_head_bwd, symbolic_zeros=Tru
 
 def fp8_grad_head_logprobs(hidden: jax.Array, kernel: jax.Array, targets: jax.Array, head_state, *,
                            precision: Precision, temperature: float = 1.0, chunk: int = HEAD_CHUNK,
-                           with_entropy: bool = False, kernel_nk: bool = False):
+                           with_entropy: bool = False, kernel_nk: bool = False, recompute_dtype=None):
     """As ``chunked_head_logprobs`` (the same forward: logprobs and entropies bit for bit), with the backward's
     two GEMMs in FP8 under ``head_state`` (``precision.lm_head_grad_fp8``), as ``fp8_chunked_head_logprobs``
     runs them: the logit gradient quantized with the grad scale (E5M2 in ``hybrid``), the kernel with its
     delayed kernel scale, the hidden state with its x scale; the state's cotangent carries the three amaxes
     observed over the whole call. The logits the backward differentiates are recomputed in the compute dtype, or
     with ``precision.lm_head_recompute_fp8`` by the FP8 head's GEMM (the kernel and the hidden state quantized as
-    above) and normalised on their own log-softmax statistics: the FP8 head's backward under the BF16 forward.
-    Under ``rowwise`` scaling the backward is per tensor with the delayed scales, as every rowwise linear's."""
+    above) and normalised on their own log-softmax statistics: the FP8 head's backward under the BF16 forward;
+    that GEMM writes them in ``recompute_dtype`` (default ``RECOMPUTE_LOGITS_DTYPE``). Under ``rowwise`` scaling
+    the backward is per tensor with the delayed scales, as every rowwise linear's."""
     n = targets.shape[1]
     c = min(chunk, n)
     spec = _head_spec(kernel, temperature=temperature, with_entropy=with_entropy, kernel_nk=kernel_nk,
                       dtype=precision.dtype)
     fp8 = _fp8_head_spec(kernel, precision, temperature=temperature, with_entropy=with_entropy, kernel_nk=kernel_nk)
     hidden = hidden.astype(spec.dtype)
+    recompute = None
+    if precision.lm_head_recompute_fp8:
+        recompute = jnp.dtype(recompute_dtype or RECOMPUTE_LOGITS_DTYPE).name
     logp, ent = _fp8_grad_head(_to_chunks(hidden, c), kernel, _to_chunks(targets, c), head_state, spec, fp8,
-                               precision.lm_head_recompute_fp8)
+                               recompute)
     return _from_chunks(logp, n), (_from_chunks(ent, n) if with_entropy else None)
 
 

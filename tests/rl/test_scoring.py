@@ -356,10 +356,11 @@ def _fp8_grad_head_state(config, precision):
     return state
 
 
-def _fp8_grad_head_grads(which, tied, chunk, dtype="bfloat16"):
+def _fp8_grad_head_grads(which, tied, chunk, dtype="bfloat16", recompute_dtype=None):
     """(logp, entropy), d/d(hidden, kernel, state) of sum(logp * a) + sum(entropy * b) under the BF16 head
     (``bf16``), the BF16 head with FP8 backward GEMMs (``fp8_grad``), that head with its logit recompute in FP8
-    too (``fp8_recompute``) or the FP8 head (``fp8``), all under the same state, jitted; and the inputs."""
+    too (``fp8_recompute``, its logits written in ``recompute_dtype``, default the package's) or the FP8 head
+    (``fp8``), all under the same state, jitted; and the inputs."""
     from fp8rl_jax.rl.scoring import fp8_chunked_head_logprobs, fp8_grad_head_logprobs
 
     config, params = _tiny(tied)
@@ -373,7 +374,8 @@ def _fp8_grad_head_grads(which, tied, chunk, dtype="bfloat16"):
     def loss(h, k, st):
         kw = dict(temperature=TEMPERATURE, chunk=chunk, with_entropy=True, kernel_nk=tied)
         if which in ("fp8_grad", "fp8_recompute"):
-            logp, ent = fp8_grad_head_logprobs(h, k, targets, st, precision=precision, **kw)
+            logp, ent = fp8_grad_head_logprobs(h, k, targets, st, precision=precision, recompute_dtype=recompute_dtype,
+                                               **kw)
         elif which == "fp8":
             logp, ent = fp8_chunked_head_logprobs(h, k, targets, st, precision=precision.replace(lm_head_fp8=True),
                                                   **kw)
@@ -472,13 +474,16 @@ def test_fp8_grad_head_backward_is_the_bf16_backward_on_fp8_operands(tied, chunk
 @pytest.mark.parametrize("chunk", (256, 7))
 def test_fp8_recompute_head_backward_is_the_fp8_heads(tied, chunk):
     """With ``lm_head_recompute_fp8`` the backward recomputes the logits by the FP8 head's GEMM and normalises them
-    on their own statistics: its gradients and observations are the FP8 head's (``fp8_chunked_head_logprobs``)
-    under the same state, though its forward is the BF16 head's. Bounds: 1e-4 of the largest value (measured:
-    bitwise equal in every case on CPU; the bound leaves a logit gradient on an E5M2 rounding boundary room to
-    round the other way, see ``test_fp8_head_custom_vjp_equals_autodiff``), where the BF16 recompute
-    (``lm_head_grad_fp8`` alone) is 6e-4 - 4e-3 of it away from the FP8 head's. Against the BF16 head's gradients:
-    relative (norm) error < 15%, as ``lm_head_grad_fp8`` alone (measured 6.3% - 7.0%, the same E5M2 rounding)."""
-    _, (d_h, d_k, observed), _ = _fp8_grad_head_grads("fp8_recompute", tied, chunk)
+    on their own statistics: with those logits written in f32 its gradients and observations are the FP8 head's
+    (``fp8_chunked_head_logprobs``) under the same state, though its forward is the BF16 head's. Bounds: 1e-4 of
+    the largest value (measured: bitwise equal in every case on CPU; the bound leaves a logit gradient on an E5M2
+    rounding boundary room to round the other way, see ``test_fp8_head_custom_vjp_equals_autodiff``), where the
+    BF16 recompute (``lm_head_grad_fp8`` alone) is 6e-4 - 4e-3 of it away from the FP8 head's. Written in BF16
+    (the default, ``scoring.RECOMPUTE_LOGITS_DTYPE``) the gradients move by < 2e-3 of their norm (measured 3e-4).
+    Against the BF16 head's gradients: relative (norm) error < 15%, as ``lm_head_grad_fp8`` alone (measured 6.3% -
+    7.0%, the same E5M2 rounding)."""
+    _, (d_h, d_k, observed), _ = _fp8_grad_head_grads("fp8_recompute", tied, chunk, recompute_dtype=jnp.float32)
+    _, (d_h16, d_k16, observed16), _ = _fp8_grad_head_grads("fp8_recompute", tied, chunk)
     _, (d_h8, d_k8, observed8), _ = _fp8_grad_head_grads("fp8", tied, chunk)
     _, (d_h0, d_k0, _), _ = _fp8_grad_head_grads("bf16", tied, chunk)
     assert d_h.dtype == d_h8.dtype == jnp.bfloat16 and d_k.dtype == d_k8.dtype == jnp.float32
@@ -487,10 +492,18 @@ def test_fp8_recompute_head_backward_is_the_fp8_heads(tied, chunk):
     for role in ("x", "kernel", "grad"):
         np.testing.assert_allclose(observed[role]["amax_history"], observed8[role]["amax_history"], rtol=1e-6,
                                    err_msg=role)
-    for got, ref, what in ((d_h, d_h0, "d hidden"), (d_k, d_k0, "d kernel")):
+    for got, ref, what in ((d_h, d_h0, "d hidden"), (d_k, d_k0, "d kernel"), (d_h16, d_h0, "d hidden, BF16 logits"),
+                           (d_k16, d_k0, "d kernel, BF16 logits")):
         got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
         err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
         assert err < 0.15, (what, err)
+    for got, ref, what in ((d_h16, d_h, "d hidden"), (d_k16, d_k, "d kernel")):
+        got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+        err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+        assert 0 < err < 2e-3, (what, err)  # rounded (not folded away by XLA) and close
+    for role in ("x", "kernel", "grad"):
+        np.testing.assert_allclose(observed16[role]["amax_history"], observed[role]["amax_history"], rtol=2e-3,
+                                   err_msg=role)
 
 
 @pytest.mark.parametrize("scaling", ["tensor", "rowwise"])
