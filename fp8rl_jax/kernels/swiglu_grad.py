@@ -26,7 +26,7 @@ tile of the gate, of the up and of g_h, and stores q(dgate), q(dup) row-major, q
 maximum of those, a few MB). ``impl="xla"``: the same arithmetic as XLA ops (CPU, and shapes the blocks do not
 divide).
 
-Measured on the H100 (``benchmarks/swiglu_grad.py``, session 24): it moves its bytes at 1.6-1.8 TB/s. Neither what
+Measured on the H100 (``benchmarks/swiglu_grad.py``, session 24): it moves its bytes at 1.6-1.7 TB/s. Neither what
 is transposed (the FP8 tiles, the f32 values before quantizing, the BF16 inputs with the arithmetic done again, or
 32-bit words of four tokens' FP8 values), nor several row tiles per program with the next tile's loads issued
 early, nor the block shape moved it beyond the noise (commit 5549d64 has those forms; ``results/swiglu_variants_*``,
