@@ -336,10 +336,11 @@ def _fp8_scaled_logits(h: jax.Array, w_vd: jax.Array, inv_scale: jax.Array, spec
     ``lm_head_recompute_fp8``'s recompute)."""
     b, c, d = h.shape
     z = lax.dot_general(h.reshape(b * c, d), w_vd, (((1,), (1,)), ((), ())), preferred_element_type=dtype)
+    z = z.astype(jnp.float32)
     if jnp.dtype(dtype) != jnp.float32:  # the rounding made explicit: XLA may fold a dot's f32 -> dtype -> f32 away
         f = jnp.finfo(dtype)
-        z = lax.reduce_precision(z.astype(jnp.float32), exponent_bits=f.nexp, mantissa_bits=f.nmant)
-    return (z.astype(jnp.float32) * inv_scale).reshape(b, c, -1) / spec.temperature
+        z = lax.reduce_precision(z, exponent_bits=f.nexp, mantissa_bits=f.nmant)
+    return (z * inv_scale).reshape(b, c, -1) / spec.temperature
 
 
 def _fp8_scales(state):
