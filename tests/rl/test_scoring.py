@@ -109,6 +109,12 @@ def _close(new, old, rtol, atol_of_max, what):
     np.testing.assert_allclose(new, old, rtol=rtol, atol=atol_of_max * np.abs(old).max(), err_msg=what)
 
 
+def _norm_error(got, ref) -> float:
+    """|got - ref| / |ref| over the whole array (Frobenius norms, float64)."""
+    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+    return float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
+
+
 def _head_grads(which, params, hidden, targets, dtype, chunk, entropy_weight=True):
     """(logp, entropy), d/d(hidden, head kernel) of sum(logp * a) + sum(entropy * b)."""
     kernel, tied = _head_kernel(params)
@@ -458,8 +464,7 @@ def test_fp8_grad_head_backward_is_the_bf16_backward_on_fp8_operands(tied, chunk
     _close(d_k, want_k, 0, 1e-5, "d kernel")
 
     for got, ref, what in ((d_h, d_h0, "d hidden"), (d_k, d_k0, "d kernel")):
-        got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
-        err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+        err = _norm_error(got, ref)
         assert err < 0.15, (what, err)
 
     want = {"x": np.abs(h).max(), "kernel": np.abs(master).max(), "grad": np.abs(dlogits).max()}
@@ -494,12 +499,10 @@ def test_fp8_recompute_head_backward_is_the_fp8_heads(tied, chunk):
                                    err_msg=role)
     for got, ref, what in ((d_h, d_h0, "d hidden"), (d_k, d_k0, "d kernel"), (d_h16, d_h0, "d hidden, BF16 logits"),
                            (d_k16, d_k0, "d kernel, BF16 logits")):
-        got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
-        err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+        err = _norm_error(got, ref)
         assert err < 0.15, (what, err)
     for got, ref, what in ((d_h16, d_h, "d hidden"), (d_k16, d_k, "d kernel")):
-        got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
-        err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+        err = _norm_error(got, ref)
         assert 0 < err < 2e-3, (what, err)  # rounded (not folded away by XLA) and close
     for role in ("x", "kernel", "grad"):
         np.testing.assert_allclose(observed16[role]["amax_history"], observed[role]["amax_history"], rtol=2e-3,
