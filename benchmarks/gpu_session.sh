@@ -2,7 +2,7 @@
 # One GPU session on the lent H100 (or an H200 host): install Transformer Engine and the project's wheels once, then
 # the stages named on the command line. Results land in $OUT (or ./gpu_out).
 #   usage: bash benchmarks/gpu_session.sh [install] [tests] [decode] [llama1b:MODE] [rollout1k] [gemm] [train] [e2e] [e2e_xla] [profile] [cluster_nb] [study] [rollout_xla] [rollout_head]
-#          [rollout8b] [agreement] [exact] [packed_attention] [e2e8b] [profile8b] [head_step] [multiprocess] [transpose] [swiglu] [fp8gemm]...
+#          [rollout8b] [agreement] [exact] [packed_attention] [e2e8b] [profile8b] [head_step] [headgrad] [multiprocess] [transpose] [swiglu] [fp8gemm]...
 # TE arrives in pieces (see ../shared/gpu/README.md): .gpu/te/wheels + .gpu/install_te.sh, the core wheel's five
 # parts already copied to /root/te by earlier calls; the other wheels in .gpu/wheels; a tokenizer in .gpu/smollm2_tok.
 set -uo pipefail
@@ -54,10 +54,15 @@ EOF
     fp8gemm) # the decode step's FP8 GEMMs alone: kernels.fp8_gemm (swept) against TE's and XLA's cuBLASLt
       timeout ${FG_TIMEOUT:-480} python3 benchmarks/fp8_gemm.py ${FG_ARGS:---sweep} --out "$OUT/fp8_gemm_h100.json" 2>&1 \
         | grep -vi warn > "$OUT/fp8_gemm.log"; tail -12 "$OUT/fp8_gemm.log" ;;
-    head_step) # the LM head's forward + backward alone, BF16 / FP8 custom VJP / autodiff FP8, llama1b and 8B widths
-      timeout 200 python3 benchmarks/head_step.py --runs 3 --out "$OUT/head_step_h100.json" 2>&1 | grep "^{" | cut -c1-160
-      timeout 120 python3 benchmarks/head_step.py --runs 3 --hidden 4096 --untied --variants bf16,fp8 \
-        --out "$OUT/head_step_8b_h100.json" 2>&1 | grep "^{" | cut -c1-160 ;;
+    head_step) # the LM head's forward + backward alone (HEAD_VARIANTS, default BF16 / FP8 custom VJP / autodiff
+      # FP8), llama1b and 8B widths; HEAD_TAG names the files
+      timeout 200 python3 benchmarks/head_step.py --runs ${HEAD_RUNS:-3} --variants ${HEAD_VARIANTS:-bf16,fp8,fp8_autodiff} \
+        --out "$OUT/head_step${HEAD_TAG:-}_h100.json" 2>&1 | grep "^{" | cut -c1-160
+      timeout 120 python3 benchmarks/head_step.py --runs ${HEAD_RUNS:-3} --hidden 4096 --untied \
+        --variants ${HEAD_VARIANTS:-bf16,fp8} --out "$OUT/head_step${HEAD_TAG:-}_8b_h100.json" 2>&1 | grep "^{" | cut -c1-160 ;;
+    headgrad) # the head's fused FP8 logit gradient kernel against its XLA form (one llama1b head chunk; HG_ARGS)
+      timeout ${HG_TIMEOUT:-240} python3 benchmarks/head_grad.py ${HG_ARGS:-} --out "$OUT/head_grad${HG_TAG:-}_h100.json" \
+        2>&1 | grep "^{\|rror" | cut -c1-400 ;;
     packed_attention) # cuDNN packed attention's memory and time against its segment table's size (llama1b heads)
       timeout 300 python3 benchmarks/packed_attention_memory.py ${PA_ARGS:-} --out "$OUT/packed_attention_h100.json" \
         2>&1 | grep -v "^W\|Warn" | tail -12 ;;

@@ -2,7 +2,8 @@
 the autodiff FP8 head it replaced, ``fp8_grad``: the BF16 head with its backward GEMMs in FP8,
 ``precision.lm_head_grad_fp8``, and ``fp8_recompute``: that head with its backward's logit recompute in FP8 too,
 ``precision.lm_head_recompute_fp8``; ``fp8_recompute_f32``: that recompute writing its logits in f32 instead of
-``scoring.RECOMPUTE_LOGITS_DTYPE``) at a microbatch's shape, compile and run timed separately.
+``scoring.RECOMPUTE_LOGITS_DTYPE``; ``fp8_recompute_xla``: its logit gradient by XLA's ops, not the
+``kernels.head_grad`` kernel) at a microbatch's shape, compile and run timed separately.
 
     JAX_PLATFORMS=cuda python benchmarks/head_step.py --out head_step.json [--hidden 4096 --untied]
 
@@ -46,7 +47,7 @@ def main() -> None:
                 "fp8_grad": precision.replace(lm_head_fp8=False, lm_head_grad_fp8=True),
                 "fp8_recompute": precision.replace(lm_head_fp8=False, lm_head_grad_fp8=True,
                                                    lm_head_recompute_fp8=True)}
-    programs["fp8_recompute_f32"] = programs["fp8_recompute"]
+    programs["fp8_recompute_f32"] = programs["fp8_recompute_xla"] = programs["fp8_recompute"]
     config = dataclasses.replace(preset("tiny"), hidden_size=args.hidden, vocab_size=args.vocab, tie_embeddings=tied)
     state = llama.init_fp8_state(config, precision)["lm_head"]
     for role, scale in (("x", 448 / 8.0), ("kernel", 448 / 0.1), ("grad", 57344 / 0.05)):
@@ -62,10 +63,11 @@ def main() -> None:
             logp, _ = scoring.chunked_head_logprobs(h, k, targets, kernel_nk=tied, dtype=jnp.bfloat16)
         elif variant == "fp8":
             logp, _ = scoring.fp8_chunked_head_logprobs(h, k, targets, st, precision=precision, kernel_nk=tied)
-        elif variant in ("fp8_grad", "fp8_recompute", "fp8_recompute_f32"):
+        elif variant in ("fp8_grad", "fp8_recompute", "fp8_recompute_f32", "fp8_recompute_xla"):
             logits = jnp.float32 if variant == "fp8_recompute_f32" else None  # None: the package's default
             logp, _ = scoring.fp8_grad_head_logprobs(h, k, targets, st, precision=programs[variant], kernel_nk=tied,
-                                                     recompute_dtype=logits)
+                                                     recompute_dtype=logits,
+                                                     grad_impl="xla" if variant == "fp8_recompute_xla" else "auto")
         else:
             params = {"embed": k} if tied else {"lm_head": k}
             logp, _ = scoring.autodiff_head_logprobs(params, h, targets, precision=precision, head_state=st)

@@ -57,3 +57,36 @@ def smollm2():
     path = assets.smollm2_gguf()
     config, params = weights.load_gguf(path)
     return config, params, Tokenizer.from_gguf(path)
+
+
+def _triton_ir(fn, *args) -> list[str]:
+    """Lower ``fn`` for CUDA (on this CPU host) and return the Triton IR text of each pallas_call in it."""
+    import jax
+    from jax._src.lib.mlir import ir
+    from jax._src.pallas.triton import lowering as triton_lowering
+
+    module = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).compiler_ir("stablehlo")
+    found = []
+
+    def walk(op):
+        for region in op.regions:
+            for block in region.blocks:
+                for inner in block.operations:
+                    if inner.operation.name == "stablehlo.custom_call":
+                        config = ir.DictAttr(inner.attributes["mhlo.backend_config"])
+                        if "ir" not in config:
+                            pytest.skip("this jaxlib compiles Pallas Triton calls at lowering time (no IR to read)")
+                        blob = ir.StringAttr(config["ir"]).value_bytes
+                        with triton_lowering._new_ir_context():
+                            found.append(str(ir.Module.parse(blob)))
+                    walk(inner.operation)
+
+    walk(module.operation)
+    return found
+
+
+@pytest.fixture
+def triton_ir():
+    """``triton_ir(fn, *args)``: the Triton IR of each Pallas kernel in ``fn`` lowered for CUDA on this host (the
+    kernels' lowering checked without a GPU)."""
+    return _triton_ir

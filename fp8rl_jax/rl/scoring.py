@@ -77,6 +77,7 @@ from jax.sharding import PartitionSpec as P
 from fp8rl_jax.fp8 import xla
 from fp8rl_jax.fp8.policy import Precision
 from fp8rl_jax.fp8.recipe import Fp8Recipe, amax, observations, quantize
+from fp8rl_jax.kernels.head_grad import logit_grad_fp8
 from fp8rl_jax.kernels.transpose import transpose_bytes
 from fp8rl_jax.model import llama
 from fp8rl_jax.model.config import LlamaConfig
@@ -328,15 +329,20 @@ def _tokens_minor(q: jax.Array) -> jax.Array:
 RECOMPUTE_LOGITS_DTYPE = jnp.bfloat16
 
 
+def _fp8_logits(h: jax.Array, w_vd: jax.Array, dtype=jnp.float32) -> jax.Array:
+    """FP8 [B, C, D] x FP8 [V, D] -> the unscaled logits [B * C, V] in ``dtype``: the GEMM as
+    ``xla.prequantized_matmul`` runs it (2-D operands, f32 accumulation, rounded to ``dtype``)."""
+    b, c, d = h.shape
+    return lax.dot_general(h.reshape(b * c, d), w_vd, (((1,), (1,)), ((), ())), preferred_element_type=dtype)
+
+
 def _fp8_scaled_logits(h: jax.Array, w_vd: jax.Array, inv_scale: jax.Array, spec: _Fp8HeadSpec,
                        dtype=jnp.float32) -> jax.Array:
-    """FP8 [B, C, D] x FP8 [V, D] -> logits / T [B, C, V], f32: the GEMM as ``xla.prequantized_matmul`` runs it
-    (2-D operands, f32 accumulation, then the inverse scales), so rollout and scoring round alike. ``dtype``: the
-    GEMM's output (the f32 accumulator rounded to it before the scales; ``RECOMPUTE_LOGITS_DTYPE`` in
-    ``lm_head_recompute_fp8``'s recompute)."""
-    b, c, d = h.shape
-    z = lax.dot_general(h.reshape(b * c, d), w_vd, (((1,), (1,)), ((), ())), preferred_element_type=dtype)
-    z = z.astype(jnp.float32)
+    """FP8 [B, C, D] x FP8 [V, D] -> logits / T [B, C, V], f32: ``_fp8_logits``, then the inverse scales, so
+    rollout and scoring round alike. ``dtype``: the GEMM's output (the f32 accumulator rounded to it before the
+    scales; ``RECOMPUTE_LOGITS_DTYPE`` in ``lm_head_recompute_fp8``'s recompute)."""
+    b, c, _ = h.shape
+    z = _fp8_logits(h, w_vd, dtype).astype(jnp.float32)
     if jnp.dtype(dtype) != jnp.float32:  # the rounding made explicit: XLA may fold a dot's f32 -> dtype -> f32 away
         f = jnp.finfo(dtype)
         z = lax.reduce_precision(z, exponent_bits=f.nexp, mantissa_bits=f.nmant)
@@ -382,21 +388,27 @@ def _fp8_chunked_head_fwd(hidden, kernel, targets, state, spec: _Fp8HeadSpec):
     return _fp8_chunked_head_fwd_impl(hidden, kernel, targets, state, spec)
 
 
+def _quantized_logit_grad(dz: jax.Array, state, spec: _Fp8HeadSpec) -> tuple[jax.Array, jax.Array]:
+    """The cotangent ``dz`` [B, C, V] (f32) of a chunk's scaled logits as the backward GEMMs take it: the logit
+    gradient ``dz / T`` [B * C, V] quantized with the grad scale (E5M2 in ``hybrid``), and its amax."""
+    dlogits = (dz / spec.temperature).reshape(-1, dz.shape[-1])  # the cotangent of the unscaled logits
+    return quantize(dlogits, _fp8_scales(state)[2], spec.recipe.bwd_dtype), amax(dlogits)
+
+
 def _fp8_head_backward(chunk_cotangent, xs, w_dv: jax.Array, state, spec: _Fp8HeadSpec):
     """The head's two backward GEMMs in FP8, chunk by chunk over ``xs`` (a scan): ``chunk_cotangent(x)`` gives one
-    chunk's cotangent of its scaled logits ``dz`` [B, C, V] (f32) and its hidden state quantized with the x scale
-    [B, C, D]; the logit gradient ``dz / T`` is quantized with the grad scale (E5M2 in ``hybrid``), ``w_dv`` is
-    the quantized kernel [D, V] (``_fp8_head_kernels``). Returns ``(dx [nC, B, C, D] f32, dW in the master's
-    dtype and layout, reduced onto its shards under FSDP, the largest |dz / T| of any chunk)``."""
+    chunk's logit gradient quantized with the grad scale (E5M2 in ``hybrid``) [B * C, V] (``_quantized_logit_grad``
+    or the ``kernels.head_grad`` kernel), its amax and the chunk's hidden state quantized with the x scale
+    [B, C, D]; ``w_dv`` is the quantized kernel [D, V] (``_fp8_head_kernels``). Returns ``(dx [nC, B, C, D] f32,
+    dW in the master's dtype and layout, reduced onto its shards under FSDP, the largest |dz / T| of any chunk)``."""
     s_x, s_w, s_g = _fp8_scales(state)
     bwd_dtype, tied = spec.recipe.bwd_dtype, spec.kernel_nk
 
     def chunk(carry, xs):
         dw, amax_g = carry
-        dz, h_c = chunk_cotangent(xs)
+        q, amax_c, h_c = chunk_cotangent(xs)
         b, c, d = h_c.shape
-        dlogits = (dz / spec.temperature).reshape(b * c, -1)  # the cotangent of the unscaled logits
-        g8 = xla.gemm_operand(quantize(dlogits, s_g, bwd_dtype), bwd_dtype, spec.form)
+        g8 = xla.gemm_operand(q, bwd_dtype, spec.form)
         h2 = h_c.reshape(b * c, d)
         # [M, V] . [D, V] -> dx [M, D]
         dx = lax.dot_general(g8, w_dv, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
@@ -406,7 +418,7 @@ def _fp8_head_backward(chunk_cotangent, xs, w_dv: jax.Array, state, spec: _Fp8He
         # the copy rate (42 ms of a llama1b train minibatch on the H100)
         a, bb = (_tokens_minor(g8), _tokens_minor(h2)) if tied else (_tokens_minor(h2), _tokens_minor(g8))
         dw = dw + lax.dot_general(a, bb, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-        return (dw, jnp.maximum(amax_g, amax(dlogits))), dx.reshape(b, c, d)
+        return (dw, jnp.maximum(amax_g, amax_c)), dx.reshape(b, c, d)
 
     shape = w_dv.shape[::-1] if tied else w_dv.shape  # the master's layout: [V, D] tied, else [D, V]
     (dw, amax_g), dx = lax.scan(chunk, (jnp.zeros(shape, jnp.float32), jnp.float32(0.0)), xs)
@@ -425,7 +437,7 @@ def _fp8_chunked_head_bwd(spec: _Fp8HeadSpec, res, cotangents):
     def chunk_cotangent(xs):
         h_c, y, m, lse, g, g_h, ent = xs
         z = _fp8_scaled_logits(h_c, w_vd, inv_scale, spec)  # recomputed: [B, C, V] f32
-        return _logits_cotangent(z, y, m, lse, g, g_h, ent, entropy_grad), h_c
+        return *_quantized_logit_grad(_logits_cotangent(z, y, m, lse, g, g_h, ent, entropy_grad), state, spec), h_c
 
     dx, dw, amax_g = _fp8_head_backward(chunk_cotangent, (h, targets, m, lse, g_logp, g_ent, ent), w_dv, state, spec)
     return dx.astype(spec.dtype), dw, None, observations(state, amax_x, amax_w, amax_g)
@@ -464,12 +476,14 @@ def fp8_chunked_head_logprobs(hidden: jax.Array, kernel: jax.Array, targets: jax
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _fp8_grad_head(hidden, kernel, targets, state, spec: _HeadSpec, fp8: _Fp8HeadSpec, recompute: str | None):
+def _fp8_grad_head(hidden, kernel, targets, state, spec: _HeadSpec, fp8: _Fp8HeadSpec,
+                   recompute: tuple[str, str] | None):
     del state, fp8, recompute  # they shape the backward pass only: the primal is the BF16 head's
     return _chunked_head(hidden, kernel, targets, spec)
 
 
-def _fp8_grad_head_fwd(hidden, kernel, targets, state, spec: _HeadSpec, fp8: _Fp8HeadSpec, recompute: str | None):
+def _fp8_grad_head_fwd(hidden, kernel, targets, state, spec: _HeadSpec, fp8: _Fp8HeadSpec,
+                       recompute: tuple[str, str] | None):
     del fp8, recompute
     out, residuals = _chunked_head_fwd(hidden, kernel, targets, spec)  # the BF16 head's forward, as it is
     kernel, state = jax.tree.map(  # symbolic_zeros: each primal leaf is a CustomVJPPrimal
@@ -478,9 +492,10 @@ def _fp8_grad_head_fwd(hidden, kernel, targets, state, spec: _HeadSpec, fp8: _Fp
     return out, (residuals, kernel, state)
 
 
-def _fp8_grad_head_bwd(spec: _HeadSpec, fp8: _Fp8HeadSpec, recompute: str | None, res, cotangents):
-    """``recompute``: None, the logits recomputed in the compute dtype; else by the FP8 head's GEMM, written in that
-    dtype (``lm_head_recompute_fp8``)."""
+def _fp8_grad_head_bwd(spec: _HeadSpec, fp8: _Fp8HeadSpec, recompute: tuple[str, str] | None, res, cotangents):
+    """``recompute``: None, the logits recomputed in the compute dtype; else ``(dtype, impl)``: by the FP8 head's
+    GEMM, written in that dtype (``lm_head_recompute_fp8``), their gradient formed by ``kernels.head_grad`` with
+    that ``impl``."""
     (hidden, w, targets, m, lse, ent), kernel, state = res
     g_logp, g_ent, entropy_grad = _head_cotangents(cotangents, spec.with_entropy)
     # once per call: the kernel quantized with its delayed scale in the [D, V] layout the hidden state's gradient
@@ -490,25 +505,31 @@ def _fp8_grad_head_bwd(spec: _HeadSpec, fp8: _Fp8HeadSpec, recompute: str | None
     h8, inv_scale = _fp8_hidden(hidden, state, fp8)
 
     if recompute is not None:
+        logits_dtype, grad_impl = recompute
+
         def chunk_cotangent(xs):
             h8_c, y, m, g, g_h = xs
-            z = _fp8_scaled_logits(h8_c, w_vd, inv_scale, fp8, recompute)  # the FP8 head's logits: [B, C, V]
-            # normalised on their own log-sum-exp: the softmax of the FP8 logits, the FP8 head's gradient. The
-            # forward's (BF16) lse would not normalise them: sum(p) != 1, and 1 - p of a confident target (p ~ 0.99)
-            # can change sign. Shifted by the forward's max (any shift gives the same softmax, and the FP8 logits
-            # sit within FP8's rounding of the BF16 ones, so nothing overflows): one pass over the logits, the sum
+            # the FP8 head's logits, normalised on their own log-sum-exp: the softmax of the FP8 logits, the FP8
+            # head's gradient. The forward's (BF16) lse would not normalise them: sum(p) != 1, and 1 - p of a
+            # confident target (p ~ 0.99) can change sign. Shifted by the forward's max (any shift gives the same
+            # softmax, and the FP8 logits sit within FP8's rounding of the BF16 ones, so nothing overflows)
             if entropy_grad:  # the entropy's gradient needs the FP8 logits' own entropy: their full statistics
+                z = _fp8_scaled_logits(h8_c, w_vd, inv_scale, fp8, logits_dtype)  # [B, C, V]
                 _, ent, m, lse = _chunk_logprobs(z, y, True)
-            else:
-                ent, lse = None, jnp.log(jnp.sum(jnp.exp(z - m[..., None]), axis=-1))
-            return _logits_cotangent(z, y, m, lse, g, g_h, ent, entropy_grad), h8_c
+                return *_quantized_logit_grad(_logits_cotangent(z, y, m, lse, g, g_h, ent, True), state, fp8), h8_c
+            # the sum of the exponentials, the gradient, its quantize and amax in one kernel (two passes over
+            # the logits in XLA's ops)
+            q, amax_c = logit_grad_fp8(_fp8_logits(h8_c, w_vd, logits_dtype), m.reshape(-1), g.reshape(-1),
+                                       y.reshape(-1), inv_scale, _fp8_scales(state)[2], fp8.recipe.bwd_dtype,
+                                       temperature=fp8.temperature, impl=grad_impl)
+            return q, amax_c, h8_c
 
         xs = (h8, targets, m, g_logp, g_ent)
     else:
         def chunk_cotangent(xs):
             h, h8_c, y, m, lse, g, g_h, ent = xs
             z = _scaled_logits(h, w, spec)  # recomputed in the compute dtype, as _chunked_head_bwd does: f32
-            return _logits_cotangent(z, y, m, lse, g, g_h, ent, entropy_grad), h8_c
+            return *_quantized_logit_grad(_logits_cotangent(z, y, m, lse, g, g_h, ent, entropy_grad), state, fp8), h8_c
 
         xs = (hidden, h8, targets, m, lse, g_logp, g_ent, ent)
     dx, dw, amax_g = _fp8_head_backward(chunk_cotangent, xs, w_dv, state, fp8)
@@ -520,7 +541,8 @@ _fp8_grad_head.defvjp(_fp8_grad_head_fwd, _fp8_grad_head_bwd, symbolic_zeros=Tru
 
 def fp8_grad_head_logprobs(hidden: jax.Array, kernel: jax.Array, targets: jax.Array, head_state, *,
                            precision: Precision, temperature: float = 1.0, chunk: int = HEAD_CHUNK,
-                           with_entropy: bool = False, kernel_nk: bool = False, recompute_dtype=None):
+                           with_entropy: bool = False, kernel_nk: bool = False, recompute_dtype=None,
+                           grad_impl: str = "auto"):
     """As ``chunked_head_logprobs`` (the same forward: logprobs and entropies bit for bit), with the backward's
     two GEMMs in FP8 under ``head_state`` (``precision.lm_head_grad_fp8``), as ``fp8_chunked_head_logprobs``
     runs them: the logit gradient quantized with the grad scale (E5M2 in ``hybrid``), the kernel with its
@@ -528,8 +550,9 @@ def fp8_grad_head_logprobs(hidden: jax.Array, kernel: jax.Array, targets: jax.Ar
     observed over the whole call. The logits the backward differentiates are recomputed in the compute dtype, or
     with ``precision.lm_head_recompute_fp8`` by the FP8 head's GEMM (the kernel and the hidden state quantized as
     above) and normalised on their own log-softmax statistics: the FP8 head's backward under the BF16 forward;
-    that GEMM writes them in ``recompute_dtype`` (default ``RECOMPUTE_LOGITS_DTYPE``). Under ``rowwise`` scaling
-    the backward is per tensor with the delayed scales, as every rowwise linear's."""
+    that GEMM writes them in ``recompute_dtype`` (default ``RECOMPUTE_LOGITS_DTYPE``) and ``kernels.head_grad``
+    forms their quantized gradient (``grad_impl``: its ``impl``; ``auto`` is the kernel on a GPU). Under
+    ``rowwise`` scaling the backward is per tensor with the delayed scales, as every rowwise linear's."""
     n = targets.shape[1]
     c = min(chunk, n)
     spec = _head_spec(kernel, temperature=temperature, with_entropy=with_entropy, kernel_nk=kernel_nk,
@@ -538,7 +561,7 @@ def fp8_grad_head_logprobs(hidden: jax.Array, kernel: jax.Array, targets: jax.Ar
     hidden = hidden.astype(spec.dtype)
     recompute = None
     if precision.lm_head_recompute_fp8:
-        recompute = jnp.dtype(recompute_dtype or RECOMPUTE_LOGITS_DTYPE).name
+        recompute = (jnp.dtype(recompute_dtype or RECOMPUTE_LOGITS_DTYPE).name, grad_impl)
     logp, ent = _fp8_grad_head(_to_chunks(hidden, c), kernel, _to_chunks(targets, c), head_state, spec, fp8,
                                recompute)
     return _from_chunks(logp, n), (_from_chunks(ent, n) if with_entropy else None)

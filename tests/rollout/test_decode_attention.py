@@ -384,53 +384,28 @@ def test_teacher_forced_decode_against_full_forward():
 # the GPU lowering, checked on CPU: Pallas lowers the kernel to Triton IR without a GPU
 
 
-def _triton_ir(fn, *args) -> list[str]:
-    """Lower ``fn`` for CUDA (on this CPU host) and return the Triton IR text of each pallas_call in it."""
-    from jax._src.lib.mlir import ir
-    from jax._src.pallas.triton import lowering as triton_lowering
-
-    module = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).compiler_ir("stablehlo")
-    found = []
-
-    def walk(op):
-        for region in op.regions:
-            for block in region.blocks:
-                for inner in block.operations:
-                    if inner.operation.name == "stablehlo.custom_call":
-                        config = ir.DictAttr(inner.attributes["mhlo.backend_config"])
-                        if "ir" not in config:
-                            pytest.skip("this jaxlib compiles Pallas Triton calls at lowering time (no IR to read)")
-                        blob = ir.StringAttr(config["ir"]).value_bytes
-                        with triton_lowering._new_ir_context():
-                            found.append(str(ir.Module.parse(blob)))
-                    walk(inner.operation)
-
-    walk(module.operation)
-    return found
-
-
 @pytest.mark.parametrize("cache_dtype,q_dtype", [("float8_e4m3fn", "bfloat16"), ("bfloat16", "bfloat16"),
                                                  ("float32", "float32")])
-def test_kernel_lowers_to_triton(cache_dtype, q_dtype):
+def test_kernel_lowers_to_triton(cache_dtype, q_dtype, triton_ir):
     """Llama-3.2-1B shapes (K=8, G=4, H=64): the kernel lowers; FP8 is converted in-kernel (no BF16 cache)."""
     q = jax.ShapeDtypeStruct((8, 8, 4, 64), jnp.dtype(q_dtype))
     cache = jax.ShapeDtypeStruct((16, 8, 8, 1088, 64), jnp.dtype(cache_dtype))
     fn = functools.partial(da.decode_attention_pallas, k_scale=jnp.float32(2.0), v_scale=jnp.float32(3.0))
-    [ttir] = _triton_ir(lambda q, k, v, n, i: fn(q, k, v, n, layer=i), q, cache, cache,
+    [ttir] = triton_ir(lambda q, k, v, n, i: fn(q, k, v, n, layer=i), q, cache, cache,
                         jax.ShapeDtypeStruct((8,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32))
     assert "tt.dot" in ttir and "scf.for" in ttir
     if cache_dtype == "float8_e4m3fn":
         assert "tt.fp_to_fp" in ttir and "f8E4M3FN" in ttir
 
 
-def test_fp8_output_and_per_layer_scales_lower_to_triton():
+def test_fp8_output_and_per_layer_scales_lower_to_triton(triton_ir):
     """Llama-3.2-1B shapes, FP8 cache, the scales of all layers [L] and an FP8 output: the kernel lowers, reads the
     scales at the layer index and stores E4M3 values."""
     q = jax.ShapeDtypeStruct((8, 8, 4, 64), jnp.bfloat16)
     cache = jax.ShapeDtypeStruct((16, 8, 8, 1088, 64), jnp.float8_e4m3fn)
     scales = jax.ShapeDtypeStruct((16,), jnp.float32)
     fn = functools.partial(da.decode_attention_pallas, out_dtype=jnp.float8_e4m3fn, k_splits=1)
-    [ttir] = _triton_ir(lambda q, k, v, n, i, ks, vs, s: fn(q, k, v, n, layer=i, k_scale=ks, v_scale=vs, out_scale=s),
+    [ttir] = triton_ir(lambda q, k, v, n, i, ks, vs, s: fn(q, k, v, n, layer=i, k_scale=ks, v_scale=vs, out_scale=s),
                         q, cache, cache, jax.ShapeDtypeStruct((8,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32),
                         scales, scales, jax.ShapeDtypeStruct((), jnp.float32))
     stores = [line for line in ttir.splitlines() if "tt.store" in line]
@@ -438,13 +413,13 @@ def test_fp8_output_and_per_layer_scales_lower_to_triton():
 
 
 @pytest.mark.parametrize("cache_dtype,q_dtype", [("float8_e4m3fn", "bfloat16"), ("bfloat16", "bfloat16")])
-def test_packed_heads_kernel_lowers_to_triton(cache_dtype, q_dtype):
+def test_packed_heads_kernel_lowers_to_triton(cache_dtype, q_dtype, triton_ir):
     """Llama-3.2-1B shapes with 4 kv heads per program (16 query rows): one loop, 4 QK and 4 PV dots in it."""
     q = jax.ShapeDtypeStruct((8, 8, 4, 64), jnp.dtype(q_dtype))
     cache = jax.ShapeDtypeStruct((16, 8, 8, 1088, 64), jnp.dtype(cache_dtype))
     fn = functools.partial(da.decode_attention_pallas, k_scale=jnp.float32(2.0), v_scale=jnp.float32(3.0),
                            heads_per_program=4)
-    [ttir] = _triton_ir(lambda q, k, v, n, i: fn(q, k, v, n, layer=i), q, cache, cache,
+    [ttir] = triton_ir(lambda q, k, v, n, i: fn(q, k, v, n, layer=i), q, cache, cache,
                         jax.ShapeDtypeStruct((8,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32))
     # one loop, every block masked (``tail_loop`` off by default)
     assert ttir.count("scf.for") == 1 and ttir.count("tt.dot") == 8
@@ -457,7 +432,7 @@ def test_large_fp8_cache_gets_64_bit_offsets():
     cache = jax.ShapeDtypeStruct((16, 256, 8, 1088, 64), jnp.float8_e4m3fn)
     assert 2**31 < np.prod(cache.shape) <= 2**32
     fn = functools.partial(da.decode_attention_pallas, k_scale=jnp.float32(2.0), v_scale=jnp.float32(3.0))
-    [ttir] = _triton_ir(lambda q, k, v, n, i: fn(q, k, v, n, layer=i), q, cache, cache,
+    [ttir] = triton_ir(lambda q, k, v, n, i: fn(q, k, v, n, layer=i), q, cache, cache,
                         jax.ShapeDtypeStruct((256,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32))
     cache_offsets = [line for line in ttir.splitlines() if "tt.addptr" in line and "f8E4M3FN" in line]
     assert cache_offsets and all("xi64>" in line for line in cache_offsets), cache_offsets
