@@ -23,9 +23,20 @@ from fp8rl_jax.bench import device_name, timeit
 from fp8rl_jax.fp8.recipe import E5M2
 from fp8rl_jax.kernels.head_grad import logit_grad_fp8
 
-# block_v : programs per SM : warps : stages
-CONFIGS = ["2048:2:8:2", "1024:2:4:2", "2048:1:8:2", "2048:4:8:2", "4096:2:8:2", "4096:1:16:2", "2048:2:8:3",
-           "1024:4:4:3", "8192:1:16:2", "2048:8:4:2"]
+# one kernel: "1:block_v:programs per SM:warps:stages:prefetch"; two: "2:block_m x block_v:warps:stages"
+CONFIGS = ["1:2048:4:8:2:0", "1:2048:2:8:2:2", "1:2048:2:8:2:4", "1:4096:2:8:2:2", "1:4096:1:8:2:4",
+           "1:2048:4:4:2:2", "1:8192:1:16:2:2", "1:4096:2:16:2:2", "1:1024:4:4:2:4", "1:2048:1:8:2:8",
+           "2:4x1024:4:2", "2:8x512:4:2", "2:4x2048:8:2", "2:1x4096:8:2", "2:16x256:4:2", "2:2x2048:4:2"]
+
+
+def _kwargs(config: str, cores: int) -> dict:
+    passes, *rest = config.split(":")
+    if passes == "1":
+        block_v, per_sm, warps, stages, prefetch = (int(c) for c in rest)
+        return dict(passes=1, block_v=block_v, programs=per_sm * cores, num_warps=warps, num_stages=stages,
+                    prefetch=prefetch)
+    (block_m, block_v), warps, stages = (int(c) for c in rest[0].split("x")), int(rest[1]), int(rest[2])
+    return dict(passes=2, block_m=block_m, block_v=block_v, num_warps=warps, num_stages=stages)
 
 
 def main() -> None:
@@ -33,7 +44,7 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=32 * 256)
     p.add_argument("--vocab", type=int, default=128256)
     p.add_argument("--runs", type=int, default=10)
-    p.add_argument("--configs", default=",".join(CONFIGS), help="block_v:programs_per_sm:warps:stages, ...")
+    p.add_argument("--configs", default=",".join(CONFIGS), help="as CONFIGS, comma-separated")
     p.add_argument("--out", default="")
     args = p.parse_args()
     m, v = args.rows, args.vocab
@@ -61,11 +72,10 @@ def main() -> None:
     ref = None
     ref = run("xla", lambda z, s, g, y: logit_grad_fp8(z, s, g, y, inv_scale, g_scale, E5M2, impl="xla"))
     for config in args.configs.split(","):
-        block_v, per_sm, warps, stages = (int(c) for c in config.split(":"))
+        kwargs = _kwargs(config, cores)
         try:
-            run(f"pallas {config}", lambda z, s, g, y, b=block_v, n=per_sm * cores, w=warps, st=stages: logit_grad_fp8(
-                z, s, g, y, inv_scale, g_scale, E5M2, impl="pallas", block_v=b, programs=n, num_warps=w,
-                num_stages=st))
+            run(f"pallas {config}", lambda z, s, g, y, kw=kwargs: logit_grad_fp8(
+                z, s, g, y, inv_scale, g_scale, E5M2, impl="pallas", **kw))
         except Exception as e:  # noqa: BLE001 - a config that does not compile is a row, not the end of the sweep
             print(json.dumps({"impl": f"pallas {config}", "error": repr(e)[:300]}), flush=True)
     if args.out:

@@ -39,6 +39,9 @@ from fp8rl_jax.fp8.recipe import amax, quantize
 IMPLS = ("auto", "pallas", "pallas_interpret", "xla")
 BLOCK_V = 2048  # logits per block of a row
 PROGRAMS_PER_SM = 2  # the default grid: this many programs per streaming multiprocessor
+PREFETCH = 0  # passes=1: blocks of a row loaded ahead of the one computing
+PASSES = 1
+BLOCK_M = 4  # passes=2: rows per tile
 NUM_WARPS = 8
 NUM_STAGES = 2
 LOG2E = 1.4426950408889634
@@ -63,8 +66,8 @@ def _scales2(inv_scale, temperature: float):
 
 def logit_grad_fp8(z: jax.Array, shift: jax.Array, g: jax.Array, targets: jax.Array, inv_scale: jax.Array,
                    g_scale: jax.Array, g_dtype, *, temperature: float = 1.0, impl: str = "auto",
-                   block_v: int = BLOCK_V, programs: int | None = None, num_warps: int = NUM_WARPS,
-                   num_stages: int = NUM_STAGES):
+                   block_v: int = BLOCK_V, programs: int | None = None, prefetch: int = PREFETCH, passes: int = PASSES,
+                   block_m: int = BLOCK_M, num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES):
     """The quantized logit gradient of the head's FP8 recompute (module docstring): ``z`` [M, V] the recomputed
     logits before their scales (any float dtype), ``shift`` [M] the forward's max of the scaled logits, ``g`` [M]
     the cotangents of the targets' logprobs, ``targets`` [M] int, ``inv_scale`` the logits' inverse scale
@@ -98,13 +101,18 @@ def logit_grad_fp8(z: jax.Array, shift: jax.Array, g: jax.Array, targets: jax.Ar
         cores = getattr(jax.devices()[0], "core_count", None) if impl == "pallas" else None
         programs = PROGRAMS_PER_SM * (cores or 64)
     programs = max(1, min(programs, m))
+    if passes not in (1, 2):
+        raise ValueError(f"logit_grad passes={passes!r}: 1 (one kernel) or 2 (a sums kernel, then the gradient's)")
+    while m % block_m:  # the two-pass tiles' rows divide M
+        block_m //= 2
     return _pallas(z, shift, g, targets, inv_scale, g_scale, jnp.dtype(g_dtype), temperature=temperature,
-                   block_v=block_v, programs=programs, num_warps=num_warps, num_stages=num_stages,
-                   interpret=impl == "pallas_interpret")
+                   block_v=block_v, programs=programs, prefetch=prefetch, passes=passes, block_m=block_m,
+                   num_warps=num_warps, num_stages=num_stages, interpret=impl == "pallas_interpret")
 
 
-def _kernel(scalars_ref, z_ref, shift_ref, g_ref, y_ref, q_ref, amax_ref, *, m, v, block_v, programs, temperature,
-            g_dtype):
+def _kernel(scalars_ref, z_ref, shift_ref, g_ref, y_ref, q_ref, amax_ref, *, m, v, block_v, programs, prefetch,
+            temperature, g_dtype):
+    """One pass over each row's blocks for the sum, one backwards for the gradient (``passes=1``)."""
     pid = pl.program_id(0)
     scale2, g_scale = _scales2(scalars_ref[0], temperature), scalars_ref[1]
     n_full, tail = divmod(v, block_v)
@@ -115,26 +123,37 @@ def _kernel(scalars_ref, z_ref, shift_ref, g_ref, y_ref, q_ref, amax_ref, *, m, 
         r = jnp.minimum(pid + k * programs, m - 1)
         shift2, g, y = shift_ref[r] * LOG2E, g_ref[r], y_ref[r]
 
-        def shifted(start, masked):
-            in_v = start + offsets >= n_full * block_v if masked else None
-            return _shifted2(z_ref[r, pl.ds(start, block_v)], scale2, shift2), in_v
+        def walk(start_of, fn, carry):
+            """``fn(start, z, carry)`` over the row's whole blocks in the order ``start_of(i)``, the logits of the
+            next ``prefetch`` blocks loaded ahead (loads in flight while this block computes)."""
+            def load(i):
+                return z_ref[r, pl.ds(start_of(jnp.minimum(i, n_full - 1)), block_v)]
 
-        def sum_block(start, acc, masked=False):
-            x, in_v = shifted(start, masked)
-            e = jnp.exp2(x)
-            return acc + (jnp.where(in_v, e, 0.0) if masked else e)
+            def body(i, state):
+                carry, ahead = state
+                if not prefetch:
+                    return fn(start_of(i), load(i), carry), ahead
+                loaded = load(i + prefetch)
+                return fn(start_of(i), ahead[0], carry), (*ahead[1:], loaded)
 
-        acc = lax.fori_loop(0, n_full, lambda b, acc: sum_block(b * block_v, acc), jnp.zeros((block_v,), jnp.float32))
+            ahead = tuple(load(jnp.int32(i)) for i in range(prefetch))
+            return lax.fori_loop(0, n_full, body, (carry, ahead))[0]
+
+        def sum_block(start, z, acc, masked=False):
+            e = jnp.exp2(_shifted2(z, scale2, shift2))
+            return acc + (jnp.where(start + offsets >= n_full * block_v, e, 0.0) if masked else e)
+
+        acc = walk(lambda i: i * block_v, sum_block, jnp.zeros((block_v,), jnp.float32))
         if tail:
-            acc = sum_block(v - block_v, acc, masked=True)
+            acc = sum_block(v - block_v, z_ref[r, pl.ds(v - block_v, block_v)], acc, masked=True)
         lse2 = jnp.log2(jnp.sum(acc))
 
-        def grad_block(start, amax_acc, masked=False):
-            x, in_v = shifted(start, masked)
-            dl = _grad(x, lse2, start + offsets == y, g, temperature)
+        def grad_block(start, z, amax_acc, masked=False):
+            dl = _grad(_shifted2(z, scale2, shift2), lse2, start + offsets == y, g, temperature)
             q = quantize(dl, g_scale, g_dtype)
             cols = pl.ds(start, block_v)
             if masked:
+                in_v = start + offsets >= n_full * block_v
                 plgpu.store(q_ref.at[r, cols], q, mask=in_v)
                 dl = jnp.where(in_v, dl, 0.0)
             else:
@@ -143,25 +162,62 @@ def _kernel(scalars_ref, z_ref, shift_ref, g_ref, y_ref, q_ref, amax_ref, *, m, 
 
         # backwards: the blocks the sum read last are the likeliest still in L2
         if tail:
-            amax_acc = grad_block(v - block_v, amax_acc, masked=True)
-        return lax.fori_loop(0, n_full, lambda i, a: grad_block((n_full - 1 - i) * block_v, a), amax_acc)
+            amax_acc = grad_block(v - block_v, z_ref[r, pl.ds(v - block_v, block_v)], amax_acc, masked=True)
+        return walk(lambda i: (n_full - 1 - i) * block_v, grad_block, amax_acc)
 
     amax_acc = lax.fori_loop(0, pl.cdiv(m, programs), row_body, jnp.zeros((block_v,), jnp.float32))
     amax_ref[pid] = jnp.max(amax_acc)
 
 
-def _pallas(z, shift, g, targets, inv_scale, g_scale, g_dtype, *, temperature, block_v, programs, num_warps,
-            num_stages, interpret):
+def _tile(z_ref, shift_ref, block_m, block_v, v):
+    """Program (i, j)'s [block_m, block_v] tile of base-2 shifted logits' inputs: its rows, its first column (the
+    last block of a row overlaps the one before it), the columns no earlier block covers, the logits."""
+    i, j = pl.program_id(0), pl.program_id(1)
+    rows = pl.ds(i * block_m, block_m)
+    start = jnp.minimum(j * block_v, v - block_v)
+    cols = start + jnp.arange(block_v)
+    return rows, start, cols, cols >= j * block_v, z_ref[rows, pl.ds(start, block_v)]
+
+
+def _sums_kernel(scalars_ref, z_ref, shift_ref, sums_ref, *, block_m, block_v, v, temperature):
+    """``passes=2``, the first: each tile's row sums of the exponentials."""
+    rows, _, _, new, z = _tile(z_ref, shift_ref, block_m, block_v, v)
+    e = jnp.exp2(_shifted2(z, _scales2(scalars_ref[0], temperature), (shift_ref[rows] * LOG2E)[:, None]))
+    sums_ref[pl.program_id(1), rows] = jnp.sum(jnp.where(new[None, :], e, 0.0), axis=1)
+
+
+def _grad_kernel(scalars_ref, z_ref, shift_ref, lse2_ref, g_ref, y_ref, q_ref, amax_ref, *, block_m, block_v, v,
+                 temperature, g_dtype):
+    """``passes=2``, the second: each tile's gradient, quantized, and its amax (the overlap written twice, alike)."""
+    rows, start, cols, _, z = _tile(z_ref, shift_ref, block_m, block_v, v)
+    x = _shifted2(z, _scales2(scalars_ref[0], temperature), (shift_ref[rows] * LOG2E)[:, None])
+    dl = _grad(x, lse2_ref[rows][:, None], cols[None, :] == y_ref[rows][:, None], g_ref[rows][:, None], temperature)
+    q_ref[rows, pl.ds(start, block_v)] = quantize(dl, scalars_ref[1], g_dtype)
+    amax_ref[pl.program_id(0), pl.program_id(1)] = jnp.max(jnp.abs(dl))
+
+
+def _pallas(z, shift, g, targets, inv_scale, g_scale, g_dtype, *, temperature, block_v, programs, prefetch, passes,
+            block_m, num_warps, num_stages, interpret):
     m, v = z.shape
-    kernel = functools.partial(_kernel, m=m, v=v, block_v=block_v, programs=programs, temperature=temperature,
-                               g_dtype=g_dtype)
+    scalars = jnp.stack([inv_scale, g_scale])
+    params = dict(compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+                  interpret=interpret)
+    if passes == 1:
+        kernel = functools.partial(_kernel, m=m, v=v, block_v=block_v, programs=programs, prefetch=prefetch,
+                                   temperature=temperature, g_dtype=g_dtype)
+        q, amaxes = pl.pallas_call(
+            kernel, grid=(programs,), name="logit_grad_fp8",
+            out_shape=(jax.ShapeDtypeStruct((m, v), g_dtype),
+                       jax.ShapeDtypeStruct((programs,), jnp.float32)),  # each program's amax
+            **params)(scalars, z, shift, g, targets)
+        return q, jnp.max(amaxes)
+    grid = (m // block_m, pl.cdiv(v, block_v))
+    tiles = dict(block_m=block_m, block_v=block_v, v=v, temperature=temperature)
+    sums = pl.pallas_call(functools.partial(_sums_kernel, **tiles), grid=grid, name="logit_grad_sums",
+                          out_shape=jax.ShapeDtypeStruct((grid[1], m), jnp.float32), **params)(scalars, z, shift)
+    lse2 = jnp.log2(jnp.sum(sums, axis=0))
     q, amaxes = pl.pallas_call(
-        kernel,
-        grid=(programs,),
-        out_shape=(jax.ShapeDtypeStruct((m, v), g_dtype),
-                   jax.ShapeDtypeStruct((programs,), jnp.float32)),  # each program's amax
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        interpret=interpret,
-        name="logit_grad_fp8",
-    )(jnp.stack([inv_scale, g_scale]), z, shift, g, targets)
+        functools.partial(_grad_kernel, g_dtype=g_dtype, **tiles), grid=grid, name="logit_grad_fp8",
+        out_shape=(jax.ShapeDtypeStruct((m, v), g_dtype), jax.ShapeDtypeStruct(grid, jnp.float32)),
+        **params)(scalars, z, shift, lse2, g, targets)
     return q, jnp.max(amaxes)

@@ -30,13 +30,15 @@ def _shift(z, inv_scale, temperature):
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_kernel_equals_the_xla_form(temperature):
-    """Pallas' interpreter runs the kernel (256-logit blocks, the last one overlapping, 8 programs over 37 rows) with
-    XLA's arithmetic: the same E5M2 bits and the same amax as the XLA form."""
+@pytest.mark.parametrize("form", [{}, {"prefetch": 3}, {"passes": 2, "block_m": 4}], ids=["one", "prefetch", "two"])
+def test_kernel_equals_the_xla_form(temperature, form):
+    """Pallas' interpreter runs the kernel (256-logit blocks, the last one overlapping; one kernel with 8 programs
+    over 37 rows, with blocks loaded ahead, or two over tiles) with XLA's arithmetic: the same E5M2 bits and the
+    same amax as the XLA form."""
     z, inv_scale, g, y = _inputs()
     shift = _shift(z, inv_scale, temperature)
     run = lambda impl: logit_grad_fp8(z, shift, g, y, inv_scale, jnp.float32(3000.0), E5M2, temperature=temperature,
-                                      impl=impl, block_v=256, programs=8)
+                                      impl=impl, block_v=256, programs=8, **form)
     (qa, amax_a), (qb, amax_b) = run("xla"), run("pallas_interpret")
     assert qa.dtype == qb.dtype == E5M2 and qa.shape == qb.shape == (M, V)
     np.testing.assert_array_equal(np.asarray(qa.astype(jnp.float32)), np.asarray(qb.astype(jnp.float32)))
@@ -73,6 +75,8 @@ def test_bad_shapes_and_impl_are_refused():
         logit_grad_fp8(z, shift[:-1], g, y, inv_scale, one, E5M2)
     with pytest.raises(ValueError, match="impl='cuda'"):
         logit_grad_fp8(z, shift, g, y, inv_scale, one, E5M2, impl="cuda")
+    with pytest.raises(ValueError, match="passes=3"):
+        logit_grad_fp8(z, shift, g, y, inv_scale, one, E5M2, impl="pallas_interpret", passes=3)
     with pytest.raises(ValueError, match="power of two"):
         logit_grad_fp8(z, shift, g, y, inv_scale, one, E5M2, impl="pallas_interpret", block_v=96)
 
