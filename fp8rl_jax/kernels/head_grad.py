@@ -1,11 +1,11 @@
-"""The FP8 logit gradient of the LM head's backward from its recomputed logits, in one kernel.
+"""The FP8 logit gradient of the LM head's backward from its recomputed logits: two Triton kernels.
 
 Why. With ``lm_head_recompute_fp8`` the head's backward recomputes each chunk's logits by the FP8 GEMM (BF16 out)
-and normalises them on their own log-sum-exp (``rl/scoring.py``). As XLA ops that is two passes over the [M, V]
-logits: a reduction for the sum of the exponentials, then the fusion that forms the gradient, quantizes it to E5M2
-and takes its amax. Both ran at about 0.8 G logits a millisecond on the H100 (llama1b: 1.3 + 2.3 ms a chunk of
-8,192 x 128,256, 36 ms of a train minibatch): held by XLA's exp, not by the bytes. Here one kernel reads each row
-twice (the second time mostly from L2) and writes the E5M2 gradient once.
+and normalises them on their own log-sum-exp (``rl/scoring.py``). As XLA ops that was a reduction for the sum of
+the exponentials, then the fusion that forms the gradient, quantizes it to E5M2 and takes its amax, then a byte
+transpose of the E5M2 gradient for the weight gradient's GEMM: in a llama1b train minibatch's profile on the H100
+1.3 + 2.3 + 0.7 ms a chunk of 8,192 x 128,256 logits (43 ms a minibatch); the two passes ran at about 0.8 G
+logits a millisecond, held by XLA's exp (several instructions each), not by the bytes.
 
 What it computes, per row r of ``z`` [M, V] (the GEMM's output, unscaled), in f32, with ``x = z * inv_scale / T``
 (the scaled logits), ``shift`` the forward's row max, ``g`` the cotangent of the target's logprob, ``y`` the target:
@@ -13,15 +13,21 @@ What it computes, per row r of ``z`` [M, V] (the GEMM's output, unscaled), in f3
     lse = log(sum_v exp(x - shift));  p = exp((x - shift) - lse)
     dlogits = (onehot(y) * g - p * g) / T;  q = quantize(dlogits, g_scale)
 
-and returns ``(q [M, V], amax(dlogits))``: the operands the head's dx and dW GEMMs take and the gradient's amax
-for its delayed scale. q is ``recipe.quantize`` (saturate, round to nearest even).
+and returns ``(q [M, V], q^T [V, M] if asked, amax(dlogits))``: the operands the head's dx and dW GEMMs take and the
+gradient's amax for its delayed scale. q is ``recipe.quantize`` (saturate, round to nearest even). The exponentials
+are base 2 (``exp2(x * log2(e))``: one MUFU instruction each on the GPU).
 
-The kernel (Pallas, Triton backend). ``programs`` programs (by default a few per SM) each take rows r = pid,
-pid + programs, ...; a row is walked in blocks of ``block_v`` logits, first forwards for the sum, then backwards for
-the gradient, so the blocks read last in the first pass (still in L2: the programs' rows in flight are ~256 kB
-each at llama's vocabulary) are the first read again. A vocabulary that ``block_v`` does not divide ends in a block
-that overlaps the one before it, masked to the logits that one did not cover. ``impl="xla"``: the same arithmetic
-as XLA ops (CPU, and the reference).
+The kernels (Pallas, Triton backend), both over a grid of [block_m, block_v] tiles: the first writes each tile's
+row sums of the exponentials ([V / block_v, M], summed and logged by XLA: a few hundred kB), the second reads the
+tile again and writes q, its transpose (Triton moves the tile through shared memory; 32 rows make each transposed
+row a full 32-byte sector) and the tile's amax. A vocabulary that ``block_v`` does not divide ends in a tile that
+overlaps the one before it (masked out of the sums; its gradient is written twice, the same values).
+``impl="xla"``: the same arithmetic as XLA ops (CPU, meshes of several devices, and the reference).
+
+Tried on the H100 and left out (``benchmarks/results/head_grad_forms_h100.json``): one kernel walking each row
+twice, the second time backwards so that its blocks might still be in L2, over 1-4 programs a streaming
+multiprocessor, 1k-8k logits a block and 0-8 blocks loaded ahead: 2.08 ms at best for a llama1b chunk, the two
+kernels 1.98 ms without the transposed store; neither held the rows in L2.
 """
 
 from __future__ import annotations
@@ -37,13 +43,8 @@ from jax.experimental.pallas import triton as plgpu
 from fp8rl_jax.fp8.recipe import amax, quantize
 
 IMPLS = ("auto", "pallas", "pallas_interpret", "xla")
-BLOCK_V = 2048  # logits per block of a row
-PROGRAMS_PER_SM = 2  # the default grid: this many programs per streaming multiprocessor
-PREFETCH = 0  # passes=1: blocks of a row loaded ahead of the one computing
-PASSES = 1
-BLOCK_M = 4  # passes=2: rows per tile
-NUM_WARPS = 8
-NUM_STAGES = 2
+BLOCK = (32, 256)  # rows, logits per tile
+NUM_WARPS = 4
 LOG2E = 1.4426950408889634
 
 
@@ -65,27 +66,33 @@ def _scales2(inv_scale, temperature: float):
 
 
 def logit_grad_fp8(z: jax.Array, shift: jax.Array, g: jax.Array, targets: jax.Array, inv_scale: jax.Array,
-                   g_scale: jax.Array, g_dtype, *, temperature: float = 1.0, impl: str = "auto",
-                   block_v: int = BLOCK_V, programs: int | None = None, prefetch: int = PREFETCH, passes: int = PASSES,
-                   block_m: int = BLOCK_M, num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES):
+                   g_scale: jax.Array, g_dtype, *, temperature: float = 1.0, transposed: bool = False,
+                   impl: str = "auto", block: tuple[int, int] = BLOCK, num_warps: int = NUM_WARPS):
     """The quantized logit gradient of the head's FP8 recompute (module docstring): ``z`` [M, V] the recomputed
     logits before their scales (any float dtype), ``shift`` [M] the forward's max of the scaled logits, ``g`` [M]
     the cotangents of the targets' logprobs, ``targets`` [M] int, ``inv_scale`` the logits' inverse scale
-    ``1 / (s_x s_w)``, ``g_scale`` the gradient's delayed scale (``g_dtype``, E5M2 in ``hybrid``). Returns ``(q [M, V]
-    g_dtype, amax f32)``. ``impl``: ``pallas`` (GPU), ``pallas_interpret`` (tests), ``xla``, ``auto`` (pallas on a
-    GPU, else xla)."""
+    ``1 / (s_x s_w)``, ``g_scale`` the gradient's delayed scale (``g_dtype``, E5M2 in ``hybrid``). Returns ``(q [M, V],
+    q_t [V, M] or None, amax f32)``: ``q_t`` is q transposed (the weight gradient's token-minor operand), written
+    by the kernels with ``transposed`` (the XLA form leaves it to the caller: None). ``impl``: ``pallas`` (GPU),
+    ``pallas_interpret`` (tests), ``xla``, ``auto`` (pallas on a GPU without a mesh of several devices, else xla: a
+    pallas_call is opaque to XLA's partitioner)."""
     if impl not in IMPLS:
         raise ValueError(f"logit_grad impl={impl!r}; allowed: {IMPLS}")
     if z.ndim != 2 or any(a.shape != z.shape[:1] for a in (shift, g, targets)):
         raise ValueError(f"logits [M, V] = {list(z.shape)} and shift / g / targets "
                          f"{[list(a.shape) for a in (shift, g, targets)]} (each [M]) do not match")
-    if block_v < 16 or block_v & (block_v - 1):
-        raise ValueError(f"block_v={block_v} must be a power of two >= 16")
+    block_m, block_v = block
+    if any(b < 1 or b & (b - 1) for b in block) or block_v < 16:
+        raise ValueError(f"block={block}: powers of two, at least 16 logits")
     inv_scale, g_scale = (jnp.asarray(s, jnp.float32).reshape(()) for s in (inv_scale, g_scale))
     shift, g, targets = shift.astype(jnp.float32), g.astype(jnp.float32), targets.astype(jnp.int32)
     temperature = float(temperature)
     if impl == "auto":
-        impl = "pallas" if jax.default_backend() == "gpu" else "xla"
+        from fp8rl_jax.parallel import rules
+
+        mesh = rules.active_mesh()
+        one_device = mesh is None or mesh.size == 1
+        impl = "pallas" if jax.default_backend() == "gpu" and one_device else "xla"
     if impl == "xla":
         if z.dtype != jnp.float32:  # the GEMM's rounding kept: XLA may fold a dot's f32 -> bf16 -> f32 away
             f = jnp.finfo(z.dtype)
@@ -94,79 +101,14 @@ def logit_grad_fp8(z: jax.Array, shift: jax.Array, g: jax.Array, targets: jax.Ar
         lse2 = jnp.log2(jnp.sum(jnp.exp2(shifted2), axis=-1))
         onehot = lax.broadcasted_iota(jnp.int32, z.shape, 1) == targets[:, None]
         dl = _grad(shifted2, lse2[:, None], onehot, g[:, None], temperature)
-        return quantize(dl, g_scale, g_dtype), amax(dl)
+        return quantize(dl, g_scale, g_dtype), None, amax(dl)
     m, v = z.shape
-    block_v = min(block_v, 1 << (v.bit_length() - 1))  # at most V: the last block may overlap the one before
-    if programs is None:
-        cores = getattr(jax.devices()[0], "core_count", None) if impl == "pallas" else None
-        programs = PROGRAMS_PER_SM * (cores or 64)
-    programs = max(1, min(programs, m))
-    if passes not in (1, 2):
-        raise ValueError(f"logit_grad passes={passes!r}: 1 (one kernel) or 2 (a sums kernel, then the gradient's)")
-    while m % block_m:  # the two-pass tiles' rows divide M
+    block_v = min(block_v, 1 << (v.bit_length() - 1))  # at most V: a row's last block may overlap the one before
+    while m % block_m:  # the tiles' rows divide M
         block_m //= 2
     return _pallas(z, shift, g, targets, inv_scale, g_scale, jnp.dtype(g_dtype), temperature=temperature,
-                   block_v=block_v, programs=programs, prefetch=prefetch, passes=passes, block_m=block_m,
-                   num_warps=num_warps, num_stages=num_stages, interpret=impl == "pallas_interpret")
-
-
-def _kernel(scalars_ref, z_ref, shift_ref, g_ref, y_ref, q_ref, amax_ref, *, m, v, block_v, programs, prefetch,
-            temperature, g_dtype):
-    """One pass over each row's blocks for the sum, one backwards for the gradient (``passes=1``)."""
-    pid = pl.program_id(0)
-    scale2, g_scale = _scales2(scalars_ref[0], temperature), scalars_ref[1]
-    n_full, tail = divmod(v, block_v)
-    offsets = jnp.arange(block_v)
-
-    def row_body(k, amax_acc):
-        # rows past the end repeat the last one (the same values written twice): no row masks
-        r = jnp.minimum(pid + k * programs, m - 1)
-        shift2, g, y = shift_ref[r] * LOG2E, g_ref[r], y_ref[r]
-
-        def walk(start_of, fn, carry):
-            """``fn(start, z, carry)`` over the row's whole blocks in the order ``start_of(i)``, the logits of the
-            next ``prefetch`` blocks loaded ahead (loads in flight while this block computes)."""
-            def load(i):
-                return z_ref[r, pl.ds(start_of(jnp.minimum(i, n_full - 1)), block_v)]
-
-            def body(i, state):
-                carry, ahead = state
-                if not prefetch:
-                    return fn(start_of(i), load(i), carry), ahead
-                loaded = load(i + prefetch)
-                return fn(start_of(i), ahead[0], carry), (*ahead[1:], loaded)
-
-            ahead = tuple(load(jnp.int32(i)) for i in range(prefetch))
-            return lax.fori_loop(0, n_full, body, (carry, ahead))[0]
-
-        def sum_block(start, z, acc, masked=False):
-            e = jnp.exp2(_shifted2(z, scale2, shift2))
-            return acc + (jnp.where(start + offsets >= n_full * block_v, e, 0.0) if masked else e)
-
-        acc = walk(lambda i: i * block_v, sum_block, jnp.zeros((block_v,), jnp.float32))
-        if tail:
-            acc = sum_block(v - block_v, z_ref[r, pl.ds(v - block_v, block_v)], acc, masked=True)
-        lse2 = jnp.log2(jnp.sum(acc))
-
-        def grad_block(start, z, amax_acc, masked=False):
-            dl = _grad(_shifted2(z, scale2, shift2), lse2, start + offsets == y, g, temperature)
-            q = quantize(dl, g_scale, g_dtype)
-            cols = pl.ds(start, block_v)
-            if masked:
-                in_v = start + offsets >= n_full * block_v
-                plgpu.store(q_ref.at[r, cols], q, mask=in_v)
-                dl = jnp.where(in_v, dl, 0.0)
-            else:
-                q_ref[r, cols] = q
-            return jnp.maximum(amax_acc, jnp.abs(dl))
-
-        # backwards: the blocks the sum read last are the likeliest still in L2
-        if tail:
-            amax_acc = grad_block(v - block_v, z_ref[r, pl.ds(v - block_v, block_v)], amax_acc, masked=True)
-        return walk(lambda i: (n_full - 1 - i) * block_v, grad_block, amax_acc)
-
-    amax_acc = lax.fori_loop(0, pl.cdiv(m, programs), row_body, jnp.zeros((block_v,), jnp.float32))
-    amax_ref[pid] = jnp.max(amax_acc)
+                   block=(block_m, block_v), transposed=transposed, num_warps=num_warps,
+                   interpret=impl == "pallas_interpret")
 
 
 def _tile(z_ref, shift_ref, block_m, block_v, v):
@@ -180,44 +122,43 @@ def _tile(z_ref, shift_ref, block_m, block_v, v):
 
 
 def _sums_kernel(scalars_ref, z_ref, shift_ref, sums_ref, *, block_m, block_v, v, temperature):
-    """``passes=2``, the first: each tile's row sums of the exponentials."""
+    """The first kernel: each tile's row sums of the exponentials."""
     rows, _, _, new, z = _tile(z_ref, shift_ref, block_m, block_v, v)
     e = jnp.exp2(_shifted2(z, _scales2(scalars_ref[0], temperature), (shift_ref[rows] * LOG2E)[:, None]))
     sums_ref[pl.program_id(1), rows] = jnp.sum(jnp.where(new[None, :], e, 0.0), axis=1)
 
 
-def _grad_kernel(scalars_ref, z_ref, shift_ref, lse2_ref, g_ref, y_ref, q_ref, amax_ref, *, block_m, block_v, v,
-                 temperature, g_dtype):
-    """``passes=2``, the second: each tile's gradient, quantized, and its amax (the overlap written twice, alike)."""
+def _grad_kernel(scalars_ref, z_ref, shift_ref, lse2_ref, g_ref, y_ref, *out_refs, block_m, block_v, v, temperature,
+                 g_dtype, transposed):
+    """The second kernel: each tile's gradient, quantized (and transposed), and its amax (the overlap of a row's
+    last block is written twice, with the same values)."""
     rows, start, cols, _, z = _tile(z_ref, shift_ref, block_m, block_v, v)
     x = _shifted2(z, _scales2(scalars_ref[0], temperature), (shift_ref[rows] * LOG2E)[:, None])
     dl = _grad(x, lse2_ref[rows][:, None], cols[None, :] == y_ref[rows][:, None], g_ref[rows][:, None], temperature)
-    q_ref[rows, pl.ds(start, block_v)] = quantize(dl, scalars_ref[1], g_dtype)
-    amax_ref[pl.program_id(0), pl.program_id(1)] = jnp.max(jnp.abs(dl))
+    q = quantize(dl, scalars_ref[1], g_dtype)
+    out_refs[0][rows, pl.ds(start, block_v)] = q
+    if transposed:
+        out_refs[1][pl.ds(start, block_v), rows] = q.T
+    out_refs[-1][pl.program_id(0), pl.program_id(1)] = jnp.max(jnp.abs(dl))
 
 
-def _pallas(z, shift, g, targets, inv_scale, g_scale, g_dtype, *, temperature, block_v, programs, prefetch, passes,
-            block_m, num_warps, num_stages, interpret):
+def _pallas(z, shift, g, targets, inv_scale, g_scale, g_dtype, *, temperature, block, transposed, num_warps,
+            interpret):
     m, v = z.shape
+    block_m, block_v = block
     scalars = jnp.stack([inv_scale, g_scale])
-    params = dict(compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-                  interpret=interpret)
-    if passes == 1:
-        kernel = functools.partial(_kernel, m=m, v=v, block_v=block_v, programs=programs, prefetch=prefetch,
-                                   temperature=temperature, g_dtype=g_dtype)
-        q, amaxes = pl.pallas_call(
-            kernel, grid=(programs,), name="logit_grad_fp8",
-            out_shape=(jax.ShapeDtypeStruct((m, v), g_dtype),
-                       jax.ShapeDtypeStruct((programs,), jnp.float32)),  # each program's amax
-            **params)(scalars, z, shift, g, targets)
-        return q, jnp.max(amaxes)
     grid = (m // block_m, pl.cdiv(v, block_v))
+    params = dict(grid=grid, compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+                  interpret=interpret)
     tiles = dict(block_m=block_m, block_v=block_v, v=v, temperature=temperature)
-    sums = pl.pallas_call(functools.partial(_sums_kernel, **tiles), grid=grid, name="logit_grad_sums",
+    sums = pl.pallas_call(functools.partial(_sums_kernel, **tiles), name="logit_grad_sums",
                           out_shape=jax.ShapeDtypeStruct((grid[1], m), jnp.float32), **params)(scalars, z, shift)
     lse2 = jnp.log2(jnp.sum(sums, axis=0))
-    q, amaxes = pl.pallas_call(
-        functools.partial(_grad_kernel, g_dtype=g_dtype, **tiles), grid=grid, name="logit_grad_fp8",
-        out_shape=(jax.ShapeDtypeStruct((m, v), g_dtype), jax.ShapeDtypeStruct(grid, jnp.float32)),
-        **params)(scalars, z, shift, lse2, g, targets)
-    return q, jnp.max(amaxes)
+    out_shape = [jax.ShapeDtypeStruct((m, v), g_dtype), jax.ShapeDtypeStruct(grid, jnp.float32)]
+    if transposed:
+        out_shape.insert(1, jax.ShapeDtypeStruct((v, m), g_dtype))
+    outs = pl.pallas_call(functools.partial(_grad_kernel, g_dtype=g_dtype, transposed=transposed, **tiles),
+                          name="logit_grad_fp8", out_shape=tuple(out_shape), **params)(
+        scalars, z, shift, lse2, g, targets)
+    q, q_t, amaxes = outs if transposed else (outs[0], None, outs[1])
+    return q, q_t, jnp.max(amaxes)

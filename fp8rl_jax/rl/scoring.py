@@ -390,25 +390,28 @@ def _fp8_chunked_head_fwd(hidden, kernel, targets, state, spec: _Fp8HeadSpec):
 
 def _quantized_logit_grad(dz: jax.Array, state, spec: _Fp8HeadSpec) -> tuple[jax.Array, jax.Array]:
     """The cotangent ``dz`` [B, C, V] (f32) of a chunk's scaled logits as the backward GEMMs take it: the logit
-    gradient ``dz / T`` [B * C, V] quantized with the grad scale (E5M2 in ``hybrid``), and its amax."""
+    gradient ``dz / T`` [B * C, V] quantized with the grad scale (E5M2 in ``hybrid``), no transpose of it (the
+    backward makes one), and its amax."""
     dlogits = (dz / spec.temperature).reshape(-1, dz.shape[-1])  # the cotangent of the unscaled logits
-    return quantize(dlogits, _fp8_scales(state)[2], spec.recipe.bwd_dtype), amax(dlogits)
+    return quantize(dlogits, _fp8_scales(state)[2], spec.recipe.bwd_dtype), None, amax(dlogits)
 
 
 def _fp8_head_backward(chunk_cotangent, xs, w_dv: jax.Array, state, spec: _Fp8HeadSpec):
     """The head's two backward GEMMs in FP8, chunk by chunk over ``xs`` (a scan): ``chunk_cotangent(x)`` gives one
     chunk's logit gradient quantized with the grad scale (E5M2 in ``hybrid``) [B * C, V] (``_quantized_logit_grad``
-    or the ``kernels.head_grad`` kernel), its amax and the chunk's hidden state quantized with the x scale
-    [B, C, D]; ``w_dv`` is the quantized kernel [D, V] (``_fp8_head_kernels``). Returns ``(dx [nC, B, C, D] f32,
+    or the ``kernels.head_grad`` kernels), its transpose [V, B * C] or None (made here), its amax and the chunk's
+    hidden state quantized with the x scale [B, C, D]; ``w_dv`` is the quantized kernel [D, V]
+    (``_fp8_head_kernels``). Returns ``(dx [nC, B, C, D] f32,
     dW in the master's dtype and layout, reduced onto its shards under FSDP, the largest |dz / T| of any chunk)``."""
     s_x, s_w, s_g = _fp8_scales(state)
     bwd_dtype, tied = spec.recipe.bwd_dtype, spec.kernel_nk
 
     def chunk(carry, xs):
         dw, amax_g = carry
-        q, amax_c, h_c = chunk_cotangent(xs)
+        q, q_t, amax_c, h_c = chunk_cotangent(xs)
         b, c, d = h_c.shape
         g8 = xla.gemm_operand(q, bwd_dtype, spec.form)
+        g8_t = _tokens_minor(g8) if q_t is None else xla.gemm_operand(q_t, bwd_dtype, spec.form)
         h2 = h_c.reshape(b * c, d)
         # [M, V] . [D, V] -> dx [M, D]
         dx = lax.dot_general(g8, w_dv, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
@@ -416,7 +419,7 @@ def _fp8_head_backward(chunk_cotangent, xs, w_dv: jax.Array, state, spec: _Fp8He
         # [D, M] . [V, M] -> dW [D, V] (tied: [V, M] . [D, M] -> [V, D]): both token-minor, as Hopper's FP8 GEMMs read
         # them; XLA would otherwise transpose the [M, V] gradient inside the fusion that computes it, at a fifth of
         # the copy rate (42 ms of a llama1b train minibatch on the H100)
-        a, bb = (_tokens_minor(g8), _tokens_minor(h2)) if tied else (_tokens_minor(h2), _tokens_minor(g8))
+        a, bb = (g8_t, _tokens_minor(h2)) if tied else (_tokens_minor(h2), g8_t)
         dw = dw + lax.dot_general(a, bb, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
         return (dw, jnp.maximum(amax_g, amax_c)), dx.reshape(b, c, d)
 
@@ -517,12 +520,12 @@ def _fp8_grad_head_bwd(spec: _HeadSpec, fp8: _Fp8HeadSpec, recompute: tuple[str,
                 z = _fp8_scaled_logits(h8_c, w_vd, inv_scale, fp8, logits_dtype)  # [B, C, V]
                 _, ent, m, lse = _chunk_logprobs(z, y, True)
                 return *_quantized_logit_grad(_logits_cotangent(z, y, m, lse, g, g_h, ent, True), state, fp8), h8_c
-            # the sum of the exponentials, the gradient, its quantize and amax in one kernel (two passes over
-            # the logits in XLA's ops)
-            q, amax_c = logit_grad_fp8(_fp8_logits(h8_c, w_vd, logits_dtype), m.reshape(-1), g.reshape(-1),
-                                       y.reshape(-1), inv_scale, _fp8_scales(state)[2], fp8.recipe.bwd_dtype,
-                                       temperature=fp8.temperature, impl=grad_impl)
-            return q, amax_c, h8_c
+            # the sum of the exponentials, then the gradient, its quantize, transpose and amax: two kernels (on
+            # the GPU; XLA's ops elsewhere) where XLA ran two slower passes and a byte transpose
+            q, q_t, amax_c = logit_grad_fp8(_fp8_logits(h8_c, w_vd, logits_dtype), m.reshape(-1), g.reshape(-1),
+                                            y.reshape(-1), inv_scale, _fp8_scales(state)[2], fp8.recipe.bwd_dtype,
+                                            temperature=fp8.temperature, transposed=True, impl=grad_impl)
+            return q, q_t, amax_c, h8_c
 
         xs = (h8, targets, m, g_logp, g_ent)
     else:

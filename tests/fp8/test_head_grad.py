@@ -30,18 +30,18 @@ def _shift(z, inv_scale, temperature):
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-@pytest.mark.parametrize("form", [{}, {"prefetch": 3}, {"passes": 2, "block_m": 4}], ids=["one", "prefetch", "two"])
-def test_kernel_equals_the_xla_form(temperature, form):
-    """Pallas' interpreter runs the kernel (256-logit blocks, the last one overlapping; one kernel with 8 programs
-    over 37 rows, with blocks loaded ahead, or two over tiles) with XLA's arithmetic: the same E5M2 bits and the
-    same amax as the XLA form."""
-    z, inv_scale, g, y = _inputs()
+@pytest.mark.parametrize("m", [M, 64])
+def test_kernels_equal_the_xla_form(temperature, m):
+    """Pallas' interpreter runs the kernels (16 x 256 tiles, a row's last one overlapping; 37 rows: tiles of one)
+    with XLA's arithmetic: the same E5M2 bits, their exact transpose and the same amax as the XLA form."""
+    z, inv_scale, g, y = _inputs(m=m)
     shift = _shift(z, inv_scale, temperature)
     run = lambda impl: logit_grad_fp8(z, shift, g, y, inv_scale, jnp.float32(3000.0), E5M2, temperature=temperature,
-                                      impl=impl, block_v=256, programs=8, **form)
-    (qa, amax_a), (qb, amax_b) = run("xla"), run("pallas_interpret")
-    assert qa.dtype == qb.dtype == E5M2 and qa.shape == qb.shape == (M, V)
+                                      transposed=True, impl=impl, block=(16, 256))
+    (qa, none, amax_a), (qb, qb_t, amax_b) = run("xla"), run("pallas_interpret")
+    assert none is None and qa.dtype == qb.dtype == qb_t.dtype == E5M2 and qa.shape == qb.shape == (m, V)
     np.testing.assert_array_equal(np.asarray(qa.astype(jnp.float32)), np.asarray(qb.astype(jnp.float32)))
+    np.testing.assert_array_equal(np.asarray(qb_t.astype(jnp.float32)), np.asarray(qb.T.astype(jnp.float32)))
     assert float(amax_a) == float(amax_b) > 0
 
 
@@ -59,8 +59,8 @@ def test_the_gradient_is_the_log_softmax_gradient_quantized():
     want = jax.grad(loss)(x)
     for scale in (3000.0, 1e6):  # the second saturates the largest gradients
         shift = _shift(z, inv_scale, t) + 0.5
-        q, got_amax = logit_grad_fp8(z, shift, g, y, inv_scale, jnp.float32(scale), E5M2, temperature=t,
-                                     impl="pallas_interpret", block_v=128, programs=5)
+        q, _, got_amax = logit_grad_fp8(z, shift, g, y, inv_scale, jnp.float32(scale), E5M2, temperature=t,
+                                        impl="pallas_interpret", block=(1, 128))
         ref = np.asarray(quantize(want, jnp.float32(scale), E5M2).astype(jnp.float32))
         got = np.asarray(q.astype(jnp.float32))
         assert np.all(np.abs(got - ref) <= np.abs(ref) * 0.25 + 1e-30)  # at most one E5M2 step
@@ -75,10 +75,8 @@ def test_bad_shapes_and_impl_are_refused():
         logit_grad_fp8(z, shift[:-1], g, y, inv_scale, one, E5M2)
     with pytest.raises(ValueError, match="impl='cuda'"):
         logit_grad_fp8(z, shift, g, y, inv_scale, one, E5M2, impl="cuda")
-    with pytest.raises(ValueError, match="passes=3"):
-        logit_grad_fp8(z, shift, g, y, inv_scale, one, E5M2, impl="pallas_interpret", passes=3)
-    with pytest.raises(ValueError, match="power of two"):
-        logit_grad_fp8(z, shift, g, y, inv_scale, one, E5M2, impl="pallas_interpret", block_v=96)
+    with pytest.raises(ValueError, match="powers of two"):
+        logit_grad_fp8(z, shift, g, y, inv_scale, one, E5M2, impl="pallas_interpret", block=(16, 96))
 
 
 def _recompute_head_grads(grad_impl):
@@ -110,26 +108,28 @@ def test_recompute_head_through_the_kernel_is_its_xla_form():
 
 
 def test_kernel_lowers_to_triton(triton_ir):
-    """A llama1b head chunk (8,192 x 128,256 BF16 logits; the vocabulary ends in an overlapping block): the kernel
-    lowers with its row and block loops and stores E5M2."""
+    """A llama1b head chunk (8,192 x 128,256 BF16 logits; the vocabulary ends in an overlapping tile): both kernels
+    lower; the second stores E5M2 twice (q and its transpose) and the tile's amax."""
     s = jax.ShapeDtypeStruct
     args = (s((8192, 128256), jnp.bfloat16), s((8192,), jnp.float32), s((8192,), jnp.float32), s((8192,), jnp.int32))
-    [ttir] = triton_ir(lambda z, shift, g, y: logit_grad_fp8(z, shift, g, y, jnp.float32(0.01), jnp.float32(3000.0),
-                                                             E5M2, impl="pallas", programs=264), *args)
-    assert ttir.count("scf.for") >= 3 and "f8E5M2" in ttir and "tt.store" in ttir
+    sums, grad = triton_ir(lambda z, shift, g, y: logit_grad_fp8(
+        z, shift, g, y, jnp.float32(0.01), jnp.float32(3000.0), E5M2, transposed=True, impl="pallas"), *args)
+    assert "exp2" in sums and "f8E5M2" not in sums
+    assert grad.count("tt.store") == 3 and "f8E5M2" in grad
 
 
 @pytest.mark.gpu
 def test_gpu_kernel_follows_the_xla_form():
-    """The compiled kernel (default blocks and grid) against its XLA form on the GPU at llama's vocabulary: the same
+    """The compiled kernels (default tiles) against their XLA form on the GPU at llama's vocabulary: the same
     E5M2 values but where Triton's exp and XLA's differ in a last f32 bit at a rounding boundary; amax to f32
     rounding."""
     z, inv_scale, g, y = _inputs(2, m=300, v=128256)
     shift = _shift(z, inv_scale, 1.0)
     args = (z, shift, g, y, inv_scale, jnp.float32(3000.0), E5M2)
-    got = jax.jit(lambda *a: logit_grad_fp8(*a[:6], E5M2, impl="pallas"))(*args[:6])
+    got = jax.jit(lambda *a: logit_grad_fp8(*a[:6], E5M2, transposed=True, impl="pallas"))(*args[:6])
     want = jax.jit(lambda *a: logit_grad_fp8(*a[:6], E5M2, impl="xla"))(*args[:6])
     a, b = np.asarray(got[0].astype(jnp.float32)), np.asarray(want[0].astype(jnp.float32))
     assert np.mean(a == b) > 0.999
     assert np.all(np.abs(a - b) <= np.abs(b) * 0.25 + 1e-30)  # at most one E5M2 step
-    np.testing.assert_allclose(float(got[1]), float(want[1]), rtol=1e-5)
+    np.testing.assert_array_equal(np.asarray(got[1].astype(jnp.float32)), a.T)
+    np.testing.assert_allclose(float(got[2]), float(want[2]), rtol=1e-5)
