@@ -425,7 +425,7 @@ def test_packed_heads_kernel_lowers_to_triton(cache_dtype, q_dtype, triton_ir):
     assert ttir.count("scf.for") == 1 and ttir.count("tt.dot") == 8
 
 
-def test_large_fp8_cache_gets_64_bit_offsets():
+def test_large_fp8_cache_gets_64_bit_offsets(triton_ir):
     """Llama-3.2-1B, batch 256, 1088 positions: one FP8 K cache of 2.3e9 bytes (> 2**31 elements, < 4 GiB), for
     which Pallas would compute 32-bit element offsets that wrap; its pointer offsets must be 64-bit."""
     q = jax.ShapeDtypeStruct((256, 8, 4, 64), jnp.bfloat16)
