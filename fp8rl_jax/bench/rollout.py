@@ -19,6 +19,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--options", default="auto",
                         help="the engine's compiler_options, comma-separated: auto (the decode options), none")
     parser.add_argument("--layer_loops", default="auto", help="the engine's layer_loop: auto, scan, unrolled")
+    parser.add_argument("--decode_tuning", default="default",
+                        help="the decode kernel's launch defaults, comma-separated: default (the package's) or "
+                             "max_block_k:target_programs:num_stages (kernels.decode_attention.tuned), e.g. 128:2048:2")
     parser.add_argument("--profile", action="store_true",
                         help="also trace one chunk: kernel and idle time per step, top kernels")
     parser.add_argument("--smoke", action="store_true")
@@ -30,7 +33,8 @@ def run(args) -> list[dict]:
     return bench_rollout(args.model, [int(b) for b in args.batches.split(",")],
                          [int(n) for n in args.new_tokens.split(",")], args.modes.split(","), args.prompt_len,
                          args.chunk, copy_gib=0.01 if args.smoke else 2.0, options=args.options.split(","),
-                         layer_loops=args.layer_loops.split(","), profile=args.profile)
+                         layer_loops=args.layer_loops.split(","), profile=args.profile,
+                         decode_tunings=args.decode_tuning.split(","))
 
 
 def copy_bandwidth(gib: float = 2.0) -> float:
@@ -46,7 +50,9 @@ def copy_bandwidth(gib: float = 2.0) -> float:
 
 def bench_rollout(model_name: str, batches: list[int], new_tokens: list[int], modes: list[str], prompt_len: int,
                   chunk: int, copy_gib: float = 2.0, options: tuple[str, ...] = ("auto",),
-                  layer_loops: tuple[str, ...] = ("auto",), profile: bool = False) -> list[dict]:
+                  layer_loops: tuple[str, ...] = ("auto",), profile: bool = False,
+                  decode_tunings: tuple[str, ...] = ("default",)) -> list[dict]:
+    import contextlib
     import itertools
 
     import jax
@@ -55,6 +61,7 @@ def bench_rollout(model_name: str, batches: list[int], new_tokens: list[int], mo
 
     from fp8rl_jax.fp8 import kv as kvq
     from fp8rl_jax.fp8.policy import Precision
+    from fp8rl_jax.kernels import decode_attention
     from fp8rl_jax.model import llama
     from fp8rl_jax.model.config import preset
     from fp8rl_jax.rollout.engine import Engine, EngineConfig
@@ -83,63 +90,69 @@ def bench_rollout(model_name: str, batches: list[int], new_tokens: list[int], mo
                 lin["kernel"]["scale"] = jnp.full_like(lin["kernel"]["scale"], 448.0 / 0.1)
                 lin["x"]["scale"] = jnp.full_like(lin["x"]["scale"], 448.0 / 8.0)
         kv_scales = kvq.init_kv_scales(cfg.num_layers) if precision.kv_fp8 else None
-        for new, batch, option, layer_loop in itertools.product(new_tokens, batches, options, layer_loops):
-            engine_config = EngineConfig(max_concurrent_decodes=batch, max_prefill_length=prompt_len,
-                                         max_new_tokens=new, sampling=SamplingParams(), compiler_options=option,
-                                         layer_loop=layer_loop)
-            engine = Engine(cfg, precision, engine_config)
-            p = engine.load_params(params, fp8_state, kv_scales)
-            state = engine.init_decode_state()
-            prompt = np.arange(1, prompt_len + 1, dtype=np.int32) % cfg.vocab_size
-            jax.block_until_ready(engine.prefill(p, prompt, prompt_len, jax.random.PRNGKey(1)))  # compiles
-            t = time.perf_counter()
-            prefix = jax.block_until_ready(engine.prefill(p, prompt, prompt_len, jax.random.PRNGKey(1)))
-            prefill_ms = 1e3 * (time.perf_counter() - t)
-            state = jax.block_until_ready(engine.insert(prefix, state, 0, jax.random.PRNGKey(0)))  # compiles
-            insert_temp = _temp_bytes(engine._insert, prefix, state, 0, jax.random.PRNGKey(0))
-            singles = range(1, min(batch, 9))  # a few one-slot inserts, then the rest in one insert_samples call
-            t = time.perf_counter()
-            for slot in singles:
-                state = engine.insert(prefix, state, slot, jax.random.PRNGKey(slot))
-            jax.block_until_ready(state)
-            insert_ms = 1e3 * (time.perf_counter() - t) / max(len(singles), 1)
-            rest = list(range(len(singles) + 1, batch))
-            samples_ms = None
-            if rest:
-                keys = jnp.stack([jax.random.PRNGKey(slot) for slot in rest])
-                state = jax.block_until_ready(engine.insert_samples(prefix, state, rest, keys))  # compiles
-                t = time.perf_counter()  # the same slots again
-                state = jax.block_until_ready(engine.insert_samples(prefix, state, rest, keys))
-                samples_ms = round(1e3 * (time.perf_counter() - t), 3)
-            # the first chunk compiles the loop; time the rest
-            state = engine.generate_steps(p, state, chunk)[0]
-            jax.block_until_ready(state)
-            steps = new - 1 - chunk  # the first token came from the prefill
-            t = time.perf_counter()
-            for _ in range(steps // chunk):
+        for new, batch, option, layer_loop, tuning in itertools.product(new_tokens, batches, options, layer_loops,
+                                                                        decode_tunings):
+            context = contextlib.nullcontext()
+            if tuning != "default":
+                context = decode_attention.tuned(*(int(v) for v in tuning.split(":")))
+            with context:
+                engine_config = EngineConfig(max_concurrent_decodes=batch, max_prefill_length=prompt_len,
+                                             max_new_tokens=new, sampling=SamplingParams(), compiler_options=option,
+                                             layer_loop=layer_loop)
+                engine = Engine(cfg, precision, engine_config)
+                p = engine.load_params(params, fp8_state, kv_scales)
+                state = engine.init_decode_state()
+                prompt = np.arange(1, prompt_len + 1, dtype=np.int32) % cfg.vocab_size
+                jax.block_until_ready(engine.prefill(p, prompt, prompt_len, jax.random.PRNGKey(1)))  # compiles
+                t = time.perf_counter()
+                prefix = jax.block_until_ready(engine.prefill(p, prompt, prompt_len, jax.random.PRNGKey(1)))
+                prefill_ms = 1e3 * (time.perf_counter() - t)
+                state = jax.block_until_ready(engine.insert(prefix, state, 0, jax.random.PRNGKey(0)))  # compiles
+                insert_temp = _temp_bytes(engine._insert, prefix, state, 0, jax.random.PRNGKey(0))
+                singles = range(1, min(batch, 9))  # a few one-slot inserts, then the rest in one insert_samples call
+                t = time.perf_counter()
+                for slot in singles:
+                    state = engine.insert(prefix, state, slot, jax.random.PRNGKey(slot))
+                jax.block_until_ready(state)
+                insert_ms = 1e3 * (time.perf_counter() - t) / max(len(singles), 1)
+                rest = list(range(len(singles) + 1, batch))
+                samples_ms = None
+                if rest:
+                    keys = jnp.stack([jax.random.PRNGKey(slot) for slot in rest])
+                    state = jax.block_until_ready(engine.insert_samples(prefix, state, rest, keys))  # compiles
+                    t = time.perf_counter()  # the same slots again
+                    state = jax.block_until_ready(engine.insert_samples(prefix, state, rest, keys))
+                    samples_ms = round(1e3 * (time.perf_counter() - t), 3)
+                # the first chunk compiles the loop; time the rest
                 state = engine.generate_steps(p, state, chunk)[0]
-            jax.block_until_ready(state)
-            sec = time.perf_counter() - t
-            done_steps = (steps // chunk) * chunk
-            tok_s = batch * done_steps / sec
-            weight_bytes = _weight_bytes(cfg, precision)
-            kv_bytes_per_pos = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * (1 if precision.kv_fp8 else 2)
-            avg_ctx = prompt_len + chunk + done_steps / 2
-            step_bytes = weight_bytes + batch * avg_ctx * kv_bytes_per_pos
-            bound_tok_s = batch / (step_bytes / bw)
-            rows.append({"batch": batch, "new_tokens": new, "mode": mode, "tokens_per_s": round(tok_s, 1),
-                         "hbm_bound_tokens_per_s": round(bound_tok_s, 1),
-                         # three significant digits: a loaded CPU's tiny fraction is not rounded to 0
-                         "hbm_bound_fraction": float(f"{tok_s / bound_tok_s:.3g}"), "model": model_name,
-                         "ms_per_step": round(1e3 * sec / done_steps, 3), "compiler_options": option,
-                         "layer_loop": layer_loop, "prefill_ms": round(prefill_ms, 3), "insert_ms": round(insert_ms, 3),
-                         "insert_temp_bytes": insert_temp, "insert_samples_slots": len(rest),
-                         "insert_samples_ms": samples_ms})
-            print(json.dumps(rows[-1]), flush=True)
-            if profile:  # one more chunk, traced (the cache is fuller than the timed average: late in the rollout)
-                rows[-1]["profile"] = _profile_chunk(engine, p, state, chunk)
-                print(json.dumps({k: v for k, v in rows[-1]["profile"].items() if k != "top"}), flush=True)
-            del state, p, engine
+                jax.block_until_ready(state)
+                steps = new - 1 - chunk  # the first token came from the prefill
+                t = time.perf_counter()
+                for _ in range(steps // chunk):
+                    state = engine.generate_steps(p, state, chunk)[0]
+                jax.block_until_ready(state)
+                sec = time.perf_counter() - t
+                done_steps = (steps // chunk) * chunk
+                tok_s = batch * done_steps / sec
+                weight_bytes = _weight_bytes(cfg, precision)
+                kv_bytes_per_pos = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * (1 if precision.kv_fp8 else 2)
+                avg_ctx = prompt_len + chunk + done_steps / 2
+                step_bytes = weight_bytes + batch * avg_ctx * kv_bytes_per_pos
+                bound_tok_s = batch / (step_bytes / bw)
+                rows.append({"batch": batch, "new_tokens": new, "mode": mode, "tokens_per_s": round(tok_s, 1),
+                             "hbm_bound_tokens_per_s": round(bound_tok_s, 1),
+                             # three significant digits: a loaded CPU's tiny fraction is not rounded to 0
+                             "hbm_bound_fraction": float(f"{tok_s / bound_tok_s:.3g}"), "model": model_name,
+                             "ms_per_step": round(1e3 * sec / done_steps, 3), "compiler_options": option,
+                             "layer_loop": layer_loop, "decode_tuning": tuning, "prefill_ms": round(prefill_ms, 3),
+                             "insert_ms": round(insert_ms, 3),
+                             "insert_temp_bytes": insert_temp, "insert_samples_slots": len(rest),
+                             "insert_samples_ms": samples_ms})
+                print(json.dumps(rows[-1]), flush=True)
+                if profile:  # one more chunk, traced (the cache is fuller than the timed average: late in the rollout)
+                    rows[-1]["profile"] = _profile_chunk(engine, p, state, chunk)
+                    print(json.dumps({k: v for k, v in rows[-1]["profile"].items() if k != "top"}), flush=True)
+                del state, p, engine
     return rows
 
 

@@ -89,6 +89,7 @@ Letters: B batch, K kv heads, G query heads per kv head, H head dim, S cache pos
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -129,10 +130,19 @@ def _pow2_floor(n: int) -> int:
     return 1 << (max(int(n), 1).bit_length() - 1)
 
 
+# The launch defaults. Session 23's sweep of the kernel alone (llama1b heads, a 1,088-position cache half full;
+# ``benchmarks/results/decode_retune_{fp8,bf16}_h100.json``) favoured 64-position blocks, fewer splits and three
+# stages in both dtypes over the earlier 128 / ~2048 programs / 2 stages; ``bench rollout --decode_tuning`` runs
+# the rollout under other values of the three (``tuned``).
+MAX_BLOCK_K = 64  # positions per block at most (16 KiB of K per iteration below that)
+TARGET_PROGRAMS = 1024  # splits are added until the grid has about this many programs
+NUM_STAGES = 3
+
+
 def default_block_k(head_dim: int, cache_itemsize: int, cache_len: int, heads_per_program: int = 1) -> int:
     """16 KiB of K per iteration (over the program's ``heads_per_program`` kv heads), a power of two in
-    [16, 128], no larger than the cache (rounded up)."""
-    block_k = min(max(_pow2_floor(16 * 1024 // (heads_per_program * head_dim * cache_itemsize)), 16), 128)
+    [16, ``MAX_BLOCK_K``], no larger than the cache (rounded up)."""
+    block_k = min(max(_pow2_floor(16 * 1024 // (heads_per_program * head_dim * cache_itemsize)), 16), MAX_BLOCK_K)
     return min(block_k, max(_pow2_ceil(cache_len), 16))
 
 
@@ -140,11 +150,24 @@ LONG_CACHE_BLOCKS = 32  # a cache of this many blocks or more gets at least two 
 
 
 def default_k_splits(rows: int, cache_len: int, block_k: int) -> int:
-    """About 2048 programs in all (~16 per H100 SM), 1..16 splits, at least 2 for a long cache
-    (``LONG_CACHE_BLOCKS``), no more splits than cache blocks."""
+    """About ``TARGET_PROGRAMS`` programs in all, 1..16 splits, at least 2 for a long cache (``LONG_CACHE_BLOCKS``),
+    no more splits than cache blocks."""
     blocks = -(-cache_len // block_k)
-    splits = min(max(-(-2048 // rows), 2 if blocks >= LONG_CACHE_BLOCKS else 1), 16)
+    splits = min(max(-(-TARGET_PROGRAMS // rows), 2 if blocks >= LONG_CACHE_BLOCKS else 1), 16)
     return max(min(splits, blocks), 1)
+
+
+@contextlib.contextmanager
+def tuned(max_block_k: int, target_programs: int, num_stages: int):
+    """The launch defaults set to these values inside the block (benchmarks: the rollout under other defaults;
+    they are read when a program is traced)."""
+    global MAX_BLOCK_K, TARGET_PROGRAMS, NUM_STAGES
+    saved = MAX_BLOCK_K, TARGET_PROGRAMS, NUM_STAGES
+    MAX_BLOCK_K, TARGET_PROGRAMS, NUM_STAGES = max_block_k, target_programs, num_stages
+    try:
+        yield
+    finally:
+        MAX_BLOCK_K, TARGET_PROGRAMS, NUM_STAGES = saved
 
 
 def default_dot_dtype(q_dtype, cache_dtype):
@@ -403,7 +426,8 @@ def _widen_byte_array_offsets() -> bool:
 
 def decode_attention_pallas(q, k_cache, v_cache, lengths, *, layer=None, k_scale=None, v_scale=None,
                             out_scale=None, out_dtype=None, block_k: int | None = None,
-                            k_splits: int | None = None, num_warps: int = 4, num_stages: int = 2, dot_dtype=None,
+                            k_splits: int | None = None, num_warps: int = 4, num_stages: int | None = None,
+                            dot_dtype=None,
                             heads_per_program: int = 1, tail_loop: bool = False,
                             interpret: bool = False) -> jax.Array:
     """The Pallas kernel (see the module note); ``interpret=True`` runs it on any backend through Pallas'
@@ -435,6 +459,7 @@ def decode_attention_pallas(q, k_cache, v_cache, lengths, *, layer=None, k_scale
     itemsize = jnp.dtype(k_cache.dtype).itemsize
     block_k = block_k or default_block_k(h, itemsize, s, n_heads)
     k_splits = k_splits or default_k_splits(programs, s, block_k)
+    num_stages = num_stages or NUM_STAGES
     if block_k < 16 or block_k & (block_k - 1):
         raise ValueError(f"block_k={block_k} must be a power of two >= 16")
     if itemsize == 1 and k_cache.size > 2**31 and not interpret and not _widen_byte_array_offsets():
