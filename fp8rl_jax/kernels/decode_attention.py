@@ -59,19 +59,20 @@ sign-extended); Llama-3.2-1B at batch 256 with 1088 cache positions is such a ca
 elements (a wrapper around one private lowering function, applied when such a cache is seen); where that
 function is missing the layer is sliced out instead (correct, at the cost of the copy above).
 
-Defaults (H100; ``benchmarks/decode_attention.py`` sweeps them):
-- ``block_k``: 16 KiB of K (and of V) per iteration (over the P heads): 64 positions at H=128 BF16, 128 at H=128
-  FP8 or H=64 (capped at 128: the f32 scores and the converted tile stay in registers). ``num_stages=2`` stages the next
-  block's K/V in shared memory while this one computes: 32 KiB in flight per program, 3 to 5 programs per SM,
-  several times the ~25 KiB per SM that 3.35 TB/s at ~1 us of latency needs. (Compiled on CPU with Triton
-  3.9 for sm_90: 39 KiB of shared memory and 72 registers a thread at H=64 FP8; 55 KiB and 142 at H=128 BF16,
-  72 KiB and 86 at H=128 FP8; no spills.)
-- ``k_splits``: enough programs for ~16 per SM (132 SMs): 2048 / (B*K/P) rounded up, between 1 and 16, and at
-  least 2 for a cache of 32 blocks or more. Batch 256 at K=8 already gives 2048 programs (1 split, no combine
-  traffic) up to 4k positions (2 splits); batch 64 gives 512 (4 splits). Chosen from the H100 sweep
-  (``benchmarks/decode_attention.py --sweep``, ``results/decode_sweep_h100.json``): block_k 64 / 128 / 256 x
-  1 / 2 / 4 splits x BF16 / F16 operands, then warps and stages. 256-position blocks were always slower; 8 warps
-  and 3-4 stages never won by more than the noise.
+Defaults (H100; ``benchmarks/decode_attention.py`` sweeps them; ``MAX_BLOCK_K``, ``TARGET_PROGRAMS``,
+``NUM_STAGES``):
+- ``block_k``: 16 KiB of K (and of V) per iteration (over the P heads), at most 64 positions: 64 at H=64 and at
+  H=128, in both dtypes. ``num_stages=3`` stages the next two blocks' K/V in shared memory while this one computes.
+- ``k_splits``: enough programs for ~8 per SM (132 SMs): 1024 / (B*K/P) rounded up, between 1 and 16, and at
+  least 2 for a cache of 32 blocks or more. Batch 256 at K=8 gives 2048 programs (1 split, no combine traffic);
+  batch 64 gives 512 (2 splits).
+  Session 23's sweep of the kernel alone (``results/decode_retune_{fp8,bf16}_h100.json``: block_k 32 / 64 / 128 x
+  1 / 2 / 4 splits x 2 / 4 warps x 2 / 3 stages, llama1b heads, half of a 1,088-position cache) put 64-position
+  blocks with three stages at or near the best in both dtypes; in the rollout (``bench rollout --decode_tuning
+  128:2048:2,64:1024:3``, ``results/rollout_tuning_h100.json``) they took FP8 + FP8 KV at batch 256 from 91.8k to
+  95.5k tokens/s and BF16 from 69.8k to 71.0k; at batch 64 both within 1%. The earlier defaults (128 positions,
+  ~2048 programs, 2 stages) came from the first sweep (``results/decode_sweep_h100.json``), where 256-position
+  blocks were always slower and 8 warps never won by more than the noise.
 - ``num_warps=4``: 128 threads for a [16, block_k] score tile and one [block_k, H] load per tensor; the
   benchmark tries 8.
 
@@ -130,10 +131,8 @@ def _pow2_floor(n: int) -> int:
     return 1 << (max(int(n), 1).bit_length() - 1)
 
 
-# The launch defaults. Session 23's sweep of the kernel alone (llama1b heads, a 1,088-position cache half full;
-# ``benchmarks/results/decode_retune_{fp8,bf16}_h100.json``) favoured 64-position blocks, fewer splits and three
-# stages in both dtypes over the earlier 128 / ~2048 programs / 2 stages; ``bench rollout --decode_tuning`` runs
-# the rollout under other values of the three (``tuned``).
+# The launch defaults (the module note's "Defaults"); ``bench rollout --decode_tuning`` runs the rollout under
+# other values of the three (``tuned``).
 MAX_BLOCK_K = 64  # positions per block at most (16 KiB of K per iteration below that)
 TARGET_PROGRAMS = 1024  # splits are added until the grid has about this many programs
 NUM_STAGES = 3

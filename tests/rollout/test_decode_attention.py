@@ -239,23 +239,28 @@ def test_fp8_output_is_the_next_linear_quantization(impl, k_splits, kind):
 
 
 def test_defaults_hand_derived():
-    # 16 KiB of K per block: 16384 / (128 * 2) = 64; FP8 and H=64 give 128 or more, capped at 128
+    # 16 KiB of K per block, at most 64 positions: 16384 / (128 * 2) = 64; FP8 and H=64 give 128 or more, capped
+    assert (da.MAX_BLOCK_K, da.TARGET_PROGRAMS, da.NUM_STAGES) == (64, 1024, 3)
     assert da.default_block_k(128, 2, 1088) == 64
-    assert da.default_block_k(128, 1, 1088) == 128
-    assert da.default_block_k(64, 2, 4160) == 128
-    assert da.default_block_k(64, 1, 4160) == 128
+    assert da.default_block_k(128, 1, 1088) == 64
+    assert da.default_block_k(64, 2, 4160) == 64
+    assert da.default_block_k(64, 1, 4160) == 64
     assert da.default_block_k(16, 4, 26) == 32  # no bigger than the cache rounded up to a power of two
     # several kv heads per program: 16 KiB of K over all of them
     assert da.default_block_k(128, 1, 1088, heads_per_program=4) == 32
-    assert da.default_block_k(64, 1, 1088, heads_per_program=2) == 128
+    assert da.default_block_k(64, 1, 1088, heads_per_program=2) == 64
     assert da.default_block_k(128, 2, 1088, heads_per_program=8) == 16
-    # ~2048 programs: 2048 rows need 1 split, 512 rows 4, 8 rows 16 (the cap), unless the cache has fewer blocks;
+    # ~1024 programs: 2048 rows need 1 split, 512 rows 2, 8 rows 16 (the cap), unless the cache has fewer blocks;
     # a cache of 32 blocks or more gets 2 at least
-    assert da.default_k_splits(2048, 1088, 128) == 1
-    assert da.default_k_splits(2048, 4160, 128) == 2
-    assert da.default_k_splits(512, 1088, 128) == 4
+    assert da.default_k_splits(2048, 1088, 64) == 1
+    assert da.default_k_splits(2048, 4160, 64) == 2
+    assert da.default_k_splits(512, 1088, 64) == 2
     assert da.default_k_splits(8, 1088, 64) == 16
     assert da.default_k_splits(8, 40, 16) == 3
+    # the earlier defaults, as bench rollout --decode_tuning 128:2048:2 sets them
+    with da.tuned(128, 2048, 2):
+        assert (da.default_block_k(64, 1, 1088), da.default_k_splits(512, 1088, 128), da.NUM_STAGES) == (128, 4, 2)
+    assert (da.MAX_BLOCK_K, da.TARGET_PROGRAMS, da.NUM_STAGES) == (64, 1024, 3)
     # F16 dot operands for a BF16 query over an FP8 cache only
     assert da.default_dot_dtype(jnp.bfloat16, jnp.float8_e4m3fn) == jnp.float16
     assert da.default_dot_dtype(jnp.float32, jnp.float8_e4m3fn) == jnp.float32
