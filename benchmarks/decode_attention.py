@@ -14,9 +14,9 @@ Rows report microseconds per layer-step (median of ``--repeats`` after warm-up, 
 and the achieved bandwidth on the K/V bytes a step actually needs, ``2 * K * H * bytes * sum(lengths)`` per
 layer. Lengths are ragged around ``fill * S`` (uniform in [0.5, 1.5] x fill x S, clipped to [1, S]; fill 1.0
 means all S). Caches that would not fit use fewer layers (``layers_timed``); the per-layer figure is the same.
-``--sweep`` tunes the kernel on ``SWEEP_SHAPES``: block_k x k_splits (num_warps 4, num_stages 2), then num_warps x
-num_stages around the best pair; ``--sweep_heads_per_program 1,2,4`` crosses the first stage with the kernel's kv
-heads per program (values that do not divide a shape's K are left out for it); ``--sweep_num_warps 1,2,4``
+``--sweep`` tunes the kernel on ``SWEEP_SHAPES``: block_k x k_splits (num_warps 4, the default num_stages), then
+num_warps x num_stages around the best pair; ``--sweep_heads_per_program 1,2,4`` crosses the first stage with the
+kernel's kv heads per program (values that do not divide a shape's K are left out for it); ``--sweep_num_warps 1,2,4``
 (and ``--sweep_num_stages``) cross launch settings into the first stage too (the grid is then all of it: no
 second stage). The full default run is ~150
 timed configurations (each compiled once): split it with ``--models`` / ``--kv`` to keep each invocation within a
@@ -192,7 +192,7 @@ def bench_shape(model, batch, cache_len, fill, kv, impls, *, tunings, repeats, w
                 row.update(block_k=block_k,
                            k_splits=tuning.get("k_splits") or da.default_k_splits(programs, cache_len, block_k),
                            heads_per_program=heads, num_warps=tuning.get("num_warps", 4),
-                           num_stages=tuning.get("num_stages", 2),
+                           num_stages=tuning.get("num_stages") or da.NUM_STAGES,
                            dot_dtype=str(jnp.dtype(tuning.get("dot_dtype") or da.default_dot_dtype(
                                jnp.bfloat16, jnp.float8_e4m3fn if kv == "fp8" else jnp.bfloat16))))
                 row["tail_loop"] = tuning.get("tail_loop", False)

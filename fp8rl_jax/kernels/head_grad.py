@@ -92,7 +92,7 @@ def logit_grad_fp8(z: jax.Array, shift: jax.Array, g: jax.Array, targets: jax.Ar
 
         mesh = rules.active_mesh()
         one_device = mesh is None or mesh.size == 1
-        impl = "pallas" if jax.default_backend() == "gpu" and one_device else "xla"
+        impl = "pallas" if jax.default_backend() == "gpu" and one_device and z.shape[1] >= 16 else "xla"
     if impl == "xla":
         if z.dtype != jnp.float32:  # the GEMM's rounding kept: XLA may fold a dot's f32 -> bf16 -> f32 away
             f = jnp.finfo(z.dtype)
@@ -111,9 +111,9 @@ def logit_grad_fp8(z: jax.Array, shift: jax.Array, g: jax.Array, targets: jax.Ar
                    interpret=impl == "pallas_interpret")
 
 
-def _tile(z_ref, shift_ref, block_m, block_v, v):
-    """Program (i, j)'s [block_m, block_v] tile of base-2 shifted logits' inputs: its rows, its first column (the
-    last block of a row overlaps the one before it), the columns no earlier block covers, the logits."""
+def _tile(z_ref, block_m, block_v, v):
+    """Program (i, j)'s [block_m, block_v] tile: its rows, its first column (a row's last tile may overlap the one
+    before it), its columns, which of them no earlier tile covers, and its logits."""
     i, j = pl.program_id(0), pl.program_id(1)
     rows = pl.ds(i * block_m, block_m)
     start = jnp.minimum(j * block_v, v - block_v)
@@ -123,7 +123,7 @@ def _tile(z_ref, shift_ref, block_m, block_v, v):
 
 def _sums_kernel(scalars_ref, z_ref, shift_ref, sums_ref, *, block_m, block_v, v, temperature):
     """The first kernel: each tile's row sums of the exponentials."""
-    rows, _, _, new, z = _tile(z_ref, shift_ref, block_m, block_v, v)
+    rows, _, _, new, z = _tile(z_ref, block_m, block_v, v)
     e = jnp.exp2(_shifted2(z, _scales2(scalars_ref[0], temperature), (shift_ref[rows] * LOG2E)[:, None]))
     sums_ref[pl.program_id(1), rows] = jnp.sum(jnp.where(new[None, :], e, 0.0), axis=1)
 
@@ -132,7 +132,7 @@ def _grad_kernel(scalars_ref, z_ref, shift_ref, lse2_ref, g_ref, y_ref, *out_ref
                  g_dtype, transposed):
     """The second kernel: each tile's gradient, quantized (and transposed), and its amax (the overlap of a row's
     last block is written twice, with the same values)."""
-    rows, start, cols, _, z = _tile(z_ref, shift_ref, block_m, block_v, v)
+    rows, start, cols, _, z = _tile(z_ref, block_m, block_v, v)
     x = _shifted2(z, _scales2(scalars_ref[0], temperature), (shift_ref[rows] * LOG2E)[:, None])
     dl = _grad(x, lse2_ref[rows][:, None], cols[None, :] == y_ref[rows][:, None], g_ref[rows][:, None], temperature)
     q = quantize(dl, scalars_ref[1], g_dtype)

@@ -53,8 +53,10 @@ update's block gradients on the tiny config are 0.103 from f32's, against 0.102 
 exponentials shifted by the forward's max (the entropy's gradient, where it is taken, recomputes all their
 statistics). That GEMM writes the logits in BF16 (``RECOMPUTE_LOGITS_DTYPE``: half the bytes the two passes over
 them read; their own normalisation keeps the softmax summing to 1, and the gradient is rounded to E5M2 next): the
-head's gradients move by 3e-4 of their norm against f32 logits on the tiny config. The observations are the same
-three operands'.
+head's gradients move by 3e-4 of their norm against f32 logits on the tiny config. On one GPU the sum of their
+exponentials, the gradient, its E5M2 quantize and amax, and its token-minor copy for dW come from two Pallas
+kernels (``kernels/head_grad.py``; XLA's ops on CPU and under a mesh of several devices, the same arithmetic). The
+observations are the same three operands'.
 
 ``autodiff_head_logprobs`` (the reference both heads are tested against, and the FP8 head under ``rowwise``
 scaling) runs ``linear`` per chunk under ``jax.checkpoint`` and plain autodiff. Its FP8 state must not be closed
@@ -388,7 +390,7 @@ def _fp8_chunked_head_fwd(hidden, kernel, targets, state, spec: _Fp8HeadSpec):
     return _fp8_chunked_head_fwd_impl(hidden, kernel, targets, state, spec)
 
 
-def _quantized_logit_grad(dz: jax.Array, state, spec: _Fp8HeadSpec) -> tuple[jax.Array, jax.Array]:
+def _quantized_logit_grad(dz: jax.Array, state, spec: _Fp8HeadSpec) -> tuple[jax.Array, None, jax.Array]:
     """The cotangent ``dz`` [B, C, V] (f32) of a chunk's scaled logits as the backward GEMMs take it: the logit
     gradient ``dz / T`` [B * C, V] quantized with the grad scale (E5M2 in ``hybrid``), no transpose of it (the
     backward makes one), and its amax."""
@@ -401,8 +403,8 @@ def _fp8_head_backward(chunk_cotangent, xs, w_dv: jax.Array, state, spec: _Fp8He
     chunk's logit gradient quantized with the grad scale (E5M2 in ``hybrid``) [B * C, V] (``_quantized_logit_grad``
     or the ``kernels.head_grad`` kernels), its transpose [V, B * C] or None (made here), its amax and the chunk's
     hidden state quantized with the x scale [B, C, D]; ``w_dv`` is the quantized kernel [D, V]
-    (``_fp8_head_kernels``). Returns ``(dx [nC, B, C, D] f32,
-    dW in the master's dtype and layout, reduced onto its shards under FSDP, the largest |dz / T| of any chunk)``."""
+    (``_fp8_head_kernels``). Returns ``(dx [nC, B, C, D] f32, dW in the master's dtype and layout, reduced onto its
+    shards under FSDP, the largest |dz / T| of any chunk)``."""
     s_x, s_w, s_g = _fp8_scales(state)
     bwd_dtype, tied = spec.recipe.bwd_dtype, spec.kernel_nk
 
