@@ -21,6 +21,15 @@ def test_gemm_and_rollout_benchmarks_smoke(tmp_path):
     assert [r["mode"] for r in rows] == ["bf16", "fp8", "fp8_kv"]
     assert all(r["tokens_per_s"] > 0 and 0 < r["hbm_bound_fraction"] for r in rows)
 
+    # a row per decode tuning, each run under its defaults (set while it runs, restored after)
+    main(["rollout", "--smoke", "--modes", "fp8_kv", "--decode_tuning", "default,128:2048:2", "--out",
+          str(tmp_path / "t.json")])
+    rows = json.loads((tmp_path / "t.json").read_text())
+    assert [r["decode_tuning"] for r in rows] == ["default", "128:2048:2"]
+    from fp8rl_jax.kernels import decode_attention as da
+
+    assert (da.MAX_BLOCK_K, da.TARGET_PROGRAMS, da.NUM_STAGES) == (64, 1024, 3)
+
 
 def test_collectives_benchmark_smoke(tmp_path):
     main(["collectives", "--smoke", "--train_modes", "fp8_e2e", "--out", str(tmp_path / "c.json")])
