@@ -91,19 +91,20 @@ EOF
         --set model.preset_vocab=preset --set rollout.prompts_per_step=${E2E_PROMPTS:-32} ${E2E_SET:-} \
         --modes ${E2E_MODES:-fp8_e2e,bf16_cublas} --timeout ${E2E_MODE_TIMEOUT:-170} \
         --out "$OUT/e2e_xla_h100${E2E_TAG:-}.json" 2>&1 | grep -v "^W\|Warn" | tee "$OUT/e2e_xla${E2E_TAG:-}.log" | tail -8 ;;
-    profile) # top GPU kernels of a decode chunk and a train step (llama1b shapes, one wave of 256 sequences);
+    profile) # top GPU kernels of a decode chunk (PROFILE_DECODE_CHUNKS consecutive ones) and a train step (llama1b
+      # shapes, one wave of 256 sequences);
       # PROFILE_DUMP=1 also keeps the optimized HLO of those two programs (the fusions the kernel names refer to)
       dump=(); [ -n "${PROFILE_DUMP:-}" ] && dump=(env "XLA_FLAGS=${XLA_FLAGS:-} --xla_dump_to=/tmp/hlo_dump --xla_dump_hlo_as_text --xla_dump_hlo_module_re=jit_train_step|jit__generate_steps_impl")
       "${dump[@]}" timeout 400 python3 benchmarks/profile_step.py --config configs/llama1b.py --set model.source=preset \
         --set model.preset=llama3_1b --set model.tokenizer=.gpu/smollm2_tok --set model.preset_vocab=preset \
-        --set rollout.prompts_per_step=32 --modes ${PROFILE_MODES:-bf16_cublas,fp8_e2e} --timeout 190 --top ${PROFILE_TOP:-25} \
-        --out "$OUT/profile_h100.json" 2>&1 | grep -v "^W\|Warn" | tee "$OUT/profile.log" | tail -6
+        --set rollout.prompts_per_step=32 --modes ${PROFILE_MODES:-bf16_cublas,fp8_e2e} --timeout 190 \
+        --top ${PROFILE_TOP:-25} --decode_chunks ${PROFILE_DECODE_CHUNKS:-1} --out "$OUT/profile_h100.json" 2>&1 | grep -v "^W\|Warn" | tee "$OUT/profile.log" | tail -6
       [ -d /tmp/hlo_dump ] && (cd /tmp/hlo_dump && tar czf "$OUT/hlo_dump.tgz" $(ls | grep after_optimizations.txt)) ;;
     profile8b) # the same at the Llama-3.1-8B width with E8B_LAYERS layers (e2e8b's shapes and memory settings)
       XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.94} timeout 500 python3 benchmarks/profile_step.py \
         --config configs/llama1b.py "${width8b[@]}" --set rollout.prompts_per_step=32 \
         --modes ${PROFILE_MODES:-bf16_cublas,fp8_e2e_head} --timeout 230 --top ${PROFILE_TOP:-25} \
-        --out "$OUT/profile_8b_width_h100.json" 2>&1 | grep -v "^W\|Warn" | tee "$OUT/profile8b.log" | tail -6 ;;
+        --decode_chunks ${PROFILE_DECODE_CHUNKS:-1} --out "$OUT/profile_8b_width_h100.json" 2>&1 | grep -v "^W\|Warn" | tee "$OUT/profile8b.log" | tail -6 ;;
     cluster_nb) # the cluster notebook on this host's GPUs (smollm2_gsm8k, FSDP over all of them), outputs kept
       FP8RL_NOTEBOOK_WORKDIR=/tmp/cluster_nb timeout ${NB_TIMEOUT:-300} python3 benchmarks/run_notebook.py \
         notebooks/cluster.ipynb "$OUT/cluster_executed.ipynb" 2>&1 | grep -v "^W\|Warn" | tail -5 ;;
