@@ -142,6 +142,13 @@ def quantize_input(x: jax.Array, scale: jax.Array, dtype) -> jax.Array:
     return x if jnp.dtype(x.dtype).itemsize == 1 else quantize(x, scale, dtype)
 
 
+def rounded(x: jax.Array, dtype, hold=jnp.float32) -> jax.Array:
+    """``x`` rounded to ``dtype``'s precision, held in ``hold`` (f32 by default): ``reduce_precision``, which XLA
+    keeps, where it may fold an f32 -> BF16 -> f32 convert pair (or a GEMM's narrower output) away."""
+    f = jnp.finfo(dtype)
+    return jax.lax.reduce_precision(x.astype(hold), exponent_bits=f.nexp, mantissa_bits=f.nmant)
+
+
 def amax(x: jax.Array) -> jax.Array:
     return jnp.max(jnp.abs(x)).astype(jnp.float32)
 

@@ -103,7 +103,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jax.sharding import PartitionSpec as P
 
-from fp8rl_jax.fp8.recipe import fp8_max, quantize
+from fp8rl_jax.fp8.recipe import fp8_max, quantize, rounded
 
 IMPLS = ("auto", "pallas", "pallas_interpret", "xla")
 NEG_INF = -1e30  # the XLA path's mask value (as in ``llama.attention``)
@@ -245,10 +245,8 @@ def _output(out: jax.Array, q_dtype, out_dtype, out_scale) -> jax.Array:
     ``out_scale`` exactly as the next linear would quantize that BF16 value (``recipe.quantize``)."""
     if out_scale is None:
         return out.astype(q_dtype)
-    # the rounding to q's dtype as reduce_precision: XLA may fold an f32 -> bf16 -> f32 convert pair away
-    f = jnp.finfo(q_dtype)
-    out = lax.reduce_precision(out.astype(jnp.float32), exponent_bits=f.nexp, mantissa_bits=f.nmant)
-    return quantize(out, jnp.asarray(out_scale, jnp.float32), out_dtype)
+    # the rounding to q's dtype kept (XLA may fold an f32 -> bf16 -> f32 convert pair away)
+    return quantize(rounded(out, q_dtype), jnp.asarray(out_scale, jnp.float32), out_dtype)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -426,8 +424,7 @@ def _widen_byte_array_offsets() -> bool:
 def decode_attention_pallas(q, k_cache, v_cache, lengths, *, layer=None, k_scale=None, v_scale=None,
                             out_scale=None, out_dtype=None, block_k: int | None = None,
                             k_splits: int | None = None, num_warps: int = 4, num_stages: int | None = None,
-                            dot_dtype=None,
-                            heads_per_program: int = 1, tail_loop: bool = False,
+                            dot_dtype=None, heads_per_program: int = 1, tail_loop: bool = False,
                             interpret: bool = False) -> jax.Array:
     """The Pallas kernel (see the module note); ``interpret=True`` runs it on any backend through Pallas'
     interpreter (tests). ``block_k`` / ``k_splits`` default from the shapes (``default_block_k`` /

@@ -40,7 +40,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from fp8rl_jax.fp8.recipe import amax, quantize
+from fp8rl_jax.fp8.recipe import amax, quantize, rounded
 
 IMPLS = ("auto", "pallas", "pallas_interpret", "xla")
 BLOCK = (32, 256)  # rows, logits per tile
@@ -95,8 +95,7 @@ def logit_grad_fp8(z: jax.Array, shift: jax.Array, g: jax.Array, targets: jax.Ar
         impl = "pallas" if jax.default_backend() == "gpu" and one_device and z.shape[1] >= 16 else "xla"
     if impl == "xla":
         if z.dtype != jnp.float32:  # the GEMM's rounding kept: XLA may fold a dot's f32 -> bf16 -> f32 away
-            f = jnp.finfo(z.dtype)
-            z = lax.reduce_precision(z.astype(jnp.float32), exponent_bits=f.nexp, mantissa_bits=f.nmant)
+            z = rounded(z, z.dtype)
         shifted2 = _shifted2(z, _scales2(inv_scale, temperature), (shift * LOG2E)[:, None])
         lse2 = jnp.log2(jnp.sum(jnp.exp2(shifted2), axis=-1))
         onehot = lax.broadcasted_iota(jnp.int32, z.shape, 1) == targets[:, None]
@@ -111,29 +110,29 @@ def logit_grad_fp8(z: jax.Array, shift: jax.Array, g: jax.Array, targets: jax.Ar
                    interpret=impl == "pallas_interpret")
 
 
-def _tile(z_ref, block_m, block_v, v):
+def _tile(scalars_ref, z_ref, shift_ref, block_m, block_v, v, temperature):
     """Program (i, j)'s [block_m, block_v] tile: its rows, its first column (a row's last tile may overlap the one
-    before it), its columns, which of them no earlier tile covers, and its logits."""
+    before it), its columns, which of them no earlier tile covers, and its base-2 shifted logits."""
     i, j = pl.program_id(0), pl.program_id(1)
     rows = pl.ds(i * block_m, block_m)
     start = jnp.minimum(j * block_v, v - block_v)
     cols = start + jnp.arange(block_v)
-    return rows, start, cols, cols >= j * block_v, z_ref[rows, pl.ds(start, block_v)]
+    x = _shifted2(z_ref[rows, pl.ds(start, block_v)], _scales2(scalars_ref[0], temperature),
+                  (shift_ref[rows] * LOG2E)[:, None])
+    return rows, start, cols, cols >= j * block_v, x
 
 
 def _sums_kernel(scalars_ref, z_ref, shift_ref, sums_ref, *, block_m, block_v, v, temperature):
     """The first kernel: each tile's row sums of the exponentials."""
-    rows, _, _, new, z = _tile(z_ref, block_m, block_v, v)
-    e = jnp.exp2(_shifted2(z, _scales2(scalars_ref[0], temperature), (shift_ref[rows] * LOG2E)[:, None]))
-    sums_ref[pl.program_id(1), rows] = jnp.sum(jnp.where(new[None, :], e, 0.0), axis=1)
+    rows, _, _, new, x = _tile(scalars_ref, z_ref, shift_ref, block_m, block_v, v, temperature)
+    sums_ref[pl.program_id(1), rows] = jnp.sum(jnp.where(new[None, :], jnp.exp2(x), 0.0), axis=1)
 
 
 def _grad_kernel(scalars_ref, z_ref, shift_ref, lse2_ref, g_ref, y_ref, *out_refs, block_m, block_v, v, temperature,
                  g_dtype, transposed):
     """The second kernel: each tile's gradient, quantized (and transposed), and its amax (the overlap of a row's
     last block is written twice, with the same values)."""
-    rows, start, cols, _, z = _tile(z_ref, block_m, block_v, v)
-    x = _shifted2(z, _scales2(scalars_ref[0], temperature), (shift_ref[rows] * LOG2E)[:, None])
+    rows, start, cols, _, x = _tile(scalars_ref, z_ref, shift_ref, block_m, block_v, v, temperature)
     dl = _grad(x, lse2_ref[rows][:, None], cols[None, :] == y_ref[rows][:, None], g_ref[rows][:, None], temperature)
     q = quantize(dl, scalars_ref[1], g_dtype)
     out_refs[0][rows, pl.ds(start, block_v)] = q

@@ -78,7 +78,7 @@ from jax.sharding import PartitionSpec as P
 
 from fp8rl_jax.fp8 import xla
 from fp8rl_jax.fp8.policy import Precision
-from fp8rl_jax.fp8.recipe import Fp8Recipe, amax, observations, quantize
+from fp8rl_jax.fp8.recipe import Fp8Recipe, amax, observations, quantize, rounded
 from fp8rl_jax.kernels.head_grad import logit_grad_fp8
 from fp8rl_jax.kernels.transpose import transpose_bytes
 from fp8rl_jax.model import llama
@@ -144,8 +144,7 @@ def _operand(x: jax.Array, spec: _HeadSpec) -> jax.Array:
     """
     if spec.operand_dtype == spec.dtype:
         return x.astype(spec.dtype)
-    f = jnp.finfo(spec.dtype)
-    return lax.reduce_precision(x.astype(spec.operand_dtype), exponent_bits=f.nexp, mantissa_bits=f.nmant)
+    return rounded(x, spec.dtype, spec.operand_dtype)
 
 
 def _head_operand(kernel: jax.Array, spec: _HeadSpec) -> jax.Array:
@@ -346,8 +345,7 @@ def _fp8_scaled_logits(h: jax.Array, w_vd: jax.Array, inv_scale: jax.Array, spec
     b, c, _ = h.shape
     z = _fp8_logits(h, w_vd, dtype).astype(jnp.float32)
     if jnp.dtype(dtype) != jnp.float32:  # the rounding made explicit: XLA may fold a dot's f32 -> dtype -> f32 away
-        f = jnp.finfo(dtype)
-        z = lax.reduce_precision(z, exponent_bits=f.nexp, mantissa_bits=f.nmant)
+        z = rounded(z, dtype)
     return (z * inv_scale).reshape(b, c, -1) / spec.temperature
 
 
