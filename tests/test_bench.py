@@ -21,14 +21,21 @@ def test_gemm_and_rollout_benchmarks_smoke(tmp_path):
     assert [r["mode"] for r in rows] == ["bf16", "fp8", "fp8_kv"]
     assert all(r["tokens_per_s"] > 0 and 0 < r["hbm_bound_fraction"] for r in rows)
 
-    # a row per decode tuning, each run under its defaults (set while it runs, restored after)
-    main(["rollout", "--smoke", "--modes", "fp8_kv", "--decode_tuning", "default,128:2048:2", "--out",
-          str(tmp_path / "t.json")])
+    # a row per decode tuning and earlier form, each run under its settings (set while it runs, restored after)
+    main(["rollout", "--smoke", "--modes", "fp8_kv", "--decode_tuning", "default,128:2048:2", "--variants",
+          "default,scatter_kv+one_level_draw", "--out", str(tmp_path / "t.json")])
     rows = json.loads((tmp_path / "t.json").read_text())
-    assert [r["decode_tuning"] for r in rows] == ["default", "128:2048:2"]
+    assert [(r["decode_tuning"], r["variant"]) for r in rows] == [
+        ("default", "default"), ("default", "scatter_kv+one_level_draw"), ("128:2048:2", "default"),
+        ("128:2048:2", "scatter_kv+one_level_draw")]
     from fp8rl_jax.kernels import decode_attention as da
+    from fp8rl_jax.model import llama
+    from fp8rl_jax.rollout import sampling
 
     assert (da.MAX_BLOCK_K, da.TARGET_PROGRAMS, da.NUM_STAGES) == (64, 1024, 3)
+    assert (llama.DECODE_KV_WRITE, sampling.DRAW) == ("kernel", "two_level")
+    with pytest.raises(ValueError, match="unknown form 'fast'"):
+        main(["rollout", "--smoke", "--modes", "bf16", "--variants", "fast", "--out", str(tmp_path / "x.json")])
 
 
 def test_collectives_benchmark_smoke(tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
 
@@ -22,6 +23,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode_tuning", default="default",
                         help="the decode kernel's launch defaults, comma-separated: default (the package's) or "
                              "max_block_k:target_programs:num_stages (kernels.decode_attention.tuned), e.g. 128:2048:2")
+    parser.add_argument("--variants", default="default",
+                        help="comma-separated: default, or '+'-joined earlier forms to run instead: scatter_kv (XLA "
+                             "scatters write the decode step's K/V, llama.DECODE_KV_WRITE), one_level_draw "
+                             "(jax.random.categorical over the vocabulary, sampling.DRAW); e.g. "
+                             "default,scatter_kv+one_level_draw")
     parser.add_argument("--profile", action="store_true",
                         help="also trace one chunk: kernel and idle time per step, top kernels")
     parser.add_argument("--smoke", action="store_true")
@@ -34,7 +40,7 @@ def run(args) -> list[dict]:
                          [int(n) for n in args.new_tokens.split(",")], args.modes.split(","), args.prompt_len,
                          args.chunk, copy_gib=0.01 if args.smoke else 2.0, options=args.options.split(","),
                          layer_loops=args.layer_loops.split(","), profile=args.profile,
-                         decode_tunings=args.decode_tuning.split(","))
+                         decode_tunings=args.decode_tuning.split(","), variants=args.variants.split(","))
 
 
 def copy_bandwidth(gib: float = 2.0) -> float:
@@ -51,8 +57,8 @@ def copy_bandwidth(gib: float = 2.0) -> float:
 def bench_rollout(model_name: str, batches: list[int], new_tokens: list[int], modes: list[str], prompt_len: int,
                   chunk: int, copy_gib: float = 2.0, options: tuple[str, ...] = ("auto",),
                   layer_loops: tuple[str, ...] = ("auto",), profile: bool = False,
-                  decode_tunings: tuple[str, ...] = ("default",)) -> list[dict]:
-    import contextlib
+                  decode_tunings: tuple[str, ...] = ("default",),
+                  variants: tuple[str, ...] = ("default",)) -> list[dict]:
     import itertools
 
     import jax
@@ -90,11 +96,13 @@ def bench_rollout(model_name: str, batches: list[int], new_tokens: list[int], mo
                 lin["kernel"]["scale"] = jnp.full_like(lin["kernel"]["scale"], 448.0 / 0.1)
                 lin["x"]["scale"] = jnp.full_like(lin["x"]["scale"], 448.0 / 8.0)
         kv_scales = kvq.init_kv_scales(cfg.num_layers) if precision.kv_fp8 else None
-        for new, batch, option, layer_loop, tuning in itertools.product(new_tokens, batches, options, layer_loops,
-                                                                        decode_tunings):
-            context = contextlib.nullcontext()
+        for new, batch, option, layer_loop, tuning, variant in itertools.product(
+                new_tokens, batches, options, layer_loops, decode_tunings, variants):
+            context = contextlib.ExitStack()
             if tuning != "default":
-                context = decode_attention.tuned(*(int(v) for v in tuning.split(":")))
+                context.enter_context(decode_attention.tuned(*(int(v) for v in tuning.split(":"))))
+            for earlier in variant.split("+") if variant != "default" else ():
+                context.enter_context(_earlier_form(earlier))
             with context:
                 engine_config = EngineConfig(max_concurrent_decodes=batch, max_prefill_length=prompt_len,
                                              max_new_tokens=new, sampling=SamplingParams(), compiler_options=option,
@@ -144,7 +152,8 @@ def bench_rollout(model_name: str, batches: list[int], new_tokens: list[int], mo
                              # three significant digits: a loaded CPU's tiny fraction is not rounded to 0
                              "hbm_bound_fraction": float(f"{tok_s / bound_tok_s:.3g}"), "model": model_name,
                              "ms_per_step": round(1e3 * sec / done_steps, 3), "compiler_options": option,
-                             "layer_loop": layer_loop, "decode_tuning": tuning, "prefill_ms": round(prefill_ms, 3),
+                             "layer_loop": layer_loop, "decode_tuning": tuning, "variant": variant,
+                             "prefill_ms": round(prefill_ms, 3),
                              "insert_ms": round(insert_ms, 3),
                              "insert_temp_bytes": insert_temp, "insert_samples_slots": len(rest),
                              "insert_samples_ms": samples_ms})
@@ -154,6 +163,24 @@ def bench_rollout(model_name: str, batches: list[int], new_tokens: list[int], mo
                     print(json.dumps({k: v for k, v in rows[-1]["profile"].items() if k != "top"}), flush=True)
                 del state, p, engine
     return rows
+
+
+@contextlib.contextmanager
+def _earlier_form(name: str):
+    """The package's earlier form ``name`` (``--variants``) inside the block: a module switch read at trace time."""
+    from fp8rl_jax.model import llama
+    from fp8rl_jax.rollout import sampling
+
+    switches = {"scatter_kv": (llama, "DECODE_KV_WRITE", "xla"), "one_level_draw": (sampling, "DRAW", "one_level")}
+    if name not in switches:
+        raise ValueError(f"--variants: unknown form {name!r}; known: default, {', '.join(switches)}")
+    module, attr, value = switches[name]
+    saved = getattr(module, attr)
+    setattr(module, attr, value)
+    try:
+        yield
+    finally:
+        setattr(module, attr, saved)
 
 
 def _temp_bytes(jitted, *args) -> int | None:
@@ -177,7 +204,7 @@ def _profile_chunk(engine, params, state, chunk: int) -> dict:
         jax.profiler.start_trace(d)
         jax.block_until_ready(engine.generate_steps(params, state, chunk))
         jax.profiler.stop_trace()
-        summary = summarize_trace(d, top=15)
+        summary = summarize_trace(d, top=40)
     if "error" in summary:
         return summary
     per_step = {f"{k}_per_step": round(summary[k] / chunk, 4)

@@ -47,6 +47,15 @@ kernel rounds the output to the query's dtype and quantizes it as ``recipe.quant
 reads it as it is (``linear`` takes an FP8 input as quantized with its input scale): the same bits, and no XLA
 quantize kernel per layer and step (16 a step, ~1.5-2 us each on the H100).
 
+The new token's K and V (``new_kv``). The decode step's K and V of its one new position were written into the
+cache by an XLA scatter per tensor and layer (with the FP8 quantize fused in: 4.3 and 3.9 us a layer at batch 256
+on the H100, ``results/rollout_1k_b256_profile_h100.json``), and the kernel then read them back. Given them, the
+kernel writes them itself: the caches are also its outputs, aliased to its inputs (the same buffers, written in
+place), and the program of the last split of each (sequence, kv head) quantizes its K and V as ``recipe.quantize``
+would, stores them at position ``length - 1`` and joins that position's score and value to its online softmax from
+registers, while its blocks cover the positions before it (no read after the write, so no ordering between the
+store and the loads is needed).
+
 The cache is read in place. The kernel takes the whole stacked cache [L, B, K, S, H] and the layer index (a
 traced scalar inside the layer scan) and indexes the layer itself: slicing one layer out of the scan's carried
 cache would make XLA copy that layer into a fresh buffer for the custom call, a full-cache read and write per
@@ -219,6 +228,18 @@ def _check(q, k_cache, v_cache, lengths, k_scale, v_scale):
                              f"the cache has {k_cache.shape[0]} layers")
 
 
+def _check_new(q, new_kv):
+    """``new_kv``: None or this step's (K, V), each [B, K, H] as the query's [B, K, G, H] has them."""
+    if new_kv is None:
+        return
+    b, kh, _, h = q.shape
+    if not isinstance(new_kv, (tuple, list)) or len(new_kv) != 2:
+        raise ValueError("new_kv must be a pair (k, v) of [B, K, H] arrays")
+    for name, a in zip(("k", "v"), new_kv, strict=True):
+        if a.shape != (b, kh, h):
+            raise ValueError(f"new_kv {name} must be [B, K, H] = {(b, kh, h)}, got {a.shape}")
+
+
 def _out_format(out_scale, out_dtype, q_dtype) -> tuple[jnp.dtype, bool]:
     """The output dtype and whether it is quantized (an FP8 ``out_dtype``, which needs ``out_scale``)."""
     out_dtype = jnp.dtype(out_dtype or q_dtype)
@@ -254,16 +275,22 @@ def _output(out: jax.Array, q_dtype, out_dtype, out_scale) -> jax.Array:
 
 
 def decode_attention_xla(q, k_cache, v_cache, lengths, *, layer=None, k_scale=None, v_scale=None, out_scale=None,
-                         out_dtype=None) -> jax.Array:
+                         out_dtype=None, new_kv=None):
     """The model's masked einsum over all S positions (FP8 K/V dequantized to the query dtype first).
 
     Positions at or past a sequence's length are masked out of the scores and zeroed in V, so whatever they
-    hold (NaN included) cannot reach the output. Same signature as ``decode_attention``.
+    hold (NaN included) cannot reach the output. Same signature as ``decode_attention``; ``new_kv`` is written by
+    a scatter first (``write_new``).
     """
+    cache_shape = k_cache.shape
     (k_cache, _), (v_cache, layer) = _stacked(k_cache, layer), _stacked(v_cache, layer)
     _check(q, k_cache, v_cache, lengths, k_scale, v_scale)
+    _check_new(q, new_kv)
     out_dtype, _ = _out_format(out_scale, out_dtype, q.dtype)
     k_scale, v_scale = _layer_scale(k_scale, layer), _layer_scale(v_scale, layer)
+    if new_kv is not None:
+        k_cache, v_cache = (write_new(c, layer, lengths, new, scale)
+                            for c, new, scale in zip((k_cache, v_cache), new_kv, (k_scale, v_scale), strict=True))
     s, h = k_cache.shape[3], q.shape[-1]
     # [L, B, K, S, H] -> [B, K, S, H]
     k, v = k_cache[layer], v_cache[layer]
@@ -278,17 +305,30 @@ def decode_attention_xla(q, k_cache, v_cache, lengths, *, layer=None, k_scale=No
     v = jnp.where(visible[:, None, :, None], v, 0)
     # [B, K, G, S] x [B, K, S, H] -> [B, K, G, H]
     out = jnp.einsum("bkgs,bksh->bkgh", probs, v, preferred_element_type=v.dtype)
-    return _output(out, q.dtype, out_dtype, out_scale)
+    out = _output(out, q.dtype, out_dtype, out_scale)
+    return out if new_kv is None else (out, k_cache.reshape(cache_shape), v_cache.reshape(cache_shape))
+
+
+def write_new(cache: jax.Array, layer, lengths: jax.Array, new: jax.Array, scale=None) -> jax.Array:
+    """``new`` [B, K, H] stored (an FP8 cache: ``recipe.quantize`` with ``scale``) at position ``lengths - 1`` of
+    each sequence in layer ``layer`` of ``cache`` [L, B, K, S, H], by a scatter; a position outside the cache is
+    not written. What the kernel's ``new_kv`` writes."""
+    if jnp.dtype(cache.dtype).itemsize == 1:
+        new = quantize(new, jnp.asarray(scale, jnp.float32), cache.dtype)
+    s = cache.shape[3]
+    at = lengths - 1
+    at = jnp.where((at >= 0) & (at < s), at, s)  # s: dropped
+    return cache.at[layer, jnp.arange(cache.shape[1]), :, at].set(new.astype(cache.dtype), mode="drop")
 
 
 # ----------------------------------------------------------------------------------------------------------
 # the Pallas kernel
 
 
-def _kernel(layer_ref, lengths_ref, k_scale_ref, v_scale_ref, out_scale_ref, q_ref, k_ref, v_ref, *out_refs,
+def _kernel(layer_ref, lengths_ref, k_scale_ref, v_scale_ref, out_scale_ref, q_ref, k_ref, v_ref, *refs,
             kv_heads: int, groups: int, heads_per_program: int, rows_padded: int, rows_per_layer: int,
             cache_len: int, block_k: int, k_splits: int, compute_dtype, precision, softmax_scale: float,
-            q_dtype, out_limit: float | None, tail_loop: bool):
+            q_dtype, out_limit: float | None, tail_loop: bool, with_new: bool, kv_limit: float | None):
     """``heads_per_program`` (P) consecutive kv heads of one sequence and one split. Refs (whole arrays, indexed
     here):
 
@@ -304,10 +344,26 @@ def _kernel(layer_ref, lengths_ref, k_scale_ref, v_scale_ref, out_scale_ref, q_r
     one tile; head j's dot takes a copy of it with every row outside head j zeroed, so the P score tiles add up
     to one tile whose rows are all real (each row gets its own head's scores, exact zeros from the others), the
     online softmax runs once on it, and each head keeps its own accumulator (only its own rows of it are used).
+
+    ``with_new``: two more inputs, this step's K and V [B*K, H] (q's dtype), and two more outputs after the others,
+    the K and V caches (the inputs' buffers, aliased). Position ``length - 1`` is the new token's: the last split
+    quantizes its K and V (``kv_limit``: FP8, ``recipe.quantize`` with k_scale / v_scale), stores them there and
+    takes that position's score and value from registers; the blocks cover positions ``0 .. length - 2``. A
+    position outside the cache is not written and the blocks cover the whole cache, as a dropped scatter leaves it.
     """
+    if with_new:
+        k_new_ref, v_new_ref, *out_refs, k_out_ref, v_out_ref = refs
+    else:
+        out_refs = refs
     row, split = pl.program_id(0), pl.program_id(1)
     n_heads = heads_per_program
-    length = jnp.clip(lengths_ref[lax.div(row, kv_heads // n_heads)], 0, cache_len)
+    length = lengths_ref[lax.div(row, kv_heads // n_heads)]
+    if with_new:  # the new token at length - 1, when inside the cache; the cache holds the positions before it
+        new_at = length - 1
+        has_new = (new_at >= 0) & (new_at < cache_len)
+        length = jnp.where(has_new, new_at, jnp.clip(length, 0, cache_len))
+    else:
+        length = jnp.clip(length, 0, cache_len)
     num_blocks = pl.cdiv(length, block_k)
     blocks_per_split = pl.cdiv(num_blocks, k_splits)
     first = split * blocks_per_split
@@ -372,6 +428,12 @@ def _kernel(layer_ref, lengths_ref, k_scale_ref, v_scale_ref, out_scale_ref, q_r
         accs, row_max, row_sum = lax.fori_loop(full_end, last, body, carry)
     else:
         accs, row_max, row_sum = lax.fori_loop(first, last, body, init)
+    if with_new:
+        new_rows = [row * n_heads + j if n_heads > 1 else row for j in range(n_heads)]  # in k_new / v_new
+        owner = has_new & (split == k_splits - 1) if k_splits > 1 else has_new
+        accs, row_max, row_sum = _new_position(
+            (accs, row_max, row_sum), owner, jnp.where(has_new, new_at, 0), qs, new_rows, cache_rows,
+            (k_new_ref, v_new_ref), (k_out_ref, v_out_ref), (k_scale, v_scale), score_scale, compute_dtype, kv_limit)
     # each head's rows from its own accumulator
     acc = accs[0]
     for rows_j, acc_j in zip(head_rows[1:], accs[1:], strict=True):
@@ -388,6 +450,43 @@ def _kernel(layer_ref, lengths_ref, k_scale_ref, v_scale_ref, out_scale_ref, q_r
     plgpu.store(acc_ref.at[split, heads, :], acc, mask=head_ok[:, None])
     plgpu.store(row_max_ref.at[split, heads], row_max, mask=head_ok)
     plgpu.store(row_sum_ref.at[split, heads], row_sum, mask=head_ok)
+
+
+def _new_position(carry, owner, at, qs, new_rows, cache_rows, new_refs, out_refs, scales, score_scale, compute_dtype,
+                  kv_limit):
+    """``_kernel``'s new token (``with_new``), done by the ``owner`` program (the last split, where the position is
+    inside the cache): each head's K and V as stored (quantized for an FP8 cache) written at position ``at``, and
+    that position's column joined to the online softmax. The dots' operand rounding is kept: the stored K and V in
+    ``compute_dtype``, the probability rounded to it before it weights V; the products are summed in f32 (in
+    another order than the dots', the only difference)."""
+    accs, row_max, row_sum = carry
+    write = jnp.broadcast_to(owner, new_refs[0].shape[-1:])
+    score = None
+    values = []
+    for q_j, new_row, cache_row in zip(qs, new_rows, cache_rows, strict=True):
+        stored = []
+        for new_ref, out_ref, scale in zip(new_refs, out_refs, scales, strict=True):
+            x = new_ref[new_row, :]
+            if kv_limit is not None:  # recipe.quantize: the f32 product, clipped, rounded once
+                x = jnp.clip(x.astype(jnp.float32) * scale, -kv_limit, kv_limit)
+            x = x.astype(out_ref.dtype)
+            plgpu.store(out_ref.at[cache_row, at, :], x, mask=write)
+            stored.append(x.astype(compute_dtype).astype(jnp.float32))
+        k, v = stored
+        # [Gp, H] . [H] -> [Gp]: this head's rows' scores (exact zeros on the other rows: their q_j rows are zeros)
+        s_j = jnp.sum(q_j.astype(jnp.float32) * k[None, :], axis=1)
+        score = s_j if score is None else score + s_j
+        values.append(v)
+    score = score * score_scale
+    new_max = jnp.maximum(row_max, score)
+    correction = jnp.exp(row_max - new_max)  # row_max may be -inf (no block): 0
+    p = jnp.exp(score - new_max)
+    weight = p.astype(compute_dtype).astype(jnp.float32)  # as the P.V dot's operand
+    new_accs = [correction[:, None] * acc + weight[:, None] * v[None, :] for acc, v in zip(accs, values, strict=True)]
+    # not the owner (another split, or no new position): unchanged (the values above may be NaN there)
+    keep = lambda new, old: jnp.where(owner, new, old)  # noqa: E731
+    return (tuple(keep(n, o) for n, o in zip(new_accs, accs, strict=True)), keep(new_max, row_max),
+            keep(correction * row_sum + p, row_sum))
 
 
 def _widen_byte_array_offsets() -> bool:
@@ -422,7 +521,7 @@ def _widen_byte_array_offsets() -> bool:
 
 
 def decode_attention_pallas(q, k_cache, v_cache, lengths, *, layer=None, k_scale=None, v_scale=None,
-                            out_scale=None, out_dtype=None, block_k: int | None = None,
+                            out_scale=None, out_dtype=None, new_kv=None, block_k: int | None = None,
                             k_splits: int | None = None, num_warps: int = 4, num_stages: int | None = None,
                             dot_dtype=None, heads_per_program: int = 1, tail_loop: bool = False,
                             interpret: bool = False) -> jax.Array:
@@ -439,8 +538,10 @@ def decode_attention_pallas(q, k_cache, v_cache, lengths, *, layer=None, k_scale
     faster, 100.6 / 153.6 us a layer-step against 113.1 / 164.4 (half / whole 1,088-position cache), and batch 64
     (4 splits) slower, 52.3 / 67.2 against 49.1 / 62.9 us; but the batch-256 rollout with it on for one split made
     89.5k tokens/s against 91.7k without (``results/rollout_tail_loop_h100.json``)."""
+    cache_shape = k_cache.shape
     (k_cache, _), (v_cache, layer) = _stacked(k_cache, layer), _stacked(v_cache, layer)
     _check(q, k_cache, v_cache, lengths, k_scale, v_scale)
+    _check_new(q, new_kv)
     out_dtype, quantized = _out_format(out_scale, out_dtype, q.dtype)
     reason = pallas_unsupported(q.shape[-1])
     if reason:
@@ -461,6 +562,12 @@ def decode_attention_pallas(q, k_cache, v_cache, lengths, *, layer=None, k_scale
     if itemsize == 1 and k_cache.size > 2**31 and not interpret and not _widen_byte_array_offsets():
         warnings.warn("decode attention: Pallas offsets are 32-bit for this FP8 cache; slicing the layer (a copy)",
                       stacklevel=2)
+        if new_kv is not None and n_layers > 1:  # the layer written alone, then put back
+            return _in_layer(functools.partial(
+                decode_attention_pallas, q, lengths=lengths, k_scale=_layer_scale(k_scale, layer),
+                v_scale=_layer_scale(v_scale, layer), out_scale=out_scale, out_dtype=out_dtype, new_kv=new_kv,
+                block_k=block_k, k_splits=k_splits, num_warps=num_warps, num_stages=num_stages, dot_dtype=dot_dtype,
+                heads_per_program=heads_per_program, tail_loop=tail_loop), k_cache, v_cache, layer, cache_shape)
         k_scale, v_scale = _layer_scale(k_scale, layer), _layer_scale(v_scale, layer)
         k_cache, v_cache, layer = k_cache[layer][None], v_cache[layer][None], jnp.int32(0)
         n_layers = 1
@@ -480,7 +587,8 @@ def decode_attention_pallas(q, k_cache, v_cache, lengths, *, layer=None, k_scale
         rows_padded=_pow2_ceil(max(n_heads * g, MIN_DOT_ROWS)), rows_per_layer=rows,
         cache_len=s, block_k=block_k, k_splits=k_splits, compute_dtype=compute_dtype, precision=precision,
         softmax_scale=1.0 / math.sqrt(h), q_dtype=jnp.dtype(q.dtype),
-        out_limit=fp8_max(out_dtype) if quantized else None, tail_loop=tail_loop,
+        out_limit=fp8_max(out_dtype) if quantized else None, tail_loop=tail_loop, with_new=new_kv is not None,
+        kv_limit=fp8_max(k_cache.dtype) if itemsize == 1 else None,
     )
     if k_splits == 1:  # the output itself
         out_shape = (jax.ShapeDtypeStruct((rows * g, h), out_dtype),)
@@ -490,26 +598,31 @@ def decode_attention_pallas(q, k_cache, v_cache, lengths, *, layer=None, k_scale
             jax.ShapeDtypeStruct((k_splits, rows * g), jnp.float32),  # row_max
             jax.ShapeDtypeStruct((k_splits, rows * g), jnp.float32),  # row_sum
         )
+    # [L, B, K, S, H] -> [L*B*K, S, H]: contiguous, a free reshape
+    caches = [k_cache.reshape(n_layers * rows, s, h), v_cache.reshape(n_layers * rows, s, h)]
+    operands = [jnp.reshape(layer, (1,)), lengths.astype(jnp.int32), *scales,
+                # [B, K, G, H] -> [B*K*G, H]
+                q_dot.reshape(rows * g, h), *caches]
+    aliases = {}
+    if new_kv is not None:  # [B, K, H] -> [B*K, H] each; the caches come back written, in their own buffers
+        operands += [a.reshape(rows, h) for a in new_kv]
+        aliases = {len(operands) - 4 + i: len(out_shape) + i for i in range(2)}
+        out_shape = (*out_shape, *(jax.ShapeDtypeStruct(c.shape, c.dtype) for c in caches))
     outs = pl.pallas_call(
         kernel,
         grid=(programs, k_splits),
         out_shape=out_shape,
+        input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="decode_attention",
-    )(
-        jnp.reshape(layer, (1,)),
-        lengths.astype(jnp.int32),
-        *scales,
-        # [B, K, G, H] -> [B*K*G, H]
-        q_dot.reshape(rows * g, h),
-        # [L, B, K, S, H] -> [L*B*K, S, H]: contiguous, a free reshape
-        k_cache.reshape(n_layers * rows, s, h),
-        v_cache.reshape(n_layers * rows, s, h),
-    )
+    )(*operands)
+    if new_kv is not None:
+        outs, written = outs[:-2], tuple(c.reshape(cache_shape) for c in outs[-2:])
     if k_splits == 1:
         # [B*K*G, H] -> [B, K, G, H]
-        return outs[0].reshape(b, kh, g, h)
+        out = outs[0].reshape(b, kh, g, h)
+        return out if new_kv is None else (out, *written)
     acc, row_max, row_sum = outs
     # combine the splits, each weighted by exp(its row max - the overall max); an empty split's max is -inf
     overall_max = jnp.max(row_max, axis=0)
@@ -520,7 +633,16 @@ def decode_attention_pallas(q, k_cache, v_cache, lengths, *, layer=None, k_scale
     # a length-0 sequence (total 0) gets zeros; 1/v_scale is the V dequantization
     out = acc * (_inverse_scale(_layer_scale(v_scale, layer)) / jnp.where(total > 0, total, 1.0))[:, None]
     # [B*K*G, H] -> [B, K, G, H]
-    return _output(out.reshape(b, kh, g, h), q.dtype, out_dtype, out_scale)
+    out = _output(out.reshape(b, kh, g, h), q.dtype, out_dtype, out_scale)
+    return out if new_kv is None else (out, *written)
+
+
+def _in_layer(attend, k_cache, v_cache, layer, cache_shape):
+    """``attend(k_layer, v_layer)`` -> (out, k_layer, v_layer) on layer ``layer`` of [L, B, K, S, H] caches sliced out
+    (copies), the written layers put back: (out, k_cache, v_cache) in ``cache_shape``."""
+    out, k_layer, v_layer = attend(k_cache[layer], v_cache[layer])
+    put = lambda cache, new: lax.dynamic_update_index_in_dim(cache, new, layer, 0).reshape(cache_shape)  # noqa: E731
+    return out, put(k_cache, k_layer), put(v_cache, v_layer)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -528,8 +650,8 @@ def decode_attention_pallas(q, k_cache, v_cache, lengths, *, layer=None, k_scale
 
 
 def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengths: jax.Array, *, layer=None,
-                     k_scale=None, v_scale=None, out_scale=None, out_dtype=None, impl: str = "auto",
-                     **tuning) -> jax.Array:
+                     k_scale=None, v_scale=None, out_scale=None, out_dtype=None, new_kv=None, impl: str = "auto",
+                     **tuning):
     """Attention of one query token per sequence over cache positions ``0 .. lengths[b] - 1``.
 
     q [B, K, G, H] (bf16 or f32); k_cache, v_cache [B, K, S, H], or [L, B, K, S, H] with ``layer`` (an int or
@@ -539,6 +661,12 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengt
     returns zeros from the kernel). Returns [B, K, G, H] in q's dtype, or with an FP8 ``out_dtype`` and its
     ``out_scale`` that value quantized for the next FP8 GEMM (``recipe.quantize``, bit for bit what that linear
     would make of the BF16 output; the kernel writes it, so no XLA kernel quantizes it in the decode step).
+
+    ``new_kv``: this step's (K, V) [B, K, H] (q's dtype), the token at position ``lengths[b] - 1``: written into the
+    caches (quantized with ``k_scale`` / ``v_scale`` for an FP8 cache; not written where that position is outside
+    the cache) before it is attended to, and ``(out, k_cache, v_cache)`` returned. The kernel stores them itself,
+    into the cache buffers it was given (aliased: in place where the caller's buffers can be reused), and takes
+    that position from registers, so that no XLA scatter per layer and step writes them (two kernels a layer).
 
     impl: ``pallas`` (the Triton kernel, GPU), ``pallas_interpret`` (the same kernel through Pallas'
     interpreter: any backend, slow, for tests), ``xla`` (the masked einsum), ``auto`` (pallas on a GPU backend
@@ -553,29 +681,32 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengt
                          "use 'pallas_interpret' or 'xla'")
     scales = {"k_scale": k_scale, "v_scale": v_scale, "out_scale": out_scale}
     if impl == "xla":
-        return decode_attention_xla(q, k_cache, v_cache, lengths, layer=layer, out_dtype=out_dtype, **scales)
+        return decode_attention_xla(q, k_cache, v_cache, lengths, layer=layer, out_dtype=out_dtype, new_kv=new_kv,
+                                    **scales)
     kernel = functools.partial(decode_attention_pallas, interpret=impl == "pallas_interpret", out_dtype=out_dtype,
                                **tuning)
     from fp8rl_jax.parallel import rules
 
     mesh = rules.active_mesh()
     if mesh is None:
-        return kernel(q, k_cache, v_cache, lengths, layer=layer, **scales)
-    return _shard_mapped(kernel, mesh, q, k_cache, v_cache, lengths, layer, scales)
+        return kernel(q, k_cache, v_cache, lengths, layer=layer, new_kv=new_kv, **scales)
+    return _shard_mapped(kernel, mesh, q, k_cache, v_cache, lengths, layer, scales, new_kv)
 
 
-def _shard_mapped(kernel, mesh, q, k_cache, v_cache, lengths, layer, scales: dict) -> jax.Array:
+def _shard_mapped(kernel, mesh, q, k_cache, v_cache, lengths, layer, scales: dict, new_kv):
     """``kernel`` under ``jax.shard_map`` over the batch and kv heads of the active ``mesh``, split as the sharding
     rules split the KV cache (what does not divide stays whole); layer index and scales replicated."""
     from fp8rl_jax.parallel import rules
 
-    # q [B, K, G, H] and the output split as the cache's B and K
+    # q [B, K, G, H], the output and the new K/V [B, K, H] split as the cache's B and K
     cache_spec, head_spec, rows_spec = rules.cache_local_specs(mesh, k_cache.shape)
     given = {name: jnp.asarray(a) for name, a in {"layer": layer, **scales}.items() if a is not None}
 
-    def local(q, k_cache, v_cache, lengths, given):
-        return kernel(q, k_cache, v_cache, lengths, **given)
+    def local(q, k_cache, v_cache, lengths, given, new_kv):
+        return kernel(q, k_cache, v_cache, lengths, new_kv=new_kv, **given)
 
-    mapped = jax.shard_map(local, mesh=mesh, in_specs=(head_spec, cache_spec, cache_spec, rows_spec, P()),
-                           out_specs=head_spec, check_vma=False)
-    return mapped(q, k_cache, v_cache, lengths, given)
+    new_specs = P() if new_kv is None else (head_spec, head_spec)
+    out_specs = head_spec if new_kv is None else (head_spec, cache_spec, cache_spec)
+    mapped = jax.shard_map(local, mesh=mesh, in_specs=(head_spec, cache_spec, cache_spec, rows_spec, P(), new_specs),
+                           out_specs=out_specs, check_vma=False)
+    return mapped(q, k_cache, v_cache, lengths, given, new_kv)

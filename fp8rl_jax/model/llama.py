@@ -479,11 +479,20 @@ def _block(x, layer, fp8, idx, positions, cache, kv_scales, config: LlamaConfig,
     k_scale = v_scale = None
     if precision.kv_fp8:
         k_scale, v_scale = kv_scales["k"][idx], kv_scales["v"][idx]
-    if cache is None:
+    if cache is not None and t == 1 and decode_impl != "xla":
+        # decode: the kernel writes this token's K/V into the (FP8) cache and reads each sequence's filled
+        # positions 0..position only, in place
+        attn, cache = _decode_attention(q, k, v, layer, fp8, idx, positions, cache, kv_scales, k_scale, v_scale, c,
+                                        precision, decode_impl, cache_dtype)
+    elif cache is None:
         if precision.kv_fp8:
             k, v = kvq.round_trip(k, k_scale), kvq.round_trip(v, v_scale)
-        # [B, T, K, H] -> [B, K, T, H]
-        keys, values, k_pos = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), positions
+        if attention_impl != "xla":
+            attn = flash_attention(q, k.astype(q.dtype), v.astype(q.dtype), attention_impl, segment_ids=segment_ids)
+        else:  # [B, T, K, H] -> [B, K, T, H]
+            keys, values = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+            attn = attention(q, keys.astype(q.dtype), values.astype(q.dtype), positions, positions, segment_ids,
+                             segment_ids)
     else:
         ck, cv = cache["k"], cache["v"]
         if precision.kv_fp8:
@@ -499,25 +508,6 @@ def _block(x, layer, fp8, idx, positions, cache, kv_scales, config: LlamaConfig,
             values = kvq.dequantize_kv(values, v_scale, precision.dtype)
         s = keys.shape[2]
         k_pos = jnp.broadcast_to(jnp.arange(s, dtype=positions.dtype)[None], (b, s))
-
-    if cache is not None and t == 1 and decode_impl != "xla":
-        # decode: read each sequence's filled positions 0..position only, from the (FP8) cache in place (the
-        # whole-cache keys / values above are then dead code, dropped by XLA)
-        # [B, 1, N, H] -> [B, K, G, H]
-        q_heads = q.reshape(b, c.num_kv_heads, c.num_heads // c.num_kv_heads, c.head_dim)
-        layered = isinstance(cache["k"], tuple)  # one array per layer: this layer's, [B, K, S, H]
-        native = {n: (a[idx] if layered else a) for n, a in cache.items()}
-        native = {n: a if a.dtype == cache_dtype else lax.bitcast_convert_type(a, cache_dtype)
-                  for n, a in native.items()}
-        attn = decode_kernel.decode_attention(q_heads, native["k"], native["v"], positions[:, 0] + 1,
-                                              layer=None if layered else idx, impl=decode_impl,
-                                              **_decode_scales(kv_scales, k_scale, v_scale, layered, precision),
-                                              **_decode_output(layer["wo"], fp8.get("wo"), precision))
-        # [B, K, G, H] -> [B, 1, N, H]
-        attn = attn.reshape(b, 1, c.num_heads, c.head_dim)
-    elif cache is None and attention_impl != "xla":
-        attn = flash_attention(q, k.astype(q.dtype), v.astype(q.dtype), attention_impl, segment_ids=segment_ids)
-    else:
         attn = attention(q, keys.astype(q.dtype), values.astype(q.dtype), positions, k_pos, segment_ids, segment_ids)
     # [B, T, N, H] -> [B, T, N H]
     x = x + linear(attn.reshape(b, t, c.q_size), layer["wo"], fp8.get("wo"), precision, out_dtype=x.dtype)
@@ -535,6 +525,49 @@ def _block(x, layer, fp8, idx, positions, cache, kv_scales, config: LlamaConfig,
                             (c.intermediate_size,) * 2, fused_shards)
     x = x + linear(jax.nn.silu(gate) * up, layer["w_down"], fp8.get("w_down"), precision, out_dtype=x.dtype)
     return x, cache, kv_amax
+
+
+# Who writes the decode step's new K/V into the cache: "kernel" (the decode attention kernel, ``new_kv``) or "xla"
+# (a scatter per tensor and layer before the kernel, the earlier form). Read when the step is traced; benchmarks
+# set it to compare the two (``bench rollout --variants``).
+DECODE_KV_WRITE = "kernel"
+
+
+def _decode_attention(q, k, v, layer, fp8, idx, positions, cache, kv_scales, k_scale, v_scale, config: LlamaConfig,
+                      precision: Precision, decode_impl: str, cache_dtype):
+    """``_block``'s decode attention through ``kernels.decode_attention`` (T = 1): q [B, 1, N, H], this token's k, v
+    [B, 1, K, H] (BF16, after RoPE) -> (attn [B, 1, N, H], the cache with k, v written at ``positions``). The kernel
+    quantizes and stores k, v itself (no scatter per layer and step) and reads each sequence's positions
+    0..position only, from the cache in place; the cache comes back in the form it came in (per layer or stacked,
+    as its bits or not)."""
+    c = config
+    b = q.shape[0]
+    in_kernel = DECODE_KV_WRITE == "kernel"
+    if not in_kernel:  # XLA's scatters write k, v first (the earlier form; benchmarks compare the two)
+        quantized = [kvq.quantize_kv(a, scale) if precision.kv_fp8 else a for a, scale in ((k, k_scale), (v, v_scale))]
+        rows = jnp.broadcast_to(jnp.arange(b)[:, None], positions.shape)
+        cache = {name: _cache_write(cache[name], idx, rows, positions, a.astype(cache_dtype))[0]
+                 for name, a in zip(("k", "v"), quantized, strict=True)}
+    # [B, 1, N, H] -> [B, K, G, H]
+    q_heads = q.reshape(b, c.num_kv_heads, c.num_heads // c.num_kv_heads, c.head_dim)
+    layered = isinstance(cache["k"], tuple)  # one array per layer: this layer's, [B, K, S, H]
+    held = {n: (a[idx] if layered else a) for n, a in cache.items()}
+    native = {n: a if a.dtype == cache_dtype else lax.bitcast_convert_type(a, cache_dtype) for n, a in held.items()}
+    attn = decode_kernel.decode_attention(
+        q_heads, native["k"], native["v"], positions[:, 0] + 1, layer=None if layered else idx, impl=decode_impl,
+        new_kv=(k[:, 0], v[:, 0]) if in_kernel else None,
+        **_decode_scales(kv_scales, k_scale, v_scale, layered, precision),
+        **_decode_output(layer["wo"], fp8.get("wo"), precision))
+    if not in_kernel:
+        return attn.reshape(b, 1, c.num_heads, c.head_dim), cache
+    attn, k_cache, v_cache = attn
+    written = {}
+    for name, new in (("k", k_cache), ("v", v_cache)):
+        if new.dtype != held[name].dtype:  # back to the bits it was held as
+            new = lax.bitcast_convert_type(new, held[name].dtype)
+        written[name] = (*cache[name][:idx], new, *cache[name][idx + 1:]) if layered else new
+    # [B, K, G, H] -> [B, 1, N, H]
+    return attn.reshape(b, 1, c.num_heads, c.head_dim), written
 
 
 def _decode_scales(kv_scales, k_scale, v_scale, layered: bool, precision: Precision) -> dict:

@@ -238,6 +238,72 @@ def test_fp8_output_is_the_next_linear_quantization(impl, k_splits, kind):
         run(*args, out_dtype=jnp.float8_e4m3fn)
 
 
+# the new token's K/V written by the kernel (``new_kv``): lengths 0 (nothing), 1 (the new token alone), a ragged
+# block, the cache's last position, past the cache (not written: the whole cache is attended to)
+NEW_LENGTHS = np.array([0, 1, 23, S, S + 3], np.int32)
+NEW_CASES = [  # kind, G, P, block_k, k_splits
+    ("f32", 4, 1, 16, 1),
+    ("f32", 2, 2, 16, 3),
+    ("bf16", 4, 1, 16, 2),
+    ("fp8", 4, 1, 16, 1),
+    ("fp8", 4, 1, 16, 3),
+    ("fp8", 2, 2, 16, 2),
+]
+
+
+@pytest.mark.parametrize("kind,g,heads_per_program,block_k,k_splits", NEW_CASES)
+def test_new_token_written_by_the_kernel(kind, g, heads_per_program, block_k, k_splits):
+    """``new_kv``: the caches come back with each sequence's new K/V stored at ``length - 1`` bit for bit as
+    ``write_new``'s scatter stores them (quantized for FP8), nothing else changed, and the output is attention over
+    the written cache (the float64 reference and the XLA path given the same new K/V)."""
+    _check_new_token("pallas_interpret", kind, g, heads_per_program, block_k, k_splits)
+
+
+def _check_new_token(impl, kind, g, heads_per_program, block_k, k_splits):
+    b = len(NEW_LENGTHS)
+    q, k, v, k_scale, v_scale, *_ = _inputs(kind, g, seed=2, layers=2, kv_heads=4)
+    q, k, v = q[:1].repeat(b, 0), k[:, :1].repeat(b, 1), v[:, :1].repeat(b, 1)  # B = 5 rows
+    q = q + np.asarray(jnp.asarray(np.arange(b)[:, None, None, None] * 0.1, q.dtype))  # rows differ
+    rng = np.random.default_rng(5)
+    new = [np.asarray(jnp.asarray(rng.standard_normal((b, 4, H)) * m, q.dtype)) for m in (2.0, 1.0)]
+    args = [jnp.asarray(a) for a in (q, k, v, NEW_LENGTHS)]
+    scales = {"k_scale": k_scale, "v_scale": v_scale}
+    tuning = {"block_k": block_k, "k_splits": k_splits, "heads_per_program": heads_per_program}
+    run = jax.jit(functools.partial(da.decode_attention, layer=jnp.int32(1), new_kv=tuple(map(jnp.asarray, new)),
+                                    impl=impl, **scales, **tuning))
+    out, k_written, v_written = run(*args)
+    layer_scales = {"k": k_scale, "v": v_scale}
+    for name, cache, written, new_name in (("k", k, k_written, 0), ("v", v, v_written, 1)):
+        want = da.write_new(jnp.asarray(cache), 1, jnp.asarray(NEW_LENGTHS), jnp.asarray(new[new_name]),
+                            layer_scales[name])
+        np.testing.assert_array_equal(np.asarray(written, np.float32), np.asarray(want, np.float32))
+    changed = np.asarray(k_written, np.float32) != np.asarray(jnp.asarray(k), np.float32)
+    assert changed[1, [1, 2, 3]].any() and not changed[0].any() and not changed[1, [0, 4]].any()
+    # the reference: attention over the written layer, dequantized, lengths clipped to the cache
+    deq = lambda a, scale: np.asarray(a, np.float64) / (np.float64(scale) if scale is not None else 1.0)  # noqa: E731
+    want = _reference(np.asarray(q, np.float64), deq(k_written[1], k_scale), deq(v_written[1], v_scale),
+                      np.minimum(NEW_LENGTHS, S))
+    tol = TOL[kind]
+    np.testing.assert_allclose(np.asarray(out, np.float64), want, rtol=tol, atol=tol)
+    assert not np.asarray(out, np.float32)[0].any()  # length 0
+    xla_out, xla_k, xla_v = jax.jit(functools.partial(da.decode_attention, layer=jnp.int32(1),
+                                                      new_kv=tuple(map(jnp.asarray, new)), impl="xla",
+                                                      **scales))(*args)
+    np.testing.assert_array_equal(np.asarray(xla_k, np.float32), np.asarray(k_written, np.float32))
+    np.testing.assert_array_equal(np.asarray(xla_v, np.float32), np.asarray(v_written, np.float32))
+    if jax.default_backend() == "gpu":  # XLA's f32 einsums run in TF32 on the GPU (the kernel's f32 dots do not)
+        tol = max(tol, 1e-2)
+    np.testing.assert_allclose(np.asarray(out, np.float64), np.asarray(xla_out, np.float64), rtol=tol, atol=tol)
+
+
+def test_new_kv_bad_shape_names_the_key():
+    q, k, v, *_ = _inputs("f32", 2)
+    bad = jnp.zeros((B, K, H + 1), jnp.float32)
+    with pytest.raises(ValueError, match="new_kv k must be"):
+        da.decode_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(LENGTHS), new_kv=(bad, bad),
+                            impl="pallas_interpret")
+
+
 def test_defaults_hand_derived():
     # 16 KiB of K per block, at most 64 positions: 16384 / (128 * 2) = 64; FP8 and H=64 give 128 or more, capped
     assert (da.MAX_BLOCK_K, da.TARGET_PROGRAMS, da.NUM_STAGES) == (64, 1024, 3)
@@ -430,6 +496,21 @@ def test_packed_heads_kernel_lowers_to_triton(cache_dtype, q_dtype, triton_ir):
     assert ttir.count("scf.for") == 1 and ttir.count("tt.dot") == 8
 
 
+def test_new_kv_lowers_to_triton(triton_ir):
+    """Llama-3.2-1B, batch 256, 1088 positions, FP8 caches written by the kernel (``new_kv``): it lowers, stores E4M3
+    values into the caches with 64-bit offsets (a 2.3e9-byte cache) and quantizes the BF16 inputs."""
+    q = jax.ShapeDtypeStruct((256, 8, 4, 64), jnp.bfloat16)
+    cache = jax.ShapeDtypeStruct((16, 256, 8, 1088, 64), jnp.float8_e4m3fn)
+    new = jax.ShapeDtypeStruct((256, 8, 64), jnp.bfloat16)
+    fn = functools.partial(da.decode_attention_pallas, k_scale=jnp.float32(2.0), v_scale=jnp.float32(3.0))
+    [ttir] = triton_ir(lambda q, k, v, n, i, nk, nv: fn(q, k, v, n, layer=i, new_kv=(nk, nv)), q, cache, cache,
+                        jax.ShapeDtypeStruct((256,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32), new, new)
+    stores = [line for line in ttir.splitlines() if "tt.store" in line and "f8E4M3FN" in line]
+    assert len(stores) == 2, stores  # K and V
+    cache_offsets = [line for line in ttir.splitlines() if "tt.addptr" in line and "f8E4M3FN" in line]
+    assert cache_offsets and all("xi64>" in line for line in cache_offsets), cache_offsets
+
+
 def test_large_fp8_cache_gets_64_bit_offsets(triton_ir):
     """Llama-3.2-1B, batch 256, 1088 positions: one FP8 K cache of 2.3e9 bytes (> 2**31 elements, < 4 GiB), for
     which Pallas would compute 32-bit element offsets that wrap; its pointer offsets must be 64-bit."""
@@ -473,6 +554,35 @@ def test_gpu_fp8_output_is_the_next_linear_quantization(k_splits):
     got = jax.jit(functools.partial(run, out_scale=out_scale, out_dtype=jnp.float8_e4m3fn))(*args)
     want = quantize(plain, out_scale, jnp.float8_e4m3fn)
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind,g,heads_per_program,block_k,k_splits", NEW_CASES)
+def test_gpu_new_token_written_by_the_kernel(kind, g, heads_per_program, block_k, k_splits):
+    """``new_kv`` on the GPU: the compiled kernel's stores equal ``write_new``'s scatter bit for bit."""
+    _check_new_token("pallas", kind, g, heads_per_program, block_k, k_splits)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "float8_e4m3fn"])
+def test_gpu_decode_step_writes_the_cache_in_place(kv_dtype):
+    """The engine's decode loop (tiny preset, 4 steps): the kernel's aliased caches are the loop's own buffers, so
+    the compiled program copies no layer of the cache (a copy would read and write the whole layer each step)."""
+    from fp8rl_jax.fp8.policy import Precision
+    from fp8rl_jax.rollout.engine import Engine, EngineConfig
+
+    config, params = _tiny()
+    precision = Precision(kv_cache_dtype=kv_dtype)
+    kv_scales = _kv_scales(config, params, jnp.ones((1, 4), jnp.int32)) if kv_dtype != "bfloat16" else None
+    engine = Engine(config, precision, EngineConfig(max_concurrent_decodes=8, max_prefill_length=16,
+                                                    max_new_tokens=48))
+    p = engine.load_params(params, None, kv_scales)
+    state = engine.init_decode_state()
+    hlo = engine._generate_steps.lower(p, state, 4).compile().as_text()
+    layer = f"[8,{config.num_kv_heads},{engine.config.max_cache_length},{config.head_dim}]"
+    assert "decode_attention" in hlo
+    copies = [line for line in hlo.splitlines() if layer in line and ("copy(" in line or "copy-start" in line)]
+    assert not copies, copies[:3]
 
 
 @pytest.mark.gpu
