@@ -33,7 +33,7 @@ def test_gemm_and_rollout_benchmarks_smoke(tmp_path):
     from fp8rl_jax.rollout import sampling
 
     assert (da.MAX_BLOCK_K, da.TARGET_PROGRAMS, da.NUM_STAGES) == (64, 1024, 3)
-    assert (llama.DECODE_KV_WRITE, sampling.DRAW) == ("kernel", "two_level")
+    assert (llama.DECODE_INPUTS, sampling.DRAW) == ("projection", "two_level")
     with pytest.raises(ValueError, match="unknown form 'fast'"):
         main(["rollout", "--smoke", "--modes", "bf16", "--variants", "fast", "--out", str(tmp_path / "x.json")])
 

@@ -24,10 +24,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the decode kernel's launch defaults, comma-separated: default (the package's) or "
                              "max_block_k:target_programs:num_stages (kernels.decode_attention.tuned), e.g. 128:2048:2")
     parser.add_argument("--variants", default="default",
-                        help="comma-separated: default, or '+'-joined earlier forms to run instead: scatter_kv (XLA "
-                             "scatters write the decode step's K/V, llama.DECODE_KV_WRITE), one_level_draw "
-                             "(jax.random.categorical over the vocabulary, sampling.DRAW); e.g. "
-                             "default,scatter_kv+one_level_draw")
+                        help="comma-separated: default, or '+'-joined earlier forms to run instead: rotate_in_xla "
+                             "(XLA splits and rotates q|k|v for the decode kernel, llama.DECODE_INPUTS), scatter_kv "
+                             "(XLA also scatters the K/V into the cache), one_level_draw (jax.random.categorical over "
+                             "the vocabulary, sampling.DRAW); e.g. default,scatter_kv+one_level_draw")
     parser.add_argument("--profile", action="store_true",
                         help="also trace one chunk: kernel and idle time per step, top kernels")
     parser.add_argument("--smoke", action="store_true")
@@ -171,7 +171,8 @@ def _earlier_form(name: str):
     from fp8rl_jax.model import llama
     from fp8rl_jax.rollout import sampling
 
-    switches = {"scatter_kv": (llama, "DECODE_KV_WRITE", "xla"), "one_level_draw": (sampling, "DRAW", "one_level")}
+    switches = {"rotate_in_xla": (llama, "DECODE_INPUTS", "rotated"), "scatter_kv": (llama, "DECODE_INPUTS", "cached"),
+                "one_level_draw": (sampling, "DRAW", "one_level")}
     if name not in switches:
         raise ValueError(f"--variants: unknown form {name!r}; known: default, {', '.join(switches)}")
     module, attr, value = switches[name]

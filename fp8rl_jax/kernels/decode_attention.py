@@ -328,7 +328,8 @@ def write_new(cache: jax.Array, layer, lengths: jax.Array, new: jax.Array, scale
 def _kernel(layer_ref, lengths_ref, k_scale_ref, v_scale_ref, out_scale_ref, q_ref, k_ref, v_ref, *refs,
             kv_heads: int, groups: int, heads_per_program: int, rows_padded: int, rows_per_layer: int,
             cache_len: int, block_k: int, k_splits: int, compute_dtype, precision, softmax_scale: float,
-            q_dtype, out_limit: float | None, tail_loop: bool, with_new: bool, kv_limit: float | None):
+            q_dtype, out_limit: float | None, tail_loop: bool, with_new: bool, kv_limit: float | None,
+            fused_rows: int | None):
     """``heads_per_program`` (P) consecutive kv heads of one sequence and one split. Refs (whole arrays, indexed
     here):
 
@@ -350,14 +351,22 @@ def _kernel(layer_ref, lengths_ref, k_scale_ref, v_scale_ref, out_scale_ref, q_r
     quantizes its K and V (``kv_limit``: FP8, ``recipe.quantize`` with k_scale / v_scale), stores them there and
     takes that position's score and value from registers; the blocks cover positions ``0 .. length - 2``. A
     position outside the cache is not written and the blocks cover the whole cache, as a dropped scatter leaves it.
+
+    ``fused_rows`` (the fused form, ``rope``): q_ref is the projection [B*(N+2K), H] before RoPE, ``fused_rows`` =
+    N+2K rows a sequence (its N query heads, K keys, K values); two more inputs, cos and sin [B, H/2] f32 at each
+    sequence's new position. The program takes its query rows and its heads' new K and V from it and rotates the
+    queries and keys as ``llama.apply_rope`` does (f32, rounded to ``q_dtype``): no XLA kernel splits or rotates them.
     """
-    if with_new:
+    if fused_rows is not None:
+        cos_ref, sin_ref, *out_refs, k_out_ref, v_out_ref = refs
+    elif with_new:
         k_new_ref, v_new_ref, *out_refs, k_out_ref, v_out_ref = refs
     else:
         out_refs = refs
     row, split = pl.program_id(0), pl.program_id(1)
     n_heads = heads_per_program
-    length = lengths_ref[lax.div(row, kv_heads // n_heads)]
+    sequence = lax.div(row, kv_heads // n_heads)
+    length = lengths_ref[sequence]
     if with_new:  # the new token at length - 1, when inside the cache; the cache holds the positions before it
         new_at = length - 1
         has_new = (new_at >= 0) & (new_at < cache_len)
@@ -376,8 +385,15 @@ def _kernel(layer_ref, lengths_ref, k_scale_ref, v_scale_ref, out_scale_ref, q_r
     real_rows = n_heads * groups
     row_index = jnp.arange(rows_padded)
     head_ok = row_index < real_rows
-    heads = pl.ds(row * real_rows, rows_padded)
-    q = plgpu.load(q_ref.at[heads, :], mask=head_ok[:, None])
+    heads = pl.ds(row * real_rows, rows_padded)  # in the output [B*K*G, H] (and in q [B*K*G, H])
+    if fused_rows is None:
+        q = plgpu.load(q_ref.at[heads, :], mask=head_ok[:, None])
+    else:  # in the projection: sequence b's rows start at b * (N+2K); its kv head k's queries at k*G of them
+        first_head = (row - sequence * (kv_heads // n_heads)) * n_heads  # this program's first kv head
+        q_rows = pl.ds(sequence * fused_rows + first_head * groups, rows_padded)
+        cos, sin = cos_ref[sequence, :], sin_ref[sequence, :]
+        q = plgpu.load(q_ref.at[q_rows, :], mask=head_ok[:, None])
+        q = _dot_operand(_rotate_half(q.astype(jnp.float32), cos, sin).astype(q_dtype), compute_dtype)
     if n_heads == 1:
         head_rows = [head_ok]
         qs = [jnp.where(head_ok[:, None], q, 0).astype(compute_dtype)]
@@ -429,11 +445,17 @@ def _kernel(layer_ref, lengths_ref, k_scale_ref, v_scale_ref, out_scale_ref, q_r
     else:
         accs, row_max, row_sum = lax.fori_loop(first, last, body, init)
     if with_new:
-        new_rows = [row * n_heads + j if n_heads > 1 else row for j in range(n_heads)]  # in k_new / v_new
+        if fused_rows is None:  # this step's K and V [B*K, H], one row per (sequence, kv head)
+            new_rows = [row * n_heads + j if n_heads > 1 else row for j in range(n_heads)]
+            news = [(k_new_ref[r, :], v_new_ref[r, :]) for r in new_rows]
+        else:  # from the projection: keys after the N query rows, values after the K key rows; keys rotated
+            keys = sequence * fused_rows + (fused_rows - 2 * kv_heads) + first_head
+            news = [(_rotate_half(q_ref[keys + j, :].astype(jnp.float32), cos, sin).astype(q_dtype),
+                     q_ref[keys + kv_heads + j, :]) for j in range(n_heads)]
         owner = has_new & (split == k_splits - 1) if k_splits > 1 else has_new
         accs, row_max, row_sum = _new_position(
-            (accs, row_max, row_sum), owner, jnp.where(has_new, new_at, 0), qs, new_rows, cache_rows,
-            (k_new_ref, v_new_ref), (k_out_ref, v_out_ref), (k_scale, v_scale), score_scale, compute_dtype, kv_limit)
+            (accs, row_max, row_sum), owner, jnp.where(has_new, new_at, 0), qs, news, cache_rows,
+            (k_out_ref, v_out_ref), (k_scale, v_scale), score_scale, compute_dtype, kv_limit)
     # each head's rows from its own accumulator
     acc = accs[0]
     for rows_j, acc_j in zip(head_rows[1:], accs[1:], strict=True):
@@ -452,21 +474,37 @@ def _kernel(layer_ref, lengths_ref, k_scale_ref, v_scale_ref, out_scale_ref, q_r
     plgpu.store(row_sum_ref.at[split, heads], row_sum, mask=head_ok)
 
 
-def _new_position(carry, owner, at, qs, new_rows, cache_rows, new_refs, out_refs, scales, score_scale, compute_dtype,
-                  kv_limit):
+def _rotate_half(x, cos, sin):
+    """``llama.apply_rope``'s arithmetic on [..., H] f32 values: halves (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin),
+    cos and sin [H/2]. Written with the equal split, the two-way stack and the transpose Pallas' Triton lowering has
+    (no concatenation)."""
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    # [..., H/2, 2] -> [..., 2, H/2] -> [..., H]
+    pair = jnp.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return jnp.swapaxes(pair, -1, -2).reshape(x.shape)
+
+
+def _dot_operand(q, compute_dtype):
+    """The query as the dots take it: F16 operands for a BF16 query clip it to F16's range first."""
+    if compute_dtype == jnp.float16 and q.dtype != jnp.float16:
+        f16_max = float(jnp.finfo(jnp.float16).max)
+        return jnp.clip(q.astype(jnp.float32), -f16_max, f16_max).astype(jnp.float16)
+    return q.astype(compute_dtype)
+
+
+def _new_position(carry, owner, at, qs, news, cache_rows, out_refs, scales, score_scale, compute_dtype, kv_limit):
     """``_kernel``'s new token (``with_new``), done by the ``owner`` program (the last split, where the position is
-    inside the cache): each head's K and V as stored (quantized for an FP8 cache) written at position ``at``, and
-    that position's column joined to the online softmax. The dots' operand rounding is kept: the stored K and V in
-    ``compute_dtype``, the probability rounded to it before it weights V; the products are summed in f32 (in
-    another order than the dots', the only difference)."""
+    inside the cache): each head's K and V (``news``, [H] each in the query's dtype) as stored (quantized for an FP8
+    cache) written at position ``at``, and that position's column joined to the online softmax. The dots' operand
+    rounding is kept: the stored K and V in ``compute_dtype``, the probability rounded to it before it weights V; the
+    products are summed in f32 (in another order than the dots', the only difference)."""
     accs, row_max, row_sum = carry
-    write = jnp.broadcast_to(owner, new_refs[0].shape[-1:])
+    write = jnp.broadcast_to(owner, news[0][0].shape)
     score = None
     values = []
-    for q_j, new_row, cache_row in zip(qs, new_rows, cache_rows, strict=True):
+    for q_j, new, cache_row in zip(qs, news, cache_rows, strict=True):
         stored = []
-        for new_ref, out_ref, scale in zip(new_refs, out_refs, scales, strict=True):
-            x = new_ref[new_row, :]
+        for x, out_ref, scale in zip(new, out_refs, scales, strict=True):
             if kv_limit is not None:  # recipe.quantize: the f32 product, clipped, rounded once
                 x = jnp.clip(x.astype(jnp.float32) * scale, -kv_limit, kv_limit)
             x = x.astype(out_ref.dtype)
@@ -521,7 +559,7 @@ def _widen_byte_array_offsets() -> bool:
 
 
 def decode_attention_pallas(q, k_cache, v_cache, lengths, *, layer=None, k_scale=None, v_scale=None,
-                            out_scale=None, out_dtype=None, new_kv=None, block_k: int | None = None,
+                            out_scale=None, out_dtype=None, new_kv=None, rope=None, block_k: int | None = None,
                             k_splits: int | None = None, num_warps: int = 4, num_stages: int | None = None,
                             dot_dtype=None, heads_per_program: int = 1, tail_loop: bool = False,
                             interpret: bool = False) -> jax.Array:
@@ -537,9 +575,13 @@ def decode_attention_pallas(q, k_cache, v_cache, lengths, *, layer=None, k_scale
     --ab_tail_loop``, ``results/decode_tail_loop_h100.json``): alone, it made an FP8 cache at batch 256 (1 split)
     faster, 100.6 / 153.6 us a layer-step against 113.1 / 164.4 (half / whole 1,088-position cache), and batch 64
     (4 splits) slower, 52.3 / 67.2 against 49.1 / 62.9 us; but the batch-256 rollout with it on for one split made
-    89.5k tokens/s against 91.7k without (``results/rollout_tail_loop_h100.json``)."""
+    89.5k tokens/s against 91.7k without (``results/rollout_tail_loop_h100.json``).
+    ``rope`` (cos, sin): q is the fused projection (``decode_attention_qkv``), see there."""
     cache_shape = k_cache.shape
     (k_cache, _), (v_cache, layer) = _stacked(k_cache, layer), _stacked(v_cache, layer)
+    fused = q  # the projection [B, N+2K, H] with ``rope``
+    if rope is not None:
+        q = _fused_query(fused, k_cache.shape[2], new_kv, rope)
     _check(q, k_cache, v_cache, lengths, k_scale, v_scale)
     _check_new(q, new_kv)
     out_dtype, quantized = _out_format(out_scale, out_dtype, q.dtype)
@@ -562,21 +604,18 @@ def decode_attention_pallas(q, k_cache, v_cache, lengths, *, layer=None, k_scale
     if itemsize == 1 and k_cache.size > 2**31 and not interpret and not _widen_byte_array_offsets():
         warnings.warn("decode attention: Pallas offsets are 32-bit for this FP8 cache; slicing the layer (a copy)",
                       stacklevel=2)
-        if new_kv is not None and n_layers > 1:  # the layer written alone, then put back
+        if (new_kv is not None or rope is not None) and n_layers > 1:  # the layer written alone, then put back
             return _in_layer(functools.partial(
-                decode_attention_pallas, q, lengths=lengths, k_scale=_layer_scale(k_scale, layer),
-                v_scale=_layer_scale(v_scale, layer), out_scale=out_scale, out_dtype=out_dtype, new_kv=new_kv,
-                block_k=block_k, k_splits=k_splits, num_warps=num_warps, num_stages=num_stages, dot_dtype=dot_dtype,
-                heads_per_program=heads_per_program, tail_loop=tail_loop), k_cache, v_cache, layer, cache_shape)
+                decode_attention_pallas, fused if rope is not None else q, lengths=lengths,
+                k_scale=_layer_scale(k_scale, layer), v_scale=_layer_scale(v_scale, layer), out_scale=out_scale,
+                out_dtype=out_dtype, new_kv=new_kv, rope=rope, block_k=block_k, k_splits=k_splits, num_warps=num_warps,
+                num_stages=num_stages, dot_dtype=dot_dtype, heads_per_program=heads_per_program, tail_loop=tail_loop),
+            k_cache, v_cache, layer, cache_shape)
         k_scale, v_scale = _layer_scale(k_scale, layer), _layer_scale(v_scale, layer)
         k_cache, v_cache, layer = k_cache[layer][None], v_cache[layer][None], jnp.int32(0)
         n_layers = 1
     compute_dtype = jnp.dtype(dot_dtype or default_dot_dtype(q.dtype, k_cache.dtype))
-    if compute_dtype == jnp.float16 and q.dtype != jnp.float16:
-        f16_max = float(jnp.finfo(jnp.float16).max)
-        q_dot = jnp.clip(q.astype(jnp.float32), -f16_max, f16_max).astype(jnp.float16)
-    else:
-        q_dot = q.astype(compute_dtype)
+    with_new = new_kv is not None or rope is not None
     precision = lax.Precision.HIGHEST if compute_dtype == jnp.float32 else None
     # the scales themselves, not their inverses (computed in the kernel), each as it is ([1] or [L]: a free
     # reshape): no scalar XLA kernel per layer and step
@@ -587,8 +626,9 @@ def decode_attention_pallas(q, k_cache, v_cache, lengths, *, layer=None, k_scale
         rows_padded=_pow2_ceil(max(n_heads * g, MIN_DOT_ROWS)), rows_per_layer=rows,
         cache_len=s, block_k=block_k, k_splits=k_splits, compute_dtype=compute_dtype, precision=precision,
         softmax_scale=1.0 / math.sqrt(h), q_dtype=jnp.dtype(q.dtype),
-        out_limit=fp8_max(out_dtype) if quantized else None, tail_loop=tail_loop, with_new=new_kv is not None,
+        out_limit=fp8_max(out_dtype) if quantized else None, tail_loop=tail_loop, with_new=with_new,
         kv_limit=fp8_max(k_cache.dtype) if itemsize == 1 else None,
+        fused_rows=fused.shape[1] if rope is not None else None,
     )
     if k_splits == 1:  # the output itself
         out_shape = (jax.ShapeDtypeStruct((rows * g, h), out_dtype),)
@@ -600,13 +640,19 @@ def decode_attention_pallas(q, k_cache, v_cache, lengths, *, layer=None, k_scale
         )
     # [L, B, K, S, H] -> [L*B*K, S, H]: contiguous, a free reshape
     caches = [k_cache.reshape(n_layers * rows, s, h), v_cache.reshape(n_layers * rows, s, h)]
-    operands = [jnp.reshape(layer, (1,)), lengths.astype(jnp.int32), *scales,
-                # [B, K, G, H] -> [B*K*G, H]
-                q_dot.reshape(rows * g, h), *caches]
+    if rope is None:  # [B, K, G, H] -> [B*K*G, H], the dots' operand
+        operands = [_dot_operand(q, compute_dtype).reshape(rows * g, h), *caches]
+    else:  # [B, N+2K, H] -> [B*(N+2K), H] as it is (rotated and converted in the kernel)
+        operands = [fused.reshape(-1, h), *caches]
+    operands = [jnp.reshape(layer, (1,)), lengths.astype(jnp.int32), *scales, *operands]
     aliases = {}
-    if new_kv is not None:  # [B, K, H] -> [B*K, H] each; the caches come back written, in their own buffers
-        operands += [a.reshape(rows, h) for a in new_kv]
-        aliases = {len(operands) - 4 + i: len(out_shape) + i for i in range(2)}
+    if with_new:  # the caches come back written, in their own buffers
+        cache_at = len(operands) - 2
+        if rope is None:  # [B, K, H] -> [B*K, H] each
+            operands += [a.reshape(rows, h) for a in new_kv]
+        else:  # cos, sin [B, H/2]
+            operands += [jnp.asarray(a, jnp.float32) for a in rope]
+        aliases = {cache_at + i: len(out_shape) + i for i in range(2)}
         out_shape = (*out_shape, *(jax.ShapeDtypeStruct(c.shape, c.dtype) for c in caches))
     outs = pl.pallas_call(
         kernel,
@@ -617,12 +663,12 @@ def decode_attention_pallas(q, k_cache, v_cache, lengths, *, layer=None, k_scale
         interpret=interpret,
         name="decode_attention",
     )(*operands)
-    if new_kv is not None:
+    if with_new:
         outs, written = outs[:-2], tuple(c.reshape(cache_shape) for c in outs[-2:])
     if k_splits == 1:
         # [B*K*G, H] -> [B, K, G, H]
         out = outs[0].reshape(b, kh, g, h)
-        return out if new_kv is None else (out, *written)
+        return out if not with_new else (out, *written)
     acc, row_max, row_sum = outs
     # combine the splits, each weighted by exp(its row max - the overall max); an empty split's max is -inf
     overall_max = jnp.max(row_max, axis=0)
@@ -634,7 +680,38 @@ def decode_attention_pallas(q, k_cache, v_cache, lengths, *, layer=None, k_scale
     out = acc * (_inverse_scale(_layer_scale(v_scale, layer)) / jnp.where(total > 0, total, 1.0))[:, None]
     # [B*K*G, H] -> [B, K, G, H]
     out = _output(out.reshape(b, kh, g, h), q.dtype, out_dtype, out_scale)
-    return out if new_kv is None else (out, *written)
+    return out if not with_new else (out, *written)
+
+
+def _fused_query(qkv, kv_heads: int, new_kv, rope) -> jax.ShapeDtypeStruct:
+    """The query [B, K, G, H] a fused projection [B, N+2K, H] holds (its shape, for the checks), ``rope`` checked."""
+    if new_kv is not None:
+        raise ValueError("rope takes the new K/V from the fused projection: no new_kv with it")
+    if qkv.ndim != 3 or (qkv.shape[1] - 2 * kv_heads) <= 0 or (qkv.shape[1] - 2 * kv_heads) % kv_heads:
+        raise ValueError(f"qkv must be the fused projection [B, N + 2K, H] with N a multiple of K={kv_heads}, "
+                         f"got shape {qkv.shape}")
+    b, _, h = qkv.shape
+    if len(rope) != 2 or any(jnp.shape(a) != (b, h // 2) for a in rope):
+        raise ValueError(f"rope must be (cos, sin), each [B, H/2] = {(b, h // 2)}, got "
+                         f"{[jnp.shape(a) for a in rope]}")
+    n = qkv.shape[1] - 2 * kv_heads
+    return jax.ShapeDtypeStruct((b, kv_heads, n // kv_heads, h), qkv.dtype)
+
+
+def split_qkv(qkv, kv_heads: int, rope):
+    """The fused projection [B, N+2K, H] as (q [B, K, G, H], (k, v) [B, K, H]), q and k rotated as ``rope``
+    (cos, sin) [B, H/2] says (``llama.apply_rope``'s arithmetic): what the kernel makes of it, in XLA ops."""
+    q_view = _fused_query(qkv, kv_heads, None, rope)
+    b, _, g, h = q_view.shape
+    n = kv_heads * g
+    cos, sin = (jnp.asarray(a, jnp.float32)[:, None, :] for a in rope)
+
+    def rotate(x):
+        x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+        return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+    q, k, v = qkv[:, :n], qkv[:, n:n + kv_heads], qkv[:, n + kv_heads:]
+    return rotate(q).reshape(b, kv_heads, g, h), (rotate(k), v)
 
 
 def _in_layer(attend, k_cache, v_cache, layer, cache_shape):
@@ -693,7 +770,43 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengt
     return _shard_mapped(kernel, mesh, q, k_cache, v_cache, lengths, layer, scales, new_kv)
 
 
-def _shard_mapped(kernel, mesh, q, k_cache, v_cache, lengths, layer, scales: dict, new_kv):
+def decode_attention_qkv(qkv: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengths: jax.Array, rope, *,
+                         layer=None, k_scale=None, v_scale=None, out_scale=None, out_dtype=None, impl: str = "auto",
+                         **tuning):
+    """``decode_attention`` of a decode step from its fused projection, before RoPE.
+
+    qkv [B, N+2K, H]: each sequence's N query heads, then its K keys, then its K values (the fused q|k|v GEMM's
+    output, a free reshape); rope = (cos, sin) [B, H/2] f32 at each sequence's new position ``lengths - 1``. The
+    queries and keys are rotated as ``llama.apply_rope`` rotates them (f32, rounded to qkv's dtype), the new K/V
+    written into the caches and attended to, as ``decode_attention`` with ``new_kv`` does; returns (out [B, K, G,
+    H], k_cache, v_cache). The kernel does all of it: it reads its query rows and its new K/V from ``qkv`` itself, so
+    no XLA kernel slices, rotates or converts them (three kernels a layer and step). ``split_qkv`` is the same in
+    XLA ops; the ``xla`` impl uses it.
+    """
+    from fp8rl_jax.parallel import rules
+
+    requested, impl = impl, resolve_impl(impl)
+    if requested == "auto" and impl == "pallas" and pallas_unsupported(qkv.shape[-1]):
+        impl = "xla"
+    kv_heads = k_cache.shape[-3]
+    mesh = rules.active_mesh() if impl != "xla" else None
+    split_heads = mesh is not None and rules.cache_local_specs(mesh, k_cache.shape)[1][1] is not None
+    scales = {"k_scale": k_scale, "v_scale": v_scale, "out_scale": out_scale}
+    if impl == "xla" or split_heads:  # kv heads split over devices: the projection's heads do not split alike
+        q, new_kv = split_qkv(qkv, kv_heads, rope)
+        return decode_attention(q, k_cache, v_cache, lengths, layer=layer, out_dtype=out_dtype, new_kv=new_kv,
+                                impl=impl, **scales, **tuning)
+    if impl == "pallas" and jax.default_backend() != "gpu":
+        raise ValueError(f"decode_attention='pallas' needs a GPU backend (this one is {jax.default_backend()!r}); "
+                         "use 'pallas_interpret' or 'xla'")
+    kernel = functools.partial(decode_attention_pallas, interpret=impl == "pallas_interpret", out_dtype=out_dtype,
+                               **tuning)
+    if mesh is None:
+        return kernel(qkv, k_cache, v_cache, lengths, layer=layer, rope=rope, **scales)
+    return _shard_mapped(kernel, mesh, qkv, k_cache, v_cache, lengths, layer, scales, None, rope)
+
+
+def _shard_mapped(kernel, mesh, q, k_cache, v_cache, lengths, layer, scales: dict, new_kv, rope=None):
     """``kernel`` under ``jax.shard_map`` over the batch and kv heads of the active ``mesh``, split as the sharding
     rules split the KV cache (what does not divide stays whole); layer index and scales replicated."""
     from fp8rl_jax.parallel import rules
@@ -702,11 +815,19 @@ def _shard_mapped(kernel, mesh, q, k_cache, v_cache, lengths, layer, scales: dic
     cache_spec, head_spec, rows_spec = rules.cache_local_specs(mesh, k_cache.shape)
     given = {name: jnp.asarray(a) for name, a in {"layer": layer, **scales}.items() if a is not None}
 
+    if rope is not None:  # the projection [B, N+2K, H] and cos, sin [B, H/2] by sequence (heads whole here)
+        given["rope"] = rope
+        q_spec, rope_spec = rows_spec, (rows_spec, rows_spec)
+    else:
+        q_spec, rope_spec = head_spec, None
+
     def local(q, k_cache, v_cache, lengths, given, new_kv):
         return kernel(q, k_cache, v_cache, lengths, new_kv=new_kv, **given)
 
+    given_specs = {name: (rope_spec if name == "rope" else P()) for name in given}
     new_specs = P() if new_kv is None else (head_spec, head_spec)
-    out_specs = head_spec if new_kv is None else (head_spec, cache_spec, cache_spec)
-    mapped = jax.shard_map(local, mesh=mesh, in_specs=(head_spec, cache_spec, cache_spec, rows_spec, P(), new_specs),
-                           out_specs=out_specs, check_vma=False)
+    written = new_kv is not None or rope is not None
+    out_specs = (head_spec, cache_spec, cache_spec) if written else head_spec
+    mapped = jax.shard_map(local, mesh=mesh, in_specs=(q_spec, cache_spec, cache_spec, rows_spec, given_specs,
+                                                       new_specs), out_specs=out_specs, check_vma=False)
     return mapped(q, k_cache, v_cache, lengths, given, new_kv)

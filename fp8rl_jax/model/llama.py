@@ -482,8 +482,8 @@ def _block(x, layer, fp8, idx, positions, cache, kv_scales, config: LlamaConfig,
     if cache is not None and t == 1 and decode_impl != "xla":
         # decode: the kernel writes this token's K/V into the (FP8) cache and reads each sequence's filled
         # positions 0..position only, in place
-        attn, cache = _decode_attention(q, k, v, layer, fp8, idx, positions, cache, kv_scales, k_scale, v_scale, c,
-                                        precision, decode_impl, cache_dtype)
+        attn, cache = _decode_attention(qkv if fused_shards == 1 else None, q, k, v, layer, fp8, idx, positions, cache,
+                                        kv_scales, k_scale, v_scale, c, precision, inv_freq, decode_impl, cache_dtype)
     elif cache is None:
         if precision.kv_fp8:
             k, v = kvq.round_trip(k, k_scale), kvq.round_trip(v, v_scale)
@@ -527,22 +527,26 @@ def _block(x, layer, fp8, idx, positions, cache, kv_scales, config: LlamaConfig,
     return x, cache, kv_amax
 
 
-# Who writes the decode step's new K/V into the cache: "kernel" (the decode attention kernel, ``new_kv``) or "xla"
-# (a scatter per tensor and layer before the kernel, the earlier form). Read when the step is traced; benchmarks
-# set it to compare the two (``bench rollout --variants``).
-DECODE_KV_WRITE = "kernel"
+# What the decode attention kernel is given (earlier forms kept for benchmarks, ``bench rollout --variants``; read
+# when the step is traced): "projection", the q|k|v GEMM's output as it is, which the kernel splits, rotates (RoPE),
+# writes into the cache and attends to (``decode_attention_qkv``; with ``fused_shards`` = 1, else "rotated");
+# "rotated", q and this step's K/V after XLA's split and RoPE, written by the kernel (``new_kv``); "cached", XLA's
+# scatters write K/V into the cache first and the kernel reads them from there.
+DECODE_INPUTS = "projection"
 
 
-def _decode_attention(q, k, v, layer, fp8, idx, positions, cache, kv_scales, k_scale, v_scale, config: LlamaConfig,
-                      precision: Precision, decode_impl: str, cache_dtype):
+def _decode_attention(qkv, q, k, v, layer, fp8, idx, positions, cache, kv_scales, k_scale, v_scale,
+                      config: LlamaConfig, precision: Precision, inv_freq, decode_impl: str, cache_dtype):
     """``_block``'s decode attention through ``kernels.decode_attention`` (T = 1): q [B, 1, N, H], this token's k, v
-    [B, 1, K, H] (BF16, after RoPE) -> (attn [B, 1, N, H], the cache with k, v written at ``positions``). The kernel
-    quantizes and stores k, v itself (no scatter per layer and step) and reads each sequence's positions
-    0..position only, from the cache in place; the cache comes back in the form it came in (per layer or stacked,
-    as its bits or not)."""
+    [B, 1, K, H] (BF16, after RoPE), or ``qkv`` [B, 1, (N+2K) H] before them (None where its columns are laid out
+    per tensor shard) -> (attn [B, 1, N, H], the cache with k, v written at ``positions``). The kernel quantizes and
+    stores k, v itself (no scatter per layer and step), from the projection also splits and rotates them (no XLA
+    kernel per layer and step for that either), and reads each sequence's positions 0..position only, from the cache
+    in place; the cache comes back in the form it came in (per layer or stacked, as its bits or not)."""
     c = config
     b = q.shape[0]
-    in_kernel = DECODE_KV_WRITE == "kernel"
+    inputs = "rotated" if DECODE_INPUTS == "projection" and qkv is None else DECODE_INPUTS
+    in_kernel = inputs != "cached"
     if not in_kernel:  # XLA's scatters write k, v first (the earlier form; benchmarks compare the two)
         quantized = [kvq.quantize_kv(a, scale) if precision.kv_fp8 else a for a, scale in ((k, k_scale), (v, v_scale))]
         rows = jnp.broadcast_to(jnp.arange(b)[:, None], positions.shape)
@@ -553,11 +557,19 @@ def _decode_attention(q, k, v, layer, fp8, idx, positions, cache, kv_scales, k_s
     layered = isinstance(cache["k"], tuple)  # one array per layer: this layer's, [B, K, S, H]
     held = {n: (a[idx] if layered else a) for n, a in cache.items()}
     native = {n: a if a.dtype == cache_dtype else lax.bitcast_convert_type(a, cache_dtype) for n, a in held.items()}
-    attn = decode_kernel.decode_attention(
-        q_heads, native["k"], native["v"], positions[:, 0] + 1, layer=None if layered else idx, impl=decode_impl,
-        new_kv=(k[:, 0], v[:, 0]) if in_kernel else None,
-        **_decode_scales(kv_scales, k_scale, v_scale, layered, precision),
-        **_decode_output(layer["wo"], fp8.get("wo"), precision))
+    given = dict(layer=None if layered else idx, impl=decode_impl,
+                 **_decode_scales(kv_scales, k_scale, v_scale, layered, precision),
+                 **_decode_output(layer["wo"], fp8.get("wo"), precision))
+    if inputs == "projection":
+        # cos, sin [B, H/2] at each sequence's position, as apply_rope computes them (one XLA kernel a step for all
+        # layers)
+        freqs = positions[:, 0, None].astype(jnp.float32) * jnp.asarray(inv_freq)
+        # [B, 1, (N+2K) H] -> [B, N+2K, H]
+        attn = decode_kernel.decode_attention_qkv(qkv.reshape(b, -1, c.head_dim), native["k"], native["v"],
+                                                  positions[:, 0] + 1, (jnp.cos(freqs), jnp.sin(freqs)), **given)
+    else:
+        attn = decode_kernel.decode_attention(q_heads, native["k"], native["v"], positions[:, 0] + 1,
+                                              new_kv=(k[:, 0], v[:, 0]) if in_kernel else None, **given)
     if not in_kernel:
         return attn.reshape(b, 1, c.num_heads, c.head_dim), cache
     attn, k_cache, v_cache = attn

@@ -296,6 +296,62 @@ def _check_new_token(impl, kind, g, heads_per_program, block_k, k_splits):
     np.testing.assert_allclose(np.asarray(out, np.float64), np.asarray(xla_out, np.float64), rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("kind,g,heads_per_program,k_splits", [("fp8", 4, 1, 1), ("fp8", 2, 2, 3), ("bf16", 4, 1, 2)])
+def test_fused_projection_is_split_then_attended(kind, g, heads_per_program, k_splits):
+    """``decode_attention_qkv``: the kernel reading and rotating its queries and new K/V from the fused projection
+    gives, bit for bit, what ``split_qkv`` (XLA's rotation, ``llama.apply_rope``'s) then ``new_kv`` give: the output
+    and the written caches; and the XLA impl writes the same caches."""
+    _check_fused("pallas_interpret", kind, g, heads_per_program, k_splits)
+
+
+def _check_fused(impl, kind, g, heads_per_program, k_splits):
+    from fp8rl_jax.model import llama
+
+    b, kv_heads = len(NEW_LENGTHS), 4
+    _, k, v, k_scale, v_scale, *_ = _inputs(kind, g, seed=4, layers=2, kv_heads=kv_heads)
+    k, v = k[:, :1].repeat(b, 1), v[:, :1].repeat(b, 1)
+    dtype = jnp.float32 if kind == "f32" else jnp.bfloat16
+    qkv = jnp.asarray(np.random.default_rng(6).standard_normal((b, kv_heads * (g + 2), H)) * 2.0, dtype)
+    inv_freq = 1.0 / (10000.0 ** (np.arange(0, H, 2) / H)).astype(np.float32)
+    freqs = jnp.asarray(NEW_LENGTHS - 1, jnp.float32)[:, None] * inv_freq
+    rope = (jnp.cos(freqs), jnp.sin(freqs))
+    scales = {"k_scale": k_scale, "v_scale": v_scale}
+    tuning = {"block_k": 16, "k_splits": k_splits, "heads_per_program": heads_per_program}
+    args = [jnp.asarray(a) for a in (k, v, NEW_LENGTHS)]
+    fused = jax.jit(functools.partial(da.decode_attention_qkv, layer=jnp.int32(1), impl=impl, **scales, **tuning))
+    got = fused(qkv, *args, rope)
+    q, new_kv = da.split_qkv(qkv, kv_heads, rope)
+    # split_qkv rotates as the model does
+    positions = jnp.asarray(NEW_LENGTHS - 1)[:, None]
+    rotated = llama.apply_rope(qkv[:, None, : kv_heads * g], positions, inv_freq)[:, 0]
+    np.testing.assert_array_equal(np.asarray(q, np.float32).reshape(rotated.shape), np.asarray(rotated, np.float32))
+    split = jax.jit(functools.partial(da.decode_attention, layer=jnp.int32(1), impl=impl, **scales, **tuning))
+    want = split(q, *args[:2], args[2], new_kv=new_kv)
+    xla = jax.jit(functools.partial(da.decode_attention_qkv, layer=jnp.int32(1), impl="xla", **scales))(
+        qkv, *args, rope)
+    if impl == "pallas_interpret":  # the same jnp arithmetic: bit for bit
+        for a, w in [*zip(got, want, strict=True), *zip(got[1:], xla[1:], strict=True)]:
+            np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(w, np.float32))
+        return
+    # compiled, Triton and XLA may contract the rotation's products into FMAs differently: a last-bit difference in
+    # f32 that can move a rounded value by one step, rarely
+    tol = TOL[kind]
+    np.testing.assert_allclose(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32), rtol=tol, atol=tol)
+    for a, w in [*zip(got[1:], want[1:], strict=True), *zip(got[1:], xla[1:], strict=True)]:
+        assert np.mean(np.asarray(a, np.float32) != np.asarray(w, np.float32)) < 1e-3
+
+
+def test_fused_projection_bad_shapes_name_the_key():
+    k = jnp.zeros((B, K, S, H), jnp.bfloat16)
+    rope = (jnp.zeros((B, H // 2)), jnp.zeros((B, H // 2)))
+    with pytest.raises(ValueError, match="qkv must be the fused projection"):
+        da.decode_attention_qkv(jnp.zeros((B, 2 * K + 1, H), jnp.bfloat16), k, k, jnp.asarray(LENGTHS), rope,
+                                impl="pallas_interpret")
+    with pytest.raises(ValueError, match="rope must be"):
+        da.decode_attention_qkv(jnp.zeros((B, 4 * K, H), jnp.bfloat16), k, k, jnp.asarray(LENGTHS), rope[:1],
+                                impl="pallas_interpret")
+
+
 def test_new_kv_bad_shape_names_the_key():
     q, k, v, *_ = _inputs("f32", 2)
     bad = jnp.zeros((B, K, H + 1), jnp.float32)
@@ -511,6 +567,22 @@ def test_new_kv_lowers_to_triton(triton_ir):
     assert cache_offsets and all("xi64>" in line for line in cache_offsets), cache_offsets
 
 
+@pytest.mark.parametrize("heads_per_program", [1, 2])
+def test_fused_projection_lowers_to_triton(heads_per_program, triton_ir):
+    """Llama-3.2-1B, batch 256, the fused projection with RoPE (``decode_attention_qkv``): the kernel lowers (the
+    rotation's split, stack and transpose included) and stores the rotated, quantized K and V into the caches."""
+    qkv = jax.ShapeDtypeStruct((256, 48, 64), jnp.bfloat16)
+    cache = jax.ShapeDtypeStruct((16, 256, 8, 1088, 64), jnp.float8_e4m3fn)
+    half = jax.ShapeDtypeStruct((256, 32), jnp.float32)
+    fn = functools.partial(da.decode_attention_pallas, k_scale=jnp.float32(2.0), v_scale=jnp.float32(3.0),
+                           heads_per_program=heads_per_program)
+    [ttir] = triton_ir(lambda x, k, v, n, i, c, s: fn(x, k, v, n, layer=i, rope=(c, s)), qkv, cache, cache,
+                        jax.ShapeDtypeStruct((256,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32), half, half)
+    stores = [line for line in ttir.splitlines() if "tt.store" in line and "f8E4M3FN" in line]
+    assert len(stores) == 2 * heads_per_program, stores
+    assert "tt.split" in ttir and "tt.join" in ttir and "tt.dot" in ttir
+
+
 def test_large_fp8_cache_gets_64_bit_offsets(triton_ir):
     """Llama-3.2-1B, batch 256, 1088 positions: one FP8 K cache of 2.3e9 bytes (> 2**31 elements, < 4 GiB), for
     which Pallas would compute 32-bit element offsets that wrap; its pointer offsets must be 64-bit."""
@@ -561,6 +633,14 @@ def test_gpu_fp8_output_is_the_next_linear_quantization(k_splits):
 def test_gpu_new_token_written_by_the_kernel(kind, g, heads_per_program, block_k, k_splits):
     """``new_kv`` on the GPU: the compiled kernel's stores equal ``write_new``'s scatter bit for bit."""
     _check_new_token("pallas", kind, g, heads_per_program, block_k, k_splits)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind,g,heads_per_program,k_splits", [("fp8", 4, 1, 1), ("fp8", 2, 2, 3), ("bf16", 4, 1, 2)])
+def test_gpu_fused_projection_is_split_then_attended(kind, g, heads_per_program, k_splits):
+    """``decode_attention_qkv`` on the GPU: the compiled kernel's output and stores against the split form's (XLA's
+    rotation) and the XLA impl's."""
+    _check_fused("pallas", kind, g, heads_per_program, k_splits)
 
 
 @pytest.mark.gpu
