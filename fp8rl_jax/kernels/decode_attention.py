@@ -56,6 +56,12 @@ would, stores them at position ``length - 1`` and joins that position's score an
 registers, while its blocks cover the positions before it (no read after the write, so no ordering between the
 store and the loads is needed).
 
+The projection (``decode_attention_qkv``). Three more XLA kernels per layer and step fed the kernel: the slice of V
+and two RoPE fusions for q and k (1.5, 1.7 and 2.2 us at batch 256). Given the q|k|v GEMM's output [B, N+2K, H] as
+it is and the step's cos / sin [B, H/2], a program reads its G query rows and its head's K and V rows itself and
+rotates them with ``llama.apply_rope``'s arithmetic (f32, rounded to the projection's dtype); Pallas' Triton lowering
+has no concatenation, so the rotated halves are joined by a two-way stack and a transpose.
+
 The cache is read in place. The kernel takes the whole stacked cache [L, B, K, S, H] and the layer index (a
 traced scalar inside the layer scan) and indexes the layer itself: slicing one layer out of the scan's carried
 cache would make XLA copy that layer into a fresh buffer for the custom call, a full-cache read and write per
