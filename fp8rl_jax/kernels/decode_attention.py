@@ -383,9 +383,9 @@ def _kernel(layer_ref, lengths_ref, k_scale_ref, v_scale_ref, out_scale_ref, q_r
     blocks_per_split = pl.cdiv(num_blocks, k_splits)
     first = split * blocks_per_split
     last = jnp.minimum(first + blocks_per_split, num_blocks)
-    # the cache row of this program's first kv head; head j's is j further
-    cache_row = layer_ref[0] * rows_per_layer + (row * n_heads if n_heads > 1 else row)
-    cache_rows = [cache_row + j if j else cache_row for j in range(n_heads)]
+    # each of this program's kv heads as a (sequence, kv head) row, and its row in the layer's cache
+    kv_rows = [row * n_heads + j if n_heads > 1 else row for j in range(n_heads)]
+    cache_rows = [layer_ref[0] * rows_per_layer + r for r in kv_rows]
 
     # the P*G query rows of these kv heads (consecutive in q), padded with zero rows up to the dot's minimum
     real_rows = n_heads * groups
@@ -452,8 +452,7 @@ def _kernel(layer_ref, lengths_ref, k_scale_ref, v_scale_ref, out_scale_ref, q_r
         accs, row_max, row_sum = lax.fori_loop(first, last, body, init)
     if with_new:
         if fused_rows is None:  # this step's K and V [B*K, H], one row per (sequence, kv head)
-            new_rows = [row * n_heads + j if n_heads > 1 else row for j in range(n_heads)]
-            news = [(k_new_ref[r, :], v_new_ref[r, :]) for r in new_rows]
+            news = [(k_new_ref[r, :], v_new_ref[r, :]) for r in kv_rows]
         else:  # from the projection: keys after the N query rows, values after the K key rows; keys rotated
             keys = sequence * fused_rows + (fused_rows - 2 * kv_heads) + first_head
             news = [(_rotate_half(q_ref[keys + j, :].astype(jnp.float32), cos, sin).astype(q_dtype),
@@ -482,8 +481,8 @@ def _kernel(layer_ref, lengths_ref, k_scale_ref, v_scale_ref, out_scale_ref, q_r
 
 def _rotate_half(x, cos, sin):
     """``llama.apply_rope``'s arithmetic on [..., H] f32 values: halves (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin),
-    cos and sin [H/2]. Written with the equal split, the two-way stack and the transpose Pallas' Triton lowering has
-    (no concatenation)."""
+    cos and sin broadcasting against [..., H/2]. Written with the equal split, the two-way stack and the transpose
+    Pallas' Triton lowering has (no concatenation); ``split_qkv`` uses it too."""
     x1, x2 = jnp.split(x, 2, axis=-1)
     # [..., H/2, 2] -> [..., 2, H/2] -> [..., H]
     pair = jnp.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
@@ -710,12 +709,9 @@ def split_qkv(qkv, kv_heads: int, rope):
     q_view = _fused_query(qkv, kv_heads, None, rope)
     b, _, g, h = q_view.shape
     n = kv_heads * g
+    # [B, H/2] -> [B, 1, H/2]: the same angles for every head of a sequence
     cos, sin = (jnp.asarray(a, jnp.float32)[:, None, :] for a in rope)
-
-    def rotate(x):
-        x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-        return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
-
+    rotate = lambda x: _rotate_half(x.astype(jnp.float32), cos, sin).astype(x.dtype)  # noqa: E731
     q, k, v = qkv[:, :n], qkv[:, n:n + kv_heads], qkv[:, n + kv_heads:]
     return rotate(q).reshape(b, kv_heads, g, h), (rotate(k), v)
 
@@ -730,6 +726,18 @@ def _in_layer(attend, k_cache, v_cache, layer, cache_shape):
 
 # ----------------------------------------------------------------------------------------------------------
 # dispatch
+
+
+def _chosen_impl(impl: str, head_dim: int) -> str:
+    """``resolve_impl``, with ``auto`` falling back to ``xla`` where the kernel cannot take the head dim, and a clear
+    error for ``pallas`` off a GPU."""
+    requested, impl = impl, resolve_impl(impl)
+    if requested == "auto" and impl == "pallas" and pallas_unsupported(head_dim):
+        impl = "xla"
+    if impl == "pallas" and jax.default_backend() != "gpu":
+        raise ValueError(f"decode_attention='pallas' needs a GPU backend (this one is {jax.default_backend()!r}); "
+                         "use 'pallas_interpret' or 'xla'")
+    return impl
 
 
 def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengths: jax.Array, *, layer=None,
@@ -756,12 +764,7 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengt
     when the shapes allow it, else xla). ``tuning``: ``block_k``, ``k_splits``, ``num_warps``, ``num_stages``,
     ``dot_dtype``, ``heads_per_program`` for the kernel.
     """
-    requested, impl = impl, resolve_impl(impl)
-    if requested == "auto" and impl == "pallas" and pallas_unsupported(q.shape[-1]):
-        impl = "xla"
-    if impl == "pallas" and jax.default_backend() != "gpu":
-        raise ValueError(f"decode_attention='pallas' needs a GPU backend (this one is {jax.default_backend()!r}); "
-                         "use 'pallas_interpret' or 'xla'")
+    impl = _chosen_impl(impl, q.shape[-1])
     scales = {"k_scale": k_scale, "v_scale": v_scale, "out_scale": out_scale}
     if impl == "xla":
         return decode_attention_xla(q, k_cache, v_cache, lengths, layer=layer, out_dtype=out_dtype, new_kv=new_kv,
@@ -791,9 +794,7 @@ def decode_attention_qkv(qkv: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     """
     from fp8rl_jax.parallel import rules
 
-    requested, impl = impl, resolve_impl(impl)
-    if requested == "auto" and impl == "pallas" and pallas_unsupported(qkv.shape[-1]):
-        impl = "xla"
+    impl = _chosen_impl(impl, qkv.shape[-1])
     kv_heads = k_cache.shape[-3]
     mesh = rules.active_mesh() if impl != "xla" else None
     split_heads = mesh is not None and rules.cache_local_specs(mesh, k_cache.shape)[1][1] is not None
@@ -802,9 +803,6 @@ def decode_attention_qkv(qkv: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
         q, new_kv = split_qkv(qkv, kv_heads, rope)
         return decode_attention(q, k_cache, v_cache, lengths, layer=layer, out_dtype=out_dtype, new_kv=new_kv,
                                 impl=impl, **scales, **tuning)
-    if impl == "pallas" and jax.default_backend() != "gpu":
-        raise ValueError(f"decode_attention='pallas' needs a GPU backend (this one is {jax.default_backend()!r}); "
-                         "use 'pallas_interpret' or 'xla'")
     kernel = functools.partial(decode_attention_pallas, interpret=impl == "pallas_interpret", out_dtype=out_dtype,
                                **tuning)
     if mesh is None:

@@ -138,11 +138,16 @@ def rope_inv_freq(config: LlamaConfig) -> np.ndarray:
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
+def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
+    """RoPE's cos and sin at ``positions`` [...]: [..., H/2] f32 each (``apply_rope``'s, and the decode kernel's)."""
+    freqs = positions[..., None].astype(jnp.float32) * jnp.asarray(inv_freq)
+    return jnp.cos(freqs), jnp.sin(freqs)
+
+
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
     """Rotate-half RoPE (the Hugging Face layout). x [B, T, heads, H], positions [B, T]."""
-    # [B, T, H/2]
-    freqs = positions[..., None].astype(jnp.float32) * jnp.asarray(inv_freq)
-    cos, sin = jnp.cos(freqs)[:, :, None, :], jnp.sin(freqs)[:, :, None, :]
+    # [B, T, H/2] -> [B, T, 1, H/2]
+    cos, sin = (a[:, :, None, :] for a in rope_cos_sin(positions, inv_freq))
     x32 = x.astype(jnp.float32)
     x1, x2 = jnp.split(x32, 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
@@ -495,10 +500,7 @@ def _block(x, layer, fp8, idx, positions, cache, kv_scales, config: LlamaConfig,
                              segment_ids)
     else:
         ck, cv = cache["k"], cache["v"]
-        if precision.kv_fp8:
-            k_store, v_store = kvq.quantize_kv(k, k_scale), kvq.quantize_kv(v, v_scale)
-        else:
-            k_store, v_store = k, v
+        k_store, v_store = _kv_stored(k, v, k_scale, v_scale, precision)
         rows = jnp.broadcast_to(jnp.arange(b)[:, None], positions.shape)
         ck, keys = _cache_write(ck, idx, rows, positions, k_store.astype(cache_dtype))
         cv, values = _cache_write(cv, idx, rows, positions, v_store.astype(cache_dtype))
@@ -527,6 +529,13 @@ def _block(x, layer, fp8, idx, positions, cache, kv_scales, config: LlamaConfig,
     return x, cache, kv_amax
 
 
+def _kv_stored(k, v, k_scale, v_scale, precision: Precision):
+    """K and V as the cache stores them: quantized with their layer's scales for an FP8 cache, else as they are."""
+    if precision.kv_fp8:
+        return kvq.quantize_kv(k, k_scale), kvq.quantize_kv(v, v_scale)
+    return k, v
+
+
 # What the decode attention kernel is given (earlier forms kept for benchmarks, ``bench rollout --variants``; read
 # when the step is traced): "projection", the q|k|v GEMM's output as it is, which the kernel splits, rotates (RoPE),
 # writes into the cache and attends to (``decode_attention_qkv``; with ``fused_shards`` = 1, else "rotated");
@@ -548,10 +557,9 @@ def _decode_attention(qkv, q, k, v, layer, fp8, idx, positions, cache, kv_scales
     inputs = "rotated" if DECODE_INPUTS == "projection" and qkv is None else DECODE_INPUTS
     in_kernel = inputs != "cached"
     if not in_kernel:  # XLA's scatters write k, v first (the earlier form; benchmarks compare the two)
-        quantized = [kvq.quantize_kv(a, scale) if precision.kv_fp8 else a for a, scale in ((k, k_scale), (v, v_scale))]
         rows = jnp.broadcast_to(jnp.arange(b)[:, None], positions.shape)
         cache = {name: _cache_write(cache[name], idx, rows, positions, a.astype(cache_dtype))[0]
-                 for name, a in zip(("k", "v"), quantized, strict=True)}
+                 for name, a in zip(("k", "v"), _kv_stored(k, v, k_scale, v_scale, precision), strict=True)}
     # [B, 1, N, H] -> [B, K, G, H]
     q_heads = q.reshape(b, c.num_kv_heads, c.num_heads // c.num_kv_heads, c.head_dim)
     layered = isinstance(cache["k"], tuple)  # one array per layer: this layer's, [B, K, S, H]
@@ -561,12 +569,11 @@ def _decode_attention(qkv, q, k, v, layer, fp8, idx, positions, cache, kv_scales
                  **_decode_scales(kv_scales, k_scale, v_scale, layered, precision),
                  **_decode_output(layer["wo"], fp8.get("wo"), precision))
     if inputs == "projection":
-        # cos, sin [B, H/2] at each sequence's position, as apply_rope computes them (one XLA kernel a step for all
-        # layers)
-        freqs = positions[:, 0, None].astype(jnp.float32) * jnp.asarray(inv_freq)
-        # [B, 1, (N+2K) H] -> [B, N+2K, H]
+        # [B, 1, (N+2K) H] -> [B, N+2K, H]; cos, sin [B, H/2] at each sequence's position (one XLA kernel a step for
+        # all layers)
         attn = decode_kernel.decode_attention_qkv(qkv.reshape(b, -1, c.head_dim), native["k"], native["v"],
-                                                  positions[:, 0] + 1, (jnp.cos(freqs), jnp.sin(freqs)), **given)
+                                                  positions[:, 0] + 1, rope_cos_sin(positions[:, 0], inv_freq),
+                                                  **given)
     else:
         attn = decode_kernel.decode_attention(q_heads, native["k"], native["v"], positions[:, 0] + 1,
                                               new_kv=(k[:, 0], v[:, 0]) if in_kernel else None, **given)
