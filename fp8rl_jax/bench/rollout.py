@@ -27,7 +27,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated: default, or '+'-joined earlier forms to run instead: rotate_in_xla "
                              "(XLA splits and rotates q|k|v for the decode kernel, llama.DECODE_INPUTS), scatter_kv "
                              "(XLA also scatters the K/V into the cache), one_level_draw (jax.random.categorical over "
-                             "the vocabulary, sampling.DRAW); e.g. default,scatter_kv+one_level_draw")
+                             "the vocabulary, sampling.DRAW); or a candidate: query_fp8 (the decode kernel's QK "
+                             "dot in FP8 over an FP8 cache, kernels.decode_attention.QUERY_FP8); "
+                             "e.g. default,scatter_kv+one_level_draw")
     parser.add_argument("--profile", action="store_true",
                         help="also trace one chunk: kernel and idle time per step, top kernels")
     parser.add_argument("--smoke", action="store_true")
@@ -167,12 +169,15 @@ def bench_rollout(model_name: str, batches: list[int], new_tokens: list[int], mo
 
 @contextlib.contextmanager
 def _earlier_form(name: str):
-    """The package's earlier form ``name`` (``--variants``) inside the block: a module switch read at trace time."""
+    """The package's earlier form (or candidate) ``name`` (``--variants``) inside the block: a module switch read at
+    trace time."""
+    from fp8rl_jax.kernels import decode_attention
     from fp8rl_jax.model import llama
     from fp8rl_jax.rollout import sampling
 
     switches = {"rotate_in_xla": (llama, "DECODE_INPUTS", "rotated"), "scatter_kv": (llama, "DECODE_INPUTS", "cached"),
-                "one_level_draw": (sampling, "DRAW", "one_level")}
+                "one_level_draw": (sampling, "DRAW", "one_level"),
+                "query_fp8": (decode_attention, "QUERY_FP8", True)}
     if name not in switches:
         raise ValueError(f"--variants: unknown form {name!r}; known: default, {', '.join(switches)}")
     module, attr, value = switches[name]

@@ -151,6 +151,7 @@ def _pow2_floor(n: int) -> int:
 MAX_BLOCK_K = 64  # positions per block at most (16 KiB of K per iteration below that)
 TARGET_PROGRAMS = 1024  # splits are added until the grid has about this many programs
 NUM_STAGES = 3
+QUERY_FP8 = False  # the QK dot in FP8 over an FP8 cache (``decode_attention_pallas(query_fp8=...)``)
 
 
 def default_block_k(head_dim: int, cache_itemsize: int, cache_len: int, heads_per_program: int = 1) -> int:
@@ -335,7 +336,7 @@ def _kernel(layer_ref, lengths_ref, k_scale_ref, v_scale_ref, out_scale_ref, q_r
             kv_heads: int, groups: int, heads_per_program: int, rows_padded: int, rows_per_layer: int,
             cache_len: int, block_k: int, k_splits: int, compute_dtype, precision, softmax_scale: float,
             q_dtype, out_limit: float | None, tail_loop: bool, with_new: bool, kv_limit: float | None,
-            fused_rows: int | None):
+            fused_rows: int | None, query_fp8: bool):
     """``heads_per_program`` (P) consecutive kv heads of one sequence and one split. Refs (whole arrays, indexed
     here):
 
@@ -362,6 +363,10 @@ def _kernel(layer_ref, lengths_ref, k_scale_ref, v_scale_ref, out_scale_ref, q_r
     N+2K rows a sequence (its N query heads, K keys, K values); two more inputs, cos and sin [B, H/2] f32 at each
     sequence's new position. The program takes its query rows and its heads' new K and V from it and rotates the
     queries and keys as ``llama.apply_rope`` does (f32, rounded to ``q_dtype``): no XLA kernel splits or rotates them.
+
+    ``query_fp8`` (an FP8 cache): q arrives in ``q_dtype``; each query row is quantized to the cache's FP8 dtype
+    with its own scale (``_quantized_rows``) and the QK dot takes the FP8 K blocks as stored (no conversion of K);
+    each row's score is multiplied by the inverse of its query scale with the softmax and K scales.
     """
     if fused_rows is not None:
         cos_ref, sin_ref, *out_refs, k_out_ref, v_out_ref = refs
@@ -399,16 +404,22 @@ def _kernel(layer_ref, lengths_ref, k_scale_ref, v_scale_ref, out_scale_ref, q_r
         q_rows = pl.ds(sequence * fused_rows + first_head * groups, rows_padded)
         cos, sin = cos_ref[sequence, :], sin_ref[sequence, :]
         q = plgpu.load(q_ref.at[q_rows, :], mask=head_ok[:, None])
-        q = _dot_operand(_rotate_half(q.astype(jnp.float32), cos, sin).astype(q_dtype), compute_dtype)
-    if n_heads == 1:
-        head_rows = [head_ok]
-        qs = [jnp.where(head_ok[:, None], q, 0).astype(compute_dtype)]
-    else:  # head j's rows are j*G .. j*G+G-1; its dot operand has zeros everywhere else
-        head_rows = [(row_index >= j * groups) & (row_index < (j + 1) * groups) for j in range(n_heads)]
-        qs = [jnp.where(rows_j[:, None], q, 0).astype(compute_dtype) for rows_j in head_rows]
+        q = _rotate_half(q.astype(jnp.float32), cos, sin).astype(q_dtype)
+        q = q if query_fp8 else _dot_operand(q, compute_dtype)
     k_scale, v_scale = (ref[layer_ref[0]] if ref.shape[0] > 1 else ref[0] for ref in (k_scale_ref, v_scale_ref))
     # 1/sqrt(H) and the K dequantization 1/k_scale, on the scores
     score_scale = softmax_scale * (1.0 / k_scale)
+    qk_dtype = compute_dtype
+    if query_fp8:  # per-row scales: each row's scores also get 1/its query scale ([Gp], the padding rows' is 1)
+        qk_dtype = k_ref.dtype
+        q, q_scale = _quantized_rows(q, qk_dtype, kv_limit)  # FP8 values held in f32 (the masks below are f32 ops)
+        score_scale = score_scale / q_scale
+    if n_heads == 1:
+        head_rows = [head_ok]
+        qs = [jnp.where(head_ok[:, None], q, 0).astype(qk_dtype)]
+    else:  # head j's rows are j*G .. j*G+G-1; its dot operand has zeros everywhere else
+        head_rows = [(row_index >= j * groups) & (row_index < (j + 1) * groups) for j in range(n_heads)]
+        qs = [jnp.where(rows_j[:, None], q, 0).astype(qk_dtype) for rows_j in head_rows]
     block_offsets = jnp.arange(block_k)
 
     def body(block, carry, masked: bool = True):
@@ -422,10 +433,10 @@ def _kernel(layer_ref, lengths_ref, k_scale_ref, v_scale_ref, out_scale_ref, q_r
         # masked loads never touch positions past the length (nor past the cache end)
         s = None
         for q_j, cache_row_j in zip(qs, cache_rows, strict=True):
-            k = plgpu.load(k_ref.at[cache_row_j, positions, :], mask=load_mask).astype(compute_dtype)
+            k = plgpu.load(k_ref.at[cache_row_j, positions, :], mask=load_mask).astype(qk_dtype)
             s_j = plgpu.dot(q_j, k, trans_b=True, precision=precision)
             s = s_j if s is None else s + s_j
-        s = s * score_scale
+        s = s * (score_scale[:, None] if query_fp8 else score_scale)
         if masked:  # masked columns may hold anything: replaced by -inf
             s = jnp.where(in_seq[None, :], s, -jnp.inf)
         new_max = jnp.maximum(row_max, jnp.max(s, axis=1))  # finite: a visited block has a position
@@ -487,6 +498,16 @@ def _rotate_half(x, cos, sin):
     # [..., H/2, 2] -> [..., 2, H/2] -> [..., H]
     pair = jnp.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return jnp.swapaxes(pair, -1, -2).reshape(x.shape)
+
+
+def _quantized_rows(q, dtype, limit: float):
+    """Each row of q [rows, H] quantized to FP8 ``dtype`` with its own scale ``limit / max|row|`` (1 for a row of
+    zeros): (q8, scale [rows]), q8's values held in f32 (exact); q8 * (1 / scale) is the row to within FP8's
+    rounding."""
+    q = q.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(q), axis=1)
+    scale = jnp.where(amax > 0, limit / jnp.where(amax > 0, amax, 1.0), 1.0)
+    return jnp.clip(q * scale[:, None], -limit, limit).astype(dtype).astype(jnp.float32), scale
 
 
 def _dot_operand(q, compute_dtype):
@@ -567,7 +588,7 @@ def decode_attention_pallas(q, k_cache, v_cache, lengths, *, layer=None, k_scale
                             out_scale=None, out_dtype=None, new_kv=None, rope=None, block_k: int | None = None,
                             k_splits: int | None = None, num_warps: int = 4, num_stages: int | None = None,
                             dot_dtype=None, heads_per_program: int = 1, tail_loop: bool = False,
-                            interpret: bool = False) -> jax.Array:
+                            query_fp8: bool | None = None, interpret: bool = False) -> jax.Array:
     """The Pallas kernel (see the module note); ``interpret=True`` runs it on any backend through Pallas'
     interpreter (tests). ``block_k`` / ``k_splits`` default from the shapes (``default_block_k`` /
     ``default_k_splits``). ``dot_dtype``: the dots' operand dtype (default ``default_dot_dtype``); ``float16``
@@ -581,7 +602,9 @@ def decode_attention_pallas(q, k_cache, v_cache, lengths, *, layer=None, k_scale
     faster, 100.6 / 153.6 us a layer-step against 113.1 / 164.4 (half / whole 1,088-position cache), and batch 64
     (4 splits) slower, 52.3 / 67.2 against 49.1 / 62.9 us; but the batch-256 rollout with it on for one split made
     89.5k tokens/s against 91.7k without (``results/rollout_tail_loop_h100.json``).
-    ``rope`` (cos, sin): q is the fused projection (``decode_attention_qkv``), see there."""
+    ``rope`` (cos, sin): q is the fused projection (``decode_attention_qkv``), see there.
+    ``query_fp8`` (FP8 caches only; default ``QUERY_FP8``): the QK dot in FP8, each query row quantized with its own
+    scale in the kernel (the module note's "FP8 query")."""
     cache_shape = k_cache.shape
     (k_cache, _), (v_cache, layer) = _stacked(k_cache, layer), _stacked(v_cache, layer)
     fused = q  # the projection [B, N+2K, H] with ``rope``
@@ -620,6 +643,9 @@ def decode_attention_pallas(q, k_cache, v_cache, lengths, *, layer=None, k_scale
         k_cache, v_cache, layer = k_cache[layer][None], v_cache[layer][None], jnp.int32(0)
         n_layers = 1
     compute_dtype = jnp.dtype(dot_dtype or default_dot_dtype(q.dtype, k_cache.dtype))
+    query_fp8 = QUERY_FP8 if query_fp8 is None else query_fp8
+    if query_fp8 and itemsize != 1:
+        raise ValueError(f"query_fp8 needs an FP8 K/V cache, got {k_cache.dtype}")
     with_new = new_kv is not None or rope is not None
     precision = lax.Precision.HIGHEST if compute_dtype == jnp.float32 else None
     # the scales themselves, not their inverses (computed in the kernel), each as it is ([1] or [L]: a free
@@ -633,7 +659,7 @@ def decode_attention_pallas(q, k_cache, v_cache, lengths, *, layer=None, k_scale
         softmax_scale=1.0 / math.sqrt(h), q_dtype=jnp.dtype(q.dtype),
         out_limit=fp8_max(out_dtype) if quantized else None, tail_loop=tail_loop, with_new=with_new,
         kv_limit=fp8_max(k_cache.dtype) if itemsize == 1 else None,
-        fused_rows=fused.shape[1] if rope is not None else None,
+        fused_rows=fused.shape[1] if rope is not None else None, query_fp8=query_fp8,
     )
     if k_splits == 1:  # the output itself
         out_shape = (jax.ShapeDtypeStruct((rows * g, h), out_dtype),)
@@ -645,8 +671,10 @@ def decode_attention_pallas(q, k_cache, v_cache, lengths, *, layer=None, k_scale
         )
     # [L, B, K, S, H] -> [L*B*K, S, H]: contiguous, a free reshape
     caches = [k_cache.reshape(n_layers * rows, s, h), v_cache.reshape(n_layers * rows, s, h)]
-    if rope is None:  # [B, K, G, H] -> [B*K*G, H], the dots' operand
+    if rope is None and not query_fp8:  # [B, K, G, H] -> [B*K*G, H], the dots' operand
         operands = [_dot_operand(q, compute_dtype).reshape(rows * g, h), *caches]
+    elif rope is None:  # query_fp8: [B, K, G, H] -> [B*K*G, H] as it is (quantized in the kernel)
+        operands = [q.reshape(rows * g, h), *caches]
     else:  # [B, N+2K, H] -> [B*(N+2K), H] as it is (rotated and converted in the kernel)
         operands = [fused.reshape(-1, h), *caches]
     operands = [jnp.reshape(layer, (1,)), lengths.astype(jnp.int32), *scales, *operands]
