@@ -103,6 +103,28 @@ def vocab_block(vocab: int) -> int:
     return vocab
 
 
+def _online(a, b):
+    """Two (max, sum of exp(z - max)) pairs as one: the reducer of ``block_stats``' single pass."""
+    (max_a, sum_a), (max_b, sum_b) = a, b
+    top = jnp.maximum(max_a, max_b)
+    shift = jnp.where(jnp.isfinite(top), top, 0.0)  # both -inf: the sums are 0 and stay 0 (exp(-inf) = 0, no NaN)
+    return top, sum_a * jnp.exp(max_a - shift) + sum_b * jnp.exp(max_b - shift)
+
+
+def block_stats(blocks: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Each row's max m and sum of exp(z - m) over the last axis of ``blocks`` [..., n], in one read
+    (``BLOCK_STATS`` "online": one variadic reduction carrying (max, sum), each merge rescaling the smaller max's
+    sum), or as a max then a sum of exps over the block again ("two_pass", the earlier form: XLA runs the two
+    reductions as two kernels, each reading every logit). A row of -inf only gives (-inf, 0)."""
+    if BLOCK_STATS == "two_pass":
+        block_max = jnp.max(blocks, axis=-1)
+        shift = jnp.where(jnp.isfinite(block_max), block_max, 0.0)
+        return block_max, jnp.sum(jnp.exp(blocks - shift[..., None]), axis=-1)
+    ones = jnp.ones_like(blocks)  # each entry as the pair (z, exp(z - z) = 1)
+    init = (jnp.array(-jnp.inf, blocks.dtype), jnp.array(0, blocks.dtype))
+    return lax.reduce((blocks, ones), init, _online, (blocks.ndim - 1,))
+
+
 def two_level(key: jax.Array, scaled: jax.Array) -> tuple[jax.Array, jax.Array]:
     """One row's token drawn from softmax(``scaled``) [V] in two levels (the module note), with its log-probability
     as ``jax.nn.log_softmax`` forms it, ``(z - max) - log S``: (token [] int32, logprob [] f32)."""
@@ -110,10 +132,8 @@ def two_level(key: jax.Array, scaled: jax.Array) -> tuple[jax.Array, jax.Array]:
     block = vocab_block(v)
     # [V] -> [V / block, block]: a free reshape
     blocks = scaled.reshape(v // block, block)
-    # each block's max and its sum of exp(z - that max): one read of the logits (a row-wise softmax-like fusion)
-    block_max = jnp.max(blocks, axis=-1)
-    shift = jnp.where(jnp.isfinite(block_max), block_max, 0.0)  # a block of -inf only: exp(-inf) = 0, no NaN
-    block_sum = jnp.sum(jnp.exp(blocks - shift[:, None]), axis=-1)
+    block_max, block_sum = block_stats(blocks)
+    shift = jnp.where(jnp.isfinite(block_max), block_max, 0.0)  # a block of -inf only: its sum is 0
     # XLA folds a reduction of a reduction into one over the whole row: that would read the logits again
     block_max, shift, block_sum = lax.optimization_barrier((block_max, shift, block_sum))
     top = jnp.max(block_max)
@@ -130,6 +150,9 @@ def two_level(key: jax.Array, scaled: jax.Array) -> tuple[jax.Array, jax.Array]:
 # The untruncated draw: "two_level" (the module note) or "one_level" (``jax.random.categorical`` over the row, the
 # earlier form). Read when a sampler is traced; benchmarks set it to compare the two (``bench rollout --variants``).
 DRAW = "two_level"
+# How ``block_stats`` reads the blocks: "online" (one pass) or "two_pass" (the earlier form; ``bench rollout
+# --variants two_pass_block_stats``).
+BLOCK_STATS = "online"
 
 
 def sample(logits: jax.Array, keys: jax.Array, params: SamplingParams) -> tuple[jax.Array, jax.Array]:

@@ -82,3 +82,23 @@ def test_two_level_draw_depends_on_the_row_key_only():
         alone, lp = draw(logits[b:b + 1], keys[b:b + 1])
         assert int(alone[0]) == int(tokens[b])
         np.testing.assert_allclose(float(lp[0]), float(logprobs[b]), rtol=0, atol=1e-6)
+
+
+def test_block_stats_one_pass_against_float64():
+    """``block_stats``' single variadic reduction: each block's max exactly, its sum of exp(z - max) to f32 rounding
+    of a float64 reference, rows of -inf only as (-inf, 0), a block's -inf entries adding nothing; one reduction in
+    the compiled program (the two-pass form has two)."""
+    rng = np.random.default_rng(3)
+    blocks = (rng.standard_normal((3, 50, 384)) * 12).astype(np.float32)
+    blocks[0, 0, 0] = 80.0  # exp(80) alone would overflow nothing in f32, exp of its neighbours' gap underflows
+    blocks[1, 7] = -np.inf
+    blocks[2, 9, :100] = -np.inf
+    got_max, got_sum = jax.jit(sampling.block_stats)(jnp.asarray(blocks))
+    want_max = blocks.max(-1)
+    shift = np.where(np.isfinite(want_max), want_max, 0.0).astype(np.float64)
+    want_sum = np.exp(blocks.astype(np.float64) - shift[..., None]).sum(-1)
+    np.testing.assert_array_equal(np.asarray(got_max), want_max)
+    np.testing.assert_allclose(np.asarray(got_sum, np.float64), want_sum, rtol=2e-6, atol=0)
+    assert got_sum[1, 7] == 0 and got_max[1, 7] == -np.inf
+    hlo = jax.jit(sampling.block_stats).lower(jnp.asarray(blocks)).compile().as_text()
+    assert hlo.count(" reduce(") == 1, hlo
