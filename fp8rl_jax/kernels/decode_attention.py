@@ -49,7 +49,7 @@ quantize kernel per layer and step (16 a step, ~1.5-2 us each on the H100).
 
 The new token's K and V (``new_kv``). The decode step's K and V of its one new position were written into the
 cache by an XLA scatter per tensor and layer (with the FP8 quantize fused in: 4.3 and 3.9 us a layer at batch 256
-on the H100, ``results/rollout_1k_b256_profile_h100.json``), and the kernel then read them back. Given them, the
+on the H100, ``results/rollout_1k_b256_profile_h100_bf4cddb.json``), and the kernel then read them back. Given them, the
 kernel writes them itself: the caches are also its outputs, aliased to its inputs (the same buffers, written in
 place), and the program of the last split of each (sequence, kv head) quantizes its K and V as ``recipe.quantize``
 would, stores them at position ``length - 1`` and joins that position's score and value to its online softmax from
