@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session on the lent H100 (or an H200 host): install Transformer Engine and the project's wheels once, then
 # the stages named on the command line. Results land in $OUT (or ./gpu_out).
-#   usage: bash benchmarks/gpu_session.sh [install] [tests] [decode] [llama1b:MODE] [rollout1k] [gemm] [train] [e2e] [e2e_xla] [profile] [cluster_nb] [study] [rollout_xla] [rollout_head]
+#   usage: bash benchmarks/gpu_session.sh [install] [tests] [decode] [llama1b:MODE] [rollout1k] [gemm] [train] [e2e] [e2e_xla] [profile] [cluster_nb] [study] [rollout_xla] [rollout_head] [rollout_flags]
 #          [rollout8b] [agreement] [exact] [packed_attention] [e2e8b] [profile8b] [head_step] [headgrad] [multiprocess] [transpose] [swiglu] [fp8gemm]...
 # TE arrives in pieces (see ../shared/gpu/README.md): .gpu/te/wheels + .gpu/install_te.sh, the core wheel's five
 # parts already copied to /root/te by earlier calls; the other wheels in .gpu/wheels; a tokenizer in .gpu/smollm2_tok.
@@ -114,6 +114,29 @@ EOF
         --out "$OUT/$name.json" --docs "$OUT/${name}_docs" ${STUDY_ARGS:-} 2>&1 | grep -v "^W\|Warn\|legend" | tail -14
       # the runs in one file (the device tool brings back only a few files per call)
       tar czf "$OUT/${name}_runs.tgz" -C /tmp/$name . && rm -rf "$OUT/${name}_docs" ;;
+    rollout_flags) # bench rollout (R1K_MODES, R1K_ARGS) once per set of XLA flags in R1K_FLAG_SETS (';'-separated; an
+      # empty set is the defaults), each set on top of --xla_gpu_enable_triton_gemm=false, each in its own process;
+      # R1K_DUMP=1 also keeps each set's optimized decode program (gzipped HLO) under $OUT/hlo_flags<i>
+      i=0; IFS=';' read -ra sets <<< "${R1K_FLAG_SETS:-}"
+      for set in "${sets[@]}"; do
+        dump=""; [ -n "${R1K_DUMP:-}" ] && dump="--xla_dump_to=/tmp/dump_flags$i --xla_dump_hlo_as_text"
+        echo "flag set $i: ${set:-(defaults)}"
+        XLA_FLAGS="--xla_gpu_enable_triton_gemm=false $set $dump" timeout ${R1K_TIMEOUT:-300} python3 -m fp8rl_jax.bench \
+          rollout --new_tokens 1024 --modes ${R1K_MODES:-bf16,fp8_kv_te} ${R1K_ARGS:-} \
+          --out "$OUT/rollout_flags$i.json" 2>&1 | grep -vi warn > "$OUT/rollout_flags$i.log"
+        python3 - "$OUT/rollout_flags$i.json" "$set" <<'EOF2'
+import json, sys
+rows = json.load(open(sys.argv[1]))
+for r in rows:
+    r["xla_flags"] = sys.argv[2]
+    print(r["batch"], r["mode"], r["variant"], r["tokens_per_s"], r["ms_per_step"], r.get("profile", {}).get("kernels_per_step"))
+json.dump(rows, open(sys.argv[1], "w"), indent=1)
+EOF2
+        if [ -n "${R1K_DUMP:-}" ]; then mkdir -p "$OUT/hlo_flags$i"
+          for f in $(grep -l "decode_attention" /tmp/dump_flags$i/*after_optimizations.txt | head -4); do
+            gzip -c "$f" > "$OUT/hlo_flags$i/$(basename "$f").gz"; done; fi
+        i=$((i + 1))
+      done ;;
     rollout_xla) # the decode GEMMs through XLA's FP8 dot against TE's, with the decode kernel, batch 256, 1k tokens
       timeout 400 python3 -m fp8rl_jax.bench rollout --new_tokens 1024 --batches 256 --modes bf16,fp8_kv,fp8_kv_te \
         --out "$OUT/rollout_xla_vs_te.json" 2>&1 | grep -vi warn | tee "$OUT/rollout_xla.log" | tail -8 ;;
