@@ -197,6 +197,7 @@ def bench_shape(model, batch, cache_len, fill, kv, impls, *, tunings, repeats, w
                                jnp.bfloat16, jnp.float8_e4m3fn if kv == "fp8" else jnp.bfloat16))))
                 row["tail_loop"] = tuning.get("tail_loop", False)
                 row["query_fp8"] = tuning.get("query_fp8", da.QUERY_FP8)
+                row["lean_loop"] = tuning.get("lean", da.LEAN_LOOP)
                 row["max_abs_diff_vs_xla"] = diffs[i]
             try:
                 seconds, k_cache, v_cache = _time_layers(fn, k_cache, v_cache, (q_layers, lengths_dev, scale, scale),
@@ -253,6 +254,10 @@ def main(argv=None):
                    help="time the kernel with tail_loop=True and False (whole blocks unmasked, or every block masked)")
     p.add_argument("--ab_query_fp8", action="store_true",
                    help="time an FP8 cache's kernel with query_fp8=False and True (the QK dot in BF16->F16 or FP8)")
+    p.add_argument("--ab_lean_loop", action="store_true",
+                   help="time the kernel with lean=True and False (exp2 and zero-filled loads, or exp and a select)")
+    p.add_argument("--ab_heads_per_program", default="",
+                   help="with the --ab_ flags: comma-separated heads_per_program values crossed in")
     p.add_argument("--ab_block_k", default="",
                    help="with --ab_tail_loop / --ab_query_fp8: comma-separated block_k values crossed in")
     p.add_argument("--repeats", type=int, default=10)
@@ -273,6 +278,11 @@ def main(argv=None):
         tunings = [{"tail_loop": True}, {"tail_loop": False}] if args.ab_tail_loop else [{}]
         if args.ab_query_fp8 and kv == "fp8":
             tunings = [{**t, "query_fp8": v} for t in tunings for v in (False, True)]
+        if args.ab_lean_loop:
+            tunings = [{**t, "lean": v} for t in tunings for v in (False, True)]
+        if args.ab_heads_per_program:
+            heads = args.ab_heads_per_program.split(",")
+            tunings = [{**t, "heads_per_program": int(v)} for t in tunings for v in heads]
         if args.ab_block_k:
             tunings = [{**t, "block_k": int(v)} for t in tunings for v in args.ab_block_k.split(",")]
         rows += bench_shape(model, batch, cache_len, fill, kv, args.impls, tunings=tunings, **common)

@@ -28,7 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(XLA splits and rotates q|k|v for the decode kernel, llama.DECODE_INPUTS), scatter_kv "
                              "(XLA also scatters the K/V into the cache), one_level_draw (jax.random.categorical over "
                              "the vocabulary, sampling.DRAW), two_pass_block_stats (the two-level draw's block max and "
-                             "exp-sum in two reads of the logits, sampling.BLOCK_STATS); or a candidate: query_fp8 "
+                             "exp-sum in two reads of the logits, sampling.BLOCK_STATS), select_exp_loop (the decode "
+                             "kernel's loop with exp and a select on V, kernels.decode_attention.LEAN_LOOP); "
+                             "or a candidate: query_fp8 "
                              "(the decode kernel's QK dot in FP8, kernels.decode_attention.QUERY_FP8); "
                              "e.g. default,scatter_kv+one_level_draw")
     parser.add_argument("--profile", action="store_true",
@@ -179,6 +181,7 @@ def _earlier_form(name: str):
     switches = {"rotate_in_xla": (llama, "DECODE_INPUTS", "rotated"), "scatter_kv": (llama, "DECODE_INPUTS", "cached"),
                 "one_level_draw": (sampling, "DRAW", "one_level"),
                 "two_pass_block_stats": (sampling, "BLOCK_STATS", "two_pass"),
+                "select_exp_loop": (decode_attention, "LEAN_LOOP", False),
                 "query_fp8": (decode_attention, "QUERY_FP8", True)}
     if name not in switches:
         raise ValueError(f"--variants: unknown form {name!r}; known: default, {', '.join(switches)}")

@@ -152,6 +152,11 @@ MAX_BLOCK_K = 64  # positions per block at most (16 KiB of K per iteration below
 TARGET_PROGRAMS = 1024  # splits are added until the grid has about this many programs
 NUM_STAGES = 3
 QUERY_FP8 = False  # the QK dot in FP8 over an FP8 cache (``decode_attention_pallas(query_fp8=...)``)
+# The block loop's lean form (the module note's "The loop"): exp2 of scores in log2 units and V's masked rows
+# loaded as zeros; False: exp and a select on the converted V tile (the earlier form; ``bench rollout --variants
+# select_exp_loop``). Read when the kernel is traced.
+LEAN_LOOP = True
+LOG2_E = math.log2(math.e)
 
 
 def default_block_k(head_dim: int, cache_itemsize: int, cache_len: int, heads_per_program: int = 1) -> int:
@@ -336,7 +341,7 @@ def _kernel(layer_ref, lengths_ref, k_scale_ref, v_scale_ref, out_scale_ref, q_r
             kv_heads: int, groups: int, heads_per_program: int, rows_padded: int, rows_per_layer: int,
             cache_len: int, block_k: int, k_splits: int, compute_dtype, precision, softmax_scale: float,
             q_dtype, out_limit: float | None, tail_loop: bool, with_new: bool, kv_limit: float | None,
-            fused_rows: int | None, query_fp8: bool):
+            fused_rows: int | None, query_fp8: bool, lean: bool):
     """``heads_per_program`` (P) consecutive kv heads of one sequence and one split. Refs (whole arrays, indexed
     here):
 
@@ -408,7 +413,10 @@ def _kernel(layer_ref, lengths_ref, k_scale_ref, v_scale_ref, out_scale_ref, q_r
         q = q if query_fp8 else _dot_operand(q, compute_dtype)
     k_scale, v_scale = (ref[layer_ref[0]] if ref.shape[0] > 1 else ref[0] for ref in (k_scale_ref, v_scale_ref))
     # 1/sqrt(H) and the K dequantization 1/k_scale, on the scores
-    score_scale = softmax_scale * (1.0 / k_scale)
+    # (``lean``: and log2(e), so that the softmax takes exp2 of the scores, one MUFU.EX2 each; the row maxes and sums
+    # are then those of log2 units)
+    score_scale = softmax_scale * (1.0 / k_scale) * (LOG2_E if lean else 1.0)
+    exp = jnp.exp2 if lean else jnp.exp
     qk_dtype = compute_dtype
     if query_fp8:  # per-row scales: each row's scores also get 1/its query scale ([Gp], the padding rows' is 1)
         qk_dtype = k_ref.dtype
@@ -440,14 +448,24 @@ def _kernel(layer_ref, lengths_ref, k_scale_ref, v_scale_ref, out_scale_ref, q_r
         if masked:  # masked columns may hold anything: replaced by -inf
             s = jnp.where(in_seq[None, :], s, -jnp.inf)
         new_max = jnp.maximum(row_max, jnp.max(s, axis=1))  # finite: a visited block has a position
-        correction = jnp.exp(row_max - new_max)
-        p = jnp.exp(s - new_max[:, None])
+        correction = exp(row_max - new_max)
+        p = exp(s - new_max[:, None])
         row_sum = correction * row_sum + jnp.sum(p, axis=1)
         new_accs = []
         for acc, cache_row_j in zip(accs, cache_rows, strict=True):
-            v = plgpu.load(v_ref.at[cache_row_j, positions, :], mask=load_mask).astype(compute_dtype)
-            if masked:
-                v = jnp.where(in_seq[:, None], v, 0)  # 0 * NaN would leak: masked rows of V must be zeros
+            if lean:
+                # masked rows loaded as zeros (0 * NaN would leak): no select on the converted tile. The * 1 (a
+                # runtime one, folded away by LLVM) keeps Triton converting an FP8 V in its blocked layout before the
+                # F16 shared-memory round trip (ldmatrix.trans); without it V is read as the dot's operand byte by
+                # byte
+                v = plgpu.load(v_ref.at[cache_row_j, positions, :], mask=load_mask,
+                               other=jnp.zeros((), v_ref.dtype) if masked else None).astype(compute_dtype)
+                if jnp.dtype(v_ref.dtype).itemsize == 1:
+                    v = v * jnp.where(length >= 0, 1.0, 0.0).astype(compute_dtype)
+            else:
+                v = plgpu.load(v_ref.at[cache_row_j, positions, :], mask=load_mask).astype(compute_dtype)
+                if masked:
+                    v = jnp.where(in_seq[:, None], v, 0)  # 0 * NaN would leak: masked rows of V must be zeros
             # [Gp, block_k] x [block_k, H] -> [Gp, H]
             new_accs.append(correction[:, None] * acc + plgpu.dot(p.astype(compute_dtype), v, precision=precision))
         return tuple(new_accs), new_max, row_sum
@@ -471,7 +489,7 @@ def _kernel(layer_ref, lengths_ref, k_scale_ref, v_scale_ref, out_scale_ref, q_r
         owner = has_new & (split == k_splits - 1) if k_splits > 1 else has_new
         accs, row_max, row_sum = _new_position(
             (accs, row_max, row_sum), owner, jnp.where(has_new, new_at, 0), qs, news, cache_rows,
-            (k_out_ref, v_out_ref), (k_scale, v_scale), score_scale, compute_dtype, kv_limit)
+            (k_out_ref, v_out_ref), (k_scale, v_scale), score_scale, compute_dtype, kv_limit, exp)
     # each head's rows from its own accumulator
     acc = accs[0]
     for rows_j, acc_j in zip(head_rows[1:], accs[1:], strict=True):
@@ -518,7 +536,8 @@ def _dot_operand(q, compute_dtype):
     return q.astype(compute_dtype)
 
 
-def _new_position(carry, owner, at, qs, news, cache_rows, out_refs, scales, score_scale, compute_dtype, kv_limit):
+def _new_position(carry, owner, at, qs, news, cache_rows, out_refs, scales, score_scale, compute_dtype, kv_limit,
+                  exp):
     """``_kernel``'s new token (``with_new``), done by the ``owner`` program (the last split, where the position is
     inside the cache): each head's K and V (``news``, [H] each in the query's dtype) as stored (quantized for an FP8
     cache) written at position ``at``, and that position's column joined to the online softmax. The dots' operand
@@ -543,8 +562,8 @@ def _new_position(carry, owner, at, qs, news, cache_rows, out_refs, scales, scor
         values.append(v)
     score = score * score_scale
     new_max = jnp.maximum(row_max, score)
-    correction = jnp.exp(row_max - new_max)  # row_max may be -inf (no block): 0
-    p = jnp.exp(score - new_max)
+    correction = exp(row_max - new_max)  # row_max may be -inf (no block): 0
+    p = exp(score - new_max)
     weight = p.astype(compute_dtype).astype(jnp.float32)  # as the P.V dot's operand
     new_accs = [correction[:, None] * acc + weight[:, None] * v[None, :] for acc, v in zip(accs, values, strict=True)]
     # not the owner (another split, or no new position): unchanged (the values above may be NaN there)
@@ -588,7 +607,8 @@ def decode_attention_pallas(q, k_cache, v_cache, lengths, *, layer=None, k_scale
                             out_scale=None, out_dtype=None, new_kv=None, rope=None, block_k: int | None = None,
                             k_splits: int | None = None, num_warps: int = 4, num_stages: int | None = None,
                             dot_dtype=None, heads_per_program: int = 1, tail_loop: bool = False,
-                            query_fp8: bool | None = None, interpret: bool = False) -> jax.Array:
+                            query_fp8: bool | None = None, lean: bool | None = None,
+                            interpret: bool = False) -> jax.Array:
     """The Pallas kernel (see the module note); ``interpret=True`` runs it on any backend through Pallas'
     interpreter (tests). ``block_k`` / ``k_splits`` default from the shapes (``default_block_k`` /
     ``default_k_splits``). ``dot_dtype``: the dots' operand dtype (default ``default_dot_dtype``); ``float16``
@@ -604,7 +624,8 @@ def decode_attention_pallas(q, k_cache, v_cache, lengths, *, layer=None, k_scale
     89.5k tokens/s against 91.7k without (``results/rollout_tail_loop_h100.json``).
     ``rope`` (cos, sin): q is the fused projection (``decode_attention_qkv``), see there.
     ``query_fp8`` (FP8 caches only; default ``QUERY_FP8``): the QK dot in FP8, each query row quantized with its own
-    scale in the kernel (the module note's "FP8 query")."""
+    scale in the kernel (the module note's "FP8 query"). ``lean`` (default ``LEAN_LOOP``): the block loop's lean form
+    (the module note's "The loop")."""
     cache_shape = k_cache.shape
     (k_cache, _), (v_cache, layer) = _stacked(k_cache, layer), _stacked(v_cache, layer)
     fused = q  # the projection [B, N+2K, H] with ``rope``
@@ -644,6 +665,7 @@ def decode_attention_pallas(q, k_cache, v_cache, lengths, *, layer=None, k_scale
         n_layers = 1
     compute_dtype = jnp.dtype(dot_dtype or default_dot_dtype(q.dtype, k_cache.dtype))
     query_fp8 = QUERY_FP8 if query_fp8 is None else query_fp8
+    lean = LEAN_LOOP if lean is None else lean
     if query_fp8 and itemsize != 1:
         raise ValueError(f"query_fp8 needs an FP8 K/V cache, got {k_cache.dtype}")
     with_new = new_kv is not None or rope is not None
@@ -659,7 +681,7 @@ def decode_attention_pallas(q, k_cache, v_cache, lengths, *, layer=None, k_scale
         softmax_scale=1.0 / math.sqrt(h), q_dtype=jnp.dtype(q.dtype),
         out_limit=fp8_max(out_dtype) if quantized else None, tail_loop=tail_loop, with_new=with_new,
         kv_limit=fp8_max(k_cache.dtype) if itemsize == 1 else None,
-        fused_rows=fused.shape[1] if rope is not None else None, query_fp8=query_fp8,
+        fused_rows=fused.shape[1] if rope is not None else None, query_fp8=query_fp8, lean=lean,
     )
     if k_splits == 1:  # the output itself
         out_shape = (jax.ShapeDtypeStruct((rows * g, h), out_dtype),)
@@ -706,7 +728,7 @@ def decode_attention_pallas(q, k_cache, v_cache, lengths, *, layer=None, k_scale
     # combine the splits, each weighted by exp(its row max - the overall max); an empty split's max is -inf
     overall_max = jnp.max(row_max, axis=0)
     overall_max = jnp.where(jnp.isfinite(overall_max), overall_max, 0.0)
-    weight = jnp.exp(row_max - overall_max)  # [k_splits, B*K*G]
+    weight = (jnp.exp2 if lean else jnp.exp)(row_max - overall_max)  # [k_splits, B*K*G] (lean: log2 units)
     total = jnp.sum(weight * row_sum, axis=0)
     acc = jnp.sum(weight[..., None] * acc, axis=0)  # [B*K*G, H]
     # a length-0 sequence (total 0) gets zeros; 1/v_scale is the V dequantization

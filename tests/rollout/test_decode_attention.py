@@ -173,6 +173,27 @@ def test_garbage_past_the_length_does_not_leak(impl, heads_per_program, kind):
     np.testing.assert_array_equal(dirty, clean)
 
 
+@pytest.mark.parametrize("kind,k_splits", [("fp8", 1), ("fp8", 3), ("bf16", 2)])
+def test_lean_loop_is_the_earlier_loop(kind, k_splits):
+    """The block loop's lean form (exp2 of log2-unit scores, V's masked rows loaded as zeros) against the earlier one
+    (exp, a select on the converted V): the same attention to f32 rounding, garbage past the lengths ignored by
+    both, and the float64 reference met by both; with several splits the combine takes the same units."""
+    q, k, v, k_scale, v_scale, q64, k64, v64 = _inputs(kind, 4, layers=2)
+    k_bad, v_bad = k.astype(np.float32), v.astype(np.float32)
+    for b, n in enumerate(LENGTHS):
+        k_bad[1, b, :, n:], v_bad[1, b, :, n:] = np.nan, np.nan
+    k_bad, v_bad = k_bad.astype(k.dtype), v_bad.astype(v.dtype)
+    outs = {}
+    for lean in (True, False):
+        outs[lean] = np.asarray(da.decode_attention_pallas(
+            jnp.asarray(q), jnp.asarray(k_bad), jnp.asarray(v_bad), jnp.asarray(LENGTHS), layer=1, k_scale=k_scale,
+            v_scale=v_scale, block_k=16, k_splits=k_splits, lean=lean, interpret=True), np.float64)
+        assert np.isfinite(outs[lean]).all()
+        np.testing.assert_allclose(outs[lean], _reference(q64, k64[1], v64[1], LENGTHS), rtol=TOL[kind],
+                                   atol=TOL[kind])
+    np.testing.assert_allclose(outs[True], outs[False], rtol=1e-2, atol=2e-3)
+
+
 def test_stacked_cache_reads_the_given_layer():
     """A [L, B, K, S, H] cache with a traced layer index equals the reference on that layer."""
     q, k, v, k_scale, v_scale, q64, k64, v64 = _inputs("fp8", 4, layers=3)
@@ -650,6 +671,21 @@ def test_fp8_query_lowers_to_an_fp8_dot(fused, triton_ir):
     dots = [line for line in ttir.splitlines() if "tt.dot" in line]
     assert len(dots) == 2, dots
     assert sum("f8E4M3FN" in line for line in dots) == 1 and sum("xf16>" in line for line in dots) == 1, dots
+
+
+@pytest.mark.parametrize("lean", [True, False])
+def test_both_loop_forms_lower_to_triton(lean, triton_ir):
+    """Llama-3.2-1B, batch 256, FP8 cache: the lean loop (exp2, V's masked rows loaded as zeros: ``tt.load`` with an
+    ``other`` operand) and the earlier one (exp) both lower."""
+    cache = jax.ShapeDtypeStruct((16, 256, 8, 1088, 64), jnp.float8_e4m3fn)
+    fn = functools.partial(da.decode_attention_pallas, k_scale=jnp.float32(2.0), v_scale=jnp.float32(3.0), lean=lean)
+    q = jax.ShapeDtypeStruct((256, 8, 4, 64), jnp.bfloat16)
+    [ttir] = triton_ir(lambda q, k, v, n, i: fn(q, k, v, n, layer=i), q, cache, cache,
+                       jax.ShapeDtypeStruct((256,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32))
+    assert ("__nv_exp2f" in ttir) == lean and ("__nv_expf" in ttir) != lean
+    # the masked V block: tt.load ptr, mask[, other]
+    v_loads = [line for line in ttir.splitlines() if "tt.load" in line and "tensor<64x64x!tt.ptr<f8E4M3FN>>" in line]
+    assert any(line.split("tt.load")[1].count("%") == 3 for line in v_loads) == lean, v_loads
 
 
 def test_large_fp8_cache_gets_64_bit_offsets(triton_ir):
