@@ -182,6 +182,7 @@ def _earlier_form(name: str):
                 "one_level_draw": (sampling, "DRAW", "one_level"),
                 "two_pass_block_stats": (sampling, "BLOCK_STATS", "two_pass"),
                 "select_exp_loop": (decode_attention, "LEAN_LOOP", False),
+                "two_heads_per_program": (decode_attention, "HEADS_PER_PROGRAM", 2),
                 "query_fp8": (decode_attention, "QUERY_FP8", True)}
     if name not in switches:
         raise ValueError(f"--variants: unknown form {name!r}; known: default, {', '.join(switches)}")

@@ -156,6 +156,7 @@ QUERY_FP8 = False  # the QK dot in FP8 over an FP8 cache (``decode_attention_pal
 # loaded as zeros; False: exp and a select on the converted V tile (the earlier form; ``bench rollout --variants
 # select_exp_loop``). Read when the kernel is traced.
 LEAN_LOOP = True
+HEADS_PER_PROGRAM = 1  # ``heads_per_program``'s default (``bench rollout --variants two_heads_per_program``: 2)
 LOG2_E = math.log2(math.e)
 
 
@@ -606,7 +607,7 @@ def _widen_byte_array_offsets() -> bool:
 def decode_attention_pallas(q, k_cache, v_cache, lengths, *, layer=None, k_scale=None, v_scale=None,
                             out_scale=None, out_dtype=None, new_kv=None, rope=None, block_k: int | None = None,
                             k_splits: int | None = None, num_warps: int = 4, num_stages: int | None = None,
-                            dot_dtype=None, heads_per_program: int = 1, tail_loop: bool = False,
+                            dot_dtype=None, heads_per_program: int | None = None, tail_loop: bool = False,
                             query_fp8: bool | None = None, lean: bool | None = None,
                             interpret: bool = False) -> jax.Array:
     """The Pallas kernel (see the module note); ``interpret=True`` runs it on any backend through Pallas'
@@ -640,7 +641,7 @@ def decode_attention_pallas(q, k_cache, v_cache, lengths, *, layer=None, k_scale
     b, kh, g, h = q.shape
     n_layers, s = k_cache.shape[0], k_cache.shape[3]
     rows = b * kh
-    n_heads = heads_per_program
+    n_heads = heads_per_program = HEADS_PER_PROGRAM if heads_per_program is None else heads_per_program
     if not isinstance(n_heads, int) or n_heads < 1 or kh % n_heads:
         raise ValueError(f"heads_per_program={n_heads!r} must be a positive integer dividing the kv heads K={kh}")
     programs = rows // n_heads
