@@ -258,6 +258,7 @@ def main(argv=None):
                    help="time the kernel with lean=True and False (exp2 and zero-filled loads, or exp and a select)")
     p.add_argument("--ab_heads_per_program", default="",
                    help="with the --ab_ flags: comma-separated heads_per_program values crossed in")
+    p.add_argument("--ab_num_warps", default="", help="with the --ab_ flags: comma-separated num_warps crossed in")
     p.add_argument("--ab_block_k", default="",
                    help="with --ab_tail_loop / --ab_query_fp8: comma-separated block_k values crossed in")
     p.add_argument("--repeats", type=int, default=10)
@@ -283,6 +284,8 @@ def main(argv=None):
         if args.ab_heads_per_program:
             heads = args.ab_heads_per_program.split(",")
             tunings = [{**t, "heads_per_program": int(v)} for t in tunings for v in heads]
+        if args.ab_num_warps:
+            tunings = [{**t, "num_warps": int(v)} for t in tunings for v in args.ab_num_warps.split(",")]
         if args.ab_block_k:
             tunings = [{**t, "block_k": int(v)} for t in tunings for v in args.ab_block_k.split(",")]
         rows += bench_shape(model, batch, cache_len, fill, kv, args.impls, tunings=tunings, **common)
