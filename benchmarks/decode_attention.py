@@ -186,7 +186,8 @@ def bench_shape(model, batch, cache_len, fill, kv, impls, *, tunings, repeats, w
             row = {**base, "impl": impl, "layers_timed": layers_timed, "mean_length": float(lengths.mean()),
                    "kv_bytes_needed_per_layer": needed}
             if impl == "pallas":
-                heads = tuning.get("heads_per_program", 1)
+                heads = tuning.get("heads_per_program") or da.HEADS_PER_PROGRAM or da.default_heads_per_program(
+                    batch * kv_heads, kv_heads, groups, itemsize)
                 block_k = tuning.get("block_k") or da.default_block_k(head_dim, itemsize, cache_len, heads)
                 programs = batch * kv_heads // heads
                 row.update(block_k=block_k,
@@ -196,7 +197,6 @@ def bench_shape(model, batch, cache_len, fill, kv, impls, *, tunings, repeats, w
                            dot_dtype=str(jnp.dtype(tuning.get("dot_dtype") or da.default_dot_dtype(
                                jnp.bfloat16, jnp.float8_e4m3fn if kv == "fp8" else jnp.bfloat16))))
                 row["tail_loop"] = tuning.get("tail_loop", False)
-                row["query_fp8"] = tuning.get("query_fp8", da.QUERY_FP8)
                 row["lean_loop"] = tuning.get("lean", da.LEAN_LOOP)
                 row["max_abs_diff_vs_xla"] = diffs[i]
             try:
@@ -252,15 +252,13 @@ def main(argv=None):
                    help="comma-separated num_stages crossed into the first stage (e.g. 2,3)")
     p.add_argument("--ab_tail_loop", action="store_true",
                    help="time the kernel with tail_loop=True and False (whole blocks unmasked, or every block masked)")
-    p.add_argument("--ab_query_fp8", action="store_true",
-                   help="time an FP8 cache's kernel with query_fp8=False and True (the QK dot in BF16->F16 or FP8)")
     p.add_argument("--ab_lean_loop", action="store_true",
                    help="time the kernel with lean=True and False (exp2 and zero-filled loads, or exp and a select)")
     p.add_argument("--ab_heads_per_program", default="",
                    help="with the --ab_ flags: comma-separated heads_per_program values crossed in")
     p.add_argument("--ab_num_warps", default="", help="with the --ab_ flags: comma-separated num_warps crossed in")
     p.add_argument("--ab_block_k", default="",
-                   help="with --ab_tail_loop / --ab_query_fp8: comma-separated block_k values crossed in")
+                   help="with the --ab_ flags: comma-separated block_k values crossed in")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--max_layers", type=int, default=None)
@@ -277,8 +275,6 @@ def main(argv=None):
     rows = []
     for model, batch, cache_len, fill, kv in itertools.product(models, batches, lens, args.fill, args.kv):
         tunings = [{"tail_loop": True}, {"tail_loop": False}] if args.ab_tail_loop else [{}]
-        if args.ab_query_fp8 and kv == "fp8":
-            tunings = [{**t, "query_fp8": v} for t in tunings for v in (False, True)]
         if args.ab_lean_loop:
             tunings = [{**t, "lean": v} for t in tunings for v in (False, True)]
         if args.ab_heads_per_program:

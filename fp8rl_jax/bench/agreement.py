@@ -21,7 +21,6 @@ calibrates before its first rollout), and FP8 KV-cache scales from a second pass
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 
@@ -58,16 +57,6 @@ PRECISIONS = {
 }
 MAX_PREFILL = 1024  # prompts longer than this are an error
 EXACT = "_exact"  # a variant's suffix: the rollout is the exact sampler's
-QUERY_FP8 = "_qfp8"  # a variant's suffix: the decode kernel's QK dot in FP8 (kernels.decode_attention.QUERY_FP8)
-SUFFIXES = (EXACT, QUERY_FP8)
-
-
-def _base(name: str) -> str:
-    """A variant's precision name: ``name`` less its suffix."""
-    for suffix in SUFFIXES:
-        if name.endswith(suffix):
-            return name.removesuffix(suffix)
-    return name
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -81,10 +70,10 @@ def run(args) -> list[dict]:
     from fp8rl_jax.model import assets, weights
     from fp8rl_jax.model.tokenizer import Tokenizer
 
-    unknown = [p for p in args.precisions.split(",") if _base(p) not in PRECISIONS]
+    unknown = [p for p in args.precisions.split(",") if p.removesuffix(EXACT) not in PRECISIONS]
     if unknown:
         raise SystemExit(f"--precisions: {unknown} unknown; allowed: {', '.join(PRECISIONS)}, each with or without "
-                         f"one of the suffixes {', '.join(SUFFIXES)}")
+                         f"{EXACT}")
     path = assets.smollm2_gguf()
     model, params = weights.load_gguf(path)
     tokenizer = Tokenizer.from_gguf(path)
@@ -92,20 +81,7 @@ def run(args) -> list[dict]:
     sequences = [(tokenizer.encode_chat([{"role": "user", "content": p.question}]),
                   tokenizer.encode(p.solution)[: args.completion_tokens]) for p in problems]
     return bench_agreement(model, params, sequences,
-                           {name: PRECISIONS[_base(name)] for name in args.precisions.split(",")})
-
-
-@contextlib.contextmanager
-def _query_fp8(on: bool):
-    """``kernels.decode_attention.QUERY_FP8`` set to ``on`` inside the block (read when the decode step is traced)."""
-    from fp8rl_jax.kernels import decode_attention
-
-    saved = decode_attention.QUERY_FP8
-    decode_attention.QUERY_FP8 = on
-    try:
-        yield
-    finally:
-        decode_attention.QUERY_FP8 = saved
+                           {name: PRECISIONS[name.removesuffix(EXACT)] for name in args.precisions.split(",")})
 
 
 class TeacherForcedEngine(Engine):
@@ -190,13 +166,11 @@ def bench_agreement(model: LlamaConfig, params: dict, sequences: list[tuple[list
         if name.endswith(EXACT):
             sampler = exact_logprobs(model, precision, params, fp8_state, kv_scales, batch, sequences)
         else:
-            with _query_fp8(name.endswith(QUERY_FP8)):
-                engine = TeacherForcedEngine(model, precision, EngineConfig(
-                    max_concurrent_decodes=1, max_prefill_length=max_prefill,
-                    max_new_tokens=max(len(completion) for _, completion in sequences), sampling=SamplingParams()))
-                engine_params = engine.load_params(params, fp8_state, kv_scales)
-                sampler = [rollout_logprobs(engine, engine_params, prompt, completion)
-                           for prompt, completion in sequences]
+            engine = TeacherForcedEngine(model, precision, EngineConfig(
+                max_concurrent_decodes=1, max_prefill_length=max_prefill,
+                max_new_tokens=max(len(completion) for _, completion in sequences), sampling=SamplingParams()))
+            engine_params = engine.load_params(params, fp8_state, kv_scales)
+            sampler = [rollout_logprobs(engine, engine_params, prompt, completion) for prompt, completion in sequences]
         trainer, f32_d = [], []  # per token of the completions
         for i, (prompt, completion) in enumerate(sequences):
             span = slice(len(prompt), len(prompt) + len(completion))

@@ -29,9 +29,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(XLA also scatters the K/V into the cache), one_level_draw (jax.random.categorical over "
                              "the vocabulary, sampling.DRAW), two_pass_block_stats (the two-level draw's block max and "
                              "exp-sum in two reads of the logits, sampling.BLOCK_STATS), select_exp_loop (the decode "
-                             "kernel's loop with exp and a select on V, kernels.decode_attention.LEAN_LOOP); "
-                             "or a candidate: query_fp8 "
-                             "(the decode kernel's QK dot in FP8, kernels.decode_attention.QUERY_FP8); "
+                             "kernel's loop with exp and a select on V, kernels.decode_attention.LEAN_LOOP), "
+                             "one_head_per_program (the decode kernel's programs of one kv head at every batch, "
+                             "kernels.decode_attention.HEADS_PER_PROGRAM); "
                              "e.g. default,scatter_kv+one_level_draw")
     parser.add_argument("--profile", action="store_true",
                         help="also trace one chunk: kernel and idle time per step, top kernels")
@@ -172,8 +172,7 @@ def bench_rollout(model_name: str, batches: list[int], new_tokens: list[int], mo
 
 @contextlib.contextmanager
 def _earlier_form(name: str):
-    """The package's earlier form (or candidate) ``name`` (``--variants``) inside the block: a module switch read at
-    trace time."""
+    """The package's earlier form ``name`` (``--variants``) inside the block: a module switch read at trace time."""
     from fp8rl_jax.kernels import decode_attention
     from fp8rl_jax.model import llama
     from fp8rl_jax.rollout import sampling
@@ -182,8 +181,7 @@ def _earlier_form(name: str):
                 "one_level_draw": (sampling, "DRAW", "one_level"),
                 "two_pass_block_stats": (sampling, "BLOCK_STATS", "two_pass"),
                 "select_exp_loop": (decode_attention, "LEAN_LOOP", False),
-                "two_heads_per_program": (decode_attention, "HEADS_PER_PROGRAM", 2),
-                "query_fp8": (decode_attention, "QUERY_FP8", True)}
+                "one_head_per_program": (decode_attention, "HEADS_PER_PROGRAM", 1)}
     if name not in switches:
         raise ValueError(f"--variants: unknown form {name!r}; known: default, {', '.join(switches)}")
     module, attr, value = switches[name]

@@ -16,7 +16,7 @@ accumulator (f32, the G real rows only); four XLA ops combine the splits. With o
 kernel normalises and writes the output itself, so no XLA op runs beside it: at decode sizes each such op is a
 kernel launch of its own (~1.3 us), and the scalar ones (1/sqrt(H) / k_scale) ran once per layer and step.
 
-Several kv heads per program (``heads_per_program`` P, off by default: P = 1 is the kernel above, unchanged). With
+Several kv heads per program (``heads_per_program`` P; P = 1 is the kernel above, unchanged). With
 G = 4 three quarters of the [16, block_k] score tile are padding, and the softmax's elementwise work (scale, mask,
 max, exp, sum) is spent on them too; per-element work, not bytes, appears to hold the FP8 kernel on the H100
 (2.25 TB/s against BF16's 2.7, ``benchmarks/NOTES.md``). With P > 1 a program takes P consecutive kv heads of one
@@ -29,8 +29,12 @@ accumulators live in registers, and P K and V tiles per iteration (the default `
 iteration over the P heads, so the staged shared memory stays close to P = 1's). Compiled on CPU with Triton 3.9 for
 sm_90 at P = 4, G = 4 and the default block_k: 51 KiB of shared memory and 126 registers a thread at H=64 FP8
 (block_k 64), 58 KiB and 144 at H=128 FP8 (32), 54 KiB and 114 at H=128 BF16 (16); no spills (block_k 128 at P = 4
-and H=128 needs 184 KiB of shared memory in FP8, 315 in BF16). Not yet measured on the H100: off until
-``benchmarks/decode_attention.py --sweep_heads_per_program`` shows a gain.
+and H=128 needs 184 KiB of shared memory in FP8, 315 in BF16). The default (``default_heads_per_program``): P = 2
+over an FP8 cache when the grid keeps ``TARGET_PROGRAMS`` programs without splits (batch 256 at K=8) and 2G rows fit
+the 16-row tile, else 1. Measured on the H100 with the lean loop (``results/decode_heads_warps_h100.json``,
+``results/rollout_1k_ab_h100.json``): FP8 batch 256, 1,088 positions 149.4 -> 141.2 us a layer-step (P = 4 154.5,
+8 warps slower at every P); the rollout 108.1k -> 110.5k tokens/s; BF16 slower at P = 2 (228.8 -> 239.9), FP8 at
+batch 64 (4 splits) level (46.4k / 46.3k).
 
 FP8 K/V. E4M3 values convert to F16 exactly, so the kernel casts the stored E4M3 values to F16 for the dots (a
 BF16 query is rounded to F16 once; F16 operands measured 10-22% faster than BF16 ones on the H100: Hopper
@@ -41,6 +45,18 @@ exact arithmetic, with one rounding fewer than the XLA path (which rounds the de
 dots). No BF16 copy of the cache is made. Each scale is an operand of its own, as the step has it: a layer's
 scalar (the unrolled decode step's per-layer buffers) or, with a stacked cache, all layers' [L], read at the layer
 index. Gathering them into one array cost a one-thread XLA kernel per layer and step (16 a step at llama1b).
+
+The loop (``LEAN_LOOP``). Per 64-position block over an FP8 cache, Triton 3.5's code for sm_90 had 513 instructions
+(BF16's: 438) for half the bytes: 2.3x the instructions per byte, about 80% of an SM's issue slots at the copy rate.
+Two changes, the same attention: the softmax takes exp2 of scores in log2 units (log2(e) joins the score scale; one
+MUFU.EX2 each instead of ``__nv_expf``'s extra arithmetic; the split combine and the new position take the same
+units), and V's rows past the length are loaded as zeros (the masked load's ``other``) instead of a select on the
+converted tile; an FP8 V is multiplied by a runtime one (LLVM folds it away) so that Triton still converts it in its
+blocked layout before the F16 shared-memory round trip (without it V is read as the dot's operand byte by byte):
+344 instructions (BF16 252), static counts of the compiled loop. Measured on the H100: the rollout 1-2% faster in both
+dtypes (``results/rollout_1k_ab_h100.json``), so the kernel's rate over FP8 is not its instruction count alone.
+Tried and left out: the QK dot in FP8 (the query quantized per row in the kernel): Triton upcasts both operands
+to F16 for the 16-row mma anyway; 1.4% slower in the rollout (``results/rollout_query_fp8_ab_h100.json``).
 
 The output. With ``out_dtype`` FP8 and ``out_scale`` (the rollout's pre-quantized ``wo``: its input scale) the
 kernel rounds the output to the query's dtype and quantizes it as ``recipe.quantize`` would, so ``wo``'s GEMM
@@ -98,7 +114,7 @@ sharding rules give the cache (``parallel.rules``: batch over data+fsdp, kv head
 it on its own sequences and heads, and nothing crosses devices (attention is local to a (sequence, kv head)).
 
 Left out: paged caches, sliding windows, soft-capping, query lengths above 1 (prefill keeps the einsum path),
-and an FP8 x FP8 dot (the query would need its own scale).
+and an FP8 x FP8 dot (tried, above).
 
 Letters: B batch, K kv heads, G query heads per kv head, H head dim, S cache positions, L layers.
 """
@@ -151,12 +167,13 @@ def _pow2_floor(n: int) -> int:
 MAX_BLOCK_K = 64  # positions per block at most (16 KiB of K per iteration below that)
 TARGET_PROGRAMS = 1024  # splits are added until the grid has about this many programs
 NUM_STAGES = 3
-QUERY_FP8 = False  # the QK dot in FP8 over an FP8 cache (``decode_attention_pallas(query_fp8=...)``)
 # The block loop's lean form (the module note's "The loop"): exp2 of scores in log2 units and V's masked rows
 # loaded as zeros; False: exp and a select on the converted V tile (the earlier form; ``bench rollout --variants
 # select_exp_loop``). Read when the kernel is traced.
 LEAN_LOOP = True
-HEADS_PER_PROGRAM = 1  # ``heads_per_program``'s default (``bench rollout --variants two_heads_per_program``: 2)
+# ``heads_per_program``'s default: None, ``default_heads_per_program``; an int, that (``bench rollout --variants
+# one_head_per_program``: 1, the earlier default)
+HEADS_PER_PROGRAM = None
 LOG2_E = math.log2(math.e)
 
 
@@ -165,6 +182,15 @@ def default_block_k(head_dim: int, cache_itemsize: int, cache_len: int, heads_pe
     [16, ``MAX_BLOCK_K``], no larger than the cache (rounded up)."""
     block_k = min(max(_pow2_floor(16 * 1024 // (heads_per_program * head_dim * cache_itemsize)), 16), MAX_BLOCK_K)
     return min(block_k, max(_pow2_ceil(cache_len), 16))
+
+
+def default_heads_per_program(rows: int, kv_heads: int, groups: int, cache_itemsize: int) -> int:
+    """2 kv heads a program over an FP8 cache when ``rows`` (B*K) / 2 programs still make ``TARGET_PROGRAMS`` (no
+    splits needed), K is even and the 2G query rows fit one 16-row tile; else 1 (the module note's "Several kv
+    heads per program": measured faster only there)."""
+    two = (cache_itemsize == 1 and kv_heads % 2 == 0 and 2 * groups <= MIN_DOT_ROWS
+           and rows // 2 >= TARGET_PROGRAMS)
+    return 2 if two else 1
 
 
 LONG_CACHE_BLOCKS = 32  # a cache of this many blocks or more gets at least two splits
@@ -342,7 +368,7 @@ def _kernel(layer_ref, lengths_ref, k_scale_ref, v_scale_ref, out_scale_ref, q_r
             kv_heads: int, groups: int, heads_per_program: int, rows_padded: int, rows_per_layer: int,
             cache_len: int, block_k: int, k_splits: int, compute_dtype, precision, softmax_scale: float,
             q_dtype, out_limit: float | None, tail_loop: bool, with_new: bool, kv_limit: float | None,
-            fused_rows: int | None, query_fp8: bool, lean: bool):
+            fused_rows: int | None, lean: bool):
     """``heads_per_program`` (P) consecutive kv heads of one sequence and one split. Refs (whole arrays, indexed
     here):
 
@@ -369,10 +395,6 @@ def _kernel(layer_ref, lengths_ref, k_scale_ref, v_scale_ref, out_scale_ref, q_r
     N+2K rows a sequence (its N query heads, K keys, K values); two more inputs, cos and sin [B, H/2] f32 at each
     sequence's new position. The program takes its query rows and its heads' new K and V from it and rotates the
     queries and keys as ``llama.apply_rope`` does (f32, rounded to ``q_dtype``): no XLA kernel splits or rotates them.
-
-    ``query_fp8`` (an FP8 cache): q arrives in ``q_dtype``; each query row is quantized to the cache's FP8 dtype
-    with its own scale (``_quantized_rows``) and the QK dot takes the FP8 K blocks as stored (no conversion of K);
-    each row's score is multiplied by the inverse of its query scale with the softmax and K scales.
     """
     if fused_rows is not None:
         cos_ref, sin_ref, *out_refs, k_out_ref, v_out_ref = refs
@@ -410,25 +432,19 @@ def _kernel(layer_ref, lengths_ref, k_scale_ref, v_scale_ref, out_scale_ref, q_r
         q_rows = pl.ds(sequence * fused_rows + first_head * groups, rows_padded)
         cos, sin = cos_ref[sequence, :], sin_ref[sequence, :]
         q = plgpu.load(q_ref.at[q_rows, :], mask=head_ok[:, None])
-        q = _rotate_half(q.astype(jnp.float32), cos, sin).astype(q_dtype)
-        q = q if query_fp8 else _dot_operand(q, compute_dtype)
+        q = _dot_operand(_rotate_half(q.astype(jnp.float32), cos, sin).astype(q_dtype), compute_dtype)
     k_scale, v_scale = (ref[layer_ref[0]] if ref.shape[0] > 1 else ref[0] for ref in (k_scale_ref, v_scale_ref))
     # 1/sqrt(H) and the K dequantization 1/k_scale, on the scores
     # (``lean``: and log2(e), so that the softmax takes exp2 of the scores, one MUFU.EX2 each; the row maxes and sums
     # are then those of log2 units)
     score_scale = softmax_scale * (1.0 / k_scale) * (LOG2_E if lean else 1.0)
     exp = jnp.exp2 if lean else jnp.exp
-    qk_dtype = compute_dtype
-    if query_fp8:  # per-row scales: each row's scores also get 1/its query scale ([Gp], the padding rows' is 1)
-        qk_dtype = k_ref.dtype
-        q, q_scale = _quantized_rows(q, qk_dtype, kv_limit)  # FP8 values held in f32 (the masks below are f32 ops)
-        score_scale = score_scale / q_scale
     if n_heads == 1:
         head_rows = [head_ok]
-        qs = [jnp.where(head_ok[:, None], q, 0).astype(qk_dtype)]
+        qs = [jnp.where(head_ok[:, None], q, 0).astype(compute_dtype)]
     else:  # head j's rows are j*G .. j*G+G-1; its dot operand has zeros everywhere else
         head_rows = [(row_index >= j * groups) & (row_index < (j + 1) * groups) for j in range(n_heads)]
-        qs = [jnp.where(rows_j[:, None], q, 0).astype(qk_dtype) for rows_j in head_rows]
+        qs = [jnp.where(rows_j[:, None], q, 0).astype(compute_dtype) for rows_j in head_rows]
     block_offsets = jnp.arange(block_k)
 
     def body(block, carry, masked: bool = True):
@@ -442,10 +458,10 @@ def _kernel(layer_ref, lengths_ref, k_scale_ref, v_scale_ref, out_scale_ref, q_r
         # masked loads never touch positions past the length (nor past the cache end)
         s = None
         for q_j, cache_row_j in zip(qs, cache_rows, strict=True):
-            k = plgpu.load(k_ref.at[cache_row_j, positions, :], mask=load_mask).astype(qk_dtype)
+            k = plgpu.load(k_ref.at[cache_row_j, positions, :], mask=load_mask).astype(compute_dtype)
             s_j = plgpu.dot(q_j, k, trans_b=True, precision=precision)
             s = s_j if s is None else s + s_j
-        s = s * (score_scale[:, None] if query_fp8 else score_scale)
+        s = s * score_scale
         if masked:  # masked columns may hold anything: replaced by -inf
             s = jnp.where(in_seq[None, :], s, -jnp.inf)
         new_max = jnp.maximum(row_max, jnp.max(s, axis=1))  # finite: a visited block has a position
@@ -517,16 +533,6 @@ def _rotate_half(x, cos, sin):
     # [..., H/2, 2] -> [..., 2, H/2] -> [..., H]
     pair = jnp.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return jnp.swapaxes(pair, -1, -2).reshape(x.shape)
-
-
-def _quantized_rows(q, dtype, limit: float):
-    """Each row of q [rows, H] quantized to FP8 ``dtype`` with its own scale ``limit / max|row|`` (1 for a row of
-    zeros): (q8, scale [rows]), q8's values held in f32 (exact); q8 * (1 / scale) is the row to within FP8's
-    rounding."""
-    q = q.astype(jnp.float32)
-    amax = jnp.max(jnp.abs(q), axis=1)
-    scale = jnp.where(amax > 0, limit / jnp.where(amax > 0, amax, 1.0), 1.0)
-    return jnp.clip(q * scale[:, None], -limit, limit).astype(dtype).astype(jnp.float32), scale
 
 
 def _dot_operand(q, compute_dtype):
@@ -608,15 +614,15 @@ def decode_attention_pallas(q, k_cache, v_cache, lengths, *, layer=None, k_scale
                             out_scale=None, out_dtype=None, new_kv=None, rope=None, block_k: int | None = None,
                             k_splits: int | None = None, num_warps: int = 4, num_stages: int | None = None,
                             dot_dtype=None, heads_per_program: int | None = None, tail_loop: bool = False,
-                            query_fp8: bool | None = None, lean: bool | None = None,
-                            interpret: bool = False) -> jax.Array:
+                            lean: bool | None = None, interpret: bool = False) -> jax.Array:
     """The Pallas kernel (see the module note); ``interpret=True`` runs it on any backend through Pallas'
     interpreter (tests). ``block_k`` / ``k_splits`` default from the shapes (``default_block_k`` /
     ``default_k_splits``). ``dot_dtype``: the dots' operand dtype (default ``default_dot_dtype``); ``float16``
     with an FP8 cache (every E4M3 value is exact in f16, and the conversion is one instruction per two values on
     Hopper) takes the query rounded to f16 (clipped to its range) and the probabilities in f16.
     ``heads_per_program``: P consecutive kv heads of a sequence per program (must divide K), their P*G query
-    rows sharing one score tile and one online softmax (the module note); 1, the default, is one kv head.
+    rows sharing one score tile and one online softmax (the module note); default ``HEADS_PER_PROGRAM`` or else
+    ``default_heads_per_program``.
     ``tail_loop``: walk a split's whole blocks without masks and the sequence's partial last block in a loop of its
     own (False, the default: one loop, every block masked). Measured on the H100 (``benchmarks/decode_attention.py
     --ab_tail_loop``, ``results/decode_tail_loop_h100.json``): alone, it made an FP8 cache at batch 256 (1 split)
@@ -624,8 +630,7 @@ def decode_attention_pallas(q, k_cache, v_cache, lengths, *, layer=None, k_scale
     (4 splits) slower, 52.3 / 67.2 against 49.1 / 62.9 us; but the batch-256 rollout with it on for one split made
     89.5k tokens/s against 91.7k without (``results/rollout_tail_loop_h100.json``).
     ``rope`` (cos, sin): q is the fused projection (``decode_attention_qkv``), see there.
-    ``query_fp8`` (FP8 caches only; default ``QUERY_FP8``): the QK dot in FP8, each query row quantized with its own
-    scale in the kernel (the module note's "FP8 query"). ``lean`` (default ``LEAN_LOOP``): the block loop's lean form
+    ``lean`` (default ``LEAN_LOOP``): the block loop's lean form
     (the module note's "The loop")."""
     cache_shape = k_cache.shape
     (k_cache, _), (v_cache, layer) = _stacked(k_cache, layer), _stacked(v_cache, layer)
@@ -641,7 +646,10 @@ def decode_attention_pallas(q, k_cache, v_cache, lengths, *, layer=None, k_scale
     b, kh, g, h = q.shape
     n_layers, s = k_cache.shape[0], k_cache.shape[3]
     rows = b * kh
-    n_heads = heads_per_program = HEADS_PER_PROGRAM if heads_per_program is None else heads_per_program
+    if heads_per_program is None:
+        heads_per_program = HEADS_PER_PROGRAM or default_heads_per_program(
+            b * kh, kh, g, jnp.dtype(k_cache.dtype).itemsize)
+    n_heads = heads_per_program
     if not isinstance(n_heads, int) or n_heads < 1 or kh % n_heads:
         raise ValueError(f"heads_per_program={n_heads!r} must be a positive integer dividing the kv heads K={kh}")
     programs = rows // n_heads
@@ -665,10 +673,7 @@ def decode_attention_pallas(q, k_cache, v_cache, lengths, *, layer=None, k_scale
         k_cache, v_cache, layer = k_cache[layer][None], v_cache[layer][None], jnp.int32(0)
         n_layers = 1
     compute_dtype = jnp.dtype(dot_dtype or default_dot_dtype(q.dtype, k_cache.dtype))
-    query_fp8 = QUERY_FP8 if query_fp8 is None else query_fp8
     lean = LEAN_LOOP if lean is None else lean
-    if query_fp8 and itemsize != 1:
-        raise ValueError(f"query_fp8 needs an FP8 K/V cache, got {k_cache.dtype}")
     with_new = new_kv is not None or rope is not None
     precision = lax.Precision.HIGHEST if compute_dtype == jnp.float32 else None
     # the scales themselves, not their inverses (computed in the kernel), each as it is ([1] or [L]: a free
@@ -682,7 +687,7 @@ def decode_attention_pallas(q, k_cache, v_cache, lengths, *, layer=None, k_scale
         softmax_scale=1.0 / math.sqrt(h), q_dtype=jnp.dtype(q.dtype),
         out_limit=fp8_max(out_dtype) if quantized else None, tail_loop=tail_loop, with_new=with_new,
         kv_limit=fp8_max(k_cache.dtype) if itemsize == 1 else None,
-        fused_rows=fused.shape[1] if rope is not None else None, query_fp8=query_fp8, lean=lean,
+        fused_rows=fused.shape[1] if rope is not None else None, lean=lean,
     )
     if k_splits == 1:  # the output itself
         out_shape = (jax.ShapeDtypeStruct((rows * g, h), out_dtype),)
@@ -694,10 +699,8 @@ def decode_attention_pallas(q, k_cache, v_cache, lengths, *, layer=None, k_scale
         )
     # [L, B, K, S, H] -> [L*B*K, S, H]: contiguous, a free reshape
     caches = [k_cache.reshape(n_layers * rows, s, h), v_cache.reshape(n_layers * rows, s, h)]
-    if rope is None and not query_fp8:  # [B, K, G, H] -> [B*K*G, H], the dots' operand
+    if rope is None:  # [B, K, G, H] -> [B*K*G, H], the dots' operand
         operands = [_dot_operand(q, compute_dtype).reshape(rows * g, h), *caches]
-    elif rope is None:  # query_fp8: [B, K, G, H] -> [B*K*G, H] as it is (quantized in the kernel)
-        operands = [q.reshape(rows * g, h), *caches]
     else:  # [B, N+2K, H] -> [B*(N+2K), H] as it is (rotated and converted in the kernel)
         operands = [fused.reshape(-1, h), *caches]
     operands = [jnp.reshape(layer, (1,)), lengths.astype(jnp.int32), *scales, *operands]

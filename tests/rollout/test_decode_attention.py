@@ -325,7 +325,7 @@ def test_fused_projection_is_split_then_attended(kind, g, heads_per_program, k_s
     _check_fused("pallas_interpret", kind, g, heads_per_program, k_splits)
 
 
-def _check_fused(impl, kind, g, heads_per_program, k_splits, query_fp8=False):
+def _check_fused(impl, kind, g, heads_per_program, k_splits):
     from fp8rl_jax.model import llama
 
     b, kv_heads = len(NEW_LENGTHS), 4
@@ -337,7 +337,7 @@ def _check_fused(impl, kind, g, heads_per_program, k_splits, query_fp8=False):
     freqs = jnp.asarray(NEW_LENGTHS - 1, jnp.float32)[:, None] * inv_freq
     rope = (jnp.cos(freqs), jnp.sin(freqs))
     scales = {"k_scale": k_scale, "v_scale": v_scale}
-    tuning = {"block_k": 16, "k_splits": k_splits, "heads_per_program": heads_per_program, "query_fp8": query_fp8}
+    tuning = {"block_k": 16, "k_splits": k_splits, "heads_per_program": heads_per_program}
     args = [jnp.asarray(a) for a in (k, v, NEW_LENGTHS)]
     fused = jax.jit(functools.partial(da.decode_attention_qkv, layer=jnp.int32(1), impl=impl, **scales, **tuning))
     got = fused(qkv, *args, rope)
@@ -362,55 +362,6 @@ def _check_fused(impl, kind, g, heads_per_program, k_splits, query_fp8=False):
         assert np.mean(np.asarray(a, np.float32) != np.asarray(w, np.float32)) < 1e-3
 
 
-# the QK dot in FP8 (``query_fp8``): each query row quantized with its own scale
-QUERY_FP8_CASES = [  # G, K, P, block_k, k_splits
-    (4, 2, 1, 16, 1),
-    (4, 2, 1, 16, 3),
-    (2, 4, 2, 16, 2),
-    (4, 4, 4, 32, 1),
-]
-
-
-def _quantized_rows(q):
-    """q [..., H] as the kernel's FP8 query sees it, float64: each row quantized to E4M3 with scale 448 / max|row|,
-    then divided by that scale."""
-    q = np.asarray(q, np.float32)
-    amax = np.abs(q).max(-1, keepdims=True)
-    scale = np.where(amax > 0, np.float32(448.0) / np.where(amax > 0, amax, 1), 1).astype(np.float32)
-    q8 = np.clip(q * scale, -448, 448).astype(ml_dtypes.float8_e4m3fn)
-    return q8.astype(np.float64) / scale.astype(np.float64)
-
-
-@pytest.mark.parametrize("g,kv_heads,heads_per_program,block_k,k_splits", QUERY_FP8_CASES)
-def test_fp8_query_matches_reference_of_its_quantized_rows(g, kv_heads, heads_per_program, block_k, k_splits):
-    """``query_fp8``: the kernel is the float64 attention of the per-row quantized query over the FP8 cache (lengths
-    0, 1, a ragged block, the whole cache); far from it is the unquantized query's (the test can tell them apart)."""
-    q, k, v, k_scale, v_scale, q64, k64, v64 = _inputs("fp8", g, seed=7, kv_heads=kv_heads)
-    q = np.asarray(jnp.asarray(q * 4.0, jnp.bfloat16))  # sharper softmax: the query's rounding shows
-    lengths = PACKED_LENGTHS
-    got = np.asarray(da.decode_attention_pallas(
-        jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(lengths), k_scale=k_scale, v_scale=v_scale,
-        block_k=block_k, k_splits=k_splits, heads_per_program=heads_per_program, query_fp8=True, interpret=True),
-        np.float64)
-    want = _reference(_quantized_rows(q), k64, v64, lengths)
-    np.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-2)
-    unquantized = _reference(np.asarray(q, np.float64), k64, v64, lengths)
-    assert np.abs(got - want).max() < 0.25 * np.abs(unquantized - want).max()
-
-
-def test_fp8_query_fused_projection_is_split_then_attended():
-    """``query_fp8`` with the fused projection: bit for bit the split form with it (output and written caches)."""
-    _check_fused("pallas_interpret", "fp8", 4, 1, 2, query_fp8=True)
-    _check_fused("pallas_interpret", "fp8", 2, 2, 1, query_fp8=True)
-
-
-def test_fp8_query_needs_an_fp8_cache():
-    q, k, v, *_ = _inputs("bf16", 4)
-    with pytest.raises(ValueError, match="query_fp8 needs an FP8"):
-        da.decode_attention_pallas(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(LENGTHS),
-                                   query_fp8=True, interpret=True)
-
-
 def test_fused_projection_bad_shapes_name_the_key():
     k = jnp.zeros((B, K, S, H), jnp.bfloat16)
     rope = (jnp.zeros((B, H // 2)), jnp.zeros((B, H // 2)))
@@ -428,6 +379,18 @@ def test_new_kv_bad_shape_names_the_key():
     with pytest.raises(ValueError, match="new_kv k must be"):
         da.decode_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(LENGTHS), new_kv=(bad, bad),
                             impl="pallas_interpret")
+
+
+def test_heads_per_program_default_hand_derived():
+    """Two kv heads a program over an FP8 cache at batch 256 (B*K = 2048: 1024 programs, no splits), one otherwise:
+    batch 64, a BF16 cache, an odd K, 2G rows past the 16-row tile; ``HEADS_PER_PROGRAM`` set wins."""
+    assert da.default_heads_per_program(256 * 8, 8, 4, 1) == 2
+    assert da.default_heads_per_program(64 * 8, 8, 4, 1) == 1
+    assert da.default_heads_per_program(256 * 8, 8, 4, 2) == 1
+    assert da.default_heads_per_program(256 * 7, 7, 4, 1) == 1
+    assert da.default_heads_per_program(256 * 4, 4, 16, 1) == 1
+    with da.tuned(64, 512, 3):  # TARGET_PROGRAMS 512: batch 128 at K=8 qualifies
+        assert da.default_heads_per_program(128 * 8, 8, 4, 1) == 2
 
 
 def test_defaults_hand_derived():
@@ -628,7 +591,8 @@ def test_new_kv_lowers_to_triton(triton_ir):
     q = jax.ShapeDtypeStruct((256, 8, 4, 64), jnp.bfloat16)
     cache = jax.ShapeDtypeStruct((16, 256, 8, 1088, 64), jnp.float8_e4m3fn)
     new = jax.ShapeDtypeStruct((256, 8, 64), jnp.bfloat16)
-    fn = functools.partial(da.decode_attention_pallas, k_scale=jnp.float32(2.0), v_scale=jnp.float32(3.0))
+    fn = functools.partial(da.decode_attention_pallas, k_scale=jnp.float32(2.0), v_scale=jnp.float32(3.0),
+                           heads_per_program=1)
     [ttir] = triton_ir(lambda q, k, v, n, i, nk, nv: fn(q, k, v, n, layer=i, new_kv=(nk, nv)), q, cache, cache,
                         jax.ShapeDtypeStruct((256,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32), new, new)
     stores = [line for line in ttir.splitlines() if "tt.store" in line and "f8E4M3FN" in line]
@@ -651,26 +615,6 @@ def test_fused_projection_lowers_to_triton(heads_per_program, triton_ir):
     stores = [line for line in ttir.splitlines() if "tt.store" in line and "f8E4M3FN" in line]
     assert len(stores) == 2 * heads_per_program, stores
     assert "tt.split" in ttir and "tt.join" in ttir and "tt.dot" in ttir
-
-
-@pytest.mark.parametrize("fused", [False, True])
-def test_fp8_query_lowers_to_an_fp8_dot(fused, triton_ir):
-    """Llama-3.2-1B, batch 256, ``query_fp8``: the QK dot takes E4M3 operands (the K blocks as loaded), the P.V dot
-    F16 ones."""
-    cache = jax.ShapeDtypeStruct((16, 256, 8, 1088, 64), jnp.float8_e4m3fn)
-    ints = (jax.ShapeDtypeStruct((256,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32))
-    fn = functools.partial(da.decode_attention_pallas, k_scale=jnp.float32(2.0), v_scale=jnp.float32(3.0),
-                           query_fp8=True)
-    if fused:
-        half = jax.ShapeDtypeStruct((256, 32), jnp.float32)
-        [ttir] = triton_ir(lambda x, k, v, n, i, c, s: fn(x, k, v, n, layer=i, rope=(c, s)),
-                           jax.ShapeDtypeStruct((256, 48, 64), jnp.bfloat16), cache, cache, *ints, half, half)
-    else:
-        [ttir] = triton_ir(lambda q, k, v, n, i: fn(q, k, v, n, layer=i),
-                           jax.ShapeDtypeStruct((256, 8, 4, 64), jnp.bfloat16), cache, cache, *ints)
-    dots = [line for line in ttir.splitlines() if "tt.dot" in line]
-    assert len(dots) == 2, dots
-    assert sum("f8E4M3FN" in line for line in dots) == 1 and sum("xf16>" in line for line in dots) == 1, dots
 
 
 @pytest.mark.parametrize("lean", [True, False])
@@ -768,23 +712,6 @@ def test_gpu_decode_step_writes_the_cache_in_place(kv_dtype):
     assert "decode_attention" in hlo
     copies = [line for line in hlo.splitlines() if layer in line and ("copy(" in line or "copy-start" in line)]
     assert not copies, copies[:3]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("g,kv_heads,heads_per_program,block_k,k_splits", QUERY_FP8_CASES)
-def test_gpu_fp8_query_matches_reference_of_its_quantized_rows(g, kv_heads, heads_per_program, block_k, k_splits):
-    q, k, v, k_scale, v_scale, q64, k64, v64 = _inputs("fp8", g, seed=7, kv_heads=kv_heads)
-    q = np.asarray(jnp.asarray(q * 4.0, jnp.bfloat16))
-    got = np.asarray(jax.jit(functools.partial(
-        da.decode_attention_pallas, k_scale=k_scale, v_scale=v_scale, block_k=block_k, k_splits=k_splits,
-        heads_per_program=heads_per_program, query_fp8=True))(
-            jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(PACKED_LENGTHS)), np.float64)
-    np.testing.assert_allclose(got, _reference(_quantized_rows(q), k64, v64, PACKED_LENGTHS), rtol=1e-2, atol=1e-2)
-
-
-@pytest.mark.gpu
-def test_gpu_fp8_query_fused_projection_is_split_then_attended():
-    _check_fused("pallas", "fp8", 4, 1, 1, query_fp8=True)
 
 
 @pytest.mark.gpu
