@@ -478,7 +478,7 @@ def _kernel(layer_ref, lengths_ref, k_scale_ref, v_scale_ref, out_scale_ref, q_r
                 v = plgpu.load(v_ref.at[cache_row_j, positions, :], mask=load_mask,
                                other=jnp.zeros((), v_ref.dtype) if masked else None).astype(compute_dtype)
                 if jnp.dtype(v_ref.dtype).itemsize == 1:
-                    v = v * jnp.where(length >= 0, 1.0, 0.0).astype(compute_dtype)
+                    v = v * (length >= 0).astype(compute_dtype)  # (a where on the scalar fails to lower for f32)
             else:
                 v = plgpu.load(v_ref.at[cache_row_j, positions, :], mask=load_mask).astype(compute_dtype)
                 if masked:
