@@ -545,7 +545,7 @@ def test_teacher_forced_decode_against_full_forward():
 
 
 @pytest.mark.parametrize("cache_dtype,q_dtype", [("float8_e4m3fn", "bfloat16"), ("bfloat16", "bfloat16"),
-                                                 ("float32", "float32")])
+                                                 ("float32", "float32"), ("float8_e4m3fn", "float32")])
 def test_kernel_lowers_to_triton(cache_dtype, q_dtype, triton_ir):
     """Llama-3.2-1B shapes (K=8, G=4, H=64): the kernel lowers; FP8 is converted in-kernel (no BF16 cache)."""
     q = jax.ShapeDtypeStruct((8, 8, 4, 64), jnp.dtype(q_dtype))
