@@ -95,8 +95,8 @@ Defaults (H100; ``benchmarks/decode_attention.py`` sweeps them; ``MAX_BLOCK_K``,
 - ``block_k``: 16 KiB of K (and of V) per iteration (over the P heads), at most 64 positions: 64 at H=64 and at
   H=128, in both dtypes. ``num_stages=3`` stages the next two blocks' K/V in shared memory while this one computes.
 - ``k_splits``: enough programs for ~8 per SM (132 SMs): 1024 / (B*K/P) rounded up, between 1 and 16, and at
-  least 2 for a cache of 32 blocks or more. Batch 256 at K=8 gives 2048 programs (1 split, no combine traffic);
-  batch 64 gives 512 (2 splits).
+  least 2 for a cache of 32 blocks or more. Batch 256 at K=8 gives 2048 programs of one kv head over a BF16 cache
+  and 1024 of two over an FP8 one (1 split, no combine traffic); batch 64 gives 512 (2 splits).
   Session 23's sweep of the kernel alone (``results/decode_retune_{fp8,bf16}_h100.json``: block_k 32 / 64 / 128 x
   1 / 2 / 4 splits x 2 / 4 warps x 2 / 3 stages, llama1b heads, half of a 1,088-position cache) put 64-position
   blocks with three stages at or near the best in both dtypes; in the rollout (``bench rollout --decode_tuning
