@@ -29,7 +29,7 @@ from jax.experimental.pallas import triton as plgpu
 from fp8rl_jax.fp8.recipe import fp8_max, quantize
 
 IMPLS = ("auto", "pallas", "pallas_interpret", "xla")
-ROWS = 4  # rows per program
+ROWS = 1  # rows per program (256 programs at batch 256: every SM streams)
 NUM_WARPS = 4
 
 
