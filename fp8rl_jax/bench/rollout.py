@@ -31,8 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "exp-sum in two reads of the logits, sampling.BLOCK_STATS), select_exp_loop (the decode "
                              "kernel's loop with exp and a select on V, kernels.decode_attention.LEAN_LOOP), "
                              "one_head_per_program (the decode kernel's programs of one kv head at every batch, "
-                             "kernels.decode_attention.HEADS_PER_PROGRAM), xla_residual (XLA's residual adds and "
-                             "norm fusions instead of kernels.residual_norm, llama.FUSED_RESIDUAL); "
+                             "kernels.decode_attention.HEADS_PER_PROGRAM); "
                              "e.g. default,scatter_kv+one_level_draw")
     parser.add_argument("--profile", action="store_true",
                         help="also trace one chunk: kernel and idle time per step, top kernels")
@@ -182,8 +181,7 @@ def _earlier_form(name: str):
                 "one_level_draw": (sampling, "DRAW", "one_level"),
                 "two_pass_block_stats": (sampling, "BLOCK_STATS", "two_pass"),
                 "select_exp_loop": (decode_attention, "LEAN_LOOP", False),
-                "one_head_per_program": (decode_attention, "HEADS_PER_PROGRAM", 1),
-                "xla_residual": (llama, "FUSED_RESIDUAL", False)}
+                "one_head_per_program": (decode_attention, "HEADS_PER_PROGRAM", 1)}
     if name not in switches:
         raise ValueError(f"--variants: unknown form {name!r}; known: default, {', '.join(switches)}")
     module, attr, value = switches[name]

@@ -42,7 +42,6 @@ from fp8rl_jax.fp8.policy import Precision
 from fp8rl_jax.fp8.recipe import init_linear_state
 from fp8rl_jax.fp8.xla import QuantizedKernel, TrainKernel
 from fp8rl_jax.kernels import decode_attention as decode_kernel
-from fp8rl_jax.kernels import residual_norm
 from fp8rl_jax.model.config import LlamaConfig
 from fp8rl_jax.parallel import fsdp, rules
 from fp8rl_jax.parallel.rules import RESIDUAL_AXES, constrain
@@ -460,25 +459,17 @@ def _split_fused(y: jax.Array, sizes: tuple[int, ...], shards: int) -> list[jax.
 
 def _block(x, layer, fp8, idx, positions, cache, kv_scales, config: LlamaConfig, precision: Precision, inv_freq,
            decode_impl: str = "xla", cache_dtype=None, attention_impl: str = "xla", fused_shards: int = 1,
-           segment_ids=None, residual=None, defer_residual: bool = False, residual_impl: str = "xla"):
+           segment_ids=None):
     """One transformer block. Returns the new residual stream, the updated cache and this layer's K/V amax.
 
     ``cache`` holds a ``cache_dtype`` cache, on CPU as its bits (see ``forward_hidden``). ``fused_shards``: see
-    ``_split_fused``. ``segment_ids`` (packed rows, no cache) confine attention to each segment.
-
-    The decode step's residual adds in one kernel with the norm after them (``forward_hidden``'s ``_residual_impl``,
-    ``kernels.residual_norm``): ``residual`` (the previous block's w_down output, not yet added) is added to ``x`` by
-    the kernel that normalizes and quantizes the sum for ``wqkv``; with ``defer_residual`` the wo output is added the
-    same way before ``w_gate_up``, and the block returns ``(x, its w_down output)`` in place of their sum."""
+    ``_split_fused``. ``segment_ids`` (packed rows, no cache) confine attention to each segment."""
     c = config
     b, t, _ = x.shape
     eps = c.rms_norm_eps
     fp8 = {k: v for k, v in (fp8 or {}).items() if k not in precision.bf16_linears}
 
-    if residual is not None:  # x + the previous block's output, normalized and quantized for wqkv in one kernel
-        x, h = _add_norm_quantized(x, residual, layer["attn_norm"], fp8["wqkv"], c, precision, residual_impl)
-    else:
-        h = rms_norm(x, layer["attn_norm"], eps, precision.dtype)
+    h = rms_norm(x, layer["attn_norm"], eps, precision.dtype)
     # [B, T, D] -> [B, T, (N + 2K) H]
     qkv = linear(h, layer["wqkv"], fp8.get("wqkv"), precision)
     if "bqkv" in layer:
@@ -521,12 +512,9 @@ def _block(x, layer, fp8, idx, positions, cache, kv_scales, config: LlamaConfig,
         k_pos = jnp.broadcast_to(jnp.arange(s, dtype=positions.dtype)[None], (b, s))
         attn = attention(q, keys.astype(q.dtype), values.astype(q.dtype), positions, k_pos, segment_ids, segment_ids)
     # [B, T, N, H] -> [B, T, N H]
-    y = linear(attn.reshape(b, t, c.q_size), layer["wo"], fp8.get("wo"), precision, out_dtype=x.dtype)
-    if defer_residual:
-        x, h = _add_norm_quantized(x, y, layer["mlp_norm"], fp8["w_gate_up"], c, precision, residual_impl)
-    else:
-        x = x + y
-        h = rms_norm(x, layer["mlp_norm"], eps, precision.dtype)
+    x = x + linear(attn.reshape(b, t, c.q_size), layer["wo"], fp8.get("wo"), precision, out_dtype=x.dtype)
+
+    h = rms_norm(x, layer["mlp_norm"], eps, precision.dtype)
     if _fused_mlp(layer, fp8, precision, fused_shards):
         from fp8rl_jax.fp8 import te  # the te backend's MLP in one custom VJP: its forward is the two linears'
 
@@ -537,37 +525,8 @@ def _block(x, layer, fp8, idx, positions, cache, kv_scales, config: LlamaConfig,
     # [B, T, D] -> [B, T, 2F]
     gate, up = _split_fused(linear(h, layer["w_gate_up"], fp8.get("w_gate_up"), precision),
                             (c.intermediate_size,) * 2, fused_shards)
-    y = linear(jax.nn.silu(gate) * up, layer["w_down"], fp8.get("w_down"), precision, out_dtype=x.dtype)
-    return ((x, y) if defer_residual else x + y), cache, kv_amax
-
-
-def _add_norm_quantized(x, y, weight, state, config: LlamaConfig, precision: Precision, impl: str):
-    """(x + y, the RMSNorm of the sum quantized with ``state``'s input scale): what ``x + y``, ``rms_norm`` and the next
-    linear's input quantize make, in one kernel (``kernels.residual_norm``)."""
-    return residual_norm.add_rms_norm_quantize(x, y, weight, config.rms_norm_eps, state["x"]["scale"],
-                                               compute_dtype=precision.dtype, fp8_dtype=precision.recipe.fwd_dtype,
-                                               impl=impl)
-
-
-# The decode step's residual adds fused with the norms after them (``_residual_impl``); False: XLA's add and norm
-# fusions (the earlier form; ``bench rollout --variants xla_residual``). Read when the step is traced.
-FUSED_RESIDUAL = True
-
-
-def _residual_impl(blocks, fp8, x, cache, decode_impl: str, precision: Precision, fused_shards: int) -> str | None:
-    """The ``kernels.residual_norm`` impl for an unrolled decode step whose adds can go into the norm kernels, or None:
-    T = 1 against a cache with the decode kernel, FP8 with per-tensor scales, every layer's wqkv and w_gate_up
-    pre-quantized (the rollout's ``QuantizedKernel``: their input taken as FP8), one device, D a power of two."""
-    if not (FUSED_RESIDUAL and cache is not None and x.shape[1] == 1 and decode_impl != "xla" and precision.fp8
-            and precision.recipe.scaling == "tensor" and fused_shards == 1 and fp8 is not None
-            and residual_norm.supported(x.shape[-1]) and rules.active_mesh() is None):
-        return None
-    for layer, state in zip(blocks, fp8, strict=True):
-        for name in ("wqkv", "w_gate_up"):
-            if not isinstance(layer.get(name), QuantizedKernel) or name in precision.bf16_linears or not state.get(
-                    name):
-                return None
-    return decode_impl
+    x = x + linear(jax.nn.silu(gate) * up, layer["w_down"], fp8.get("w_down"), precision, out_dtype=x.dtype)
+    return x, cache, kv_amax
 
 
 def _kv_stored(k, v, k_scale, v_scale, precision: Precision):
@@ -756,31 +715,23 @@ def forward_hidden(
     fp8_blocks = fp8_state.get("blocks") if fp8_state is not None else None  # absent without FP8 blocks
     fp8_per_layer = isinstance(fp8_blocks, (tuple, list))
     amax_k, amax_v = [], []
-    pending = None  # a w_down output the residual stream has not taken yet (``_residual_impl``)
     for (start, end, is_fp8), blocks in zip(segs, seg_blocks, strict=True):
         fp8 = None
         if is_fp8:
             fp8 = tuple(fp8_blocks[start:end]) if fp8_per_layer else slice_layers(fp8_blocks, start, end, c.num_layers)
         if isinstance(blocks, (tuple, list)):
             # per-layer weights: an unrolled loop, each layer's arrays read where they are (no slice, no copy)
-            fp8_layers = [None if fp8 is None else fp8[i] if fp8_per_layer else
-                          jax.tree.map(lambda a, i=i: a[i], fp8) for i in range(len(blocks))]
-            residual_impl = _residual_impl(blocks, None if fp8 is None else fp8_layers, x, cache, decode_impl,
-                                           precision, fused_shards)
             for i, layer in enumerate(blocks):
-                x, cache, (ak, av) = _block(x, layer, fp8_layers[i], start + i, positions, cache, kv_scales, c,
+                fp8_layer = None
+                if fp8 is not None:
+                    fp8_layer = fp8[i] if fp8_per_layer else jax.tree.map(lambda a, i=i: a[i], fp8)
+                x, cache, (ak, av) = _block(x, layer, fp8_layer, start + i, positions, cache, kv_scales, c,
                                             precision, inv_freq, decode_impl, cache_dtype, attention_impl,
-                                            fused_shards, segment_ids, residual=pending,
-                                            defer_residual=residual_impl is not None,
-                                            residual_impl=residual_impl or "xla")
-                if residual_impl is not None:  # this block's w_down output goes into the next block's norm kernel
-                    x, pending = x
+                                            fused_shards, segment_ids)
                 x = constrain(x, RESIDUAL_AXES)
                 amax_k.append(ak[None])
                 amax_v.append(av[None])
             continue
-        if pending is not None:  # a scanned segment after deferred ones
-            x, pending = x + pending, None
         if fp8 is not None and fp8_per_layer:  # a scan: stacked again
             fp8 = jax.tree.map(lambda *a: jnp.stack(a), *fp8)
         # FSDP (a mesh with fsdp > 1, no cache: scoring and training): the block kernels are gathered in their GEMM's
@@ -817,8 +768,6 @@ def forward_hidden(
         (x, cache), (ak, av) = lax.scan(body, (x, cache), xs)
         amax_k.append(ak)
         amax_v.append(av)
-    if pending is not None:
-        x = x + pending
     if cache is not None and not layered and cache["k"].dtype != cache_dtype:
         cache = {name: lax.bitcast_convert_type(a, cache_dtype) for name, a in cache.items()}
     x = constrain(rms_norm(x, params["final_norm"], c.rms_norm_eps, precision.dtype), RESIDUAL_AXES)
