@@ -368,3 +368,16 @@ def test_scale_summary_builds_scale_json_from_step_records(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("{}\n")
     with pytest.raises(SystemExit, match="metrics.jsonl: not a scale_MODE_FxT"):
         summary_module.main([str(tmp_path / "metrics.jsonl"), "--gpus", "4", "--device", "d", "--batch", "b"])
+
+
+def test_agreement_defaults_leave_out_transformer_engine():
+    """``bench agreement``'s default precisions run anywhere: the te ones (fp8_te, fp8_kv_te) only when named."""
+    import argparse
+
+    from fp8rl_jax.bench import agreement
+
+    parser = argparse.ArgumentParser()
+    agreement.add_arguments(parser)
+    names = parser.parse_args([]).precisions.split(",")
+    assert "fp8_kv" in names and all(agreement.PRECISIONS[n].backend != "te" for n in names)
+    assert {"fp8_te", "fp8_kv_te"} <= set(agreement.PRECISIONS) - set(names)
