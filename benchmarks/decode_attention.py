@@ -272,18 +272,16 @@ def main(argv=None):
         models, batches, lens = args.models or ["1b", "8b"], args.batch or [64, 256], args.cache_len or [1088, 4160]
     common = dict(repeats=args.repeats, warmup=args.warmup, interpret=args.interpret, mem_fraction=args.mem_fraction,
                   max_layers=args.max_layers)
+    ints = lambda arg: [int(v) for v in arg.split(",")] if arg else []  # noqa: E731
+    ab_crossed = [(key, values) for key, values in (
+        ("tail_loop", (True, False) if args.ab_tail_loop else ()), ("lean", (False, True) if args.ab_lean_loop else ()),
+        ("heads_per_program", ints(args.ab_heads_per_program)), ("num_warps", ints(args.ab_num_warps)),
+        ("block_k", ints(args.ab_block_k))) if values]
     rows = []
     for model, batch, cache_len, fill, kv in itertools.product(models, batches, lens, args.fill, args.kv):
-        tunings = [{"tail_loop": True}, {"tail_loop": False}] if args.ab_tail_loop else [{}]
-        if args.ab_lean_loop:
-            tunings = [{**t, "lean": v} for t in tunings for v in (False, True)]
-        if args.ab_heads_per_program:
-            heads = args.ab_heads_per_program.split(",")
-            tunings = [{**t, "heads_per_program": int(v)} for t in tunings for v in heads]
-        if args.ab_num_warps:
-            tunings = [{**t, "num_warps": int(v)} for t in tunings for v in args.ab_num_warps.split(",")]
-        if args.ab_block_k:
-            tunings = [{**t, "block_k": int(v)} for t in tunings for v in args.ab_block_k.split(",")]
+        tunings = [{}]
+        for key, values in ab_crossed:  # each A/B option crossed with the ones before it
+            tunings = [{**t, key: v} for t in tunings for v in values]
         rows += bench_shape(model, batch, cache_len, fill, kv, args.impls, tunings=tunings, **common)
     sweep = []
     if args.sweep:

@@ -438,7 +438,7 @@ def _kernel(layer_ref, lengths_ref, k_scale_ref, v_scale_ref, out_scale_ref, q_r
     # (``lean``: and log2(e), so that the softmax takes exp2 of the scores, one MUFU.EX2 each; the row maxes and sums
     # are then those of log2 units)
     score_scale = softmax_scale * (1.0 / k_scale) * (LOG2_E if lean else 1.0)
-    exp = jnp.exp2 if lean else jnp.exp
+    exp = _softmax_exp(lean)
     if n_heads == 1:
         head_rows = [head_ok]
         qs = [jnp.where(head_ok[:, None], q, 0).astype(compute_dtype)]
@@ -523,6 +523,12 @@ def _kernel(layer_ref, lengths_ref, k_scale_ref, v_scale_ref, out_scale_ref, q_r
     plgpu.store(acc_ref.at[split, heads, :], acc, mask=head_ok[:, None])
     plgpu.store(row_max_ref.at[split, heads], row_max, mask=head_ok)
     plgpu.store(row_sum_ref.at[split, heads], row_sum, mask=head_ok)
+
+
+def _softmax_exp(lean: bool):
+    """The online softmax's exponential: exp2 of log2-unit scores in the lean loop, exp otherwise; the kernel, its new
+    position and the split combine take the same one."""
+    return jnp.exp2 if lean else jnp.exp
 
 
 def _rotate_half(x, cos, sin):
@@ -646,17 +652,17 @@ def decode_attention_pallas(q, k_cache, v_cache, lengths, *, layer=None, k_scale
     b, kh, g, h = q.shape
     n_layers, s = k_cache.shape[0], k_cache.shape[3]
     rows = b * kh
+    itemsize = jnp.dtype(k_cache.dtype).itemsize
     if heads_per_program is None:
-        heads_per_program = HEADS_PER_PROGRAM or default_heads_per_program(
-            b * kh, kh, g, jnp.dtype(k_cache.dtype).itemsize)
+        heads_per_program = HEADS_PER_PROGRAM or default_heads_per_program(rows, kh, g, itemsize)
     n_heads = heads_per_program
     if not isinstance(n_heads, int) or n_heads < 1 or kh % n_heads:
         raise ValueError(f"heads_per_program={n_heads!r} must be a positive integer dividing the kv heads K={kh}")
     programs = rows // n_heads
-    itemsize = jnp.dtype(k_cache.dtype).itemsize
     block_k = block_k or default_block_k(h, itemsize, s, n_heads)
     k_splits = k_splits or default_k_splits(programs, s, block_k)
     num_stages = num_stages or NUM_STAGES
+    lean = LEAN_LOOP if lean is None else lean
     if block_k < 16 or block_k & (block_k - 1):
         raise ValueError(f"block_k={block_k} must be a power of two >= 16")
     if itemsize == 1 and k_cache.size > 2**31 and not interpret and not _widen_byte_array_offsets():
@@ -667,13 +673,13 @@ def decode_attention_pallas(q, k_cache, v_cache, lengths, *, layer=None, k_scale
                 decode_attention_pallas, fused if rope is not None else q, lengths=lengths,
                 k_scale=_layer_scale(k_scale, layer), v_scale=_layer_scale(v_scale, layer), out_scale=out_scale,
                 out_dtype=out_dtype, new_kv=new_kv, rope=rope, block_k=block_k, k_splits=k_splits, num_warps=num_warps,
-                num_stages=num_stages, dot_dtype=dot_dtype, heads_per_program=heads_per_program, tail_loop=tail_loop),
+                num_stages=num_stages, dot_dtype=dot_dtype, heads_per_program=heads_per_program, tail_loop=tail_loop,
+                lean=lean),
             k_cache, v_cache, layer, cache_shape)
         k_scale, v_scale = _layer_scale(k_scale, layer), _layer_scale(v_scale, layer)
         k_cache, v_cache, layer = k_cache[layer][None], v_cache[layer][None], jnp.int32(0)
         n_layers = 1
     compute_dtype = jnp.dtype(dot_dtype or default_dot_dtype(q.dtype, k_cache.dtype))
-    lean = LEAN_LOOP if lean is None else lean
     with_new = new_kv is not None or rope is not None
     precision = lax.Precision.HIGHEST if compute_dtype == jnp.float32 else None
     # the scales themselves, not their inverses (computed in the kernel), each as it is ([1] or [L]: a free
@@ -732,7 +738,7 @@ def decode_attention_pallas(q, k_cache, v_cache, lengths, *, layer=None, k_scale
     # combine the splits, each weighted by exp(its row max - the overall max); an empty split's max is -inf
     overall_max = jnp.max(row_max, axis=0)
     overall_max = jnp.where(jnp.isfinite(overall_max), overall_max, 0.0)
-    weight = (jnp.exp2 if lean else jnp.exp)(row_max - overall_max)  # [k_splits, B*K*G] (lean: log2 units)
+    weight = _softmax_exp(lean)(row_max - overall_max)  # [k_splits, B*K*G] (lean: log2 units)
     total = jnp.sum(weight * row_sum, axis=0)
     acc = jnp.sum(weight[..., None] * acc, axis=0)  # [B*K*G, H]
     # a length-0 sequence (total 0) gets zeros; 1/v_scale is the V dequantization
