@@ -13,6 +13,10 @@ the wall time per GEMM (median of ``--repeats``: it includes the host's launches
 this harness does not). Each impl's output is checked against the first impl's (TE's by default): the largest
 difference relative to the largest output.
 
+``--impls te_add,xla_into --shapes wo,w_down``: the two GEMMs that feed the residual stream, as the rollout ran
+them (TE's GEMM, then XLA's add: ``te_add``) and as it runs them now (``xla.prequantized_matmul_into``: the add as
+the FP8 GEMM's C operand, one cuBLASLt call); each layer adds into the previous layer's output.
+
 The candidate kernel (``fp8_gemm`` below; measured in session 23, it lost to TE's cuBLASLt GEMMs at every shape,
 ``results/fp8_gemm_h100.json``, so it is not part of the package). In the batch-64 decode step TE's FP8 GEMMs move
 the weights at about half the copy rate, the small ones least well (``wo`` 4.9 us a call for 4 MiB). At M <= 256 a
@@ -117,13 +121,20 @@ SHAPES = {  # name: (N, K, out dtype)
     "w_gate_up": (16384, 2048, "bfloat16"), "w_down": (2048, 8192, "float32"),
 }
 TINY = {"tiny": (48, 256, "float32")}
+RESIDUAL_IMPLS = ("te_add", "xla_into")  # residual + x @ w (f32 output): compared with each other only
 SWEEP = {"block_n": (16, 32, 64, 128), "block_k": (128, 256), "num_stages": (3, 5)}
 
 
 def _gemm_fn(impl: str, tuning: dict, out_dtype, layers: int):
     recipe = Fp8Recipe()
 
-    def one(x8, w8, x_scale, x_scale_inv, w_scale_inv):
+    def one(x8, w8, x_scale, x_scale_inv, w_scale_inv, residual):
+        if impl == "te_add":  # the rollout's earlier wo / w_down: TE's GEMM, then XLA's residual add
+            return residual + te_backend.prequantized_matmul(x8, xla.QuantizedKernel(w8, w_scale_inv), x_scale, recipe,
+                                                             out_dtype=jnp.float32, x_scale_inv=x_scale_inv)
+        if impl == "xla_into":  # the add as the FP8 GEMM's C operand (fp8rl_jax.fp8.linear.RESIDUAL_IN_GEMM)
+            return xla.prequantized_matmul_into(residual, x8, xla.QuantizedKernel(w8, w_scale_inv), x_scale, recipe,
+                                                x_scale_inv=x_scale_inv)
         if impl == "te":
             return te_backend.prequantized_matmul(x8, xla.QuantizedKernel(w8, w_scale_inv), x_scale, recipe,
                                                   out_dtype=out_dtype, x_scale_inv=x_scale_inv)
@@ -132,8 +143,13 @@ def _gemm_fn(impl: str, tuning: dict, out_dtype, layers: int):
                                            out_dtype=out_dtype, x_scale_inv=x_scale_inv)
         return fp8_gemm(x8, w8, x_scale_inv, w_scale_inv, out_dtype, impl=impl, **tuning)
 
-    def run(x8, ws, x_scale, x_scale_inv, w_scale_inv):
-        return [one(x8, w, x_scale, x_scale_inv, w_scale_inv) for w in ws[:layers]]
+    def run(x8, ws, x_scale, x_scale_inv, w_scale_inv, residual):
+        # the residual impls: each layer adds into the previous one's output, as the residual stream does
+        out = []
+        for w in ws[:layers]:
+            out.append(one(x8, w, x_scale, x_scale_inv, w_scale_inv, residual))
+            residual = out[-1] if impl in RESIDUAL_IMPLS else residual
+        return out
 
     return jax.jit(run)
 
@@ -150,6 +166,7 @@ def _kernel_time(fn, args, layers: int, weight_bytes: int) -> dict:
         summary = summarize_trace(trace_dir)
     us = summary["total_kernel_ms"] * 1e3 / layers
     return {"us_per_gemm": round(us, 3), "kernels_per_gemm": summary["kernels"] / layers,
+            "kernel_names": [t["name"][:80] for t in summary["top"][:3]],
             "weight_tb_per_s": round(weight_bytes / (us * 1e-6) / 1e12, 3)}
 
 
@@ -157,7 +174,8 @@ def bench_shape(name, m, n, k, out_dtype, impls, tunings, layers, repeats, seed=
     rng = np.random.default_rng(seed)
     x8 = jnp.asarray(rng.normal(size=(m, k)) * 40, jnp.float32).astype(jnp.float8_e4m3fn)
     ws = [jnp.asarray(rng.normal(size=(n, k)) * 40, jnp.float32).astype(jnp.float8_e4m3fn) for _ in range(layers)]
-    args = (x8, ws, jnp.float32(2.0), jnp.float32(0.5), jnp.float32(0.01))
+    residual = jnp.asarray(rng.normal(size=(m, n)) * 100, jnp.float32)
+    args = (x8, ws, jnp.float32(2.0), jnp.float32(0.5), jnp.float32(0.01), residual)
     rows, reference = [], None
     for impl in impls:
         for tuning in (tunings if impl.startswith("pallas") else [{}]):
@@ -186,7 +204,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--rows", default="64,256", help="comma-separated M values")
     p.add_argument("--shapes", default=",".join(SHAPES))
-    p.add_argument("--impls", default="te,xla,pallas")
+    p.add_argument("--impls", default="te,xla,pallas",
+                   help="te, xla, pallas; or the residual forms te_add, xla_into (f32 residual + x @ w; give both, "
+                        "first as the reference)")
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--sweep", action="store_true", help=f"the Pallas kernel over {SWEEP}")

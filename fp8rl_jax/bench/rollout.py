@@ -31,7 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "exp-sum in two reads of the logits, sampling.BLOCK_STATS), select_exp_loop (the decode "
                              "kernel's loop with exp and a select on V, kernels.decode_attention.LEAN_LOOP), "
                              "one_head_per_program (the decode kernel's programs of one kv head at every batch, "
-                             "kernels.decode_attention.HEADS_PER_PROGRAM); "
+                             "kernels.decode_attention.HEADS_PER_PROGRAM), residual_add_kernels (TE's FP8 GEMM for wo "
+                             "and w_down, then XLA's residual add, fp8.linear.RESIDUAL_IN_GEMM); "
                              "e.g. default,scatter_kv+one_level_draw")
     parser.add_argument("--profile", action="store_true",
                         help="also trace one chunk: kernel and idle time per step, top kernels")
@@ -173,6 +174,7 @@ def bench_rollout(model_name: str, batches: list[int], new_tokens: list[int], mo
 @contextlib.contextmanager
 def _earlier_form(name: str):
     """The package's earlier form ``name`` (``--variants``) inside the block: a module switch read at trace time."""
+    from fp8rl_jax.fp8 import linear
     from fp8rl_jax.kernels import decode_attention
     from fp8rl_jax.model import llama
     from fp8rl_jax.rollout import sampling
@@ -181,7 +183,8 @@ def _earlier_form(name: str):
                 "one_level_draw": (sampling, "DRAW", "one_level"),
                 "two_pass_block_stats": (sampling, "BLOCK_STATS", "two_pass"),
                 "select_exp_loop": (decode_attention, "LEAN_LOOP", False),
-                "one_head_per_program": (decode_attention, "HEADS_PER_PROGRAM", 1)}
+                "one_head_per_program": (decode_attention, "HEADS_PER_PROGRAM", 1),
+                "residual_add_kernels": (linear, "RESIDUAL_IN_GEMM", False)}
     if name not in switches:
         raise ValueError(f"--variants: unknown form {name!r}; known: default, {', '.join(switches)}")
     module, attr, value = switches[name]

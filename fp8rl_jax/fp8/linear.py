@@ -30,8 +30,10 @@ def linear(
     out_dtype=None,
     *,
     kernel_nk: bool = False,
+    residual: jax.Array | None = None,
 ) -> jax.Array:
-    """``x [..., K] @ kernel [K, N]`` -> [..., N] in ``out_dtype`` (default: the compute dtype).
+    """``x [..., K] @ kernel [K, N]`` -> [..., N] in ``out_dtype`` (default: the compute dtype), plus ``residual``
+    [..., N] where given (in ``residual``'s dtype).
 
     ``fp8_state`` None means this matmul is outside FP8 (a BF16 block, the lm_head, or the ``bf16`` backend).
     A ``QuantizedKernel`` (rollout weights quantized once per RL step) needs only the input's scale.
@@ -43,7 +45,11 @@ def linear(
     is: handed over as a transposed [K, N] view, a BF16 table is converted whole to f32 by XLA:CPU at every call.
     An FP8 ``x`` is the input already quantized with this linear's input scale (the decode attention kernel
     writes it so): it takes a ``QuantizedKernel`` and goes to the GEMM as it is.
+    ``residual``: with a ``QuantizedKernel`` on the GPU (per-tensor scaling) the add is the FP8 GEMM's own
+    (``xla.prequantized_matmul_into``, ``RESIDUAL_IN_GEMM``), as XLA makes it for a BF16 GEMM; else an XLA add.
     """
+    if residual is not None and not _residual_in_gemm(kernel, fp8_state, precision):
+        return residual + linear(x, kernel, fp8_state, precision, residual.dtype, kernel_nk=kernel_nk)
     dtype = precision.dtype
     out_dtype = jnp.dtype(out_dtype or dtype)
     if jnp.dtype(x.dtype).itemsize == 1:
@@ -73,6 +79,10 @@ def linear(
     k, n = kernel.shape
     # [..., K] -> [M, K]: the FP8 GEMMs take 2-D operands
     x2 = x.reshape(-1, k)
+    if residual is not None:  # [..., N] + [M, K] @ kernel in one GEMM
+        y = xla.prequantized_matmul_into(residual.reshape(-1, n), x2, kernel, fp8_state["x"]["scale"], precision.recipe,
+                                         x_scale_inv=fp8_state["x"].get("scale_inv"))
+        return y.reshape(residual.shape)
     backend = _te() if precision.backend == "te" else xla
     if isinstance(kernel, QuantizedKernel):
         y = backend.prequantized_matmul(x2, kernel, fp8_state["x"]["scale"], precision.recipe, out_dtype=out_dtype,
@@ -84,6 +94,18 @@ def linear(
         y = backend.fp8_matmul(x2, kernel, fp8_state, precision.recipe, out_dtype)
     # [M, N] -> [..., N]
     return y.reshape(*x.shape[:-1], n)
+
+
+# The rollout's residual adds inside its FP8 GEMMs (``linear``'s ``residual``; False: TE's GEMM, then XLA's add, the
+# earlier form, ``bench rollout --variants residual_add_kernels``). Read at trace time.
+RESIDUAL_IN_GEMM = True
+
+
+def _residual_in_gemm(kernel, fp8_state, precision: Precision) -> bool:
+    """Whether ``residual + x @ kernel`` is one FP8 GEMM with a C operand: a pre-quantized kernel (the rollout's),
+    per-tensor scaling, float8 operands (the GPU's GEMM form; the CPU's ``f32`` form keeps the add separate)."""
+    return (RESIDUAL_IN_GEMM and isinstance(kernel, QuantizedKernel) and fp8_state is not None and precision.fp8
+            and precision.recipe.scaling == "tensor" and jnp.dtype(kernel.data.dtype).itemsize == 1)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))

@@ -512,7 +512,7 @@ def _block(x, layer, fp8, idx, positions, cache, kv_scales, config: LlamaConfig,
         k_pos = jnp.broadcast_to(jnp.arange(s, dtype=positions.dtype)[None], (b, s))
         attn = attention(q, keys.astype(q.dtype), values.astype(q.dtype), positions, k_pos, segment_ids, segment_ids)
     # [B, T, N, H] -> [B, T, N H]
-    x = x + linear(attn.reshape(b, t, c.q_size), layer["wo"], fp8.get("wo"), precision, out_dtype=x.dtype)
+    x = linear(attn.reshape(b, t, c.q_size), layer["wo"], fp8.get("wo"), precision, residual=x)
 
     h = rms_norm(x, layer["mlp_norm"], eps, precision.dtype)
     if _fused_mlp(layer, fp8, precision, fused_shards):
@@ -525,7 +525,7 @@ def _block(x, layer, fp8, idx, positions, cache, kv_scales, config: LlamaConfig,
     # [B, T, D] -> [B, T, 2F]
     gate, up = _split_fused(linear(h, layer["w_gate_up"], fp8.get("w_gate_up"), precision),
                             (c.intermediate_size,) * 2, fused_shards)
-    x = x + linear(jax.nn.silu(gate) * up, layer["w_down"], fp8.get("w_down"), precision, out_dtype=x.dtype)
+    x = linear(jax.nn.silu(gate) * up, layer["w_down"], fp8.get("w_down"), precision, residual=x)
     return x, cache, kv_amax
 
 

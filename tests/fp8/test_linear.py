@@ -71,3 +71,37 @@ def test_forward_is_the_plain_gemm_and_gradients_match_float64(kernel_nk):
     dx_other, dw_other = jax.grad(_loss, argnums=(0, 1))(x, w, t, not kernel_nk)
     np.testing.assert_array_equal(np.asarray(dx), np.asarray(dx_other))
     np.testing.assert_array_equal(np.asarray(dw), np.asarray(dw_other))
+
+
+@pytest.mark.parametrize("form", ["f8", "f32"])
+def test_residual_goes_into_an_fp8_gemm_only_over_float8_operands(form, monkeypatch):
+    """``linear(..., residual=r)`` is ``r + linear(...)``; over a float8 pre-quantized kernel (the GPU's form) the
+    add is the GEMM's (``xla.prequantized_matmul_into``: one barrier-pinned input, one f32 dot of dequantized
+    operands); over the CPU's f32 form, and with ``RESIDUAL_IN_GEMM`` off, a separate add."""
+    from fp8rl_jax.fp8 import linear as linear_module
+    from fp8rl_jax.fp8 import xla
+    from fp8rl_jax.fp8.recipe import init_linear_state, with_input_scale_inv
+
+    precision = Precision(backend="xla")
+    x, w, t = _inputs()
+    r = 3 * t
+    st = init_linear_state(precision.recipe)
+    st["x"]["scale"], st["kernel"]["scale"] = jnp.float32(448 / 4), jnp.float32(448 / 0.4)
+    st = with_input_scale_inv(st)
+    qk = xla.quantize_kernel(w, st["kernel"], precision.recipe, form)
+
+    calls = []
+    into = xla.prequantized_matmul_into
+    monkeypatch.setattr(xla, "prequantized_matmul_into", lambda *a, **k: calls.append(1) or into(*a, **k))
+
+    def run(r, x):
+        return linear(x, qk, st, precision, residual=r)
+
+    want = r + linear(x, qk, st, precision, out_dtype=jnp.float32)
+    got = run(r, x)
+    assert got.shape == r.shape and got.dtype == jnp.float32
+    assert len(calls) == (1 if form == "f8" else 0)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-5 * float(jnp.abs(want).max()))
+    monkeypatch.setattr(linear_module, "RESIDUAL_IN_GEMM", False)
+    np.testing.assert_array_equal(np.asarray(run(r, x)), np.asarray(want))
+    assert len(calls) == (1 if form == "f8" else 0)

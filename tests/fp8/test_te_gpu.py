@@ -106,6 +106,32 @@ def test_xla_gpu_lowers_fp8_dot_to_an_fp8_gemm():
         assert gemms, "no GEMM with FP8 operands in the compiled HLO:\n" + hlo[:4000]
 
 
+@pytest.mark.parametrize("m,k", [(256, 2048), (256, 8192), (1024, 512)])
+def test_residual_add_is_the_fp8_gemms_c_operand(m, k):
+    """``xla.prequantized_matmul_into`` (the rollout's wo and w_down with their residual adds) compiles to one
+    cuBLASLt FP8 GEMM that reads the residual as its C operand (beta 1), with no elementwise kernel for the add
+    or the scales, and gives TE's product plus the residual (the same FP8 operands; the accumulation order and the
+    epilogue's rounding may differ)."""
+    import re
+
+    from fp8rl_jax.fp8 import te
+
+    x, w, _, st = _inputs(m=m, k=k, n=2048)
+    qk = xla.quantize_kernel(w, st["kernel"], RECIPE, "f8")
+    r = jnp.asarray(np.random.RandomState(1).randn(m, 2048) * 4, jnp.float32)
+    s = st["x"]["scale"]
+    into = jax.jit(lambda r, x, qk: xla.prequantized_matmul_into(r, x, qk, s, RECIPE))
+    hlo = into.lower(r, x, qk).compile().as_text()
+    gemms = [line for line in hlo.splitlines() if "custom_call_target=\"__cublas$lt$matmul$f8\"" in line]
+    assert len(gemms) == 1, hlo
+    assert re.search(r'"beta":1(\.0)?[,}]', gemms[0]), gemms[0]
+    assert f"f32[{m},2048]" in gemms[0].split("=")[1], gemms[0]  # written in f32, the residual stream's dtype
+    got = into(r, x, qk)
+    want = r + jax.jit(lambda x, qk: te.prequantized_matmul(x, qk, s, RECIPE, out_dtype=jnp.float32))(x, qk)
+    print(f"M={m} K={k}: into vs TE + add {_rel(got, want):.2e}")
+    assert _rel(got, want) < 1e-3
+
+
 def test_model_with_te_matches_xla_backend():
     """One transformer block (the qkv, wo, gate_up and down GEMMs in sequence) with one FP8 state.
 

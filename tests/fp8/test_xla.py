@@ -155,6 +155,34 @@ def test_cpu_form_equals_fp8_dot_bit_for_bit(fmt):
         np.testing.assert_array_equal(np.asarray(f32_out), np.asarray(f8_out))
 
 
+def test_matmul_into_is_the_residual_plus_the_gemm():
+    """``prequantized_matmul_into`` (the rollout's residual add inside its FP8 GEMM on the GPU) is ``residual +
+    prequantized_matmul`` on the same FP8 operands: on CPU its dequantized operands round each product once more
+    (~1e-7 of the output). The quantized input is pinned by a barrier and the dot takes the dequantized operands,
+    the pattern XLA's GPU rewriter folds into the FP8 GEMM's scales and C operand."""
+    recipe = Fp8Recipe()
+    rng = np.random.RandomState(7)
+    x = jnp.asarray(rng.randn(24, 96), jnp.bfloat16)
+    w = jnp.asarray(rng.randn(96, 64) * 0.05, jnp.float32)
+    r = jnp.asarray(rng.randn(24, 64) * 3, jnp.float32)
+    st = _state(np.asarray(x, np.float32), np.asarray(w), np.ones((1,), np.float32), recipe)
+    qk = xla.quantize_kernel(w, st["kernel"], recipe, "f8")
+    s = st["x"]["scale"]
+    want = r + xla.prequantized_matmul(x, qk, s, recipe, "f8")
+    into = jax.jit(lambda r, x, qk: xla.prequantized_matmul_into(r, x, qk, s, recipe))
+    got = into(r, x, qk)
+    assert got.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-5 * float(jnp.abs(want).max()))
+    x8 = quantize(x, s, recipe.fwd_dtype)  # pre-quantized (the decode kernel's output for wo): the same GEMM
+    np.testing.assert_array_equal(np.asarray(into(r, x8, qk)), np.asarray(got))
+    hlo = into.lower(r, x, qk).as_text()
+    assert hlo.count("optimization_barrier") == 1
+    dots = [line for line in hlo.splitlines() if "dot_general" in line]
+    assert len(dots) == 1 and dots[0].count("xf32>") == 3, dots
+    with pytest.raises(ValueError, match="per-tensor"):
+        xla.prequantized_matmul_into(r, x, qk, s, Fp8Recipe(scaling="rowwise"))
+
+
 def test_cpu_form_kernel_holds_exact_e4m3_values():
     """A pre-quantized kernel in the ``f32`` form is the E4M3 kernel's values, transposed, bit for bit."""
     recipe = Fp8Recipe()
