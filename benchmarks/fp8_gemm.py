@@ -6,9 +6,10 @@
 Shapes: the four linears of a Llama-3.2-1B block (``wqkv`` 3072 x 2048, ``wo`` 2048 x 2048, ``w_gate_up`` 16384 x
 2048, ``w_down`` 2048 x 8192) at M = 64 and 256 rows (the decode batch), with the output dtypes the decode step
 writes (BF16 into the attention and the SwiGLU, f32 into the residual stream). One timed call is one jit of
-``--layers`` GEMMs, one weight per layer (as the unrolled decode step reads them, each from its own buffer) against
-one FP8 input, every output kept. Rows report the GPU kernel microseconds per GEMM (from a profiler trace of one
-call: every kernel, a split-K GEMM's reduction included) and the weight bytes moved per second at that rate, and
+``--layers`` GEMMs, one weight per layer (as the unrolled decode step reads them, each from its own buffer), each
+with an FP8 input of its own (until session 28 all shared one), every output kept. Rows report the GPU kernel
+microseconds per GEMM (from a profiler trace of one call: every kernel, a split-K GEMM's reduction included) and
+the weight bytes moved per second at that rate, and
 the wall time per GEMM (median of ``--repeats``: it includes the host's launches, which the decode step hides and
 this harness does not). Each impl's output is checked against the first impl's (TE's by default): the largest
 difference relative to the largest output.
@@ -132,7 +133,7 @@ def _gemm_fn(impl: str, tuning: dict, out_dtype, layers: int):
         if impl == "te_add":  # the rollout's earlier wo / w_down: TE's GEMM, then XLA's residual add
             return residual + te_backend.prequantized_matmul(x8, xla.QuantizedKernel(w8, w_scale_inv), x_scale, recipe,
                                                              out_dtype=jnp.float32, x_scale_inv=x_scale_inv)
-        if impl == "xla_into":  # the add as the FP8 GEMM's C operand (fp8rl_jax.fp8.linear.RESIDUAL_IN_GEMM)
+        if impl == "xla_into":  # the add as the FP8 GEMM's C operand (precision.residual_in_gemm)
             return xla.prequantized_matmul_into(residual, x8, xla.QuantizedKernel(w8, w_scale_inv), x_scale, recipe,
                                                 x_scale_inv=x_scale_inv)
         if impl == "te":
@@ -143,10 +144,11 @@ def _gemm_fn(impl: str, tuning: dict, out_dtype, layers: int):
                                            out_dtype=out_dtype, x_scale_inv=x_scale_inv)
         return fp8_gemm(x8, w8, x_scale_inv, w_scale_inv, out_dtype, impl=impl, **tuning)
 
-    def run(x8, ws, x_scale, x_scale_inv, w_scale_inv, residual):
-        # the residual impls: each layer adds into the previous one's output, as the residual stream does
+    def run(xs, ws, x_scale, x_scale_inv, w_scale_inv, residual):
+        # each layer its own input (XLA merges dots that share an operand: xla.gemm_into's would stop being FP8); the
+        # residual impls add into the previous layer's output, as the residual stream does
         out = []
-        for w in ws[:layers]:
+        for x8, w in zip(xs[:layers], ws[:layers], strict=True):
             out.append(one(x8, w, x_scale, x_scale_inv, w_scale_inv, residual))
             residual = out[-1] if impl in RESIDUAL_IMPLS else residual
         return out
@@ -172,10 +174,10 @@ def _kernel_time(fn, args, layers: int, weight_bytes: int) -> dict:
 
 def bench_shape(name, m, n, k, out_dtype, impls, tunings, layers, repeats, seed=0):
     rng = np.random.default_rng(seed)
-    x8 = jnp.asarray(rng.normal(size=(m, k)) * 40, jnp.float32).astype(jnp.float8_e4m3fn)
+    xs = [jnp.asarray(rng.normal(size=(m, k)) * 40, jnp.float32).astype(jnp.float8_e4m3fn) for _ in range(layers)]
     ws = [jnp.asarray(rng.normal(size=(n, k)) * 40, jnp.float32).astype(jnp.float8_e4m3fn) for _ in range(layers)]
     residual = jnp.asarray(rng.normal(size=(m, n)) * 100, jnp.float32)
-    args = (x8, ws, jnp.float32(2.0), jnp.float32(0.5), jnp.float32(0.01), residual)
+    args = (xs, ws, jnp.float32(2.0), jnp.float32(0.5), jnp.float32(0.01), residual)
     rows, reference = [], None
     for impl in impls:
         for tuning in (tunings if impl.startswith("pallas") else [{}]):

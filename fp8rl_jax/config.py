@@ -69,6 +69,9 @@ def base_config() -> ml_collections.ConfigDict:
     # logits), the forward and its logprobs still BF16 (benchmarks/RESULTS.md, session 23)
     c.precision.lm_head_recompute_fp8 = True
     c.precision.kv_cache_dtype = "bfloat16"  # bfloat16 | float8_e4m3fn
+    # wo's and w_down's residual adds inside their FP8 GEMMs (cuBLASLt's C operand) instead of an add kernel each:
+    # the rollout +3% at batch 256 on the H100 (benchmarks/RESULTS.md, session 28)
+    c.precision.residual_in_gemm = True
     c.precision.kv_margin = 0
     # scoring and training attention: auto (GPU: cuDNN flash attention, Pallas' beside a Transformer Engine on
     # another cuDNN; else xla) | cudnn | pallas | xla (the masked einsum: [T, T] scores in memory)
@@ -307,6 +310,8 @@ def validate(c: ml_collections.ConfigDict, known_rewards: Callable[[], Sequence[
     _one_of(c, "model.preset_vocab", ("tokenizer", "preset"))
     _one_of(c, "rollout.decode_attention", ("auto", "pallas", "xla"))
     _check(isinstance(c.rollout.exact, bool), "rollout.exact", c.rollout.exact, "True or False")
+    _check(isinstance(c.precision.residual_in_gemm, bool), "precision.residual_in_gemm", c.precision.residual_in_gemm,
+           "True or False")
     _check(not c.rollout.exact or c.precision.mode in ("bf16", "fp8_e2e"), "rollout.exact", c.rollout.exact,
            f"False with precision.mode={c.precision.mode!r}: the exact sampler is the trainer's forward, so the "
            f"rollout and training precisions must be one (bf16 or fp8_e2e)")

@@ -14,6 +14,8 @@ then ``--steps`` timed steps whose phase times (``time/weights``: the sampler's 
                    off, the default before session 22; its results files call fp8_e2e with it on fp8_e2e_headgrad)
     fp8_e2e_bf16_recompute  fp8_e2e with the LM head's backward logit recompute in BF16
                    (``precision.lm_head_recompute_fp8`` off, the default before session 23: two of its four GEMMs FP8)
+    fp8_e2e_residual_adds  fp8_e2e with the residual adds after wo and w_down as XLA adds after TE's GEMMs
+                   (``precision.residual_in_gemm`` off, the default before session 28)
     fp8_e2e_cublas fp8_e2e with its BF16 GEMMs (head, BF16 blocks) on cuBLAS, as bf16_cublas's
     fp8_e2e_xla    fp8_e2e on the xla backend (XLA's FP8 GEMMs and fusions, no TE), cuBLAS for the rest
 
@@ -64,6 +66,7 @@ MODES = {  # mode -> (precision.mode, extra XLA flags, config overrides)
     "fp8_e2e_head": ("fp8_e2e", "", {"precision.lm_head_fp8": True}),
     "fp8_e2e_bf16_head_grad": ("fp8_e2e", "", {"precision.lm_head_grad_fp8": False}),
     "fp8_e2e_bf16_recompute": ("fp8_e2e", "", {"precision.lm_head_recompute_fp8": False}),
+    "fp8_e2e_residual_adds": ("fp8_e2e", "", {"precision.residual_in_gemm": False}),
     # the BF16 GEMMs of an FP8 step (the head, the BF16 first / last blocks) on cuBLAS, as bf16_cublas's
     "fp8_e2e_cublas": ("fp8_e2e", "--xla_gpu_enable_triton_gemm=false", {}),
     # XLA's own FP8 GEMMs (cuBLASLt), its fusions around them (casts and amaxes inside the producers' kernels)

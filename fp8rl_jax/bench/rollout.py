@@ -32,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "kernel's loop with exp and a select on V, kernels.decode_attention.LEAN_LOOP), "
                              "one_head_per_program (the decode kernel's programs of one kv head at every batch, "
                              "kernels.decode_attention.HEADS_PER_PROGRAM), residual_add_kernels (TE's FP8 GEMM for wo "
-                             "and w_down, then XLA's residual add, fp8.linear.RESIDUAL_IN_GEMM); "
+                             "and w_down, then XLA's residual add: precision.residual_in_gemm off); "
                              "e.g. default,scatter_kv+one_level_draw")
     parser.add_argument("--profile", action="store_true",
                         help="also trace one chunk: kernel and idle time per step, top kernels")
@@ -107,13 +107,18 @@ def bench_rollout(model_name: str, batches: list[int], new_tokens: list[int], mo
             context = contextlib.ExitStack()
             if tuning != "default":
                 context.enter_context(decode_attention.tuned(*(int(v) for v in tuning.split(":"))))
-            for earlier in variant.split("+") if variant != "default" else ():
+            earlier_forms = variant.split("+") if variant != "default" else []
+            run_precision = precision
+            if "residual_add_kernels" in earlier_forms:  # a precision option, not a module switch
+                earlier_forms.remove("residual_add_kernels")
+                run_precision = precision.replace(residual_in_gemm=False)
+            for earlier in earlier_forms:
                 context.enter_context(_earlier_form(earlier))
             with context:
                 engine_config = EngineConfig(max_concurrent_decodes=batch, max_prefill_length=prompt_len,
                                              max_new_tokens=new, sampling=SamplingParams(), compiler_options=option,
                                              layer_loop=layer_loop)
-                engine = Engine(cfg, precision, engine_config)
+                engine = Engine(cfg, run_precision, engine_config)
                 p = engine.load_params(params, fp8_state, kv_scales)
                 state = engine.init_decode_state()
                 prompt = np.arange(1, prompt_len + 1, dtype=np.int32) % cfg.vocab_size
@@ -174,7 +179,6 @@ def bench_rollout(model_name: str, batches: list[int], new_tokens: list[int], mo
 @contextlib.contextmanager
 def _earlier_form(name: str):
     """The package's earlier form ``name`` (``--variants``) inside the block: a module switch read at trace time."""
-    from fp8rl_jax.fp8 import linear
     from fp8rl_jax.kernels import decode_attention
     from fp8rl_jax.model import llama
     from fp8rl_jax.rollout import sampling
@@ -183,10 +187,10 @@ def _earlier_form(name: str):
                 "one_level_draw": (sampling, "DRAW", "one_level"),
                 "two_pass_block_stats": (sampling, "BLOCK_STATS", "two_pass"),
                 "select_exp_loop": (decode_attention, "LEAN_LOOP", False),
-                "one_head_per_program": (decode_attention, "HEADS_PER_PROGRAM", 1),
-                "residual_add_kernels": (linear, "RESIDUAL_IN_GEMM", False)}
+                "one_head_per_program": (decode_attention, "HEADS_PER_PROGRAM", 1)}
     if name not in switches:
-        raise ValueError(f"--variants: unknown form {name!r}; known: default, {', '.join(switches)}")
+        raise ValueError(f"--variants: unknown form {name!r}; known: default, residual_add_kernels, "
+                         f"{', '.join(switches)}")
     module, attr, value = switches[name]
     saved = getattr(module, attr)
     setattr(module, attr, value)

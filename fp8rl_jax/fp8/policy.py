@@ -37,6 +37,10 @@ class Precision:
       Read only with ``lm_head_grad_fp8``.
     kv_cache_dtype: ``float8_e4m3fn`` stores K/V in FP8 with per-layer scales; the full-sequence forward then
       rounds K/V through the same FP8 values, so scoring sees what rollout saw.
+    residual_in_gemm: with an FP8 backend on the GPU, the residual adds after ``wo`` and ``w_down`` as their FP8
+      GEMM's C operand (XLA's cuBLASLt FP8 GEMM on the same FP8 operands and scales, beta 1: ``xla.gemm_into``),
+      as XLA makes them for a BF16 GEMM, in the rollout (pre-quantized kernels) and, on the te backend, in the
+      training forward (kernels made once for the update); off: TE's GEMM, then an XLA add kernel.
     attention: the full-sequence (no-cache) attention of scoring and training: ``xla`` (the masked einsum, the
       [T, S] scores in memory), ``cudnn`` (cuDNN's fused flash attention through ``jax.nn.dot_product_attention``,
       GPU, BF16), ``pallas`` (JAX's Pallas Triton flash attention, GPU) or ``auto`` (a GPU: cudnn, or pallas
@@ -54,6 +58,7 @@ class Precision:
     lm_head_grad_fp8: bool = False
     lm_head_recompute_fp8: bool = False
     kv_cache_dtype: str = "bfloat16"
+    residual_in_gemm: bool = True
     attention: str = "auto"
 
     def __post_init__(self):
@@ -152,5 +157,6 @@ def from_config(config, role: str) -> Precision:
         lm_head_grad_fp8=p.lm_head_grad_fp8 and fp8,
         lm_head_recompute_fp8=p.lm_head_recompute_fp8 and fp8,
         kv_cache_dtype=p.kv_cache_dtype if fp8 else p.compute_dtype,
+        residual_in_gemm=p.residual_in_gemm,
         attention=p.attention,
     )

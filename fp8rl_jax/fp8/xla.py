@@ -170,28 +170,39 @@ def prequantized_matmul(
     return y if out_dtype is None else y.astype(out_dtype)
 
 
+def gemm_into(residual: jax.Array, qx: jax.Array, x_scale_inv: jax.Array, w_nk: jax.Array,
+              w_scale_inv: jax.Array) -> jax.Array:
+    """``residual + (qx [M, K] . w_nk [N, K]^T) * x_scale_inv * w_scale_inv`` in ``residual``'s dtype, from FP8
+    operands and their inverse scales, written so that XLA makes it one cuBLASLt FP8 GEMM on the GPU with the
+    residual as its C operand (beta = 1), as it does for a BF16 GEMM: no elementwise kernel for the add (TE's GEMM
+    takes no C operand).
+
+    The operands are written dequantized, ``f32(q) * scale_inv``, the pattern XLA's GEMM rewriter folds into the
+    FP8 GEMM's A/B scales (a scaled product after the dot would be an elementwise kernel of its own, between the
+    GEMM and the add). ``qx`` passes an ``optimization_barrier`` first: where it is quantized in the same program,
+    XLA may otherwise fold the f32 -> FP8 -> f32 round trip away as excess precision. Two such GEMMs must not share
+    an operand: XLA would merge them into one dot on the concatenated dequantized kernels, which it no longer
+    recognizes as FP8. With XLA's Triton GEMMs enabled XLA may split K into a batched FP8 GEMM plus a reduction,
+    and the add is a kernel again: the programs that run it compile with ``xla_gpu_enable_triton_gemm=False``
+    (the decode programs' and the FP8 head's options). On a CPU this is the f32 product of the dequantized
+    operands (each product rounded once more than the GPU's, ~1e-7 relative)."""
+    a = lax.optimization_barrier(qx).astype(jnp.float32) * x_scale_inv
+    b = w_nk.astype(jnp.float32) * w_scale_inv
+    return residual + _mm(a, b, 1, 1).astype(residual.dtype)
+
+
 def prequantized_matmul_into(
     residual: jax.Array, x: jax.Array, kernel: QuantizedKernel, x_scale: jax.Array, recipe: Fp8Recipe, *,
     x_scale_inv: jax.Array | None = None,
 ) -> jax.Array:
-    """``residual + x [M, K] @ kernel`` in ``residual``'s dtype, written so that XLA makes it one cuBLASLt FP8 GEMM
-    on the GPU with the residual as its C operand (beta = 1), as it does for a BF16 GEMM: no elementwise kernel
-    for the add (TE's GEMM takes no C operand). Per-tensor scaling; the same FP8 operands and scales as
-    ``prequantized_matmul``.
-
-    The operands are written dequantized, ``f32(q) * scale_inv``, the pattern XLA's GEMM rewriter folds into the
-    FP8 GEMM's A/B scales (a scaled product after the dot would be an elementwise kernel of its own, between the
-    GEMM and the add). The quantized input passes an ``optimization_barrier`` first: without it XLA may fold the
-    f32 -> FP8 -> f32 round trip away as excess precision. On a CPU this is the f32 product of the dequantized
-    operands (each product rounded once more than the GPU's, ~1e-7 relative)."""
+    """``residual + x [M, K] @ kernel`` (``gemm_into``): the rollout's ``prequantized_matmul`` with the residual
+    add as the FP8 GEMM's C operand. Per-tensor scaling; the same FP8 operands and scales."""
     if recipe.scaling != "tensor":
         raise ValueError("prequantized_matmul_into takes per-tensor scaling (one scale for the input)")
-    qx = lax.optimization_barrier(quantize_input(x, x_scale, recipe.fwd_dtype))
     if x_scale_inv is None:
         x_scale_inv = 1.0 / x_scale.astype(jnp.float32)
-    a = qx.astype(jnp.float32) * x_scale_inv
-    b = kernel.data.astype(jnp.float32) * kernel.scale_inv
-    return residual + _mm(a, b, 1, 1).astype(residual.dtype)
+    return gemm_into(residual, quantize_input(x, x_scale, recipe.fwd_dtype), x_scale_inv, kernel.data,
+                     kernel.scale_inv)
 
 
 @functools.cache

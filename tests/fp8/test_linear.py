@@ -77,8 +77,7 @@ def test_forward_is_the_plain_gemm_and_gradients_match_float64(kernel_nk):
 def test_residual_goes_into_an_fp8_gemm_only_over_float8_operands(form, monkeypatch):
     """``linear(..., residual=r)`` is ``r + linear(...)``; over a float8 pre-quantized kernel (the GPU's form) the
     add is the GEMM's (``xla.prequantized_matmul_into``: one barrier-pinned input, one f32 dot of dequantized
-    operands); over the CPU's f32 form, and with ``RESIDUAL_IN_GEMM`` off, a separate add."""
-    from fp8rl_jax.fp8 import linear as linear_module
+    operands); over the CPU's f32 form, and with ``precision.residual_in_gemm`` off, a separate add."""
     from fp8rl_jax.fp8 import xla
     from fp8rl_jax.fp8.recipe import init_linear_state, with_input_scale_inv
 
@@ -94,7 +93,7 @@ def test_residual_goes_into_an_fp8_gemm_only_over_float8_operands(form, monkeypa
     into = xla.prequantized_matmul_into
     monkeypatch.setattr(xla, "prequantized_matmul_into", lambda *a, **k: calls.append(1) or into(*a, **k))
 
-    def run(r, x):
+    def run(r, x, precision=precision):
         return linear(x, qk, st, precision, residual=r)
 
     want = r + linear(x, qk, st, precision, out_dtype=jnp.float32)
@@ -102,6 +101,5 @@ def test_residual_goes_into_an_fp8_gemm_only_over_float8_operands(form, monkeypa
     assert got.shape == r.shape and got.dtype == jnp.float32
     assert len(calls) == (1 if form == "f8" else 0)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-5 * float(jnp.abs(want).max()))
-    monkeypatch.setattr(linear_module, "RESIDUAL_IN_GEMM", False)
-    np.testing.assert_array_equal(np.asarray(run(r, x)), np.asarray(want))
+    np.testing.assert_array_equal(np.asarray(run(r, x, precision.replace(residual_in_gemm=False))), np.asarray(want))
     assert len(calls) == (1 if form == "f8" else 0)

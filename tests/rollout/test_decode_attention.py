@@ -715,6 +715,38 @@ def test_gpu_decode_step_writes_the_cache_in_place(kv_dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["xla", "te"])
+def test_gpu_decode_step_adds_the_residual_in_its_fp8_gemms(backend):
+    """The engine's decode loop over FP8 weights (``precision.residual_in_gemm``, the default): wo and w_down are
+    cuBLASLt FP8 GEMMs that read the residual stream as their C operand (beta 1), none falls back to a wider GEMM;
+    with the option off, none reads a C operand (the xla backend's four FP8 GEMMs a block, te's TE calls)."""
+    import re
+
+    from fp8rl_jax.fp8.policy import Precision
+    from fp8rl_jax.model import llama
+    from fp8rl_jax.rollout.engine import Engine, EngineConfig
+
+    config, params = _tiny()
+    counts = {}
+    for into in (True, False):
+        precision = Precision(backend=backend, kv_cache_dtype="float8_e4m3fn", residual_in_gemm=into)
+        kv_scales = _kv_scales(config, params, jnp.ones((1, 4), jnp.int32))
+        engine = Engine(config, precision, EngineConfig(max_concurrent_decodes=8, max_prefill_length=16,
+                                                        max_new_tokens=48))
+        p = engine.load_params(params, llama.init_fp8_state(config, precision), kv_scales)
+        hlo = engine._generate_steps.lower(p, engine.init_decode_state(), 4).compile().as_text()
+        f8 = [line for line in hlo.splitlines() if 'custom_call_target="__cublas$lt$matmul$f8"' in line]
+        counts[into] = (len(f8), sum(bool(re.search(r'"beta":1(\.0)?[,}]', line)) for line in f8))
+    print(backend, "FP8 GEMMs (all, with C):", counts)
+    (f8_on, c_on), (f8_off, c_off) = counts[True], counts[False]
+    assert c_off == 0 and c_on > 0 and c_on % 2 == 0
+    if backend == "xla":  # the same four FP8 GEMMs a block either way (none fell back to a wider one), two with C
+        assert f8_on == f8_off == 2 * c_on
+    else:  # TE's qkv and gate_up (TE custom calls) either way; wo and w_down XLA's FP8 GEMMs with C, or TE's
+        assert f8_off == 0 and f8_on == c_on
+
+
+@pytest.mark.gpu
 def test_gpu_large_fp8_cache_last_layer():
     """Llama-3.2-1B, batch 256, 1088 positions, FP8: a K cache of 2.3 GB (the 64-bit offset case); the last
     layer's rows at the end of the buffer against the XLA path, default tuning."""
