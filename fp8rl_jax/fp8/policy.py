@@ -39,8 +39,8 @@ class Precision:
       rounds K/V through the same FP8 values, so scoring sees what rollout saw.
     residual_in_gemm: with an FP8 backend on the GPU, the residual adds after ``wo`` and ``w_down`` as their FP8
       GEMM's C operand (XLA's cuBLASLt FP8 GEMM on the same FP8 operands and scales, beta 1: ``xla.gemm_into``),
-      as XLA makes them for a BF16 GEMM, in the rollout (pre-quantized kernels) and, on the te backend, in the
-      training forward (kernels made once for the update); off: TE's GEMM, then an XLA add kernel.
+      as XLA makes them for a BF16 GEMM, in the rollout (pre-quantized kernels) and, on the te backend, in scoring's
+      and training's forward (not under FSDP); off: TE's GEMM, then an XLA add kernel.
     attention: the full-sequence (no-cache) attention of scoring and training: ``xla`` (the masked einsum, the
       [T, S] scores in memory), ``cudnn`` (cuDNN's fused flash attention through ``jax.nn.dot_product_attention``,
       GPU, BF16), ``pallas`` (JAX's Pallas Triton flash attention, GPU) or ``auto`` (a GPU: cudnn, or pallas

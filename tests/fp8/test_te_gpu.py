@@ -157,7 +157,9 @@ def test_training_step_adds_the_residual_in_its_fp8_gemms():
                                             update_kernels=hoisted)
         return jnp.sum(hidden.astype(jnp.float32) ** 2)
 
-    grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)), static_argnums=2, compiler_options=NO_TRITON)
+    # and without excess precision: how XLA fuses the ops around BF16 intermediates would move the loss by ~1e-4
+    grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)), static_argnums=2,
+                   compiler_options={**NO_TRITON, "xla_allow_excess_precision": False})
     off = precision.replace(residual_in_gemm=False)
     assert not _gemms_into(grad.lower(params, state, off).compile().as_text())
     into = _gemms_into(grad.lower(params, state, precision).compile().as_text())
