@@ -45,9 +45,8 @@ def linear(
     is: handed over as a transposed [K, N] view, a BF16 table is converted whole to f32 by XLA:CPU at every call.
     An FP8 ``x`` is the input already quantized with this linear's input scale (the decode attention kernel
     writes it so): it takes a ``QuantizedKernel`` and goes to the GEMM as it is.
-    ``residual``: with ``precision.residual_in_gemm``, a ``QuantizedKernel`` on the GPU or any unsharded kernel on
-    the te backend, the add is the FP8 GEMM's own (``xla.gemm_into``), as XLA makes it for a BF16 GEMM; else an XLA
-    add.
+    ``residual``: with ``precision.residual_in_gemm`` and a ``QuantizedKernel`` on the GPU (per-tensor scaling) the
+    add is the FP8 GEMM's own (``xla.prequantized_matmul_into``), as XLA makes it for a BF16 GEMM; else an XLA add.
     """
     if residual is not None and not _residual_in_gemm(kernel, fp8_state, precision):
         return residual + linear(x, kernel, fp8_state, precision, residual.dtype, kernel_nk=kernel_nk)
@@ -81,11 +80,8 @@ def linear(
     # [..., K] -> [M, K]: the FP8 GEMMs take 2-D operands
     x2 = x.reshape(-1, k)
     if residual is not None:  # [..., N] + [M, K] @ kernel in one GEMM
-        if isinstance(kernel, QuantizedKernel):
-            y = xla.prequantized_matmul_into(residual.reshape(-1, n), x2, kernel, fp8_state["x"]["scale"],
-                                             precision.recipe, x_scale_inv=fp8_state["x"].get("scale_inv"))
-        else:  # te backend: a master or a TrainKernel
-            y = _te().fp8_matmul(x2, kernel, fp8_state, precision.recipe, residual=residual.reshape(-1, n))
+        y = xla.prequantized_matmul_into(residual.reshape(-1, n), x2, kernel, fp8_state["x"]["scale"], precision.recipe,
+                                         x_scale_inv=fp8_state["x"].get("scale_inv"))
         return y.reshape(residual.shape)
     backend = _te() if precision.backend == "te" else xla
     if isinstance(kernel, QuantizedKernel):
@@ -101,16 +97,11 @@ def linear(
 
 
 def _residual_in_gemm(kernel, fp8_state, precision: Precision) -> bool:
-    """Whether ``residual + x @ kernel`` is one FP8 GEMM with a C operand (``precision.residual_in_gemm``): per-tensor
-    scaling over float8 operands, either a pre-quantized kernel (the rollout's; float8 in the GPU's GEMM form, the
-    CPU's ``f32`` form keeps the add separate) or, on the te backend, scoring's and training's kernels (a master or
-    a ``TrainKernel``; an FSDP-sharded one keeps the add separate)."""
-    if not (precision.residual_in_gemm and fp8_state is not None and precision.fp8
-            and precision.recipe.scaling == "tensor"):
-        return False
-    if isinstance(kernel, QuantizedKernel):
-        return jnp.dtype(kernel.data.dtype).itemsize == 1
-    return precision.backend == "te" and not isinstance(kernel, FsdpKernel)
+    """Whether ``residual + x @ kernel`` is one FP8 GEMM with a C operand (``precision.residual_in_gemm``): a
+    pre-quantized kernel (the rollout's) in float8 (the GPU's GEMM form; the CPU's ``f32`` form keeps the add
+    separate), per-tensor scaling. Scoring and training keep TE's GEMM and the add (measured: see the option)."""
+    return (precision.residual_in_gemm and isinstance(kernel, QuantizedKernel) and fp8_state is not None
+            and precision.fp8 and precision.recipe.scaling == "tensor" and jnp.dtype(kernel.data.dtype).itemsize == 1)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))

@@ -37,10 +37,12 @@ class Precision:
       Read only with ``lm_head_grad_fp8``.
     kv_cache_dtype: ``float8_e4m3fn`` stores K/V in FP8 with per-layer scales; the full-sequence forward then
       rounds K/V through the same FP8 values, so scoring sees what rollout saw.
-    residual_in_gemm: with an FP8 backend on the GPU, the residual adds after ``wo`` and ``w_down`` as their FP8
-      GEMM's C operand (XLA's cuBLASLt FP8 GEMM on the same FP8 operands and scales, beta 1: ``xla.gemm_into``),
-      as XLA makes them for a BF16 GEMM, in the rollout (pre-quantized kernels) and, on the te backend, in scoring's
-      and training's forward (not under FSDP); off: TE's GEMM, then an XLA add kernel.
+    residual_in_gemm: in the rollout's FP8 decode and prefill (pre-quantized kernels, GPU), the residual adds after
+      ``wo`` and ``w_down`` as their FP8 GEMM's C operand (XLA's cuBLASLt FP8 GEMM on the same FP8 operands and
+      scales, beta 1: ``xla.gemm_into``), as XLA makes them for a BF16 GEMM; off: TE's GEMM, then an XLA add kernel.
+      Scoring and training keep TE's GEMM and the add: there it gained nothing in the train phase and, with scoring
+      on XLA's GEMM too, moved the rollout/scoring agreement and broke the exact sampler's bit-for-bit contract
+      (benchmarks/RESULTS.md, session 28).
     attention: the full-sequence (no-cache) attention of scoring and training: ``xla`` (the masked einsum, the
       [T, S] scores in memory), ``cudnn`` (cuDNN's fused flash attention through ``jax.nn.dot_product_attention``,
       GPU, BF16), ``pallas`` (JAX's Pallas Triton flash attention, GPU) or ``auto`` (a GPU: cudnn, or pallas

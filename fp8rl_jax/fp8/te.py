@@ -160,14 +160,14 @@ def quantize_for_update(kernel: jax.Array, scale: jax.Array, recipe: Fp8Recipe) 
 
 
 @functools.cache
-def _fp8_matmul_fn(x_dtype, w_dtype, out_dtype, recipe: Fp8Recipe, gather: P | None = None, into: bool = False):
+def _fp8_matmul_fn(x_dtype, w_dtype, out_dtype, recipe: Fp8Recipe, gather: P | None = None):
     fwd_dtype, bwd_dtype = recipe.fwd_dtype, recipe.bwd_dtype
 
     @jax.custom_vjp
-    def f(x, kernel, state, kernel_amax, hoisted, residual):
-        return fwd(x, kernel, state, kernel_amax, hoisted, residual)[0]
+    def f(x, kernel, state, kernel_amax, hoisted):
+        return fwd(x, kernel, state, kernel_amax, hoisted)[0]
 
-    def fwd(x, kernel, state, kernel_amax, hoisted, residual):
+    def fwd(x, kernel, state, kernel_amax, hoisted):
         s_x = state["x"]["scale"]
         qx = quantize(x, s_x, fwd_dtype)  # [M, K], fused by XLA into the op that produces x
         s_w = state["kernel"]["scale"]
@@ -178,10 +178,7 @@ def _fp8_matmul_fn(x_dtype, w_dtype, out_dtype, recipe: Fp8Recipe, gather: P | N
             w_nk = transpose_bytes(qw, tokens=False)
         else:  # [N, K]: each FSDP shard quantized where it is and its FP8 bits gathered (``parallel.fsdp``)
             qw = w_nk = xla.quantize_kernel(kernel, state["kernel"], recipe, "f8", gather).data
-        if residual is None:
-            y = _gemm(_operand(qx, _inv(s_x), out_dtype), _operand(w_nk, _inv(s_w), out_dtype))
-        else:  # residual + the product: one cuBLASLt FP8 GEMM reading the residual as its C operand
-            y = xla.gemm_into(residual, qx, _inv(s_x), w_nk, _inv(s_w))
+        y = _gemm(_operand(qx, _inv(s_x), out_dtype), _operand(w_nk, _inv(s_w), out_dtype))
         amax_w = amax(kernel) if kernel_amax is None else kernel_amax
         return y, (qx, qw, state, amax(x), amax_w, kernel_amax)
 
@@ -198,7 +195,7 @@ def _fp8_matmul_fn(x_dtype, w_dtype, out_dtype, recipe: Fp8Recipe, gather: P | N
         if gather is not None:  # the devices' partial wgrads summed onto the master's shards (a reduce-scatter)
             dw = fsdp.reduce_to(dw, gather)
         no_amax = None if kernel_amax is None else jnp.zeros_like(kernel_amax)  # not differentiated
-        return dx, dw, observations(state, amax_x, amax_w, amax(g)), no_amax, None, g if into else None
+        return dx, dw, observations(state, amax_x, amax_w, amax(g)), no_amax, None
 
     f.defvjp(fwd, bwd)
     return f
@@ -206,35 +203,30 @@ def _fp8_matmul_fn(x_dtype, w_dtype, out_dtype, recipe: Fp8Recipe, gather: P | N
 
 def fp8_matmul(
     x: jax.Array, kernel: jax.Array | TrainKernel, state: Fp8LinearState, recipe: Fp8Recipe, out_dtype=None, *,
-    gather: P | None = None, kernel_amax: jax.Array | None = None, residual: jax.Array | None = None,
+    gather: P | None = None, kernel_amax: jax.Array | None = None,
 ) -> jax.Array:
     """Differentiable FP8 ``x [M, K] @ kernel [K, N]`` through Transformer Engine's GEMMs (see module docstring).
     ``gather`` / ``kernel_amax``: an FSDP-sharded kernel, as in ``xla.fp8_matmul``. A ``TrainKernel`` brings its FP8
-    operands and amax made once for the update; the gradient goes to its master. ``residual`` [M, N]: returns
-    ``residual + x @ kernel`` in the residual's dtype, the forward one cuBLASLt FP8 GEMM with the residual as its C
-    operand (``xla.gemm_into``: the same FP8 operands and scales); the backward is TE's, the residual's gradient
-    the output's."""
-    if residual is not None:
-        out_dtype = residual.dtype
+    operands and amax made once for the update; the gradient goes to its master."""
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     hoisted = None
     if isinstance(kernel, TrainKernel):
         if gather is not None:
             raise ValueError("a TrainKernel is a whole kernel; an FSDP-sharded one is gathered per layer instead")
         kernel, hoisted, kernel_amax = kernel.master, (kernel.kn, kernel.nk), kernel.amax
-    fn = _fp8_matmul_fn(jnp.dtype(x.dtype), jnp.dtype(kernel.dtype), out_dtype, recipe, gather, residual is not None)
-    return fn(x, kernel, state, kernel_amax, hoisted, residual)
+    fn = _fp8_matmul_fn(jnp.dtype(x.dtype), jnp.dtype(kernel.dtype), out_dtype, recipe, gather)
+    return fn(x, kernel, state, kernel_amax, hoisted)
 
 
 @functools.cache
-def _fp8_swiglu_mlp_fn(x_dtype, out_dtype, gu_dtype, down_dtype, recipe: Fp8Recipe, into: bool = False):
+def _fp8_swiglu_mlp_fn(x_dtype, out_dtype, gu_dtype, down_dtype, recipe: Fp8Recipe):
     fwd_dtype, bwd_dtype = recipe.fwd_dtype, recipe.bwd_dtype
 
     @jax.custom_vjp
-    def fp8_swiglu_mlp(x, w_gate_up, w_down, st_gu, st_down, hoisted, residual):
-        return fwd(x, w_gate_up, w_down, st_gu, st_down, hoisted, residual)[0]
+    def fp8_swiglu_mlp(x, w_gate_up, w_down, st_gu, st_down, hoisted):
+        return fwd(x, w_gate_up, w_down, st_gu, st_down, hoisted)[0]
 
-    def fwd(x, w_gate_up, w_down, st_gu, st_down, hoisted, residual):
+    def fwd(x, w_gate_up, w_down, st_gu, st_down, hoisted):
         (gu_kn, gu_nk, gu_amax), (down_kn, down_nk, down_amax) = hoisted
         s_x, s_h = st_gu["x"]["scale"], st_down["x"]["scale"]
         # the two linears' forwards exactly (the rollout runs them as two ``linear`` calls)
@@ -242,11 +234,7 @@ def _fp8_swiglu_mlp_fn(x_dtype, out_dtype, gu_dtype, down_dtype, recipe: Fp8Reci
         gate_up = _gemm(_operand(qx, _inv(s_x), x_dtype), _operand(gu_nk, _inv(st_gu["kernel"]["scale"]), x_dtype))
         gate, up = jnp.split(gate_up, 2, axis=-1)
         qh = quantize(jax.nn.silu(gate) * up, s_h, fwd_dtype)
-        s_down_inv = _inv(st_down["kernel"]["scale"])
-        if residual is None:
-            y = _gemm(_operand(qh, _inv(s_h), out_dtype), _operand(down_nk, s_down_inv, out_dtype))
-        else:  # residual + the down projection: one cuBLASLt FP8 GEMM reading the residual as its C operand
-            y = xla.gemm_into(residual, qh, _inv(s_h), down_nk, s_down_inv)
+        y = _gemm(_operand(qh, _inv(s_h), out_dtype), _operand(down_nk, _inv(st_down["kernel"]["scale"]), out_dtype))
         # q(h) is not kept: the backward's kernel makes its transpose, from gate_up
         return y, (qx, gate_up, st_gu, st_down, amax(x), gu_kn, down_kn, gu_amax, down_amax)
 
@@ -264,27 +252,23 @@ def _fp8_swiglu_mlp_fn(x_dtype, out_dtype, gu_dtype, down_dtype, recipe: Fp8Reci
         dx = _gemm(_operand(qg, _inv(s_ggu), x_dtype), _operand(gu_kn, _inv(s_gu), x_dtype))
         d_gu = _gemm(_operand(transpose_bytes(qx), _inv(s_x), gu_dtype), _operand(qg_t, _inv(s_ggu), gu_dtype))
         return (dx, d_gu, d_down, observations(st_gu, amax_x, gu_amax, amax_g),
-                observations(st_down, amax_h, down_amax, amax(g)), None, g if into else None)
+                observations(st_down, amax_h, down_amax, amax(g)), None)
 
     fp8_swiglu_mlp.defvjp(fwd, bwd)
     return fp8_swiglu_mlp
 
 
 def fp8_swiglu_mlp(x: jax.Array, w_gate_up: TrainKernel, w_down: TrainKernel, st_gu: Fp8LinearState,
-                   st_down: Fp8LinearState, recipe: Fp8Recipe, out_dtype=None, *,
-                   residual: jax.Array | None = None) -> jax.Array:
+                   st_down: Fp8LinearState, recipe: Fp8Recipe, out_dtype=None) -> jax.Array:
     """The MLP ``down(silu(gate) * up)`` of ``x`` [M, D] through TE's FP8 GEMMs, with kernels made once for the
     update (``TrainKernel``, one device), as one differentiable function. Its forward is the two ``fp8_matmul``
     forwards, bit for bit; its backward makes every FP8 operand of the gate/up linear's GEMMs and the down
     projection's weight gradient in one kernel (``kernels.swiglu_grad``: the SwiGLU's backward, q(h) token-minor and
     q(dgate_up) in both layouts, their amaxes) instead of three XLA passes over the [M, 2F] gate/up output and two byte
     transposes. The observations are the two linears' as ``fp8_matmul`` makes them. Returns [M, D] in
-    ``out_dtype`` (default ``x.dtype``); with ``residual`` [M, D], ``residual +`` the MLP in the residual's dtype, the
-    down projection's forward one cuBLASLt FP8 GEMM with the residual as its C operand (``xla.gemm_into``)."""
-    if residual is not None:
-        out_dtype = residual.dtype
+    ``out_dtype`` (default ``x.dtype``)."""
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     hoisted = ((w_gate_up.kn, w_gate_up.nk, w_gate_up.amax), (w_down.kn, w_down.nk, w_down.amax))
     fn = _fp8_swiglu_mlp_fn(jnp.dtype(x.dtype), out_dtype, jnp.dtype(w_gate_up.master.dtype),
-                            jnp.dtype(w_down.master.dtype), recipe, residual is not None)
-    return fn(x, w_gate_up.master, w_down.master, st_gu, st_down, hoisted, residual)
+                            jnp.dtype(w_down.master.dtype), recipe)
+    return fn(x, w_gate_up.master, w_down.master, st_gu, st_down, hoisted)

@@ -183,8 +183,8 @@ def gemm_into(residual: jax.Array, qx: jax.Array, x_scale_inv: jax.Array, w_nk: 
     XLA may otherwise fold the f32 -> FP8 -> f32 round trip away as excess precision. Two such GEMMs must not share
     an operand: XLA would merge them into one dot on the concatenated dequantized kernels, which it no longer
     recognizes as FP8. With XLA's Triton GEMMs enabled XLA may split K into a batched FP8 GEMM plus a reduction,
-    and the add is a kernel again: the programs that run it compile with ``xla_gpu_enable_triton_gemm=False``
-    (the decode programs' and the FP8 head's options). On a CPU this is the f32 product of the dequantized
+    and the add is a kernel again: the decode programs that run it compile with ``xla_gpu_enable_triton_gemm=False``
+    (``rollout.engine.DECODE_GPU_OPTIONS``). On a CPU this is the f32 product of the dequantized
     operands (each product rounded once more than the GPU's, ~1e-7 relative)."""
     a = lax.optimization_barrier(qx).astype(jnp.float32) * x_scale_inv
     b = w_nk.astype(jnp.float32) * w_scale_inv

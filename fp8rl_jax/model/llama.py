@@ -518,12 +518,10 @@ def _block(x, layer, fp8, idx, positions, cache, kv_scales, config: LlamaConfig,
     if _fused_mlp(layer, fp8, precision, fused_shards):
         from fp8rl_jax.fp8 import te  # the te backend's MLP in one custom VJP: its forward is the two linears'
 
-        # [B, T, D] -> [B T, D] -> [B, T, D]; with residual_in_gemm the add is the down projection's GEMM's
-        residual = x.reshape(-1, c.hidden_size) if precision.residual_in_gemm else None
+        # [B, T, D] -> [B T, D] -> [B, T, D]
         y = te.fp8_swiglu_mlp(h.reshape(-1, c.hidden_size).astype(precision.dtype), layer["w_gate_up"],
-                              layer["w_down"], fp8["w_gate_up"], fp8["w_down"], precision.recipe, x.dtype,
-                              residual=residual)
-        return y.reshape(x.shape) if residual is not None else x + y.reshape(x.shape), cache, kv_amax
+                              layer["w_down"], fp8["w_gate_up"], fp8["w_down"], precision.recipe, x.dtype)
+        return x + y.reshape(x.shape), cache, kv_amax
     # [B, T, D] -> [B, T, 2F]
     gate, up = _split_fused(linear(h, layer["w_gate_up"], fp8.get("w_gate_up"), precision),
                             (c.intermediate_size,) * 2, fused_shards)

@@ -12,10 +12,10 @@ from test_te_plumbing import mlp_vjps, tiny_model  # the same cases as on CPU (t
 from fp8rl_jax.fp8 import xla
 from fp8rl_jax.fp8.policy import Precision
 from fp8rl_jax.fp8.recipe import Fp8Recipe, init_linear_state
+from fp8rl_jax.rollout.engine import DECODE_GPU_OPTIONS
 
 pytestmark = pytest.mark.gpu
 RECIPE = Fp8Recipe()
-NO_TRITON = {"xla_gpu_enable_triton_gemm": False}  # the decode programs' and the FP8-head step's options
 
 
 def _inputs(m=256, k=512, n=384, seed=0):
@@ -123,7 +123,8 @@ def test_residual_add_is_the_fp8_gemms_c_operand(m, k):
     s = st["x"]["scale"]
     # the rollout's programs compile without XLA's Triton GEMMs (``DECODE_GPU_OPTIONS``): with them XLA may split K
     # into a batched FP8 GEMM and a reduction, and the add is a kernel again (seen on the H100)
-    into = jax.jit(lambda r, x, qk: xla.prequantized_matmul_into(r, x, qk, s, RECIPE), compiler_options=NO_TRITON)
+    into = jax.jit(lambda r, x, qk: xla.prequantized_matmul_into(r, x, qk, s, RECIPE),
+                   compiler_options=DECODE_GPU_OPTIONS)
     hlo = into.lower(r, x, qk).compile().as_text()
     gemms = [line for line in hlo.splitlines() if "custom_call_target=\"__cublas$lt$matmul$f8\"" in line]
     assert len(gemms) == 1, hlo
@@ -133,43 +134,6 @@ def test_residual_add_is_the_fp8_gemms_c_operand(m, k):
     want = r + jax.jit(lambda x, qk: te.prequantized_matmul(x, qk, s, RECIPE, out_dtype=jnp.float32))(x, qk)
     print(f"M={m} K={k}: into vs TE + add {_rel(got, want):.2e}")
     assert _rel(got, want) < 1e-3
-
-
-def _gemms_into(hlo: str) -> list[str]:
-    """The compiled HLO's cuBLASLt FP8 GEMMs that read a C operand (beta 1)."""
-    import re
-
-    return [line for line in hlo.splitlines() if 'custom_call_target="__cublas$lt$matmul$f8"' in line
-            and re.search(r'"beta":1(\.0)?[,}]', line)]
-
-
-def test_training_step_adds_the_residual_in_its_fp8_gemms():
-    """The te backend's training forward with kernels made once for the update (``precision.residual_in_gemm``):
-    wo and the fused MLP's down projection are cuBLASLt FP8 GEMMs reading the residual stream as their C operand
-    (compiled as the FP8-head step compiles, without Triton GEMMs), and the step's loss and gradients follow the
-    separate adds'."""
-    llama, config, params, tokens, precision, state = tiny_model(num_layers=2)
-    hoisted = llama.update_kernels(params, state, config, precision)
-
-    def loss(params, state, precision):
-        hidden, _, _ = llama.forward_hidden(params, tokens, jnp.broadcast_to(jnp.arange(16), tokens.shape),
-                                            config=config, precision=precision, fp8_state=state, remat="full",
-                                            update_kernels=hoisted)
-        return jnp.sum(hidden.astype(jnp.float32) ** 2)
-
-    # and without excess precision: how XLA fuses the ops around BF16 intermediates would move the loss by ~1e-4
-    grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)), static_argnums=2,
-                   compiler_options={**NO_TRITON, "xla_allow_excess_precision": False})
-    off = precision.replace(residual_in_gemm=False)
-    assert not _gemms_into(grad.lower(params, state, off).compile().as_text())
-    into = _gemms_into(grad.lower(params, state, precision).compile().as_text())
-    print(len(into), "FP8 GEMMs with a C operand;", *into[:2], sep="\n  ")
-    assert into and len(into) % 2 == 0  # wo and w_down of each compiled block, forward and remat's recompute
-    (l0, (g0, _)), (l1, (g1, _)) = grad(params, state, off), grad(params, state, precision)
-    assert abs(float(l1) - float(l0)) <= 1e-4 * abs(float(l0))
-    for name in ("wqkv", "wo", "w_gate_up", "w_down"):
-        a, b = np.asarray(g0["blocks"][name]), np.asarray(g1["blocks"][name])
-        assert np.corrcoef(a.ravel(), b.ravel())[0, 1] > 0.99, name
 
 
 def test_model_with_te_matches_xla_backend():
