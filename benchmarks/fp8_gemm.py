@@ -8,11 +8,11 @@ Shapes: the four linears of a Llama-3.2-1B block (``wqkv`` 3072 x 2048, ``wo`` 2
 writes (BF16 into the attention and the SwiGLU, f32 into the residual stream). One timed call is one jit of
 ``--layers`` GEMMs, one weight per layer (as the unrolled decode step reads them, each from its own buffer), each
 with an FP8 input of its own (until session 28 all shared one), every output kept. Rows report the GPU kernel
-microseconds per GEMM (from a profiler trace of one call: every kernel, a split-K GEMM's reduction included) and
-the weight bytes moved per second at that rate, and
-the wall time per GEMM (median of ``--repeats``: it includes the host's launches, which the decode step hides and
-this harness does not). Each impl's output is checked against the first impl's (TE's by default): the largest
-difference relative to the largest output.
+microseconds per GEMM (from a profiler trace of one call: every kernel, a split-K GEMM's reduction included), the
+weight bytes moved per second at that rate, the top kernels' names, and the wall time per GEMM (median of
+``--repeats``: it includes the host's launches, which the decode step hides and this harness does not). Each
+impl's output is checked against the first impl's (TE's by default): the largest difference relative to the largest
+output.
 
 ``--impls te_add,xla_into --shapes wo,w_down``: the two GEMMs that feed the residual stream, as the rollout ran
 them (TE's GEMM, then XLA's add: ``te_add``) and as it runs them now (``xla.prequantized_matmul_into``: the add as
