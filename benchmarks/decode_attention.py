@@ -186,8 +186,8 @@ def bench_shape(model, batch, cache_len, fill, kv, impls, *, tunings, repeats, w
             row = {**base, "impl": impl, "layers_timed": layers_timed, "mean_length": float(lengths.mean()),
                    "kv_bytes_needed_per_layer": needed}
             if impl == "pallas":
-                heads = tuning.get("heads_per_program") or da.HEADS_PER_PROGRAM or da.default_heads_per_program(
-                    batch * kv_heads, kv_heads, groups, itemsize)
+                heads = da.heads_per_program_for(tuning.get("heads_per_program"), batch * kv_heads, kv_heads, groups,
+                                                 itemsize)
                 block_k = tuning.get("block_k") or da.default_block_k(head_dim, itemsize, cache_len, heads)
                 programs = batch * kv_heads // heads
                 row.update(block_k=block_k,

@@ -193,6 +193,14 @@ def default_heads_per_program(rows: int, kv_heads: int, groups: int, cache_items
     return 2 if two else 1
 
 
+def heads_per_program_for(heads_per_program: int | None, rows: int, kv_heads: int, groups: int,
+                          cache_itemsize: int) -> int:
+    """``heads_per_program`` where given (not None), else ``HEADS_PER_PROGRAM``, else ``default_heads_per_program``."""
+    if heads_per_program is not None:
+        return heads_per_program
+    return HEADS_PER_PROGRAM or default_heads_per_program(rows, kv_heads, groups, cache_itemsize)
+
+
 LONG_CACHE_BLOCKS = 32  # a cache of this many blocks or more gets at least two splits
 
 
@@ -653,9 +661,7 @@ def decode_attention_pallas(q, k_cache, v_cache, lengths, *, layer=None, k_scale
     n_layers, s = k_cache.shape[0], k_cache.shape[3]
     rows = b * kh
     itemsize = jnp.dtype(k_cache.dtype).itemsize
-    if heads_per_program is None:
-        heads_per_program = HEADS_PER_PROGRAM or default_heads_per_program(rows, kh, g, itemsize)
-    n_heads = heads_per_program
+    n_heads = heads_per_program_for(heads_per_program, rows, kh, g, itemsize)
     if not isinstance(n_heads, int) or n_heads < 1 or kh % n_heads:
         raise ValueError(f"heads_per_program={n_heads!r} must be a positive integer dividing the kv heads K={kh}")
     programs = rows // n_heads
@@ -673,7 +679,7 @@ def decode_attention_pallas(q, k_cache, v_cache, lengths, *, layer=None, k_scale
                 decode_attention_pallas, fused if rope is not None else q, lengths=lengths,
                 k_scale=_layer_scale(k_scale, layer), v_scale=_layer_scale(v_scale, layer), out_scale=out_scale,
                 out_dtype=out_dtype, new_kv=new_kv, rope=rope, block_k=block_k, k_splits=k_splits, num_warps=num_warps,
-                num_stages=num_stages, dot_dtype=dot_dtype, heads_per_program=heads_per_program, tail_loop=tail_loop,
+                num_stages=num_stages, dot_dtype=dot_dtype, heads_per_program=n_heads, tail_loop=tail_loop,
                 lean=lean),
             k_cache, v_cache, layer, cache_shape)
         k_scale, v_scale = _layer_scale(k_scale, layer), _layer_scale(v_scale, layer)
