@@ -107,13 +107,12 @@ def bench_rollout(model_name: str, batches: list[int], new_tokens: list[int], mo
             context = contextlib.ExitStack()
             if tuning != "default":
                 context.enter_context(decode_attention.tuned(*(int(v) for v in tuning.split(":"))))
-            earlier_forms = variant.split("+") if variant != "default" else []
             run_precision = precision
-            if "residual_add_kernels" in earlier_forms:  # a precision option, not a module switch
-                earlier_forms.remove("residual_add_kernels")
-                run_precision = precision.replace(residual_in_gemm=False)
-            for earlier in earlier_forms:
-                context.enter_context(_earlier_form(earlier))
+            for earlier in variant.split("+") if variant != "default" else ():
+                if earlier in PRECISION_FORMS:  # a precision option
+                    run_precision = run_precision.replace(**PRECISION_FORMS[earlier])
+                else:  # a module switch
+                    context.enter_context(_earlier_form(earlier))
             with context:
                 engine_config = EngineConfig(max_concurrent_decodes=batch, max_prefill_length=prompt_len,
                                              max_new_tokens=new, sampling=SamplingParams(), compiler_options=option,
@@ -176,6 +175,10 @@ def bench_rollout(model_name: str, batches: list[int], new_tokens: list[int], mo
     return rows
 
 
+# ``--variants``' earlier forms that are precision options: the engine's precision with these fields replaced
+PRECISION_FORMS = {"residual_add_kernels": {"residual_in_gemm": False}}
+
+
 @contextlib.contextmanager
 def _earlier_form(name: str):
     """The package's earlier form ``name`` (``--variants``) inside the block: a module switch read at trace time."""
@@ -189,7 +192,7 @@ def _earlier_form(name: str):
                 "select_exp_loop": (decode_attention, "LEAN_LOOP", False),
                 "one_head_per_program": (decode_attention, "HEADS_PER_PROGRAM", 1)}
     if name not in switches:
-        raise ValueError(f"--variants: unknown form {name!r}; known: default, residual_add_kernels, "
+        raise ValueError(f"--variants: unknown form {name!r}; known: default, {', '.join(PRECISION_FORMS)}, "
                          f"{', '.join(switches)}")
     module, attr, value = switches[name]
     saved = getattr(module, attr)
