@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session on the lent H100 (or an H200 host): install Transformer Engine and the project's wheels once, then
 # the stages named on the command line. Results land in $OUT (or ./gpu_out).
-#   usage: bash benchmarks/gpu_session.sh [install] [tests] [decode] [llama1b:MODE] [rollout1k] [gemm] [train] [e2e] [e2e_xla] [profile] [cluster_nb] [study] [rollout_xla] [rollout_head] [rollout_flags]
+#   usage: bash benchmarks/gpu_session.sh [install] [tests] [demo_scaled] [decode] [llama1b:MODE] [rollout1k] [gemm] [train] [e2e] [e2e_xla] [profile] [cluster_nb] [study] [rollout_xla] [rollout_head] [rollout_flags]
 #          [rollout8b] [agreement] [exact] [packed_attention] [e2e8b] [profile8b] [head_step] [headgrad] [multiprocess] [transpose] [swiglu] [fp8gemm]...
 # TE arrives in pieces (see ../shared/gpu/README.md): .gpu/te/wheels + .gpu/install_te.sh, the core wheel's five
 # parts already copied to /root/te by earlier calls; the other wheels in .gpu/wheels; a tokenizer in .gpu/smollm2_tok.
@@ -167,6 +167,9 @@ EOF2
           --config.logging.plots=False > "$OUT/train_$mode.log" 2>&1; tail -3 "$OUT/train_$mode.log"
         cp "$OUT/tiny_te_$mode/metrics.jsonl" "$OUT/train_tiny_te_$mode.jsonl"; rm -rf "$OUT/tiny_te_$mode"
       done ;;
+    demo_scaled) # issue 41's acceptance: the demo scaled as a new GPU user would (32 prompts x 8 samples x 256 new
+      # tokens, nothing else), 20 steps; FP8RL_COMMIT names the tree that runs
+      timeout 560 python3 benchmarks/demo_scaled.py --out "$OUT/demo_scaled_h100.json" 2>&1 | grep -v "^W\|Warn" | tail -16 ;;
     scaled_demo) # issue 21: the demo scaled up (256 sequences x 256 new tokens) with no microbatch override, 3 steps;
       # then an intentionally oversized microbatch (the whole minibatch) that must end in one out-of-memory line
       args="--config=configs/smollm2_gsm8k.py --config.rollout.prompts_per_step=32 --config.rollout.samples_per_prompt=8

@@ -29,7 +29,6 @@ def get_config(arg=None):
     c.rollout.prompts_per_step = 16
     c.rollout.samples_per_prompt = 8
     c.rollout.max_new_tokens = 64
-    c.rollout.decode_slots = 128
     c.rl.microbatch_sequences = 32  # 4 microbatches: the train step fits a fifth of an H100 (5 modes at once)
     c.optim.lr = 5e-6
     c.logging.tensorboard = False

@@ -26,7 +26,6 @@ def get_config(arg=None):
     c.rollout.samples_per_prompt = 4
     c.rollout.max_new_tokens = 128  # room to finish with "#### <n>": nonzero stop fraction and format reward
     c.rollout.temperature = 1.0
-    c.rollout.decode_slots = 8
     c.optim.lr = 1e-6
     c.checkpoint.every = 0
     c.logging.tensorboard = True

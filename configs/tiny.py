@@ -23,7 +23,6 @@ def get_config(arg=None):
     c.rollout.prompts_per_step = 8
     c.rollout.samples_per_prompt = 8
     c.rollout.max_new_tokens = 12
-    c.rollout.decode_slots = 64
     c.rl.is_correction = "tis"
     c.optim.lr = 3e-3
     c.optim.warmup_steps = 2

@@ -103,7 +103,10 @@ def base_config() -> ml_collections.ConfigDict:
     # weights and the surrogate would be off); Trainer.sample(top_k=, top_p=) may truncate for display
     c.rollout.top_p = 1.0
     c.rollout.top_k = 0  # 0 = off
-    c.rollout.decode_slots = 32  # concurrent sequences in the decode batch
+    # concurrent sequences in the decode batch. 0 = automatic: every sequence of a step, up to what the device's
+    # memory holds beside the train state and the rollout weights (rollout/slots.py); the trainer prints the number
+    # and the memory it assumed. Fewer slots than sequences run the decode batch in waves, each reading the weights
+    c.rollout.decode_slots = 0
     # decode attention: pallas (length-aware kernel over the filled cache, GPU) | xla (whole-cache einsum) | auto
     c.rollout.decode_attention = "auto"
     # devices of one rollout replica group: the rollout weights (FP8 kernels) whole on each group, split over its
@@ -352,8 +355,11 @@ def validate(c: ml_collections.ConfigDict, known_rewards: Callable[[], Sequence[
            f"{len(names)} floats (one per reward fn) or () for all 1")
 
     for key in ("rollout.prompts_per_step", "rollout.samples_per_prompt", "rollout.max_new_tokens",
-                "rollout.decode_slots", "steps", "rl.minibatches", "optim.clip_norm"):
+                "steps", "rl.minibatches", "optim.clip_norm"):
         _positive(c, key)
+    _check(isinstance(c.rollout.decode_slots, int) and c.rollout.decode_slots >= 0, "rollout.decode_slots",
+           c.rollout.decode_slots, "0 (automatic: as many as the device memory holds, up to a step's sequences) or a "
+           "positive number of slots")
     tp = c.rollout.tensor_parallel
     _check(isinstance(tp, int) and not isinstance(tp, bool) and tp >= 1, "rollout.tensor_parallel", tp,
            "a positive int dividing the device count, the model's kv heads and its intermediate size")

@@ -52,7 +52,15 @@ from fp8rl_jax.parallel.state import init_sharded, load_model_sharded
 from fp8rl_jax.reporting import Reporter, compile_seconds
 from fp8rl_jax.rl.advantages import group_advantages
 from fp8rl_jax.rl.metrics import mismatch_metrics, reduce_metric
-from fp8rl_jax.rl.microbatch import ROW_MULTIPLE, longest_row_tokens, microbatch_sequences, microbatch_source, row_width
+from fp8rl_jax.rl.microbatch import (
+    ROW_MULTIPLE,
+    bucket_width,
+    longest_row_tokens,
+    microbatch_sequences,
+    microbatch_source,
+    row_width,
+    row_width_note,
+)
 from fp8rl_jax.rl.packing import PackingPlan, first_fit_decreasing, pack
 from fp8rl_jax.rl.rewards import combined_rewards, reward_names
 from fp8rl_jax.rl.step import LossConfig, build_optimizer, make_calibrate, make_score, make_train_step
@@ -103,16 +111,20 @@ def load_policy(config, directory: str | Path | None = None, step: int | None = 
     return model, policy["params"], policy["fp8_state"], policy["kv_scales"], tokenizer
 
 
-def padded_width(rows: list, multiple: int = ROW_MULTIPLE, width: int = 0) -> int:
-    """The width ``right_pad`` pads ``rows`` to: ``width`` where given, else the longest row up to ``multiple``."""
-    return width or row_width(max(len(r) for r in rows), multiple)
-
-
-def right_pad(rows: list, pad_id: int, multiple: int = ROW_MULTIPLE, width: int = 0) -> np.ndarray:
-    """Token rows right-padded into [len(rows), T], T a multiple of ``multiple`` (few shapes to compile), or
-    ``width`` where given (it must hold every row)."""
+def padded_width(rows: list, multiple: int = ROW_MULTIPLE, width: int = 0, bucket: int = 0) -> int:
+    """The width ``right_pad`` pads ``rows`` to: ``width`` where given; else with ``bucket`` (the longest row the run
+    can make) the smallest of its ``row_buckets`` holding the longest row; else the longest row up to ``multiple``."""
     longest = max(len(r) for r in rows)
-    t = padded_width(rows, multiple, width)
+    if width:
+        return width
+    return bucket_width(longest, bucket, multiple) if bucket else row_width(longest, multiple)
+
+
+def right_pad(rows: list, pad_id: int, multiple: int = ROW_MULTIPLE, width: int = 0, bucket: int = 0) -> np.ndarray:
+    """Token rows right-padded into [len(rows), T]: T as ``padded_width`` says (a few widths to compile for); a
+    given ``width`` must hold every row."""
+    longest = max(len(r) for r in rows)
+    t = padded_width(rows, multiple, width, bucket)
     if longest > t:
         raise ValueError(f"a row of {longest} tokens does not fit width {t}")
     out = np.full((len(rows), t), pad_id, np.int32)
@@ -266,7 +278,9 @@ class Trainer:
                                          microbatch=microbatch_sequences(c, self.calibration_rows, self.row_tokens),
                                          **on_mesh)
         # RL rollouts, sample() and evaluate() draw through one sampler: an engine per sampling setup
-        self.sampler = Sampler(c, self.model, self.tokenizer, self.rollout_precision, self.mesh)
+        held = {**self.state, "ref_params": self.ref_params}  # on the device while the rollout runs
+        self.sampler = Sampler(c, self.model, self.tokenizer, self.rollout_precision, self.mesh,
+                               sequences=self.sequences, held=held)
         rl_sampling = SamplingParams(temperature=c.rollout.temperature, top_k=c.rollout.top_k, top_p=c.rollout.top_p)
         self.engine = self.sampler.engine(rl_sampling, c.rollout.max_new_tokens)
         self.exact_sampler = None  # rollout.exact: the RL rollouts drawn by the train precision's scoring forward
@@ -295,6 +309,15 @@ class Trainer:
         if primary:
             self._write_run_json()
         self.reporter.message(f"precision: {c.precision.mode}, FP8 backend {self.backend} ({self.backend_reason})")
+        if self.exact_sampler is None:
+            self.reporter.message(self.sampler.slot_plan.describe())
+            if waves := self.sampler.slot_plan.waves_message():
+                self.reporter.message(waves)
+        rows = f"row widths: {row_width_note(self.row_tokens)}"
+        if self.packing:
+            rows = (f"row widths: packed into rows of {self.packing.width} tokens (rl.packing); a step that packing "
+                    f"would not shorten: {row_width_note(self.row_tokens)}")
+        self.reporter.message(rows)
         if self.restore_note:
             self.reporter.message(self.restore_note)
         if self.microbatch < self.minibatch:
@@ -502,7 +525,8 @@ class Trainer:
         """Right-padded prompt + completion rows and their per-token masks and rollout logprobs, put on the device
         once (built on the host, where the rollout's tokens are), with the (device) advantages [rows]."""
         rows = [[*records[p].prompt_ids, *batch.completion(i)] for i, p in enumerate(batch.prompt_index)]
-        tokens = right_pad(rows, self.tokenizer.pad_id or 0, width=batch.width)  # an exact rollout's width
+        # an exact rollout's width, else the bucket of the step's longest row
+        tokens = right_pad(rows, self.tokenizer.pad_id or 0, width=batch.width, bucket=self.row_tokens)
         mask = np.zeros(tokens.shape, np.float32)
         rollout_logp = np.zeros(tokens.shape, np.float32)
         for i, p in enumerate(batch.prompt_index):
@@ -535,7 +559,7 @@ class Trainer:
                 for take in takes]
         plan = self.packing.choose_rows([len(b) for b in bins])
         run = sum(-(-len(b) // plan.rows) for b in bins) * plan.tokens  # the tokens the packed step would run
-        padded = len(rows) * padded_width(rows, width=batch.width)  # and the right-padded one (_pack)
+        padded = len(rows) * padded_width(rows, width=batch.width, bucket=self.row_tokens)  # and _pack's
         if run >= padded:  # nothing to gain (e.g. every sequence alone in a row): this step runs right-padded
             self._packing_record = {"packing/rows": 0.0, "packing/fill": sum(map(len, rows)) / padded}
             return None
@@ -551,7 +575,7 @@ class Trainer:
         names = ("tokens", "segment_ids", "positions", "mask", "rollout_logp", "advantages")
         arrays = jax.device_put({k: np.stack([p[k] for p in parts]) for k in names})
         k = self.config.precision.kv_calibration_sequences
-        return arrays, active, right_pad(rows, pad, width=batch.width)[:k]
+        return arrays, active, right_pad(rows, pad, width=batch.width, bucket=self.row_tokens)[:k]
 
     def _score_packed(self, params, arrays: dict, active: list[int]) -> jax.Array:
         """Per-token logprobs [minibatches, microbatches, rows, width] of packed ``arrays`` under ``params``: one
@@ -623,8 +647,9 @@ class Trainer:
             return (f"the rollout's copy of the {self.model.num_params() / 1e6:.0f}M-parameter policy "
                     f"({c.precision.mode}) beside the train state, on {self.mesh.size} device(s)")
         if phase == "rollout" and self.exact_sampler is None:
+            slots = self.sampler.slot_plan.slots
             return (f"{c.rollout.prompts_per_step} prompts x {self.group} samples = {self.sequences} sequences "
-                    f"through {c.rollout.decode_slots} decode slots, a KV cache of {c.rollout.decode_slots} x "
+                    f"through {slots} decode slots, a KV cache of {slots} x "
                     f"({c.data.max_prompt_tokens} + {c.rollout.max_new_tokens}) positions x "
                     f"{self.model.num_layers} layers in {llama.cache_dtype(self.rollout_precision).name}")
         if phase in ("rollout", "score"):  # the exact sampler runs the scoring forward too
@@ -658,7 +683,9 @@ class Trainer:
             return devices
         if phase == "eval" or (phase == "rollout" and self.exact_sampler is None):  # the KV-cache engine
             fp8_kv = self.rollout_precision.fp8 and not self.rollout_precision.kv_fp8
-            return [key("rollout.decode_slots"), *rows,
+            slots = self.sampler.slot_plan
+            automatic = f"automatic: {slots.slots} slots" if slots.automatic else ""
+            return [key("rollout.decode_slots", str(max(slots.slots // 2, 1)), automatic), *rows,
                     *([key("precision.kv_cache_dtype", "float8_e4m3fn")] if fp8_kv else []), *devices]
         if phase in ("rollout", "score"):  # the exact sampler runs the scoring forward a microbatch at a time
             return [*micro, *rows]
@@ -696,7 +723,7 @@ class Trainer:
         ``rollout.temperature``."""
         c = self.config
         records = load_prompts(c, self.tokenizer, "test", limit=num or c.data.num_eval or 100).records
-        shapes = (f"{len(records)} problems x {k} completion(s) through {c.rollout.decode_slots} decode slots of "
+        shapes = (f"{len(records)} problems x {k} completion(s) through {self.sampler.slot_plan.slots} decode slots of "
                   f"{c.data.max_prompt_tokens} + {c.rollout.max_new_tokens} positions")
         with out_of_memory_report("eval", shapes, lambda: self._knobs("eval")):
             run = evaluate_policy(self.sampler, self.state, records, reward=self.reward_fns[0],

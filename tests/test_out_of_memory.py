@@ -134,7 +134,8 @@ def test_score_and_rollout_out_of_memory(tiny, monkeypatch):
     assert message.startswith("device out of memory in the rollout phase (XLA asked for 111.14GiB for "
                               "jit_train_step): 8 prompts x 8 samples = 64 sequences through 64 decode slots, a KV "
                               "cache of 64 x (16 + 12) positions x 2 layers in bfloat16; device memory: ")
-    assert message.endswith("Lower it with rollout.decode_slots (now 64), rollout.max_new_tokens (now 12), "
+    assert message.endswith("Lower it with rollout.decode_slots=32 (now 0; automatic: 64 slots), "
+                            "rollout.max_new_tokens (now 12), "
                             "data.max_prompt_tokens (now 16), precision.kv_cache_dtype=float8_e4m3fn (now bfloat16), "
                             "mesh.fsdp (now 1; more devices split the batch and the state), mesh.tensor (now 1)")
 

@@ -422,3 +422,46 @@ def test_packing_config_errors(tmp_path):
         Trainer(_config(tmp_path, **{"rl.packing": True, "rl.microbatch_tokens": 16}))
     with pytest.raises(ConfigError, match="rl.packing=True is invalid; allowed: False with rollout.exact=True"):
         Trainer(_config(tmp_path, **{"rl.packing": True, "rollout.exact": True}))
+
+
+def test_decode_slots_resolve_print_and_reach_the_engine(tmp_path, capsys):
+    """rollout.decode_slots=0 (the default): the engine decodes every sequence of a step at once and the trainer
+    says so with the memory it assumed; a fixed number below the step's sequences is kept, and the trainer says
+    once how many waves that runs and which key raises it."""
+    trainer = Trainer(_config(tmp_path, "bf16", steps=1))
+    out = capsys.readouterr().out
+    trainer.close()
+    assert trainer.sampler.slot_plan.slots == trainer.engine.max_concurrent_decodes == 64  # tiny: 8 prompts x 8
+    assert "decode slots: 64 for 64 sequences a step, automatic (rollout.decode_slots=0)" in out
+    assert "waves" not in out
+    assert "row widths: each step's rows right-padded to one of 32 tokens" in out
+    trainer = Trainer(_config(tmp_path / "fixed", "bf16", steps=1, **{"rollout.decode_slots": 16}))
+    out = capsys.readouterr().out
+    trainer.close()
+    assert trainer.engine.max_concurrent_decodes == 16
+    assert out.count("rollout: 64 sequences a step through 16 decode slots, 4 waves of the decode batch; "
+                     "rollout.decode_slots=64 (or 0, automatic: as many as memory holds) runs them in one") == 1
+
+
+def test_row_widths_are_bucketed_so_programs_compile_a_bounded_number_of_times(tmp_path, capsys):
+    """A step's rows are right-padded to the smallest of a few fixed widths holding its longest row (here 16 prompt +
+    200 new tokens: 32, 64, 128, 224), so the scoring and training programs compile at most four times in the run
+    whatever the completion lengths; rounding the longest row up to 32 alone made a width per multiple of 32."""
+    from fp8rl_jax.rollout.driver import RolloutBatch
+
+    trainer = Trainer(_config(tmp_path, "bf16", steps=1, **{"rollout.max_new_tokens": 200}))
+    assert "row widths: each step's rows right-padded to one of 32, 64, 128, 224 tokens" in capsys.readouterr().out
+    records = trainer.prompts.take(8)
+    widths = set()
+    for longest in (1, 20, 40, 50, 70, 100, 120, 150, 190, 200):
+        lengths = np.minimum(np.arange(64) % longest + 1, longest)
+        lengths[0] = longest
+        batch = RolloutBatch(prompt_index=np.repeat(np.arange(8), 8), tokens=np.ones((64, 200), np.int32),
+                             logprobs=np.zeros((64, 200), np.float32), lengths=lengths,
+                             finish_reasons=["length"] * 64, stats={})
+        tokens = trainer._pack(records, batch, jnp.zeros(64))["tokens"]
+        longest_row = max(len(r.prompt_ids) for r in records) + longest
+        assert tokens.shape[1] == min(w for w in (32, 64, 128, 224) if w >= longest_row)
+        widths.add(tokens.shape[1])
+    trainer.close()
+    assert widths == {32, 64, 128, 224}

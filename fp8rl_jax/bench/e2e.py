@@ -157,7 +157,7 @@ def measure(config_path: str, mode: str, sets: list[str], warmup: int, steps: in
         enforce_lengths(trainer, lengths)
         records = [trainer.step() for _ in range(warmup + steps)]
         timed = records[warmup:]
-        c, model = trainer.config, trainer.model
+        c, model, slots = trainer.config, trainer.model, trainer.sampler.slot_plan.slots
         precision, train_precision = trainer.rollout_precision, trainer.train_precision
         trainer.close()
     mean = lambda key: mean_of(timed, lambda r: r[key])  # noqa: E731
@@ -165,7 +165,7 @@ def measure(config_path: str, mode: str, sets: list[str], warmup: int, steps: in
            "backend": timed[-1]["precision_backend"], "xla_flags": os.environ.get("XLA_FLAGS", ""),
            "config": config_path, "overrides": sets,
            "warmup": warmup, "steps": steps, "sequences": c.rollout.prompts_per_step * c.rollout.samples_per_prompt,
-           "max_new_tokens": c.rollout.max_new_tokens, "decode_slots": c.rollout.decode_slots,
+           "max_new_tokens": c.rollout.max_new_tokens, "decode_slots": slots,
            "device": device_name(), "devices": jax.device_count(), "num_layers": model.num_layers,
            "hidden_size": model.hidden_size, "params_billion": model.num_params() / 1e9,
            "attention": llama.resolve_attention(precision.attention, precision.dtype, model.head_dim),

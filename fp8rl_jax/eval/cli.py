@@ -243,7 +243,8 @@ def evaluate(config, values: dict, argv: list[str]) -> tuple[Path, dict]:
     if prompts.dropped:
         print(f"{prompts.dropped} of {prompts.total} test prompts are longer than data.max_prompt_tokens="
               f"{c.data.max_prompt_tokens} and were dropped", flush=True)
-    sampler = Sampler(c, model, tokenizer, precision, mesh)
+    sampler = Sampler(c, model, tokenizer, precision, mesh, sequences=len(prompts.records) * values["k"],
+                      held=policy)
     seed = c.seed if values["seed"] is None else values["seed"]
     temperature = c.rollout.temperature if values["temperature"] is None else values["temperature"]
     run = evaluate_policy(sampler, policy, prompts.records, reward=config_list(c.reward.fns)[0],

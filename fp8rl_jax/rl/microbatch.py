@@ -3,8 +3,10 @@
 Every device program that runs over the RL batch a piece at a time (the train step's gradient accumulation, the
 scoring forward, the exact sampler, the calibration passes) takes its rows ``microbatch_sequences(...)`` at a time.
 The count is fixed once, at start-up, from the longest row the run can make (``longest_row_tokens``), so the
-programs compile for one microbatch shape per row width (the trainer right-pads rows to a multiple of 32) however
-long the completions of a step turn out to be.
+programs compile for one microbatch shape per row width however long the completions of a step turn out to be.
+The trainer right-pads a step's rows to the smallest of a few fixed widths that holds its longest row
+(``row_buckets``: 32 x 2**k below the longest possible row, and that row), so each program compiles at most
+``len(row_buckets(...))`` times in a run (five for rows of up to 512 tokens) whatever the completion lengths.
 
 ``rl.microbatch_sequences`` > 0 is that count, as given. Otherwise ``rl.microbatch_tokens`` is a budget of tokens
 (sequences x padded row width, over the whole mesh) per microbatch, and the count is the largest divisor of the
@@ -59,6 +61,32 @@ DEFAULT_MICROBATCH_TOKENS = 32768
 def row_width(tokens: int, multiple: int = ROW_MULTIPLE) -> int:
     """A row of ``tokens`` tokens padded up to a multiple of ``multiple``: the widths the trainer compiles for."""
     return -(-tokens // multiple) * multiple
+
+
+def row_buckets(longest: int, multiple: int = ROW_MULTIPLE) -> tuple[int, ...]:
+    """The widths a run's rows are padded to when their longest possible row is ``longest`` tokens:
+    ``multiple * 2**k`` below it, and ``longest`` rounded up to ``multiple``."""
+    top = row_width(longest, multiple)
+    widths, w = [], multiple
+    while w < top:
+        widths.append(w)
+        w *= 2
+    return (*widths, top)
+
+
+def bucket_width(tokens: int, longest: int, multiple: int = ROW_MULTIPLE) -> int:
+    """The smallest of ``row_buckets(longest, multiple)`` that holds a row of ``tokens`` tokens."""
+    if tokens > row_width(longest, multiple):
+        raise ValueError(f"a row of {tokens} tokens is longer than the run's longest row, {longest} tokens")
+    return next(w for w in row_buckets(longest, multiple) if w >= tokens)
+
+
+def row_width_note(longest: int, multiple: int = ROW_MULTIPLE) -> str:
+    """The row widths of a run in words, for its start-up messages."""
+    widths = row_buckets(longest, multiple)
+    return (f"each step's rows right-padded to one of {', '.join(map(str, widths))} tokens (the smallest that holds "
+            f"its longest row): each scoring and training program compiles at most {len(widths)} "
+            f"time{'s' if len(widths) > 1 else ''}")
 
 
 def longest_row_tokens(config) -> int:

@@ -5,24 +5,54 @@ fp8rl_jax.eval`` builds one around a checkpoint: the same engine settings (``con
 the tokenizer, the prompt length limit) and the same weight pre-quantization, whoever holds the policy. The policy's
 state (``params``, ``fp8_state``, ``kv_scales``, as the trainer's state dict holds them) is passed to every call, so
 a trainer's sampler always samples its current policy.
+
+Its engines decode ``slot_plan.slots`` sequences at once (``rollout.slots``): ``rollout.decode_slots``, or with 0
+as many as the rollouts it is built for (``sequences``) that the device's memory holds beside ``held``, the state
+that stays on the device while it samples.
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 
 from fp8rl_jax.fp8.policy import Precision
+from fp8rl_jax.model import llama
 from fp8rl_jax.model.config import LlamaConfig
 from fp8rl_jax.rollout import driver
 from fp8rl_jax.rollout.engine import Engine, EngineConfig
 from fp8rl_jax.rollout.sampling import SamplingParams
+from fp8rl_jax.rollout.slots import SlotPlan, plan_slots, slot_bytes, tree_device_bytes
+from fp8rl_jax.rollout.weights import rollout_params
+
+
+def plan_decode_slots(config, model: LlamaConfig, precision: Precision, mesh: jax.sharding.Mesh | None, *,
+                      sequences: int, held: dict) -> SlotPlan:
+    """The decode slots of rollouts of ``sequences`` sequences (``rollout.slots.plan_slots``) for
+    ``config.rollout.decode_slots``, beside ``held`` (the policy state, ``params`` at least, that stays on the device)
+    and the rollout weights made from it."""
+    tp = config.rollout.tensor_parallel
+    replicas = 1 if mesh is None else mesh.size // tp
+    load = functools.partial(rollout_params, precision=precision, num_layers=model.num_layers)
+    weights = jax.eval_shape(load, held["params"], held.get("fp8_state") if precision.fp8 else None)
+    held_bytes = tree_device_bytes(held) + -(-tree_device_bytes(weights) // tp)
+    per_slot = slot_bytes(model, max_prompt_tokens=config.data.max_prompt_tokens,
+                          max_new_tokens=config.rollout.max_new_tokens, cache_dtype=llama.cache_dtype(precision),
+                          tensor_parallel=tp)
+    return plan_slots(config.rollout.decode_slots, sequences, slot_bytes=per_slot, held_bytes=held_bytes,
+                      replicas=replicas)
 
 
 class Sampler:
     def __init__(self, config, model: LlamaConfig, tokenizer, precision: Precision,
-                 mesh: jax.sharding.Mesh | None = None):
+                 mesh: jax.sharding.Mesh | None = None, *, sequences: int, held: dict):
+        """``sequences``: how many sequences a rollout decodes (an RL step's prompts x samples); ``held``: the
+        policy state that stays on the device while it samples (``params``, ``fp8_state``, ..., optimizer moments
+        too), whose bytes and those of its rollout weights an automatic slot count leaves room for."""
         self.config, self.model, self.tokenizer, self.precision, self.mesh = config, model, tokenizer, precision, mesh
         self._engines: dict[tuple[SamplingParams, int], Engine] = {}
+        self.slot_plan = plan_decode_slots(config, model, precision, mesh, sequences=sequences, held=held)
 
     def engine(self, sampling: SamplingParams, max_new_tokens: int) -> Engine:
         """The engine of one sampling setup, built once (each compiles its own steps at first use)."""
@@ -30,7 +60,7 @@ class Sampler:
         if key not in self._engines:
             c = self.config
             self._engines[key] = Engine(self.model, self.precision, EngineConfig(
-                max_concurrent_decodes=c.rollout.decode_slots, max_prefill_length=c.data.max_prompt_tokens,
+                max_concurrent_decodes=self.slot_plan.slots, max_prefill_length=c.data.max_prompt_tokens,
                 max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=tuple(self.tokenizer.stop_ids),
                 decode_attention=c.rollout.decode_attention, tensor_parallel=c.rollout.tensor_parallel),
                 mesh=self.mesh)

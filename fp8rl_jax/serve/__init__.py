@@ -41,6 +41,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 DEFAULT_HOST = "127.0.0.1"
+# decode slots with rollout.decode_slots=0 (automatic) and no --max_concurrent_decodes: requests decoded at once, at
+# most this many, fewer where the device memory holds fewer (rollout.slots)
+SERVE_SLOTS = 64
 
 _LOG_CALLS = frozenset({"debug", "info", "warning", "warn", "error", "exception", "critical", "fatal", "log"})
 _installed = False
@@ -147,6 +150,7 @@ def build_server(config, *, params: dict | None = None, fp8_state: dict | None =
     from fp8rl_jax.model import llama
     from fp8rl_jax.model.loading import load_model
     from fp8rl_jax.rollout.engine import Engine, EngineConfig
+    from fp8rl_jax.rollout.sampler import plan_decode_slots
     from fp8rl_jax.rollout.sampling import SamplingParams
     from fp8rl_jax.serve.server import ServeEngine, ServerHandle
 
@@ -162,8 +166,13 @@ def build_server(config, *, params: dict | None = None, fp8_state: dict | None =
         log.warning("serving an uncalibrated FP8 state (all scales 1): expect poor FP8 numerics")
         fp8_state = llama.init_fp8_state(model, precision)
     r = config.rollout
+    slots = max_concurrent_decodes or r.decode_slots
+    if not slots:  # automatic: up to SERVE_SLOTS requests at once, as many as the device memory holds
+        slots = plan_decode_slots(config, model, precision, None, sequences=SERVE_SLOTS,
+                                  held={"params": params, "fp8_state": fp8_state}).slots
+        log.info("serving with %d decode slots (rollout.decode_slots=0: automatic, at most %d)", slots, SERVE_SLOTS)
     engine = Engine(model, precision, EngineConfig(
-        max_concurrent_decodes=max_concurrent_decodes or r.decode_slots,
+        max_concurrent_decodes=slots,
         max_prefill_length=config.data.max_prompt_tokens, max_new_tokens=max_new_tokens or r.max_new_tokens,
         sampling=SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, greedy=greedy),
         stop_ids=tuple(tokenizer.stop_ids)), tokenizer)

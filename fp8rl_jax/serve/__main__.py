@@ -14,7 +14,8 @@ from fp8rl_jax import serve
 
 _PORT = flags.DEFINE_integer("port", 9000, "gRPC port (0: any free one).", lower_bound=0, upper_bound=65535)
 _HOST = flags.DEFINE_string("host", serve.DEFAULT_HOST, "Interface to bind; 0.0.0.0 or :: exposes it (no auth).")
-_SLOTS = flags.DEFINE_integer("max_concurrent_decodes", None, "Decode slots (default: rollout.decode_slots).",
+_SLOTS = flags.DEFINE_integer("max_concurrent_decodes", None, "Decode slots (default: rollout.decode_slots; 0 "
+                              "there: up to 64, as many as the device memory holds).",
                               lower_bound=1)
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", None, "Tokens per request at most, whatever its max_tokens "
                                 "(default: rollout.max_new_tokens).", lower_bound=1)

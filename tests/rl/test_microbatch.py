@@ -118,3 +118,22 @@ def test_calibration_in_microbatches_observes_what_one_pass_over_all_rows_does()
     assert 0.5 / 42 < head_grad < 1 / 42
     with pytest.raises(ValueError, match="4 rows are not a whole number of 3-row microbatches"):
         make_calibrate(model, precision, microbatch=3)(params, fp8_state, kv, tokens)
+
+
+@pytest.mark.parametrize("longest, expected", [
+    (512, (32, 64, 128, 256, 512)), (32, (32,)), (192, (32, 64, 128, 192)), (1280, (32, 64, 128, 256, 512, 1024, 1280)),
+    (2304, (32, 64, 128, 256, 512, 1024, 2048, 2304)), (500, (32, 64, 128, 256, 512))])
+def test_row_buckets_are_powers_of_two_times_32_and_the_longest_row(longest, expected):
+    assert microbatch.row_buckets(longest) == expected
+
+
+def test_bucket_width_bounds_the_widths_a_run_compiles_for():
+    """Whatever the completion lengths, a run's rows take one of a few widths (a compile each), each the smallest
+    bucket that holds the longest row; the old rounding to 32 gave a width per multiple of 32."""
+    widths = {microbatch.bucket_width(n, 512) for n in range(1, 513)}
+    assert widths == {32, 64, 128, 256, 512}
+    assert len({microbatch.row_width(n) for n in range(1, 513)}) == 16
+    assert microbatch.bucket_width(257, 512) == 512 and microbatch.bucket_width(256, 512) == 256
+    assert microbatch.bucket_width(1100, 1280) == 1280 and microbatch.bucket_width(1000, 1280) == 1024
+    with pytest.raises(ValueError, match="longer than the run's longest row"):
+        microbatch.bucket_width(513, 512)
