@@ -8,7 +8,8 @@ with group advantages):
 
 Departures from the papers:
 - ``clip_low != clip_high`` is DAPO's clip-higher (arXiv 2503.14476); PPO and GRPO use one epsilon.
-- GRPO puts the KL in the loss with the k3 estimator, as here; PPO-RLHF puts k1 in the reward instead.
+- GRPO puts the KL in the loss with the k3 estimator, as here; PPO-RLHF puts k1 in the reward instead. The k3 term
+  is clamped as veRL and NeMo RL clamp it (``kl_penalty``: log-ratio to +-20, value to +-10).
 - The IS weight (``importance.py``) multiplies only the policy-gradient term, not the KL term: it corrects for
   the tokens having been sampled by the rollout engine rather than by the trainer's old policy.
 - Aggregation is a choice (``aggregate``): GRPO's paper averages tokens within a sequence, then sequences
@@ -25,10 +26,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from fp8rl_jax.rl.metrics import masked_max, masked_mean, masked_min, segment_sums
+from fp8rl_jax.rl.metrics import k3, masked_max, masked_mean, masked_min, segment_sums
 
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
 KL_ESTIMATORS = ("k1", "k3")
+KL_VALUE_BOUND = 10.0  # the k3 KL term per token is clamped to [-10, 10] (``kl_penalty``)
 
 
 def aggregate(per_token: jax.Array, mask: jax.Array, kind: str, *, num_tokens: jax.Array | float | None = None,
@@ -73,15 +75,24 @@ def aggregate(per_token: jax.Array, mask: jax.Array, kind: str, *, num_tokens: j
 def kl_penalty(logp: jax.Array, ref_logp: jax.Array, estimator: str) -> jax.Array:
     """Per-token estimate of KL(pi || ref) from tokens sampled by pi (Schulman, "Approximating KL divergence").
 
-    ``k1`` = logp - ref_logp (unbiased, can be negative); ``k3`` = exp(ref - logp) - (ref - logp) - 1 (unbiased,
+    ``k1`` = logp - ref_logp (unbiased, can be negative); ``k3`` = exp(x) - x - 1 with x = ref - logp (unbiased,
     never negative, lower variance when pi and ref are close).
+
+    ``k3`` is clamped as veRL's ``low_var_kl`` and NeMo RL's ``calculate_kl`` (their defaults) clamp it: x to
+    [-20, 20] before the exp (``metrics.LOG_RATIO_BOUND``), then the value to [-10, 10] (``KL_VALUE_BOUND``). Unclamped,
+    one token at x = 25 adds exp(25) = 7.2e10 to the loss and x > 88.7 makes it inf (a skipped step). Inside the
+    bounds the value and its gradient are the unclamped formula's, bit for bit. The cost: where a clamp applies the
+    token's KL gradient is 0, and the value clamp applies first, at k3 = 10, i.e. x > 2.61 (pi gives the token less
+    than 1/13.6 of ref's probability) or x < -11.0 (more than 6e4 times it): there the penalty stops pulling pi
+    back towards ref, however far off the token is.
+    ``k1`` is not clamped (linear in x: nothing overflows). TRL's k3 has no clamp.
     """
     if estimator not in KL_ESTIMATORS:
         raise ValueError(f"unknown KL estimator {estimator!r}; allowed: {' | '.join(KL_ESTIMATORS)}")
     log_ratio = ref_logp.astype(jnp.float32) - logp.astype(jnp.float32)
     if estimator == "k1":
         return -log_ratio
-    return jnp.expm1(log_ratio) - log_ratio
+    return k3(log_ratio, value_bound=KL_VALUE_BOUND)
 
 
 def policy_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array, mask: jax.Array, *, clip_low: float,

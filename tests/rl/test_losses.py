@@ -101,6 +101,48 @@ def test_kl_estimators_are_unbiased_over_the_whole_support():
         np.testing.assert_allclose(float(np.sum(pi * np.asarray(k))), kl, rtol=1e-5)
 
 
+def test_k3_is_clamped_as_veRL_and_NeMo_RL_do():
+    # the log-ratio x = ref - logp is clamped to [-20, 20] before the exp and the value to [-10, 10]: at x = 25 the
+    # unclamped k3 is exp(25) - 26 = 7.2e10, clamped 10; at x = -25 it is 24, clamped 10; x = 2.6 stays (9.86)
+    logp = jnp.array([0.0, 25.0, 0.0, 0.0])
+    ref = jnp.array([25.0, 0.0, 2.6, 0.0])
+    k3 = kl_penalty(logp, ref, "k3")
+    assert np.all(np.isfinite(k3))
+    np.testing.assert_array_equal(k3[:2], [10.0, 10.0])
+    np.testing.assert_allclose(k3[2], math.exp(2.6) - 3.6, rtol=1e-6)
+    assert float(k3[3]) == 0.0
+    # and the clamp costs the gradient where it applies: d k3 / d logp = 1 - exp(x) inside, 0 where clamped
+    grad = jax.grad(lambda lp: jnp.sum(kl_penalty(lp, ref, "k3")))(logp)
+    np.testing.assert_allclose(grad, [0.0, 0.0, 1 - math.exp(2.6), 0.0], rtol=1e-6)
+
+
+def test_k3_unchanged_at_small_differences():
+    # inside the clamps the estimator is today's formula to the bit, value and gradient
+    rng = np.random.default_rng(4)
+    logp = jnp.asarray(rng.normal(size=(6, 7)) - 2.0, jnp.float32)
+    ref = jnp.asarray(logp + rng.normal(scale=0.5, size=(6, 7)), jnp.float32)
+
+    def unclamped(lp):
+        x = ref - lp
+        return jnp.expm1(x) - x
+
+    np.testing.assert_array_equal(kl_penalty(logp, ref, "k3"), unclamped(logp))
+    np.testing.assert_array_equal(jax.grad(lambda lp: jnp.sum(kl_penalty(lp, ref, "k3")))(logp),
+                                  jax.grad(lambda lp: jnp.sum(unclamped(lp)))(logp))
+
+
+def test_kl_term_of_the_loss_is_finite_far_from_the_reference():
+    # ratio 1 and A = 0: the loss is the KL term alone; ref - logp = 25 gives kl_coef * 10, and no gradient
+    def f(logp):
+        return policy_loss(logp, jax.lax.stop_gradient(logp), jnp.zeros(1), jnp.ones((1, 1)), clip_low=0.2,
+                           clip_high=0.2, loss_agg="token_mean", ref_logp=jnp.array([[0.0]]), kl_coef=0.1)
+
+    loss, m = f(jnp.array([[-25.0]]))
+    np.testing.assert_allclose(loss, 1.0, rtol=1e-6)
+    np.testing.assert_allclose(m["kl"], 10.0, rtol=1e-6)
+    assert float(jax.grad(lambda lp: f(lp)[0])(jnp.array([[-25.0]]))[0, 0]) == 0.0
+
+
 def test_kl_unknown_estimator():
     with pytest.raises(ValueError, match="k2"):
         kl_penalty(jnp.zeros(2), jnp.zeros(2), "k2")
