@@ -119,6 +119,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.rl.advantage = "grpo"  # grpo (std-normalised) | drgrpo (mean only) | rloo
     c.rl.clip_low = 0.2
     c.rl.clip_high = 0.2  # > clip_low = DAPO's clip-higher
+    # dual-clip PPO (arXiv 1912.09729): for A < 0 the clipped surrogate's per-token loss is at most -A * c. 0 = off
+    # (today's loss, bit for bit); else > 1. veRL's vanilla loss applies c = 3.0 by default
+    c.rl.clip_ratio_c = 0.0
     c.rl.loss_agg = "token_mean"
     c.rl.kl_coef = 0.0
     c.rl.kl_estimator = "k3"
@@ -375,6 +378,9 @@ def validate(c: ml_collections.ConfigDict, known_rewards: Callable[[], Sequence[
     for key in ("rl.clip_low", "rl.clip_high", "rl.kl_coef", "rl.microbatch_sequences", "rl.microbatch_tokens"):
         _positive(c, key, allow_zero=True)
     _positive(c, "rl.is_cap")
+    dual = c.rl.clip_ratio_c
+    _check(isinstance(dual, (int, float)) and not isinstance(dual, bool) and (dual == 0 or dual > 1),
+           "rl.clip_ratio_c", dual, "0 (off) or > 1 (dual-clip PPO's bound on the loss for A < 0; veRL uses 3.0)")
     for band in ("mis", "icepop"):
         low, high = c.rl[f"{band}_low"], c.rl[f"{band}_high"]
         _check(isinstance(low, (int, float)) and isinstance(high, (int, float)) and 0 <= low < 1 < high,

@@ -8,6 +8,10 @@ with group advantages):
 
 Departures from the papers:
 - ``clip_low != clip_high`` is DAPO's clip-higher (arXiv 2503.14476); PPO and GRPO use one epsilon.
+- ``clip_ratio_c`` > 1 turns on dual-clip PPO (Ye et al., arXiv 1912.09729): for A < 0 the clipped surrogate's
+  loss is also bounded above by -A * c, ``pg_t = min(max(-A r, -A clip(r)), -A c)``, so one token whose ratio ran
+  far above 1 cannot dominate the update (its gradient is 0 there). Off (0) by default here; veRL's vanilla loss
+  applies c = 3 by default; TRL and NeMo RL have no dual clip.
 - GRPO puts the KL in the loss with the k3 estimator, as here; PPO-RLHF puts k1 in the reward instead. The k3 term
   is clamped as veRL and NeMo RL clamp it (``kl_penalty``: log-ratio to +-20, value to +-10).
 - The IS weight (``importance.py``) multiplies only the policy-gradient term, not the KL term: it corrects for
@@ -96,7 +100,7 @@ def kl_penalty(logp: jax.Array, ref_logp: jax.Array, estimator: str) -> jax.Arra
 
 
 def policy_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array, mask: jax.Array, *, clip_low: float,
-                clip_high: float, loss_agg: str, is_weights: jax.Array | None = None,
+                clip_high: float, loss_agg: str, clip_ratio_c: float = 0.0, is_weights: jax.Array | None = None,
                 ref_logp: jax.Array | None = None, kl_coef: float = 0.0, kl_estimator: str = "k3",
                 num_tokens: jax.Array | float | None = None,
                 num_sequences: jax.Array | float | None = None,
@@ -104,12 +108,13 @@ def policy_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array, mas
     """The clipped surrogate loss (scalar) and its metrics; ``logp``/``old_logp``/``mask`` are ``[B, T]``,
     ``advantages`` is ``[B]``, or ``[B, T]`` per token (packed rows, with ``segments``: see ``aggregate``).
     ``clip_*``, ``loss_agg``, ``kl_coef`` and ``kl_estimator`` are static Python values (``kl_coef`` decides at
-    trace time whether the KL term exists).
+    trace time whether the KL term exists, ``clip_ratio_c`` whether the dual clip does: 0 = off, else > 1).
 
     Metrics are masked means over the tokens of this batch (not the ``loss_agg`` aggregation), without gradient:
     ``pg_loss`` (the IS-weighted policy-gradient term), ``clip_fraction`` (tokens whose min picks the clipped term
     and it is strictly smaller, i.e. whose gradient the clip removes), ``ratio_mean``, ``ratio_max``,
-    ``ratio_min``, and ``kl`` (only when the KL term is on).
+    ``ratio_min``, ``dual_clip_fraction`` (only with the dual clip on: tokens with A < 0 whose loss the bound -A c
+    lowered, veRL's ``pg_clipfrac_lower``) and ``kl`` (only when the KL term is on).
     """
     if kl_estimator not in KL_ESTIMATORS:  # checked even with KL off, so a bad config fails on the first step
         raise ValueError(f"unknown KL estimator {kl_estimator!r}; allowed: {' | '.join(KL_ESTIMATORS)}")
@@ -123,6 +128,12 @@ def policy_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array, mas
     unclipped = ratio * adv
     clipped = jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high) * adv
     pg = -jnp.minimum(unclipped, clipped)
+    if clip_ratio_c:  # dual clip, before the IS weight (a constant factor, as veRL applies its rollout weights)
+        if not clip_ratio_c > 1:
+            raise ValueError(f"clip_ratio_c={clip_ratio_c!r}: 0 (off) or > 1 (dual-clip PPO)")
+        bound = -adv * clip_ratio_c
+        dual = (adv < 0) & (pg > bound)
+        pg = jnp.where(dual, bound, pg)
     if is_weights is not None:
         pg = pg * jax.lax.stop_gradient(jnp.where(m, is_weights.astype(jnp.float32), 0.0))
     per_token = pg
@@ -134,6 +145,8 @@ def policy_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array, mas
         "ratio_max": masked_max(ratio, m),
         "ratio_min": masked_min(ratio, m),
     }
+    if clip_ratio_c:
+        metrics["dual_clip_fraction"] = masked_mean(dual, m)
     if ref_logp is not None and kl_coef > 0:
         kl = kl_penalty(logp, jnp.where(m, ref_logp.astype(jnp.float32), 0.0), kl_estimator)
         per_token = per_token + kl_coef * kl

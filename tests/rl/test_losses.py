@@ -214,6 +214,105 @@ def test_kl_term(est, kl_value):
     assert float(loss_off) == 0.0 and "kl" not in m_off
 
 
+# ----------------------------------------------------------------------------------------------------------
+# dual-clip (rl.clip_ratio_c)
+
+
+def _dual_clip_reference(logp, old, adv, mask, w, clip_low, clip_high, c):
+    """float64 numpy: per token l = max(-A r, -A clip(r)), then min(l, -A c) where A < 0, times the IS weight w;
+    token_mean. Also d loss / d logp by hand: -A r w / N where the unclipped term -A r is the one chosen, else 0."""
+    r = np.exp(logp - old)
+    a = adv[:, None] * np.ones_like(r)
+    l1, l2 = -a * r, -a * np.clip(r, 1 - clip_low, 1 + clip_high)
+    per = np.maximum(l1, l2)
+    dual = (a < 0) & (per > -a * c)
+    per = np.where(dual, -a * c, per)
+    n = mask.sum()
+    unclipped_chosen = (l1 >= l2) & ~dual
+    grad = np.where(mask & unclipped_chosen, -a * r * w, 0.0) / n
+    return np.sum(np.where(mask, per * w, 0.0)) / n, grad, dual
+
+
+def test_dual_clip_against_numpy_reference():
+    rng = np.random.default_rng(5)
+    shape = (6, 9)
+    old = rng.normal(size=shape) - 2.0
+    logp = old + rng.normal(scale=1.0, size=shape)  # ratios from ~0.05 to ~20
+    adv = rng.normal(size=shape[0])
+    adv[:3] = -np.abs(adv[:3])  # several negative advantages
+    mask = rng.random(shape) < 0.8
+    w = rng.uniform(0.5, 2.0, size=shape)
+    ref_loss, ref_grad, dual = _dual_clip_reference(logp, old, adv, mask, w, 0.2, 0.28, 3.0)
+    assert np.sum(dual & mask) >= 3  # the case under test: ratio > c with A < 0
+
+    def f(lp):
+        return policy_loss(lp, jnp.asarray(old, jnp.float32), jnp.asarray(adv, jnp.float32), jnp.asarray(mask),
+                           clip_low=0.2, clip_high=0.28, loss_agg="token_mean", clip_ratio_c=3.0,
+                           is_weights=jnp.asarray(w, jnp.float32))
+
+    lp = jnp.asarray(logp, jnp.float32)
+    loss, m = f(lp)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    np.testing.assert_allclose(m["dual_clip_fraction"], np.sum(dual & mask) / mask.sum(), rtol=1e-6)
+    np.testing.assert_allclose(jax.grad(lambda x: f(x)[0])(lp), ref_grad, rtol=1e-5, atol=1e-8)
+    # without the dual clip the loss differs (the bound is what is tested)
+    off, m_off = policy_loss(lp, jnp.asarray(old, jnp.float32), jnp.asarray(adv, jnp.float32), jnp.asarray(mask),
+                             clip_low=0.2, clip_high=0.28, loss_agg="token_mean",
+                             is_weights=jnp.asarray(w, jnp.float32))
+    assert float(off) > float(loss) + 1e-3 and "dual_clip_fraction" not in m_off
+
+
+@pytest.mark.parametrize("ratio, adv, want, dual", [
+    (5.0, -1.0, 3.0, True),  # A < 0, ratio above c = 3: -A r = 5 bounded by -A c = 3 (no gradient)
+    (2.0, -1.0, 2.0, False),  # A < 0, ratio below c: the clipped surrogate, -min(-2, -1.3) = 2
+    (5.0, -2.0, 6.0, True),  # the bound scales with A: -A c = 6
+    (5.0, 1.0, -1.3, False),  # A > 0: untouched (clip_high .3)
+])
+def test_dual_clip_one_token(ratio, adv, want, dual):
+    loss, m = _one_token(ratio, adv, clip_ratio_c=3.0)
+    np.testing.assert_allclose(loss, want, rtol=1e-6)
+    assert float(m["dual_clip_fraction"]) == float(dual)
+
+
+def test_dual_clip_off_by_default_is_todays_loss_bit_for_bit():
+    rng = np.random.default_rng(6)
+    old = jnp.asarray(rng.normal(size=(5, 8)) - 2.0, jnp.float32)
+    logp = old + jnp.asarray(rng.normal(size=(5, 8)), jnp.float32)
+    adv = jnp.asarray(rng.normal(size=5), jnp.float32)
+    mask = jnp.asarray(rng.random((5, 8)) < 0.8)
+
+    def today(lp):  # the surrogate as it was before rl.clip_ratio_c existed
+        ratio = jnp.exp(jnp.where(mask, lp, 0.0) - jnp.where(mask, old, 0.0))
+        a = jnp.where(mask, adv[:, None], 0.0)
+        pg = -jnp.minimum(ratio * a, jnp.clip(ratio, 0.8, 1.28) * a)
+        return jnp.sum(jnp.where(mask, pg, 0.0)) / jnp.sum(mask)
+
+    for kw in ({}, {"clip_ratio_c": 0.0}):
+        def f(lp, kw=kw):
+            return policy_loss(lp, old, adv, mask, clip_low=0.2, clip_high=0.28, loss_agg="token_mean", **kw)[0]
+
+        assert float(f(logp)) == float(today(logp))
+        np.testing.assert_array_equal(jax.grad(f)(logp), jax.grad(today)(logp))
+
+
+def test_clip_ratio_c_reaches_the_loss_config():
+    from fp8rl_jax.rl.step import LossConfig
+
+    c = config.base_config()
+    assert c.rl.clip_ratio_c == 0.0 and LossConfig.from_config(c).clip_ratio_c == 0.0
+    c.rl.clip_ratio_c = 3.0
+    config.validate(c)
+    assert LossConfig.from_config(c).clip_ratio_c == 3.0
+
+
+@pytest.mark.parametrize("value", [1.0, 0.5, -3.0])
+def test_clip_ratio_c_is_zero_or_above_one(value):
+    c = config.base_config()
+    c.rl.clip_ratio_c = value
+    with pytest.raises(config.ConfigError, match=r"config\.rl\.clip_ratio_c=.*0 \(off\) or > 1"):
+        config.validate(c)
+
+
 def test_policy_loss_rejects_bad_estimator_even_with_kl_off():
     with pytest.raises(ValueError, match="k2"):
         _one_token(1.0, 1.0, kl_estimator="k2")
