@@ -18,8 +18,9 @@ Departures from the papers:
   the tokens having been sampled by the rollout engine rather than by the trainer's old policy.
 - Aggregation is a choice (``aggregate``): GRPO's paper averages tokens within a sequence, then sequences
   (``seq_mean_token_mean``); DAPO averages over all tokens (``token_mean``); Dr. GRPO sums tokens and divides by a
-  constant (``seq_mean_token_sum`` divides by the sequence count; Dr. GRPO's extra constant, the generation budget,
-  only rescales the learning rate).
+  constant: ``seq_mean_token_sum_norm`` divides each sequence's token sum by the generation budget (the train step:
+  ``rl.loss_agg_norm``, default ``rollout.max_new_tokens``), then averages over sequences; ``seq_mean_token_sum``
+  is the same without the budget (which only rescales the learning rate).
 
 Masked positions may hold anything (inf, NaN, 1e9): inputs are replaced with ``jnp.where`` before any arithmetic,
 so neither the loss nor its gradient sees them (``x * 0`` would turn inf into NaN, forward or backward).
@@ -32,17 +33,24 @@ import jax.numpy as jnp
 
 from fp8rl_jax.rl.metrics import k3, masked_max, masked_mean, masked_min, segment_sums
 
-AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
+AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
 KL_ESTIMATORS = ("k1", "k3")
 KL_VALUE_BOUND = 10.0  # the k3 KL term per token is clamped to [-10, 10] (``kl_penalty``)
 
 
 def aggregate(per_token: jax.Array, mask: jax.Array, kind: str, *, num_tokens: jax.Array | float | None = None,
-              num_sequences: jax.Array | float | None = None, segments: jax.Array | None = None) -> jax.Array:
+              num_sequences: jax.Array | float | None = None, segments: jax.Array | None = None,
+              norm: float | None = None) -> jax.Array:
     """Reduce a per-token loss ``[B, T]`` to a scalar.
 
     ``token_mean``: sum(l * m) / num_tokens. ``seq_mean_token_mean``: sum_b(sum_t l*m / max(1, sum_t m)) /
-    num_sequences. ``seq_mean_token_sum``: sum_b sum_t l*m / num_sequences.
+    num_sequences. ``seq_mean_token_sum``: sum_b sum_t l*m / num_sequences. ``seq_mean_token_sum_norm`` (Dr. GRPO,
+    arXiv 2503.20783): sum_b (sum_t l*m / norm) / num_sequences, with ``norm`` a constant > 0, the generation budget
+    (the train step passes ``rl.loss_agg_norm``, default ``rollout.max_new_tokens``); ``norm`` defaults to T, the
+    row width, as veRL takes its response width, which is a constant only where every batch has one width. TRL's
+    ``dr_grpo`` is this (sum / (sequences * max_completion_length)); veRL's ``seq-mean-token-sum-norm`` divides
+    each microbatch's sum by the width but not by its sequence count (it then averages the microbatches), i.e.
+    ``num_sequences`` times this, a learning-rate factor.
 
     ``num_tokens`` / ``num_sequences`` default to this batch's mask sum / B. Gradient accumulation passes the
     totals of the whole (mini)batch instead: every aggregation is then a sum over sequences divided by a global
@@ -73,7 +81,13 @@ def aggregate(per_token: jax.Array, mask: jax.Array, kind: str, *, num_tokens: j
         count = segment_sums(m.astype(jnp.float32), segments) if kind == "seq_mean_token_mean" else None
     if kind == "seq_mean_token_mean":
         per_sequence = per_sequence / jnp.maximum(count, 1).astype(jnp.float32)
-    return jnp.sum(per_sequence) / jnp.asarray(num_sequences, jnp.float32)
+    total = jnp.sum(per_sequence) / jnp.asarray(num_sequences, jnp.float32)
+    if kind == "seq_mean_token_sum_norm":
+        norm = per_token.shape[-1] if norm is None else norm
+        if not norm > 0:
+            raise ValueError(f"loss aggregation {kind!r}: norm={norm!r}, the constant, must be > 0")
+        total = total / jnp.float32(norm)
+    return total
 
 
 def kl_penalty(logp: jax.Array, ref_logp: jax.Array, estimator: str) -> jax.Array:
@@ -102,11 +116,12 @@ def kl_penalty(logp: jax.Array, ref_logp: jax.Array, estimator: str) -> jax.Arra
 def policy_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array, mask: jax.Array, *, clip_low: float,
                 clip_high: float, loss_agg: str, clip_ratio_c: float = 0.0, is_weights: jax.Array | None = None,
                 ref_logp: jax.Array | None = None, kl_coef: float = 0.0, kl_estimator: str = "k3",
-                num_tokens: jax.Array | float | None = None,
+                loss_agg_norm: float | None = None, num_tokens: jax.Array | float | None = None,
                 num_sequences: jax.Array | float | None = None,
                 segments: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The clipped surrogate loss (scalar) and its metrics; ``logp``/``old_logp``/``mask`` are ``[B, T]``,
-    ``advantages`` is ``[B]``, or ``[B, T]`` per token (packed rows, with ``segments``: see ``aggregate``).
+    ``advantages`` is ``[B]``, or ``[B, T]`` per token (packed rows, with ``segments``: see ``aggregate``, which
+    also says what ``loss_agg_norm``, its ``norm``, is).
     ``clip_*``, ``loss_agg``, ``kl_coef`` and ``kl_estimator`` are static Python values (``kl_coef`` decides at
     trace time whether the KL term exists, ``clip_ratio_c`` whether the dual clip does: 0 = off, else > 1).
 
@@ -152,7 +167,8 @@ def policy_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array, mas
         per_token = per_token + kl_coef * kl
         metrics["kl"] = masked_mean(kl, m)
 
-    loss = aggregate(per_token, m, loss_agg, num_tokens=num_tokens, num_sequences=num_sequences, segments=segments)
+    loss = aggregate(per_token, m, loss_agg, num_tokens=num_tokens, num_sequences=num_sequences, segments=segments,
+                     norm=loss_agg_norm)
     return loss, jax.tree.map(jax.lax.stop_gradient, metrics)
 
 

@@ -30,9 +30,49 @@ MASK = jnp.array([[1, 1, 0], [1, 0, 0], [0, 0, 0]])
     ("token_mean", 7 / 3),  # (1 + 2 + 4) / 3 tokens
     ("seq_mean_token_mean", (1.5 + 4.0 + 0.0) / 3),  # row means 3/2, 4/1, empty row 0; 3 sequences
     ("seq_mean_token_sum", (3.0 + 4.0 + 0.0) / 3),  # row sums 3, 4, 0; 3 sequences
+    ("seq_mean_token_sum_norm", (3.0 + 4.0 + 0.0) / (3 * 3)),  # the same, / the constant (default: T = 3)
 ])
 def test_aggregate_ragged_mask(kind, want):
     np.testing.assert_allclose(aggregate(PER_TOKEN, MASK, kind), want, rtol=1e-6)
+
+
+def test_seq_mean_token_sum_norm_by_hand():
+    # Dr. GRPO: each sequence's token sum over a constant (rl.loss_agg_norm, default rollout.max_new_tokens), averaged
+    # over sequences: row sums 3, 4, 0 -> (3 + 4 + 0) / (3 sequences * 8); and per token in policy_loss: ratio 1.5
+    # clipped to 1.3 (A = 1) on 2 tokens of one sequence and 1 of another, over 2 sequences * 10
+    np.testing.assert_allclose(aggregate(PER_TOKEN, MASK, "seq_mean_token_sum_norm", norm=8), 7 / 24, rtol=1e-6)
+    np.testing.assert_allclose(aggregate(PER_TOKEN, MASK, "seq_mean_token_sum_norm", norm=8, num_sequences=5),
+                               7 / 40, rtol=1e-6)
+    loss, _ = policy_loss(jnp.log(jnp.full((2, 3), 1.5)), jnp.zeros((2, 3)), jnp.ones(2),
+                          jnp.array([[1, 1, 0], [1, 0, 0]]), clip_low=0.2, clip_high=0.3,
+                          loss_agg="seq_mean_token_sum_norm", loss_agg_norm=10)
+    np.testing.assert_allclose(loss, -1.3 * 3 / 20, rtol=1e-6)
+    # the constant does not depend on the lengths: a sequence twice as long counts twice as much (no length bias),
+    # unlike seq_mean_token_mean, which gives both the same weight
+    one = jnp.ones((2, 4))
+    mask = jnp.array([[1, 1, 0, 0], [1, 1, 1, 1]])
+    np.testing.assert_allclose(aggregate(one, mask, "seq_mean_token_sum_norm", norm=4), (2 + 4) / 8, rtol=1e-6)
+    np.testing.assert_allclose(aggregate(one, mask, "seq_mean_token_mean"), 1.0, rtol=1e-6)
+
+
+def test_seq_mean_token_sum_norm_needs_a_positive_constant():
+    with pytest.raises(ValueError, match="norm"):
+        aggregate(PER_TOKEN, MASK, "seq_mean_token_sum_norm", norm=0)
+
+
+def test_loss_agg_norm_reaches_the_loss_config():
+    from fp8rl_jax.rl.step import LossConfig
+
+    c = config.base_config()
+    c.rl.loss_agg = "seq_mean_token_sum_norm"
+    config.validate(c)
+    assert c.rl.loss_agg_norm == 0 and LossConfig.from_config(c).loss_agg_norm == c.rollout.max_new_tokens
+    c.rl.loss_agg_norm = 1024.0
+    config.validate(c)
+    assert LossConfig.from_config(c).loss_agg_norm == 1024.0
+    c.rl.loss_agg_norm = -1.0
+    with pytest.raises(config.ConfigError, match=r"config\.rl\.loss_agg_norm=-1\.0"):
+        config.validate(c)
 
 
 def test_aggregate_all_masked_is_zero_not_nan():
