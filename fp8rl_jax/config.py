@@ -21,7 +21,7 @@ from fp8rl_jax.rl.microbatch import DEFAULT_MICROBATCH_TOKENS, longest_row_token
 
 PRECISION_MODES = ("bf16", "fp8_rollout", "fp8_e2e")
 ADVANTAGES = ("grpo", "drgrpo", "rloo")
-LOSS_AGGS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
+LOSS_AGGS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
 KL_ESTIMATORS = ("k1", "k3")
 IS_CORRECTIONS = ("none", "tis", "seq_tis", "mis", "icepop")
 SCHEDULES = ("constant", "cosine", "linear")
@@ -122,7 +122,14 @@ def base_config() -> ml_collections.ConfigDict:
     c.rl.advantage = "grpo"  # grpo (std-normalised) | drgrpo (mean only) | rloo
     c.rl.clip_low = 0.2
     c.rl.clip_high = 0.2  # > clip_low = DAPO's clip-higher
+    # dual-clip PPO (arXiv 1912.09729): for A < 0 the clipped surrogate's per-token loss is at most -A * c. 0 = off
+    # (today's loss, bit for bit); else > 1. veRL's vanilla loss applies c = 3.0 by default
+    c.rl.clip_ratio_c = 0.0
+    # token_mean (DAPO) | seq_mean_token_mean (GRPO) | seq_mean_token_sum | seq_mean_token_sum_norm (Dr. GRPO: each
+    # sequence's token sum / rl.loss_agg_norm, averaged over sequences); every one is a sum over the minibatch's
+    # sequences over global constants, so microbatching and packing do not change it (rl/losses.py, aggregate)
     c.rl.loss_agg = "token_mean"
+    c.rl.loss_agg_norm = 0.0  # seq_mean_token_sum_norm's constant; 0 = rollout.max_new_tokens (Dr. GRPO's, TRL's)
     c.rl.kl_coef = 0.0
     c.rl.kl_estimator = "k3"
     c.rl.is_correction = "tis"  # none | tis | seq_tis | mis | icepop
@@ -378,9 +385,13 @@ def validate(c: ml_collections.ConfigDict, known_rewards: Callable[[], Sequence[
     _one_of(c, "rl.loss_agg", LOSS_AGGS)
     _one_of(c, "rl.kl_estimator", KL_ESTIMATORS)
     _one_of(c, "rl.is_correction", IS_CORRECTIONS)
-    for key in ("rl.clip_low", "rl.clip_high", "rl.kl_coef", "rl.microbatch_sequences", "rl.microbatch_tokens"):
+    for key in ("rl.clip_low", "rl.clip_high", "rl.kl_coef", "rl.microbatch_sequences", "rl.microbatch_tokens",
+                "rl.loss_agg_norm"):
         _positive(c, key, allow_zero=True)
     _positive(c, "rl.is_cap")
+    dual = c.rl.clip_ratio_c
+    _check(isinstance(dual, (int, float)) and not isinstance(dual, bool) and (dual == 0 or dual > 1),
+           "rl.clip_ratio_c", dual, "0 (off) or > 1 (dual-clip PPO's bound on the loss for A < 0; veRL uses 3.0)")
     for band in ("mis", "icepop"):
         low, high = c.rl[f"{band}_low"], c.rl[f"{band}_high"]
         _check(isinstance(low, (int, float)) and isinstance(high, (int, float)) and 0 <= low < 1 < high,

@@ -8,13 +8,19 @@ with group advantages):
 
 Departures from the papers:
 - ``clip_low != clip_high`` is DAPO's clip-higher (arXiv 2503.14476); PPO and GRPO use one epsilon.
-- GRPO puts the KL in the loss with the k3 estimator, as here; PPO-RLHF puts k1 in the reward instead.
+- ``clip_ratio_c`` > 1 turns on dual-clip PPO (Ye et al., arXiv 1912.09729): for A < 0 the clipped surrogate's
+  loss is also bounded above by -A * c, ``pg_t = min(max(-A r, -A clip(r)), -A c)``, so one token whose ratio ran
+  far above 1 cannot dominate the update (its gradient is 0 there). Off (0) by default here; veRL's vanilla loss
+  applies c = 3 by default; TRL and NeMo RL have no dual clip.
+- GRPO puts the KL in the loss with the k3 estimator, as here; PPO-RLHF puts k1 in the reward instead. The k3 term
+  is clamped as veRL and NeMo RL clamp it (``kl_penalty``: log-ratio to +-20, value to +-10).
 - The IS weight (``importance.py``) multiplies only the policy-gradient term, not the KL term: it corrects for
   the tokens having been sampled by the rollout engine rather than by the trainer's old policy.
 - Aggregation is a choice (``aggregate``): GRPO's paper averages tokens within a sequence, then sequences
   (``seq_mean_token_mean``); DAPO averages over all tokens (``token_mean``); Dr. GRPO sums tokens and divides by a
-  constant (``seq_mean_token_sum`` divides by the sequence count; Dr. GRPO's extra constant, the generation budget,
-  only rescales the learning rate).
+  constant: ``seq_mean_token_sum_norm`` divides each sequence's token sum by the generation budget (the train step:
+  ``rl.loss_agg_norm``, default ``rollout.max_new_tokens``), then averages over sequences; ``seq_mean_token_sum``
+  is the same without the budget (which only rescales the learning rate).
 
 Masked positions may hold anything (inf, NaN, 1e9): inputs are replaced with ``jnp.where`` before any arithmetic,
 so neither the loss nor its gradient sees them (``x * 0`` would turn inf into NaN, forward or backward).
@@ -25,18 +31,26 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from fp8rl_jax.rl.metrics import masked_max, masked_mean, masked_min, segment_sums
+from fp8rl_jax.rl.metrics import k3, masked_max, masked_mean, masked_min, segment_sums
 
-AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
+AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
 KL_ESTIMATORS = ("k1", "k3")
+KL_VALUE_BOUND = 10.0  # the k3 KL term per token is clamped to [-10, 10] (``kl_penalty``)
 
 
 def aggregate(per_token: jax.Array, mask: jax.Array, kind: str, *, num_tokens: jax.Array | float | None = None,
-              num_sequences: jax.Array | float | None = None, segments: jax.Array | None = None) -> jax.Array:
+              num_sequences: jax.Array | float | None = None, segments: jax.Array | None = None,
+              norm: float | None = None) -> jax.Array:
     """Reduce a per-token loss ``[B, T]`` to a scalar.
 
     ``token_mean``: sum(l * m) / num_tokens. ``seq_mean_token_mean``: sum_b(sum_t l*m / max(1, sum_t m)) /
-    num_sequences. ``seq_mean_token_sum``: sum_b sum_t l*m / num_sequences.
+    num_sequences. ``seq_mean_token_sum``: sum_b sum_t l*m / num_sequences. ``seq_mean_token_sum_norm`` (Dr. GRPO,
+    arXiv 2503.20783): sum_b (sum_t l*m / norm) / num_sequences, with ``norm`` a constant > 0, the generation budget
+    (the train step passes ``rl.loss_agg_norm``, default ``rollout.max_new_tokens``); ``norm`` defaults to T, the
+    row width, as veRL takes its response width, which is a constant only where every batch has one width. TRL's
+    ``dr_grpo`` is this (sum / (sequences * max_completion_length)); veRL's ``seq-mean-token-sum-norm`` divides
+    each microbatch's sum by the width but not by its sequence count (it then averages the microbatches), i.e.
+    ``num_sequences`` times this, a learning-rate factor.
 
     ``num_tokens`` / ``num_sequences`` default to this batch's mask sum / B. Gradient accumulation passes the
     totals of the whole (mini)batch instead: every aggregation is then a sum over sequences divided by a global
@@ -67,38 +81,55 @@ def aggregate(per_token: jax.Array, mask: jax.Array, kind: str, *, num_tokens: j
         count = segment_sums(m.astype(jnp.float32), segments) if kind == "seq_mean_token_mean" else None
     if kind == "seq_mean_token_mean":
         per_sequence = per_sequence / jnp.maximum(count, 1).astype(jnp.float32)
-    return jnp.sum(per_sequence) / jnp.asarray(num_sequences, jnp.float32)
+    total = jnp.sum(per_sequence) / jnp.asarray(num_sequences, jnp.float32)
+    if kind == "seq_mean_token_sum_norm":
+        norm = per_token.shape[-1] if norm is None else norm
+        if not norm > 0:
+            raise ValueError(f"loss aggregation {kind!r}: norm={norm!r}, the constant, must be > 0")
+        total = total / jnp.float32(norm)
+    return total
 
 
 def kl_penalty(logp: jax.Array, ref_logp: jax.Array, estimator: str) -> jax.Array:
     """Per-token estimate of KL(pi || ref) from tokens sampled by pi (Schulman, "Approximating KL divergence").
 
-    ``k1`` = logp - ref_logp (unbiased, can be negative); ``k3`` = exp(ref - logp) - (ref - logp) - 1 (unbiased,
+    ``k1`` = logp - ref_logp (unbiased, can be negative); ``k3`` = exp(x) - x - 1 with x = ref - logp (unbiased,
     never negative, lower variance when pi and ref are close).
+
+    ``k3`` is clamped as veRL's ``low_var_kl`` and NeMo RL's ``calculate_kl`` (their defaults) clamp it: x to
+    [-20, 20] before the exp (``metrics.LOG_RATIO_BOUND``), then the value to [-10, 10] (``KL_VALUE_BOUND``). Unclamped,
+    one token at x = 25 adds exp(25) = 7.2e10 to the loss and x > 88.7 makes it inf (a skipped step). Inside the
+    bounds the value and its gradient are the unclamped formula's, bit for bit. The cost: where a clamp applies the
+    token's KL gradient is 0, and the value clamp applies first, at k3 = 10, i.e. x > 2.61 (pi gives the token less
+    than 1/13.6 of ref's probability) or x < -11.0 (more than 6e4 times it): there the penalty stops pulling pi
+    back towards ref, however far off the token is.
+    ``k1`` is not clamped (linear in x: nothing overflows). TRL's k3 has no clamp.
     """
     if estimator not in KL_ESTIMATORS:
         raise ValueError(f"unknown KL estimator {estimator!r}; allowed: {' | '.join(KL_ESTIMATORS)}")
     log_ratio = ref_logp.astype(jnp.float32) - logp.astype(jnp.float32)
     if estimator == "k1":
         return -log_ratio
-    return jnp.expm1(log_ratio) - log_ratio
+    return k3(log_ratio, value_bound=KL_VALUE_BOUND)
 
 
 def policy_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array, mask: jax.Array, *, clip_low: float,
-                clip_high: float, loss_agg: str, is_weights: jax.Array | None = None,
+                clip_high: float, loss_agg: str, clip_ratio_c: float = 0.0, is_weights: jax.Array | None = None,
                 ref_logp: jax.Array | None = None, kl_coef: float = 0.0, kl_estimator: str = "k3",
-                num_tokens: jax.Array | float | None = None,
+                loss_agg_norm: float | None = None, num_tokens: jax.Array | float | None = None,
                 num_sequences: jax.Array | float | None = None,
                 segments: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The clipped surrogate loss (scalar) and its metrics; ``logp``/``old_logp``/``mask`` are ``[B, T]``,
-    ``advantages`` is ``[B]``, or ``[B, T]`` per token (packed rows, with ``segments``: see ``aggregate``).
+    ``advantages`` is ``[B]``, or ``[B, T]`` per token (packed rows, with ``segments``: see ``aggregate``, which
+    also says what ``loss_agg_norm``, its ``norm``, is).
     ``clip_*``, ``loss_agg``, ``kl_coef`` and ``kl_estimator`` are static Python values (``kl_coef`` decides at
-    trace time whether the KL term exists).
+    trace time whether the KL term exists, ``clip_ratio_c`` whether the dual clip does: 0 = off, else > 1).
 
     Metrics are masked means over the tokens of this batch (not the ``loss_agg`` aggregation), without gradient:
     ``pg_loss`` (the IS-weighted policy-gradient term), ``clip_fraction`` (tokens whose min picks the clipped term
     and it is strictly smaller, i.e. whose gradient the clip removes), ``ratio_mean``, ``ratio_max``,
-    ``ratio_min``, and ``kl`` (only when the KL term is on).
+    ``ratio_min``, ``dual_clip_fraction`` (only with the dual clip on: tokens with A < 0 whose loss the bound -A c
+    lowered, veRL's ``pg_clipfrac_lower``) and ``kl`` (only when the KL term is on).
     """
     if kl_estimator not in KL_ESTIMATORS:  # checked even with KL off, so a bad config fails on the first step
         raise ValueError(f"unknown KL estimator {kl_estimator!r}; allowed: {' | '.join(KL_ESTIMATORS)}")
@@ -112,6 +143,12 @@ def policy_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array, mas
     unclipped = ratio * adv
     clipped = jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high) * adv
     pg = -jnp.minimum(unclipped, clipped)
+    if clip_ratio_c:  # dual clip, before the IS weight (a constant factor, as veRL applies its rollout weights)
+        if not clip_ratio_c > 1:
+            raise ValueError(f"clip_ratio_c={clip_ratio_c!r}: 0 (off) or > 1 (dual-clip PPO)")
+        bound = -adv * clip_ratio_c
+        dual = (adv < 0) & (pg > bound)
+        pg = jnp.where(dual, bound, pg)
     if is_weights is not None:
         pg = pg * jax.lax.stop_gradient(jnp.where(m, is_weights.astype(jnp.float32), 0.0))
     per_token = pg
@@ -123,12 +160,15 @@ def policy_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array, mas
         "ratio_max": masked_max(ratio, m),
         "ratio_min": masked_min(ratio, m),
     }
+    if clip_ratio_c:
+        metrics["dual_clip_fraction"] = masked_mean(dual, m)
     if ref_logp is not None and kl_coef > 0:
         kl = kl_penalty(logp, jnp.where(m, ref_logp.astype(jnp.float32), 0.0), kl_estimator)
         per_token = per_token + kl_coef * kl
         metrics["kl"] = masked_mean(kl, m)
 
-    loss = aggregate(per_token, m, loss_agg, num_tokens=num_tokens, num_sequences=num_sequences, segments=segments)
+    loss = aggregate(per_token, m, loss_agg, num_tokens=num_tokens, num_sequences=num_sequences, segments=segments,
+                     norm=loss_agg_norm)
     return loss, jax.tree.map(jax.lax.stop_gradient, metrics)
 
 

@@ -4,12 +4,22 @@ The inputs are per-token logprobs of the *sampled* tokens: ``rollout_logp`` from
 ``train_logp`` from the trainer's forward on the same tokens. With d = train_logp - rollout_logp on valid tokens:
 
 - ``mismatch_kl_k1``  mean(-d): KL(rollout || train) estimated with samples from the rollout policy (k1).
-- ``mismatch_kl_k3``  mean(exp(d) - d - 1): the same KL with Schulman's non-negative, lower-variance k3.
+- ``mismatch_kl_k3``  mean(exp(d) - d - 1): the same KL with Schulman's non-negative, lower-variance k3, with d
+  clamped to [-LOG_RATIO_BOUND, LOG_RATIO_BOUND] before the exp (``k3``).
 - ``mean_abs_dprob``  mean |p_rollout - p_train| of the sampled token.
 - ``token_mult_prob_error``  mean exp(|d|): NeMo RL's name; 1.0 when the two agree exactly.
 - ``ppl_ratio``  train perplexity / rollout perplexity = exp(mean(-train) - mean(-rollout)) = exp(k1).
 - ``chi2``  mean(exp(d)^2) - 1: the chi-square divergence chi2(train || rollout), which is the variance of the
-  importance weights exp(d) under the rollout policy (how noisy IS correction will be).
+  importance weights exp(d) under the rollout policy (how noisy IS correction will be); d clamped as k3's.
+
+Clamps: exp(d) is inf in f32 beyond d = 88.7 (chi2's exp(2d) beyond d = 44.4), and one such token makes the mean
+inf. ``mismatch_kl_k3`` and ``chi2`` therefore take d clamped to [-20, 20] (``LOG_RATIO_BOUND``: the log-ratio clamp
+of veRL's and NeMo RL's k3, and veRL's ``SAFETY_BOUND`` of its token-level chi2): identical to the unclamped values
+for |d| <= 20, which every realistic mismatch is (FP8 gives ~1e-3 nats per token), and beyond it a finite lower
+bound (a token counts exp(20) - 21 = 4.9e8 in k3, exp(40) - 1 = 2.4e17 in chi2) that still says "far off". The
+metric's k3 is not also clamped to 10 as the loss's KL term is (``losses.kl_penalty``): that clamp bounds a penalty
+and its gradient, where a metric should show how far a token is; veRL's own k3 metric has no clamp at all (inf at
+d > 88.7).
 
 Every mean is over the tokens where ``mask`` is set. Values at masked positions may be anything (padding can hold
 -inf or 1e9): they are replaced with ``jnp.where`` before any arithmetic, so neither they nor NaN gradients leak.
@@ -19,6 +29,20 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+# |log-ratio| bound before an exp in the k3 estimator (metric and loss) and chi2: veRL's low_var_kl clamp and
+# SAFETY_BOUND (its chi2), NeMo RL's calculate_kl input clamp
+LOG_RATIO_BOUND = 20.0
+
+
+def k3(log_ratio: jax.Array, value_bound: float | None = None) -> jax.Array:
+    """Schulman's k3, exp(x) - x - 1 (as ``expm1(x) - x``: no cancellation near 0), of the log-ratio ``x`` clamped to
+    [-LOG_RATIO_BOUND, LOG_RATIO_BOUND] before the exp; with ``value_bound`` the result is clamped to [-value_bound,
+    value_bound] too. Both clamps are the identity inside their bounds (the same bits as the unclamped formula)
+    and give a zero gradient where they apply."""
+    x = jnp.clip(log_ratio, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    value = jnp.expm1(x) - x
+    return value if value_bound is None else jnp.clip(value, -value_bound, value_bound)
 
 
 def masked_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
@@ -70,10 +94,11 @@ def mismatch_metrics(rollout_logp: jax.Array, train_logp: jax.Array, mask: jax.A
     k1 = masked_mean(-d, m)
     return {
         "mismatch_kl_k1": k1,
-        "mismatch_kl_k3": masked_mean(jnp.expm1(d) - d, m),
+        "mismatch_kl_k3": masked_mean(k3(d), m),
         "mean_abs_dprob": masked_mean(jnp.abs(jnp.exp(rollout) - jnp.exp(train)), m),
         "token_mult_prob_error": masked_mean(jnp.exp(jnp.abs(d)), m),
         # in log space: the two perplexities themselves overflow for long, unlikely completions
         "ppl_ratio": jnp.exp(k1),
-        "chi2": masked_mean(jnp.expm1(2.0 * d), m),  # = mean(exp(2d)) - 1 without the cancellation near 0
+        # = mean(exp(2d)) - 1 without the cancellation near 0; d clamped as above, so never inf
+        "chi2": masked_mean(jnp.expm1(2.0 * jnp.clip(d, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)), m),
     }

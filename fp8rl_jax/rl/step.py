@@ -53,7 +53,11 @@ class LossConfig:
     temperature: float = 1.0
     clip_low: float = 0.2
     clip_high: float = 0.2
+    clip_ratio_c: float = 0.0  # dual-clip PPO's c (0 = off)
     loss_agg: str = "token_mean"
+    # seq_mean_token_sum_norm's constant (from_config: rl.loss_agg_norm, or rollout.max_new_tokens where that is 0);
+    # the train step refuses None with that aggregation (the fallback, the row width, differs between layouts)
+    loss_agg_norm: float | None = None
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
     is_correction: str = "tis"
@@ -65,9 +69,10 @@ class LossConfig:
     def from_config(cls, config) -> LossConfig:
         rl = config.rl
         return cls(temperature=config.rollout.temperature, clip_low=rl.clip_low, clip_high=rl.clip_high,
-                   loss_agg=rl.loss_agg, kl_coef=rl.kl_coef, kl_estimator=rl.kl_estimator,
-                   is_correction=rl.is_correction, is_cap=rl.is_cap, mis_band=(rl.mis_low, rl.mis_high),
-                   icepop_band=(rl.icepop_low, rl.icepop_high))
+                   clip_ratio_c=rl.clip_ratio_c, loss_agg=rl.loss_agg,
+                   loss_agg_norm=float(rl.loss_agg_norm or config.rollout.max_new_tokens), kl_coef=rl.kl_coef,
+                   kl_estimator=rl.kl_estimator, is_correction=rl.is_correction, is_cap=rl.is_cap,
+                   mis_band=(rl.mis_low, rl.mis_high), icepop_band=(rl.icepop_low, rl.icepop_high))
 
     @property
     def is_band(self) -> tuple[float, float]:
@@ -308,6 +313,10 @@ def make_train_step(model: LlamaConfig, precision: Precision, optimizer: optax.G
     """
     c = loss_cfg
     packed = packed_sequences is not None
+    if c.loss_agg == "seq_mean_token_sum_norm" and c.loss_agg_norm is None:
+        raise ValueError("loss_agg='seq_mean_token_sum_norm' needs LossConfig.loss_agg_norm, the constant that divides "
+                         "each sequence's token sum (LossConfig.from_config sets rl.loss_agg_norm or "
+                         "rollout.max_new_tokens)")
 
     def loss_fn(params, fp8_state, kv_scales, mb, num_tokens, num_sequences, hoisted):
         logp, entropy, _ = token_logprobs(params, mb["tokens"], config=model, precision=precision,
@@ -320,8 +329,9 @@ def make_train_step(model: LlamaConfig, precision: Precision, optimizer: optax.G
                                          cap=c.is_cap, low=c.is_band[0], high=c.is_band[1], segments=segments)
         loss, metrics = policy_loss(
             logp, old_logp, mb["advantages"], mb["mask"], clip_low=c.clip_low, clip_high=c.clip_high,
-            loss_agg=c.loss_agg, is_weights=weights, ref_logp=mb.get("ref_logp"), kl_coef=c.kl_coef,
-            kl_estimator=c.kl_estimator, num_tokens=num_tokens, num_sequences=num_sequences, segments=segments,
+            clip_ratio_c=c.clip_ratio_c, loss_agg=c.loss_agg, is_weights=weights, ref_logp=mb.get("ref_logp"),
+            kl_coef=c.kl_coef, kl_estimator=c.kl_estimator, loss_agg_norm=c.loss_agg_norm, num_tokens=num_tokens,
+            num_sequences=num_sequences, segments=segments,
         )
         metrics = {**metrics, **is_metrics, "entropy": masked_mean(jax.lax.stop_gradient(entropy), mb["mask"])}
         return loss, (metrics, old_logp)

@@ -85,3 +85,24 @@ def test_masked_min_and_metric_reduction_by_name():
     assert float(reduce_metric("ratio_min", per_batch)) == 1.25
     np.testing.assert_allclose(reduce_metric("ratio_mean", per_batch), 4.125 / 3, rtol=1e-6)
     np.testing.assert_allclose(reduce_metric("is_weight_max", jnp.asarray([[1.0, 3.0], [2.0, 0.5]])), [2.0, 3.0])
+
+
+def test_k3_metric_is_finite_far_from_agreement():
+    # d = train - rollout = 25 and 100: exp(d) is 7.2e10 and inf in f32. The metric clamps d to [-20, 20] before the
+    # exp (veRL's bound for its chi2), so each token counts expm1(20) - 20 = 4.85e8, finite; no value clamp (a metric)
+    rollout = jnp.array([[-30.0, -101.0, -1.0]])
+    train = jnp.array([[-5.0, -1.0, -1.0]])
+    m = mismatch_metrics(rollout, train, jnp.ones((1, 3)))
+    want = 2 * (math.expm1(20.0) - 20.0) / 3
+    np.testing.assert_allclose(m["mismatch_kl_k3"], want, rtol=1e-6)
+
+
+
+def test_chi2_is_finite_beyond_the_f32_range_of_exp_2d():
+    # d = 50 (and -50, 0.1): exp(2d) = exp(100) is inf in f32 (from |d| > 44.4); as veRL does, d is clamped to
+    # [-20, 20] before the exp, so that token counts exp(40) - 1 = 2.4e17; small d are unchanged
+    rollout = jnp.array([[-51.0, -1.0, -1.1]])
+    train = jnp.array([[-1.0, -51.0, -1.0]])
+    m = mismatch_metrics(rollout, train, jnp.ones((1, 3)))
+    want = (math.expm1(40.0) + math.expm1(-40.0) + math.expm1(2 * (-1.0 + 1.1))) / 3
+    np.testing.assert_allclose(m["chi2"], want, rtol=1e-6)

@@ -225,11 +225,11 @@ def test_packed_scoring_equals_unpacked(params, plan, precision):
 @pytest.mark.parametrize("plan", PLANS)
 @pytest.mark.parametrize("loss_agg, is_correction, kl", [
     ("token_mean", "tis", 0.0), ("seq_mean_token_mean", "seq_tis", 0.0), ("seq_mean_token_sum", "mis", 0.1),
-    ("seq_mean_token_mean", "mis", 0.0), ("token_mean", "icepop", 0.1)])
+    ("seq_mean_token_mean", "mis", 0.0), ("token_mean", "icepop", 0.1), ("seq_mean_token_sum_norm", "tis", 0.1)])
 def test_packed_train_step_equals_unpacked_f32(params, plan, loss_agg, is_correction, kl):
     _compare_train_steps(params, PLANS[plan], F32, LossConfig(
-        temperature=0.7, loss_agg=loss_agg, is_correction=is_correction, kl_coef=kl, mis_band=(0.98, 1.02)),
-        rtol=1e-5)
+        temperature=0.7, loss_agg=loss_agg, is_correction=is_correction, kl_coef=kl, mis_band=(0.98, 1.02),
+        loss_agg_norm=12.0), rtol=1e-5)
 
 
 @pytest.mark.parametrize("own_old_logp", [False, True])

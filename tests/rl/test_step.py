@@ -69,6 +69,59 @@ def test_metrics_over_microbatches_are_those_of_the_whole_minibatch(params):
     np.testing.assert_allclose(metrics["ratio_mean"], (4 + 4.5 + 4 + 1.9) / 14, rtol=1e-5)
 
 
+def _keep_gradients():
+    """An optimizer whose state is the last gradient and whose update is 0: the train step returns its gradient."""
+    return optax.GradientTransformation(init=lambda p: jax.tree.map(jnp.zeros_like, p),
+                                        update=lambda g, s, p=None: (jax.tree.map(jnp.zeros_like, g), g))
+
+
+def test_seq_mean_token_sum_norm_is_the_same_whatever_the_microbatches(params):
+    """Dr. GRPO's aggregation over a minibatch of 4 sequences (ragged completions, ratios off 1 so that the clip and
+    the dual clip act): one microbatch of 4, two of 2 and four of 1 give one loss and one gradient, the minibatch's
+    sum over sequences / (4 sequences * loss_agg_norm), as the other aggregations do with their global normalisers;
+    and the loss is the hand-computed one."""
+    tokens = _tokens((4, 10), seed=5)
+    mask = np.zeros((4, 10), np.float32)
+    mask[:, 4:] = 1
+    mask[1, 6:] = 0
+    mask[3, 5:] = 0  # completions of 6, 2, 6 and 1 tokens
+    logp = np.asarray(make_score(CONFIG, F32, 1.0)(params, None, None, tokens))
+    rng = np.random.default_rng(7)
+    old = logp - rng.normal(scale=0.5, size=logp.shape)
+    old[1, 4], old[2, 5] = logp[1, 4] - math.log(5.0), logp[2, 5] - math.log(4.0)  # ratios 5 and 4 with A < 0
+    old = old.astype(np.float32)
+    adv = np.asarray([1.0, -1.0, -0.5, 2.0], np.float32)
+    minibatch = {"tokens": np.asarray(tokens), "mask": mask, "old_logp": old, "rollout_logp": old,
+                 "advantages": adv}
+    cfg = LossConfig(loss_agg="seq_mean_token_sum_norm", loss_agg_norm=16.0, clip_ratio_c=3.0, is_correction="none")
+    # by hand (float64): the clipped, dual-clipped surrogate summed over the completion tokens, / (4 * 16)
+    r = np.exp(logp.astype(np.float64) - old)
+    a = adv[:, None].astype(np.float64)
+    per = np.maximum(-a * r, -a * np.clip(r, 0.8, 1.2))
+    per = np.where(a < 0, np.minimum(per, -a * 3.0), per)
+    want = np.sum(per * mask) / (4 * 16)
+    assert np.any((a < 0) & (r > 3) & (mask > 0))  # the dual clip acts on some token
+    optimizer = _keep_gradients()
+    results = []
+    for microbatches in (1, 2, 4):
+        batch = {k: jnp.asarray(v).reshape(microbatches, 4 // microbatches, *v.shape[1:]) for k, v in minibatch.items()}
+        step = make_train_step(CONFIG, F32, optimizer, cfg)
+        state, metrics = step(_state(params, optimizer), batch)
+        results.append((float(metrics["loss"]), jax.tree.leaves(state["opt_state"])))
+    np.testing.assert_allclose(results[0][0], want, rtol=1e-5)
+    for loss, grads in results[1:]:
+        np.testing.assert_allclose(loss, results[0][0], rtol=1e-6)
+        for g, ref in zip(grads, results[0][1], strict=True):
+            np.testing.assert_allclose(g, ref, rtol=1e-5, atol=1e-6 * float(jnp.max(jnp.abs(ref))))
+
+
+def test_seq_mean_token_sum_norm_needs_its_constant_in_the_train_step():
+    # without loss_agg_norm the constant would be the row width, which differs between the padded and the packed
+    # layouts (and includes the prompt): LossConfig.from_config sets it, a hand-built LossConfig must
+    with pytest.raises(ValueError, match="loss_agg_norm"):
+        make_train_step(CONFIG, F32, optax.sgd(0.0), LossConfig(loss_agg="seq_mean_token_sum_norm"))
+
+
 def test_old_logp_from_forward_makes_the_ratio_exactly_one(params):
     # old_logp deliberately far off: the option must ignore it (no such key is needed at all)
     tokens = _tokens((4, 12), seed=2)
