@@ -18,8 +18,8 @@ output.
 them (TE's GEMM, then XLA's add: ``te_add``) and as it runs them now (``xla.prequantized_matmul_into``: the add as
 the FP8 GEMM's C operand, one cuBLASLt call); each layer adds into the previous layer's output.
 
-The candidate kernel (``fp8_gemm`` below; measured in session 23, it lost to TE's cuBLASLt GEMMs at every shape,
-``results/fp8_gemm_h100.json``, so it is not part of the package). In the batch-64 decode step TE's FP8 GEMMs move
+The candidate kernel (``fp8_gemm`` below; measured, it lost to TE's cuBLASLt GEMMs at every shape,
+benchmarks/RESULTS.md, "FP8 GEMMs", so it is not part of the package). In the batch-64 decode step TE's FP8 GEMMs move
 the weights at about half the copy rate, the small ones least well (``wo`` 4.9 us a call for 4 MiB). At M <= 256 a
 GEMM is a weight stream: each weight byte meets every row of ``x``. Grid ``(cdiv(N, block_n),)``: a program owns
 ``block_n`` output columns and walks K in ``block_k`` steps, the [M, block_k] slice of ``x`` (rows padded to a power

@@ -31,8 +31,9 @@ sm_90 at P = 4, G = 4 and the default block_k: 51 KiB of shared memory and 126 r
 (block_k 64), 58 KiB and 144 at H=128 FP8 (32), 54 KiB and 114 at H=128 BF16 (16); no spills (block_k 128 at P = 4
 and H=128 needs 184 KiB of shared memory in FP8, 315 in BF16). The default (``default_heads_per_program``): P = 2
 over an FP8 cache when the grid keeps ``TARGET_PROGRAMS`` programs without splits (batch 256 at K=8) and 2G rows fit
-the 16-row tile, else 1. Measured on the H100 with the lean loop (``results/decode_heads_warps_h100.json``,
-``results/rollout_1k_ab_h100.json``): FP8 batch 256, 1,088 positions 149.4 -> 141.2 us a layer-step (P = 4 154.5,
+the 16-row tile, else 1. Measured on the H100 with the lean loop (``results/decode_heads_warps_h100.json``; the
+rollout's A/B in benchmarks/RESULTS.md, "Decode attention kernel"): FP8 batch 256, 1,088 positions 149.4 -> 141.2
+us a layer-step (P = 4 154.5,
 8 warps slower at every P); the rollout 108.1k -> 110.5k tokens/s; BF16 slower at P = 2 (228.8 -> 239.9), FP8 at
 batch 64 (4 splits) level (46.4k / 46.3k).
 
@@ -54,9 +55,10 @@ units), and V's rows past the length are loaded as zeros (the masked load's ``ot
 converted tile; an FP8 V is multiplied by a runtime one (LLVM folds it away) so that Triton still converts it in its
 blocked layout before the F16 shared-memory round trip (without it V is read as the dot's operand byte by byte):
 344 instructions (BF16 252), static counts of the compiled loop. Measured on the H100: the rollout 1-2% faster in both
-dtypes (``results/rollout_1k_ab_h100.json``), so the kernel's rate over FP8 is not its instruction count alone.
+dtypes (benchmarks/RESULTS.md, "Decode attention kernel"), so the kernel's rate over FP8 is not its instruction
+count alone.
 Tried and left out: the QK dot in FP8 (the query quantized per row in the kernel): Triton upcasts both operands
-to F16 for the 16-row mma anyway; 1.4% slower in the rollout (``results/rollout_query_fp8_ab_h100.json``).
+to F16 for the 16-row mma anyway; 1.4% slower in the rollout (benchmarks/RESULTS.md, "Decode attention kernel").
 
 The output. With ``out_dtype`` FP8 and ``out_scale`` (the rollout's pre-quantized ``wo``: its input scale) the
 kernel rounds the output to the query's dtype and quantizes it as ``recipe.quantize`` would, so ``wo``'s GEMM
@@ -65,7 +67,7 @@ quantize kernel per layer and step (16 a step, ~1.5-2 us each on the H100).
 
 The new token's K and V (``new_kv``). The decode step's K and V of its one new position were written into the
 cache by an XLA scatter per tensor and layer (with the FP8 quantize fused in: 4.3 and 3.9 us a layer at batch 256
-on the H100, ``results/rollout_1k_b256_profile_h100_bf4cddb.json``), and the kernel then read them back. Given them, the
+on the H100, benchmarks/RESULTS.md, "Decode attention kernel"), and the kernel then read them back. Given them, the
 kernel writes them itself: the caches are also its outputs, aliased to its inputs (the same buffers, written in
 place), and the program of the last split of each (sequence, kv head) quantizes its K and V as ``recipe.quantize``
 would, stores them at position ``length - 1`` and joins that position's score and value to its online softmax from
@@ -97,12 +99,12 @@ Defaults (H100; ``benchmarks/decode_attention.py`` sweeps them; ``MAX_BLOCK_K``,
 - ``k_splits``: enough programs for ~8 per SM (132 SMs): 1024 / (B*K/P) rounded up, between 1 and 16, and at
   least 2 for a cache of 32 blocks or more. Batch 256 at K=8 gives 2048 programs of one kv head over a BF16 cache
   and 1024 of two over an FP8 one (1 split, no combine traffic); batch 64 gives 512 (2 splits).
-  Session 23's sweep of the kernel alone (``results/decode_retune_{fp8,bf16}_h100.json``: block_k 32 / 64 / 128 x
+  Session 23's sweep of the kernel alone (benchmarks/RESULTS.md, "Decode attention kernel": block_k 32 / 64 / 128 x
   1 / 2 / 4 splits x 2 / 4 warps x 2 / 3 stages, llama1b heads, half of a 1,088-position cache) put 64-position
   blocks with three stages at or near the best in both dtypes; in the rollout (``bench rollout --decode_tuning
-  128:2048:2,64:1024:3``, ``results/rollout_tuning_h100.json``) they took FP8 + FP8 KV at batch 256 from 91.8k to
+  128:2048:2,64:1024:3``) they took FP8 + FP8 KV at batch 256 from 91.8k to
   95.5k tokens/s and BF16 from 69.8k to 71.0k; at batch 64 both within 1%. The earlier defaults (128 positions,
-  ~2048 programs, 2 stages) came from the first sweep (``results/decode_sweep_h100.json``), where 256-position
+  ~2048 programs, 2 stages) came from the first sweep (the same section), where 256-position
   blocks were always slower and 8 warps never won by more than the noise.
 - ``num_warps=4``: 128 threads for a [16, block_k] score tile and one [block_k, H] load per tensor; the
   benchmark tries 8.
@@ -227,7 +229,7 @@ def tuned(max_block_k: int, target_programs: int, num_stages: int):
 
 def default_dot_dtype(q_dtype, cache_dtype):
     """float16 for a BF16 query over an FP8 cache (measured 10-22% faster on the H100 than BF16 operands,
-    ``benchmarks/results/decode_sweep_h100.json``); the query's dtype otherwise."""
+    benchmarks/RESULTS.md, "Decode attention kernel"); the query's dtype otherwise."""
     if jnp.dtype(cache_dtype).itemsize == 1 and jnp.dtype(q_dtype) == jnp.bfloat16:
         return jnp.dtype(jnp.float16)
     return jnp.dtype(q_dtype)
@@ -639,10 +641,10 @@ def decode_attention_pallas(q, k_cache, v_cache, lengths, *, layer=None, k_scale
     ``default_heads_per_program``.
     ``tail_loop``: walk a split's whole blocks without masks and the sequence's partial last block in a loop of its
     own (False, the default: one loop, every block masked). Measured on the H100 (``benchmarks/decode_attention.py
-    --ab_tail_loop``, ``results/decode_tail_loop_h100.json``): alone, it made an FP8 cache at batch 256 (1 split)
-    faster, 100.6 / 153.6 us a layer-step against 113.1 / 164.4 (half / whole 1,088-position cache), and batch 64
-    (4 splits) slower, 52.3 / 67.2 against 49.1 / 62.9 us; but the batch-256 rollout with it on for one split made
-    89.5k tokens/s against 91.7k without (``results/rollout_tail_loop_h100.json``).
+    --ab_tail_loop``; benchmarks/RESULTS.md, "Decode attention kernel"): alone, it made an FP8 cache at batch 256
+    (1 split) faster, 100.6 / 153.6 us a layer-step against 113.1 / 164.4 (half / whole 1,088-position cache), and
+    batch 64 (4 splits) slower, 52.3 / 67.2 against 49.1 / 62.9 us; but the batch-256 rollout with it on for one
+    split made 89.5k tokens/s against 91.7k without.
     ``rope`` (cos, sin): q is the fused projection (``decode_attention_qkv``), see there.
     ``lean`` (default ``LEAN_LOOP``): the block loop's lean form
     (the module note's "The loop")."""

@@ -24,7 +24,7 @@ row a full 32-byte sector) and the tile's amax. A vocabulary that ``block_v`` do
 overlaps the one before it (masked out of the sums; its gradient is written twice, the same values).
 ``impl="xla"``: the same arithmetic as XLA ops (CPU, meshes of several devices, and the reference).
 
-Tried on the H100 and left out (``benchmarks/results/head_grad_forms_h100.json``): one kernel walking each row
+Tried on the H100 and left out (benchmarks/RESULTS.md, "The LM head's backward in FP8"): one kernel walking each row
 twice, the second time backwards so that its blocks might still be in L2, over 1-4 programs a streaming
 multiprocessor, 1k-8k logits a block and 0-8 blocks loaded ahead: 2.08 ms at best for a llama1b chunk, the two
 kernels 1.98 ms without the transposed store; neither held the rows in L2.

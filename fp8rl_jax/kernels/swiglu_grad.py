@@ -29,8 +29,8 @@ divide).
 Measured on the H100 (``benchmarks/swiglu_grad.py``, session 24): it moves its bytes at 1.6-1.7 TB/s. Neither what
 is transposed (the FP8 tiles, the f32 values before quantizing, the BF16 inputs with the arithmetic done again, or
 32-bit words of four tokens' FP8 values), nor several row tiles per program with the next tile's loads issued
-early, nor the block shape moved it beyond the noise (commit 5549d64 has those forms; ``results/swiglu_variants_*``,
-``results/swiglu_tiles_*``).
+early, nor the block shape moved it beyond the noise (commit 5549d64 has those forms; benchmarks/RESULTS.md, "Train-step
+kernels").
 """
 
 from __future__ import annotations

@@ -214,7 +214,7 @@ def resolve_attention(impl: str, dtype, head_dim: int, backend: str | None = Non
 # the most sequences a packed row of T tokens may hold is T // SEGMENT_TOKENS, at least 1 and at most
 # MAX_ROW_SEGMENTS: cuDNN's packed layout takes the segments of a row as a static [B, M] table, M = row_segments(T) + 1
 # (the row's padding tail is one more), and sizes its buffers by B x M. Measured on the H100 (JAX 0.11.2, llama1b's
-# heads, 14 rows of 2,304 tokens, benchmarks/results/packed_attention_h100.json): one layer's forward + backward
+# heads, 14 rows of 2,304 tokens, benchmarks/RESULTS.md, "Sequence packing"): one layer's forward + backward
 # takes 0.75 GiB of temp memory unpacked and about 0.75 + 0.5 (M - 1) GiB packed (16.7 GiB at M = 33, out of memory at
 # 145), about 8 bytes x tokens x N x H per segment, while its time barely moves (3 ms at M <= 8, 4 ms at 32).
 SEGMENT_TOKENS = 16

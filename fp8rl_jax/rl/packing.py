@@ -38,7 +38,8 @@ from fp8rl_jax.rl.microbatch import ROW_MULTIPLE, longest_row_tokens
 
 # what ``PackingPlan.choose_rows`` counts a microbatch's own cost at, in rows: a rough figure from the H100's llama1b
 # step at fixed lengths (16-row packed microbatches of 1,280 tokens against 32-row unpacked ones: about 36 ms more per
-# extra microbatch pass, 1.5 rows' worth, with the attention path differing too; e2e_packing_h100_runs_s16.json)
+# extra microbatch pass, 1.5 rows' worth, with the attention path differing too; benchmarks/RESULTS.md, "Sequence
+# packing")
 MICROBATCH_COST_ROWS = 1
 
 
@@ -85,7 +86,7 @@ class PackingPlan:
 
         Why: the last microbatch of a minibatch runs all its rows, used or not. With one sequence a row
         (completions near the width) 25 rows of 1,280 for 64 sequences ran 75 rows, and the H100's llama1b train
-        step ran 25% slower than unpacked (benchmarks/results/e2e_packing_h100_runs_s16.json); a divisor fills its
+        step ran 25% slower than unpacked (benchmarks/RESULTS.md, "Sequence packing"); a divisor fills its
         microbatches exactly. Short sequences pack into few rows, where fewer rows a microbatch waste less (14
         rows for 11 used, 4 rows for 12): each step takes the option that costs least (``choose_rows``)."""
         c = config

@@ -35,9 +35,8 @@ logits are recomputed in BF16 as the BF16 head's backward does; the logit gradie
 scale (E5M2), and the master kernel and the hidden state are quantized once per call with the kernel and x scales,
 in the backward pass (nothing FP8 lives between the two passes). Those are two of the head's four GEMMs per chunk
 (the logits, their recompute, dx, dW), the two whose rounding never reaches a logprob: the gradients carry E5M2
-rounding as every other FP8 linear's do. On the H100 (a llama1b microbatch: 32 x 1280 tokens, 2048 x 128256,
-tied) the head's forward and backward take 121 ms against the BF16 head's 142 ms (the FP8 head's: 92 ms;
-``benchmarks/results/head_step_grad_h100.json``). Its forward observes nothing, so the calibration observes the
+rounding as every other FP8 linear's do. What it gains on the H100: benchmarks/RESULTS.md, "The LM head's backward
+in FP8". Its forward observes nothing, so the calibration observes the
 head's three operands itself (``rl.step.make_calibrate``). It serves ``rowwise`` scaling as it is: a rowwise
 linear's backward is per tensor with the delayed scales too.
 

@@ -102,9 +102,9 @@ def build_optimizer(optim, total_updates: int) -> tuple[optax.GradientTransforma
 # XLA:GPU options for the programs that run the LM head's training or scoring forward (scoring, the train step, the
 # calibration) when that head is FP8: its GEMMs are XLA's FP8 dots (``scoring.fp8_chunked_head_logprobs``), and with
 # XLA's Triton GEMMs the head's forward + backward at llama1b shapes had not finished compiling and running after
-# 90 s on the H100; on cuBLAS it compiled in 1.4 s and ran in 105 ms (benchmarks/head_step.py, RESULTS.md). The same
-# options for a head with FP8 backward GEMMs only (``lm_head_grad_fp8``), whose XLA FP8 dots are the same: without
-# Triton GEMMs its forward + backward compiles in 0.7 s, runs in 121 ms (benchmarks/results/head_step_grad_h100.json).
+# 90 s on the H100; on cuBLAS it compiled in 1.4 s (benchmarks/head_step.py; benchmarks/RESULTS.md, "The LM head's
+# backward in FP8"). The same options for a head with FP8 backward GEMMs only (``lm_head_grad_fp8``), whose XLA FP8
+# dots are the same: without Triton GEMMs its forward + backward compiles in 0.7 s.
 # Every program of such a run gets the options, the scoring and the exact sampler's too, so the BF16 forward of the
 # head compiles alike in all of them.
 FP8_HEAD_GPU_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
