@@ -16,26 +16,25 @@ accumulator (f32, the G real rows only); four XLA ops combine the splits. With o
 kernel normalises and writes the output itself, so no XLA op runs beside it: at decode sizes each such op is a
 kernel launch of its own (~1.3 us), and the scalar ones (1/sqrt(H) / k_scale) ran once per layer and step.
 
-Several kv heads per program (``heads_per_program`` P; P = 1 is the kernel above, unchanged). With
-G = 4 three quarters of the [16, block_k] score tile are padding, and the softmax's elementwise work (scale, mask,
-max, exp, sum) is spent on them too; per-element work, not bytes, appears to hold the FP8 kernel on the H100
-(2.25 TB/s against BF16's 2.7, ``benchmarks/NOTES.md``). With P > 1 a program takes P consecutive kv heads of one
-sequence (grid ``(B*K/P, k_splits)``, P divides K) and their P*G query rows as one tile (padded to a power of two,
-at least 16). Head j's QK dot takes that tile with every row outside head j zeroed, so its scores are exact zeros
-there and the P dots add up to one score tile in which every row is real; the online softmax runs once on it, and
-each head keeps its own [rows, H] accumulator (``p`` times its own V), of which only its own rows are stored. The
-dots do the same work as P programs of one head; the softmax's is divided by P (for P*G <= 16). The cost: P
-accumulators live in registers, and P K and V tiles per iteration (the default ``block_k`` keeps 16 KiB of K per
-iteration over the P heads, so the staged shared memory stays close to P = 1's). Compiled on CPU with Triton 3.9 for
-sm_90 at P = 4, G = 4 and the default block_k: 51 KiB of shared memory and 126 registers a thread at H=64 FP8
+Several kv heads per program (``heads_per_program`` P; P = 1 is the kernel above, unchanged). With G = 4 three
+quarters of the [16, block_k] score tile are padding, and the softmax's elementwise work (scale, mask, max, exp,
+sum) is spent on them too; per-element work, not bytes, appears to hold the FP8 kernel on the H100 (2.25 TB/s
+against BF16's 2.7, benchmarks/RESULTS.md, "Decode attention kernel"). With P > 1 a program takes P consecutive kv
+heads of one sequence (grid ``(B*K/P, k_splits)``, P divides K) and their P*G query rows as one tile (padded to a
+power of two, at least 16). Head j's QK dot takes that tile with every row outside head j zeroed, so its scores are
+exact zeros there and the P dots add up to one score tile in which every row is real; the online softmax runs once
+on it, and each head keeps its own [rows, H] accumulator (``p`` times its own V), of which only its own rows are
+stored. The dots do the same work as P programs of one head; the softmax's is divided by P (for P*G <= 16). The
+cost: P accumulators live in registers, and P K and V tiles per iteration (the default ``block_k`` keeps 16 KiB of K
+per iteration over the P heads, so the staged shared memory stays close to P = 1's). Compiled on CPU with Triton 3.9
+for sm_90 at P = 4, G = 4 and the default block_k: 51 KiB of shared memory and 126 registers a thread at H=64 FP8
 (block_k 64), 58 KiB and 144 at H=128 FP8 (32), 54 KiB and 114 at H=128 BF16 (16); no spills (block_k 128 at P = 4
 and H=128 needs 184 KiB of shared memory in FP8, 315 in BF16). The default (``default_heads_per_program``): P = 2
 over an FP8 cache when the grid keeps ``TARGET_PROGRAMS`` programs without splits (batch 256 at K=8) and 2G rows fit
 the 16-row tile, else 1. Measured on the H100 with the lean loop (``results/decode_heads_warps_h100.json``; the
-rollout's A/B in benchmarks/RESULTS.md, "Decode attention kernel"): FP8 batch 256, 1,088 positions 149.4 -> 141.2
-us a layer-step (P = 4 154.5,
-8 warps slower at every P); the rollout 108.1k -> 110.5k tokens/s; BF16 slower at P = 2 (228.8 -> 239.9), FP8 at
-batch 64 (4 splits) level (46.4k / 46.3k).
+rollout's A/B in benchmarks/RESULTS.md, "Decode attention kernel"): FP8 batch 256, 1,088 positions 149.4 -> 141.2 us
+a layer-step (P = 4 154.5, 8 warps slower at every P); the rollout 108.1k -> 110.5k tokens/s; BF16 slower at P = 2
+(228.8 -> 239.9), FP8 at batch 64 (4 splits) level (46.4k / 46.3k).
 
 FP8 K/V. E4M3 values convert to F16 exactly, so the kernel casts the stored E4M3 values to F16 for the dots (a
 BF16 query is rounded to F16 once; F16 operands measured 10-22% faster than BF16 ones on the H100: Hopper
