@@ -49,12 +49,12 @@ MODES = {
     # finer scaling: per token x per output channel in the forward (xla backend only)
     "fp8_e2e_rowwise_tis": {"precision.mode": "fp8_e2e", "precision.backend": "xla", "precision.scaling": "rowwise",
                             "rl.is_correction": "tis"},
-    # the BF16 head's backward GEMMs in BF16 too (precision.lm_head_grad_fp8 off: the default before session 22,
+    # the BF16 head's backward GEMMs in BF16 too (precision.lm_head_grad_fp8 off: the earlier default,
     # whose study called the default fp8_e2e_headgrad)
     "fp8_e2e_bf16_head_grad": {"precision.mode": "fp8_e2e", "precision.lm_head_grad_fp8": False,
                                "rl.is_correction": "none"},
-    # the head's backward logit recompute in BF16 (precision.lm_head_recompute_fp8 off: the default before session
-    # 23; the FP8 recompute gives the FP8 head's gradient under the BF16 head's forward and logprobs)
+    # the head's backward logit recompute in BF16 (precision.lm_head_recompute_fp8 off: the earlier default;
+    # the FP8 recompute gives the FP8 head's gradient under the BF16 head's forward and logprobs)
     "fp8_e2e_bf16_recompute": {"precision.mode": "fp8_e2e", "precision.lm_head_recompute_fp8": False,
                                "rl.is_correction": "none"},
     # the exact sampler (rollout.exact): rollouts drawn by the trainer's own forward, sampler == trainer bit for bit

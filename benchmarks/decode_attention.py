@@ -302,7 +302,7 @@ def main(argv=None):
             if len(heads) < len(heads_per_program):
                 print(f"{shape}: heads_per_program {sorted(set(heads_per_program) - set(heads))} left out "
                       f"(K={kv_heads})", flush=True)
-            # the dots' operand dtype is the kernel's default (F16 for an FP8 cache: measured faster, session 8)
+            # the dots' operand dtype is the kernel's default (F16 for an FP8 cache: measured faster)
             tiles = [{**dict(zip(grid, v, strict=True)), "heads_per_program": n}
                      for v in itertools.product(*grid.values()) for n in heads]
             if args.interpret:  # the interpreter ignores launch settings; a few tilings show the path works

@@ -7,7 +7,7 @@ Shapes: the four linears of a Llama-3.2-1B block (``wqkv`` 3072 x 2048, ``wo`` 2
 2048, ``w_down`` 2048 x 8192) at M = 64 and 256 rows (the decode batch), with the output dtypes the decode step
 writes (BF16 into the attention and the SwiGLU, f32 into the residual stream). One timed call is one jit of
 ``--layers`` GEMMs, one weight per layer (as the unrolled decode step reads them, each from its own buffer), each
-with an FP8 input of its own (until session 28 all shared one), every output kept. Rows report the GPU kernel
+with an FP8 input of its own (since b191b1d; before, all shared one), every output kept. Rows report the GPU kernel
 microseconds per GEMM (from a profiler trace of one call: every kernel, a split-K GEMM's reduction included), the
 weight bytes moved per second at that rate, the top kernels' names, and the wall time per GEMM (median of
 ``--repeats``: it includes the host's launches, which the decode step hides and this harness does not). Each

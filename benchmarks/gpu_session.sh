@@ -78,7 +78,7 @@ EOF
         --timeout ${E2E_MODE_TIMEOUT:-125} --out "$OUT/e2e_h100${E2E_TAG:-}.json" 2>&1 | grep -v "^W\|Warn" | tee "$OUT/e2e${E2E_TAG:-}.log" | tail -8 ;;
     e2e8b) # bench e2e at the Llama-3.1-8B width with E8B_LAYERS layers (default 10; the whole preset does not train on
       # one GPU), the llama1b config's batch shapes in microbatches of 16: issue 23's e2e_8b_width_h100.json. At JAX's
-      # default 75% of the H100, microbatches of 32 ran out of memory (session 19); 10 layers peak at 68.7 GiB of 94%
+      # default 75% of the H100, microbatches of 32 ran out of memory (at 8094864); 10 layers peak at 68.7 GiB of 94%
       XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.94} timeout 560 python3 -m fp8rl_jax.bench e2e \
         --config configs/llama1b.py "${width8b[@]}" --set rollout.prompts_per_step=${E2E_PROMPTS:-32} ${E2E_SET:-} \
         --modes ${E2E_MODES:-fp8_e2e,bf16_cublas} --timeout ${E2E_MODE_TIMEOUT:-250} \

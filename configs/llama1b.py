@@ -22,8 +22,9 @@ def get_config(arg=None):
     c.rollout.prompts_per_step = 64
     c.rollout.samples_per_prompt = 8
     c.rollout.max_new_tokens = 1024
-    # fixed: two waves of 256, the batch its H100 rollout and e2e figures were measured at (benchmarks/RESULTS.md);
-    # 0 (automatic) would decode all 512 sequences at once, which was not measured
+    # fixed: two waves of 256, the batch its H100 rollout and e2e figures were measured at (benchmarks/RESULTS.md,
+    # "Rollout throughput", "End-to-end step, llama1b shapes"); 0 (automatic) would decode all 512 sequences at once,
+    # which was not measured
     c.rollout.decode_slots = 256
     c.rl.minibatches = 4
     c.rl.microbatch_sequences = 32

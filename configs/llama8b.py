@@ -25,8 +25,9 @@ def get_config(arg=None):
     c.rollout.prompts_per_step = 128
     c.rollout.samples_per_prompt = 8
     c.rollout.max_new_tokens = 2048
-    # fixed: two waves of 512 over the 4 GPUs, as its 4 x H200 runs were measured (benchmarks/RESULTS.md); 0
-    # (automatic) would decode all 1024 sequences at once, twice the FP8 KV cache, which was not measured
+    # fixed: two waves of 512 over the 4 GPUs, as its 4 x H200 runs were measured (benchmarks/RESULTS.md, "Llama-3.1-8B
+    # at its shipped sizes on 4 x H200"); 0 (automatic) would decode all 1024 sequences at once, twice the FP8 KV cache,
+    # which was not measured
     c.rollout.decode_slots = 512
     c.rl.minibatches = 8
     c.rl.microbatch_sequences = 16

@@ -4,8 +4,8 @@
     python benchmarks/accuracy_study.py          # every precision mode, with and without TIS
 
 "What is 7 - 9?" with the GSM8K system prompt, judged like GSM8K (the number after '####', else the last number;
-0.1 for the '####' line). Greedy accuracy starts near 28% (benchmarks/RESULTS.md), so a GRPO run has room
-to move it within a few dozen steps, which GSM8K (3% for this model) does not give.
+0.1 for the '####' line). Greedy accuracy starts near 28% (benchmarks/RESULTS.md, "Accuracy study"), so a GRPO
+run has room to move it within a few dozen steps, which GSM8K (3% for this model) does not give.
 """
 
 import os

@@ -62,15 +62,15 @@ def base_config() -> ml_collections.ConfigDict:
     c.precision.bf16_linears = ()  # linears kept in BF16 in every block: ("w_down",)
     c.precision.lm_head_fp8 = False
     # the BF16 head's two backward GEMMs in FP8 (E5M2 logit gradient), its forward and logprobs BF16 (fp8_e2e;
-    # lm_head_fp8 wins where both are set). On: the same logprobs, 3-5% faster train phase on the H100 and the same
-    # accuracy in the fidelity study (benchmarks/RESULTS.md, session 22)
+    # lm_head_fp8 wins where both are set). On: the same logprobs, a faster train phase and the same accuracy in the
+    # fidelity study (benchmarks/RESULTS.md, "The LM head's backward in FP8")
     c.precision.lm_head_grad_fp8 = True
     # with lm_head_grad_fp8: the backward's logit recompute in FP8 too (the FP8 head's gradient, normalised on the FP8
-    # logits), the forward and its logprobs still BF16 (benchmarks/RESULTS.md, session 23)
+    # logits), the forward and its logprobs still BF16 (benchmarks/RESULTS.md, "The LM head's backward in FP8")
     c.precision.lm_head_recompute_fp8 = True
     c.precision.kv_cache_dtype = "bfloat16"  # bfloat16 | float8_e4m3fn
     # wo's and w_down's residual adds inside their FP8 GEMMs (cuBLASLt's C operand) instead of an add kernel each:
-    # the rollout +3% at batch 256 on the H100 (benchmarks/RESULTS.md, session 28)
+    # a faster rollout on the H100 (benchmarks/RESULTS.md, "Rollout throughput")
     c.precision.residual_in_gemm = True
     c.precision.kv_margin = 0
     # scoring and training attention: auto (GPU: cuDNN flash attention, Pallas' beside a Transformer Engine on

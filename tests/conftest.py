@@ -10,8 +10,9 @@ if os.environ["JAX_PLATFORMS"] == "cpu":
     os.environ["XLA_FLAGS"] += " --xla_cpu_experimental_ynn_fusion_type=-reduce"
     if os.environ.get("FP8RL_TEST_XLA_OPT") != "default":
         # LLVM at -O0 for the tests' tiny programs, whose time is mostly compiling: the suite ran in 653 s against
-        # 815 s on 2 cores (session 19). `make test` runs the exact sampler's bit-for-bit tests in a pass of their
-        # own at XLA's default optimization (FP8RL_TEST_XLA_OPT=default), as the product runs on CPU
+        # 815 s on 2 cores (benchmarks/RESULTS.md, "CPU test suite time"). `make test` runs the exact sampler's
+        # bit-for-bit tests in a pass of their own at XLA's default optimization (FP8RL_TEST_XLA_OPT=default), as the
+        # product runs on CPU
         os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:

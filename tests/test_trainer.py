@@ -256,8 +256,8 @@ def test_initial_calibration_sets_the_gradient_scales_and_the_first_update_match
               f"f32, {errors[setting][1]:.3f} flushed to 0")
     # measured on CPU (xla backend): 0.072 and 0 (E5M2's 2-bit mantissa sets the floor: observed scales give 0.076);
     # with the grad scales left at 1 it was 0.111 with 13% of the entries flushed to 0. The head's backward in FP8
-    # hands the blocks an E5M2-rounded gradient from the start: 0.102 (RESULTS.md, session 22); with its logit
-    # recompute in FP8 too (the FP8 head's gradient under the BF16 forward): 0.103
+    # hands the blocks an E5M2-rounded gradient from the start: 0.102 (RESULTS.md, "The LM head's backward in FP8");
+    # with its logit recompute in FP8 too (the FP8 head's gradient under the BF16 forward): 0.103
     assert errors["head backward BF16"][0] < 0.09 and errors["head backward BF16"][1] < 0.01
     for setting in ("head backward FP8", "head recompute FP8"):
         assert errors[setting][0] < 0.12 and errors[setting][1] < 0.01, setting

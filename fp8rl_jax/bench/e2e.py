@@ -11,11 +11,11 @@ then ``--steps`` timed steps whose phase times (``time/weights``: the sampler's 
     fp8_e2e        FP8 sampler and trainer, one set of delayed scales
     fp8_e2e_head   the same with the LM head in FP8 too (``precision.lm_head_fp8``)
     fp8_e2e_bf16_head_grad  fp8_e2e with the BF16 LM head's backward GEMMs in BF16 too (``precision.lm_head_grad_fp8``
-                   off, the default before session 22; its results files call fp8_e2e with it on fp8_e2e_headgrad)
+                   off, the earlier default; its results files call fp8_e2e with it on fp8_e2e_headgrad)
     fp8_e2e_bf16_recompute  fp8_e2e with the LM head's backward logit recompute in BF16
-                   (``precision.lm_head_recompute_fp8`` off, the default before session 23: two of its four GEMMs FP8)
+                   (``precision.lm_head_recompute_fp8`` off, the earlier default: two of its four GEMMs FP8)
     fp8_e2e_residual_adds  fp8_e2e with the rollout's residual adds after wo and w_down as XLA adds after TE's
-                   GEMMs (``precision.residual_in_gemm`` off, the default before session 28)
+                   GEMMs (``precision.residual_in_gemm`` off, the earlier default)
     fp8_e2e_cublas fp8_e2e with its BF16 GEMMs (head, BF16 blocks) on cuBLAS, as bf16_cublas's
     fp8_e2e_xla    fp8_e2e on the xla backend (XLA's FP8 GEMMs and fusions, no TE), cuBLAS for the rest
 

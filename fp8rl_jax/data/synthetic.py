@@ -9,8 +9,8 @@ split give the same problems; train and test are different streams.
 ``arithmetic_qa``: the same sums asked in words for a chat model, "What is 37 + 48?" -> "85", judged like GSM8K
 (``gsm8k_answer``: the number after "####", else the last number). The fidelity study's task
 (``configs/smollm2_arith.py``): with ``digits`` = 1 and the GSM8K system prompt, SmolLM2-135M-Instruct answers
-about 28% of 256 test problems greedily before training (64 new tokens; the study's step 0, benchmarks/RESULTS.md),
-with room to learn the format and to stop.
+about 28% of 256 test problems greedily before training (64 new tokens; the study's step 0, benchmarks/RESULTS.md,
+"Accuracy study"), with room to learn the format and to stop.
 
 ``pattern`` (the CPU smoke task, ``configs/tiny.py``): the prompt is ``PATTERN_LETTERS`` = 4 distinct letters
 drawn from the pool ``PATTERN_POOL`` = "abcdefgh", then ':' — e.g. "bfca:". A completion char *scores* when it

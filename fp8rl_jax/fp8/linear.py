@@ -108,10 +108,10 @@ def _residual_in_gemm(kernel, fp8_state, precision: Precision) -> bool:
 def _wide_dot(x: jax.Array, kernel: jax.Array, dims, out_dtype) -> jax.Array:
     """A BF16 GEMM with a wider (f32) output, whose backward GEMMs stay BF16.
 
-    Differentiated as it is, the f32 output's cotangent would make both backward GEMMs f32 x f32 (TF32 on a GPU,
-    half BF16's rate on twice the bytes: 0.32 s of a 1.67 s BF16 train minibatch at llama1b shapes,
-    benchmarks/RESULTS.md). The cotangent is rounded to the operands' dtype instead, as an autocast BF16 matmul
-    (whose output is BF16) or TE's BF16 GEMM would have it; the FP8 GEMMs round theirs to E5M2.
+    Differentiated as it is, the f32 output's cotangent would make both backward GEMMs f32 x f32 (TF32 on a GPU, half
+    BF16's rate on twice the bytes: 0.32 s of a 1.67 s BF16 train minibatch at llama1b shapes, benchmarks/RESULTS.md,
+    "End-to-end step, llama1b shapes"). The cotangent is rounded to the operands' dtype instead, as an autocast BF16
+    matmul (whose output is BF16) or TE's BF16 GEMM would have it; the FP8 GEMMs round theirs to E5M2.
     """
     return lax.dot_general(x, kernel, dims, preferred_element_type=out_dtype)
 

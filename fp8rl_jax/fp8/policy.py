@@ -42,7 +42,7 @@ class Precision:
       scales, beta 1: ``xla.gemm_into``), as XLA makes them for a BF16 GEMM; off: TE's GEMM, then an XLA add kernel.
       Scoring and training keep TE's GEMM and the add: there it gained nothing in the train phase and, with scoring
       on XLA's GEMM too, moved the rollout/scoring agreement and broke the exact sampler's bit-for-bit contract
-      (benchmarks/RESULTS.md, session 28).
+      (benchmarks/RESULTS.md, "Rollout throughput").
     attention: the full-sequence (no-cache) attention of scoring and training: ``xla`` (the masked einsum, the
       [T, S] scores in memory), ``cudnn`` (cuDNN's fused flash attention through ``jax.nn.dot_product_attention``,
       GPU, BF16), ``pallas`` (JAX's Pallas Triton flash attention, GPU) or ``auto`` (a GPU: cudnn, or pallas

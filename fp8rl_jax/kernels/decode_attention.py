@@ -98,7 +98,7 @@ Defaults (H100; ``benchmarks/decode_attention.py`` sweeps them; ``MAX_BLOCK_K``,
 - ``k_splits``: enough programs for ~8 per SM (132 SMs): 1024 / (B*K/P) rounded up, between 1 and 16, and at
   least 2 for a cache of 32 blocks or more. Batch 256 at K=8 gives 2048 programs of one kv head over a BF16 cache
   and 1024 of two over an FP8 one (1 split, no combine traffic); batch 64 gives 512 (2 splits).
-  Session 23's sweep of the kernel alone (benchmarks/RESULTS.md, "Decode attention kernel": block_k 32 / 64 / 128 x
+  A sweep of the kernel alone (benchmarks/RESULTS.md, "Decode attention kernel": block_k 32 / 64 / 128 x
   1 / 2 / 4 splits x 2 / 4 warps x 2 / 3 stages, llama1b heads, half of a 1,088-position cache) put 64-position
   blocks with three stages at or near the best in both dtypes; in the rollout (``bench rollout --decode_tuning
   128:2048:2,64:1024:3``) they took FP8 + FP8 KV at batch 256 from 91.8k to

@@ -1,11 +1,11 @@
 """The SwiGLU's backward and the FP8 operands of the MLP's weight and data gradients, in one pass.
 
-Why. In the te backend's training step the MLP's backward took three XLA fusions per layer and microbatch, each
-reading the [M, 2F] gate/up GEMM output again (llama1b, the H100 profile in benchmarks/RESULTS.md, 2.5 ms of a
-layer's backward): one wrote the gate's gradient in BF16 with q(h) and amax(h) beside it, one concatenated the
-gate's and the up's gradients and quantized them, one took their amax; then byte transposes made the token-minor
-copies of q(h) and q(dgate_up) that the weight gradients need. Here one kernel reads the gate/up output and the
-gradient of h once and writes every FP8 operand the three backward GEMMs take, with both amaxes.
+Why. In the te backend's training step the MLP's backward took three XLA fusions per layer and microbatch, each reading
+the [M, 2F] gate/up GEMM output again (llama1b, the H100 profile in benchmarks/RESULTS.md, "Train-step kernels": 2.5 ms
+of a layer's backward): one wrote the gate's gradient in BF16 with q(h) and amax(h) beside it, one concatenated the
+gate's and the up's gradients and quantized them, one took their amax; then byte transposes made the token-minor copies
+of q(h) and q(dgate_up) that the weight gradients need. Here one kernel reads the gate/up output and the gradient of h
+once and writes every FP8 operand the three backward GEMMs take, with both amaxes.
 
 What it computes, from ``gate_up`` [M, 2F] (gate | up) and ``g_h`` [M, F] (the gradient of h = silu(gate) * up),
 in f32:
@@ -26,7 +26,7 @@ tile of the gate, of the up and of g_h, and stores q(dgate), q(dup) row-major, q
 maximum of those, a few MB). ``impl="xla"``: the same arithmetic as XLA ops (CPU, and shapes the blocks do not
 divide).
 
-Measured on the H100 (``benchmarks/swiglu_grad.py``, session 24): it moves its bytes at 1.6-1.7 TB/s. Neither what
+Measured on the H100 (``benchmarks/swiglu_grad.py``): it moves its bytes at 1.6-1.7 TB/s. Neither what
 is transposed (the FP8 tiles, the f32 values before quantizing, the BF16 inputs with the arithmetic done again, or
 32-bit words of four tokens' FP8 values), nor several row tiles per program with the next tile's loads issued
 early, nor the block shape moved it beyond the noise (commit 5549d64 has those forms; benchmarks/RESULTS.md, "Train-step

@@ -3,7 +3,7 @@
 Why. Hopper's FP8 GEMMs take both operands K-major. The weight gradient ``dw = x^T g`` contracts over the tokens,
 so it needs ``q(x)`` and ``q(g)`` with the tokens as the minor axis: a transposed copy of each, made once per
 linear and microbatch. XLA's transpose of a one-byte array ran at ~0.6 TB/s on the H100 (a llama1b train minibatch:
-180 ms of transposes, benchmarks/RESULTS.md), a fifth of the copy rate.
+180 ms of transposes, benchmarks/RESULTS.md, "Train-step kernels"), a fifth of the copy rate.
 
 The kernel (Pallas, Triton backend). Grid ``(R / block_rows, C / block_cols)``: a program loads one
 ``[block_rows, block_cols]`` tile as bytes and stores its transpose at the mirrored tile of the ``[C, R]`` output;

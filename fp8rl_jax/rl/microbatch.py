@@ -31,7 +31,7 @@ allocator takes 75% by default: ``bytes_limit`` 59.4 GiB.
   (16 x 8 kB = 128 kB), one block's recomputed activations at a time and the head chunk (256 x 128256 x ~8 B =
   260 MB per sequence, 0.2 MB per token at T = 1280). Measured: 12.8 GiB at 16 x 1280, 0.64 MiB per token, beside
   13.8 GiB of f32 weights and Adam moments: 32768 tokens ~ 20 GiB. (The shipped 32 x 1280 = 40960 tokens peaked at
-  45-48 GiB in 3-step runs, benchmarks/RESULTS.md.)
+  45-48 GiB in 3-step runs, benchmarks/RESULTS.md, "Train-step memory".)
 - Llama-3.1-8B, remat full: 32 x 16 kB of block inputs, a block of twice the 1B's width and the head: ~1.2 MiB per
   token by the same arithmetic (not measured: its compile outlasted the session), split over the FSDP devices that
   split the batch; its weights and Adam state (96 GB) need several GPUs anyway.

@@ -59,8 +59,10 @@ PREFILL_BUCKETS = tuple(2**i for i in range(4, 16))  # 16 .. 32768, JetStream's 
 
 # XLA:GPU options for the programs that decode (prefill, generate, generate_steps), passed per jit so that the
 # trainer's programs keep the process's defaults: the decode GEMMs (M = the batch) take cuBLAS rather than Triton,
-# 1.4x the BF16 rollout on the H100 (benchmarks/RESULTS.md). Measured and left out: while loops inside CUDA graphs
-# (xla_gpu_enable_command_buffer with WHILE, CONDITIONAL) changed nothing; the GPU idles under 7% of a decode step.
+# 1.4x the BF16 rollout on the H100 (benchmarks/RESULTS.md, "Rollout throughput"). Measured and left out: while
+# loops inside CUDA graphs
+# (xla_gpu_enable_command_buffer with WHILE, CONDITIONAL) changed nothing; the GPU idles under 7% of a decode
+# step.
 DECODE_GPU_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
 COMPILER_OPTIONS = ("auto", "none")
 LAYER_LOOPS = ("auto", "scan", "unrolled")
@@ -213,8 +215,8 @@ class Engine:
         # in place, and the cache as one array (of bits) per layer (llama.cache_layers), which it writes in place.
         # On a CPU a scan over stacked weights has XLA copy each layer's slice (as many bytes again as the GEMMs
         # read) and convert the whole cache to its bits and back in every step; on the H100 the unrolled step has
-        # fewer copies and kernels, 10% faster in FP8 (benchmarks/RESULTS.md). On a mesh too: the per-layer arrays
-        # are placed by the same rules as the stacked ones.
+        # fewer copies and kernels, and is faster in FP8 (benchmarks/RESULTS.md, "Rollout throughput"). On a mesh
+        # too: the per-layer arrays are placed by the same rules as the stacked ones.
         self._per_layer = config.layer_loop != "scan"
         self._load = jax.jit((lambda p, s: per_layer(load(p, s))) if self._per_layer else load)
         # with per-layer weights the blocks' FP8 state and the KV scales come per layer too (llama.forward_hidden):
