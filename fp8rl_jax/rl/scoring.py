@@ -25,35 +25,33 @@ gradient is quantized with the grad scale (E5M2 in ``hybrid``) for the two backw
 carries the amaxes observed over the whole call: the hidden state's, the kernel's and the largest logit gradient
 of any chunk. These are the operands and GEMMs of the autodiff head below, so the two agree to f32 rounding (up
 to a logit gradient on an E5M2 rounding boundary: ``tests/rl/test_scoring.py``); the autodiff head quantized and
-transposed the 128k-vocabulary kernel in every chunk, forward and backward, and lost to the BF16 head (5.62 s
-against 5.48 s a train step on the H100).
+transposed the 128k-vocabulary kernel in every chunk, forward and backward, and lost to the BF16 head in the H100's
+train step.
 
 With ``lm_head_grad_fp8`` alone the head is ``fp8_grad_head_logprobs``: the BF16 head's forward as it is (the custom
-VJP's primal and forward are ``_chunked_head``'s, so the logprobs, the entropies and the rollout's agreement with
-them do not move) and the FP8 head's two backward GEMMs (``_fp8_head_backward``, shared with it). Each chunk's
-logits are recomputed in BF16 as the BF16 head's backward does; the logit gradient is quantized with the grad
-scale (E5M2), and the master kernel and the hidden state are quantized once per call with the kernel and x scales,
-in the backward pass (nothing FP8 lives between the two passes). Those are two of the head's four GEMMs per chunk
-(the logits, their recompute, dx, dW), the two whose rounding never reaches a logprob: the gradients carry E5M2
-rounding as every other FP8 linear's do. What it gains on the H100: benchmarks/RESULTS.md, "The LM head's backward
-in FP8". Its forward observes nothing, so the calibration observes the
-head's three operands itself (``rl.step.make_calibrate``). It serves ``rowwise`` scaling as it is: a rowwise
-linear's backward is per tensor with the delayed scales too.
+VJP's primal and forward are ``_chunked_head``'s, so the logprobs, the entropies and the rollout's agreement with them
+do not move) and the FP8 head's two backward GEMMs (``_fp8_head_backward``, shared with it). Each chunk's logits are
+recomputed in BF16 as the BF16 head's backward does; the logit gradient is quantized with the grad scale (E5M2), and the
+master kernel and the hidden state are quantized once per call with the kernel and x scales, in the backward pass
+(nothing FP8 lives between the two passes). Those are two of the head's four GEMMs per chunk (the logits, their
+recompute, dx, dW), the two whose rounding never reaches a logprob: the gradients carry E5M2 rounding as every other FP8
+linear's do (what it gains and costs: benchmarks/RESULTS.md, "The LM head's backward in FP8"). Its forward observes
+nothing, so the calibration observes the head's three operands itself (``rl.step.make_calibrate``). It serves
+``rowwise`` scaling as it is: a rowwise linear's backward is per tensor with the delayed scales too.
 
 With ``lm_head_recompute_fp8`` too, the backward's logit recompute is the FP8 head's GEMM as well
-(``_fp8_scaled_logits``: the kernel quantized once per call in both layouts, the hidden state once), so three of
-the four GEMMs per chunk are FP8 and only the forward's logits are BF16; the forward, and with it every logprob and
-entropy, is still the BF16 head's bit for bit. The recomputed logits are normalised on their own log-sum-exp, not
-on the forward's: exp(z8 - max - lse) with the BF16 logits' lse does not sum to 1, and the gradient 1 - p of a
-confident target (p ~ 0.99) could change sign. The gradient is then the FP8 head's (the softmax of the FP8 logits,
-the same operands and GEMMs: ``tests/rl/test_scoring.py``) while the loss's logprobs are the BF16 head's; the first
-update's block gradients on the tiny config are 0.103 from f32's, against 0.102 with the BF16 recompute
-(``tests/test_trainer.py``). Renormalising costs one reduction over each chunk's logits, the sum of their
-exponentials shifted by the forward's max (the entropy's gradient, where it is taken, recomputes all their
-statistics). That GEMM writes the logits in BF16 (``RECOMPUTE_LOGITS_DTYPE``: half the bytes the two passes over
-them read; their own normalisation keeps the softmax summing to 1, and the gradient is rounded to E5M2 next): the
-head's gradients move by 3e-4 of their norm against f32 logits on the tiny config. On one GPU the sum of their
-exponentials, the gradient, its E5M2 quantize and amax, and its token-minor copy for dW come from two Pallas
+(``_fp8_scaled_logits``: the kernel quantized once per call in both layouts, the hidden state once), so three of the
+four GEMMs per chunk are FP8 and only the forward's logits are BF16; the forward, and with it every logprob and entropy,
+is still the BF16 head's bit for bit. The recomputed logits are normalised on their own log-sum-exp, not on the
+forward's: exp(z8 - max - lse) with the BF16 logits' lse does not sum to 1, and the gradient 1 - p of a confident target
+(p ~ 0.99) could change sign. The gradient is then the FP8 head's (the softmax of the FP8 logits, the same operands and
+GEMMs: ``tests/rl/test_scoring.py``) while the loss's logprobs are the BF16 head's (the first update's block gradients
+against f32's: ``tests/test_trainer.py`` and the RESULTS section above). Renormalising costs one reduction over each
+chunk's logits, the sum of their exponentials shifted by the forward's max (the entropy's gradient, where it is taken,
+recomputes all their statistics). That GEMM writes the logits in BF16 (``RECOMPUTE_LOGITS_DTYPE``: half the bytes the
+two passes over them read; their own normalisation keeps the softmax summing to 1, and the gradient is rounded to E5M2
+next): the head's gradients move by 3e-4 of their norm against f32 logits on the tiny config. On one GPU the sum of
+their exponentials, the gradient, its E5M2 quantize and amax, and its token-minor copy for dW come from two Pallas
 kernels (``kernels/head_grad.py``; XLA's ops on CPU and under a mesh of several devices, the same arithmetic). The
 observations are the same three operands'.
 
