@@ -271,6 +271,29 @@ def test_compare_refuses_different_problems(hand_made_pair, tmp_path, capsys):
                                        "they evaluated different datasets\n")
 
 
+@pytest.mark.parametrize("content, lacks", [
+    ("{}", "lacks config, precision_mode, precision_backend, kv_cache_dtype, checkpoint, step, k"),
+    ('{"config": "c.py", "precision_mode": "bf16", "precision_backend": "xla", "kv_cache_dtype": "bfloat16", "k": 1}',
+     "lacks checkpoint, step"),
+    ("[]", ": a JSON list, not the object python -m fp8rl_jax.eval writes"),
+], ids=["empty", "no_policy", "list"])
+def test_compare_refuses_a_results_json_that_does_not_say_its_run(hand_made_pair, tmp_path, capsys, content, lacks):
+    """A results.json without the run's description was compared as "initial weights" (its checkpoint missing read
+    as none) with exit status 0; a list was a traceback. Refused, naming the file and what it lacks."""
+    reference, other = hand_made_pair
+    (other / "results.json").write_text(content)
+    assert main(["fp8rl_jax.eval", "compare", str(reference), str(other)]) == 2
+    out = capsys.readouterr()
+    assert out.out == ""
+    assert out.err.startswith(f"error: {other / 'results.json'}{' ' if lacks.startswith('lacks') else ''}{lacks}")
+    assert out.err.count("\n") == 1
+    assert not (other / "compare.json").exists()
+    # the same reference given to an evaluation fails at start-up, before the model loads
+    assert main(["fp8rl_jax.eval", f"--config={TINY}", f"--compare={other}", f"--out={tmp_path / 'out'}"]) == 2
+    assert capsys.readouterr().err.startswith(f"error: {other / 'results.json'}")
+    assert not (tmp_path / "out").exists()
+
+
 # ----------------------------------------------------------------------------------------------------------
 # bad input: one line, exit status 2, before anything is loaded
 
