@@ -30,10 +30,17 @@ def _config_file(tmp_path, body, name="bad.py"):
     return str(path)
 
 
-def _main(*args):
+def _main(*args, module="fp8rl_jax.main"):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    return subprocess.run([sys.executable, "-m", "fp8rl_jax.main", *args], cwd=REPO, env=env,
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=120)
+
+
+def _one_error_line(result, status=2) -> str:
+    """The one ``error:`` line of a command that failed with ``status`` and printed nothing else."""
+    assert (result.returncode, result.stdout) == (status, ""), result.stderr[-3000:]
+    assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1, result.stderr[-3000:]
+    return result.stderr.rstrip("\n")
 
 
 @pytest.mark.parametrize("body, message", RAISING_CONFIGS, ids=[m.split(":")[0] for _, m in RAISING_CONFIGS])
@@ -100,6 +107,35 @@ def test_smollm2_tokenizer_for_random_weights():
     tokenizer = load_tokenizer(config.model, config.model.source)
     assert tokenizer.vocab_size == 49152
     assert tokenizer.decode(tokenizer.encode("What is 2+3?")).endswith("What is 2+3?")
+
+
+EMPTY_CONFIG_LACKS = ("the sections checkpoint, data, faults, logging, mesh, model, optim, precision, reward, rl, "
+                      "rollout and the keys seed, steps, workdir of base_config()")
+
+
+@pytest.mark.parametrize("module", ["main", "eval", "export", "serve"])
+def test_config_without_the_base_sections_is_one_line(tmp_path, module):
+    """``get_config`` returning a bare ``ConfigDict()``: a 34-line traceback ending ``KeyError: 'precision'``, now the
+    sections it lacks, from every entry point."""
+    path = tmp_path / "empty.py"
+    path.write_text("import ml_collections\n\n\ndef get_config(arg=None):\n    return ml_collections.ConfigDict()\n")
+    extra = {"eval": [], "export": ["--dry_run", f"--out={tmp_path / 'out'}"]}.get(module, ["--dry_run"])
+    line = _one_error_line(_main(f"--config={path}", *extra, module=f"fp8rl_jax.{module}"))
+    assert line == (f"error: {path}: get_config returned a config without {EMPTY_CONFIG_LACKS}; start it from "
+                    "fp8rl_jax.config.base_config() and change what it needs (as configs/*.py do)")
+
+
+def test_validate_names_what_a_config_lacks():
+    from fp8rl_jax.config import base_config, missing_keys, validate
+
+    assert missing_keys(base_config()) is None
+    config = base_config()
+    del config["rollout"]
+    del config.optim["lr"]
+    with pytest.raises(ConfigError) as err:
+        validate(config, config_file="c.py")
+    assert str(err.value) == ("c.py lacks the section rollout and the key optim.lr of base_config(); a config starts "
+                              "from fp8rl_jax.config.base_config() and changes what it needs")
 
 
 @pytest.mark.parametrize("body, message", RAISING_CONFIGS[:3])
