@@ -303,6 +303,7 @@ def test_compare_refuses_a_results_json_that_does_not_say_its_run(hand_made_pair
     (["--checkpoint={tmp}"], "--checkpoint={tmp} holds no complete checkpoint; " + CHECKPOINT_FORMS),
     (["--num=0"], "flag --num=0: 0 is not a positive integer"),
     (["--k=two"], "flag --k=two: invalid literal for int() with base 10: 'two'"),
+    (["--nosuchflag"], "Unknown command line flag 'nosuchflag' (--help lists the flags)"),
     (["--temperature=0"], "--temperature=0.0 is invalid; allowed: > 0 (the temperature of the k samples; greedy "
                           "decoding needs none)"),
     (["--config.rollout.tempreature=0.5"], "--config.rollout.tempreature: unknown key 'tempreature' in "
@@ -313,8 +314,8 @@ def test_compare_refuses_a_results_json_that_does_not_say_its_run(hand_made_pair
                           "--out=FOLDER writes one)"),
     (["extra"], "unexpected arguments: ['extra'] (compare two results folders with: python -m fp8rl_jax.eval "
                 "compare REFERENCE_DIR OTHER_DIR)"),
-], ids=["missing_checkpoint", "no_checkpoint_in_folder", "num", "k", "temperature", "config_key", "config_value",
-        "compare_folder", "positional"])
+], ids=["missing_checkpoint", "no_checkpoint_in_folder", "num", "k", "flag", "temperature", "config_key",
+        "config_value", "compare_folder", "positional"])
 def test_bad_input_is_one_line(tmp_path, capsys, args, message):
     args = [a.replace("{tmp}", str(tmp_path)) for a in args]
     assert main(["fp8rl_jax.eval", f"--config={TINY}", *args]) == 2

@@ -43,6 +43,52 @@ def _one_error_line(result, status=2) -> str:
     return result.stderr.rstrip("\n")
 
 
+ROLLOUT_KEYS = ("decode_attention, decode_slots, exact, max_new_tokens, prompts_per_step, samples_per_prompt, "
+                "temperature, tensor_parallel, top_k, top_p")
+# a flag that does not parse, and the start of the one line it gives (all exited with status 1 before, most in two)
+BAD_FLAGS = [
+    ("--config.rollout.foo=1", f"--config.rollout.foo: unknown key 'foo' in config.rollout; known: {ROLLOUT_KEYS}"),
+    ("--config.nosuchsection.x=1", "--config.nosuchsection.x: unknown key 'nosuchsection' in config; known: "
+     "checkpoint, data, faults, logging, mesh, model, optim, precision, reward, rl, rollout, seed, steps, workdir"),
+    ("--config.seed.x=1", "--config.seed.x: config.seed is a value (int), not a section with keys"),
+    ("--nosuchflag", "Unknown command line flag 'nosuchflag' (--help lists the flags)"),
+    ("--config.rollout.prompts_per_step=abc", "flag --config.rollout.prompts_per_step=abc: "),
+    ("--config.optim.lr=abc", "flag --config.optim.lr=abc: "),
+    ("--config.rl.packing=maybe", "flag --config.rl.packing=maybe: "),
+    ("--steps=abc", "flag --steps=abc: "),
+    ("extra", "unexpected arguments: ['extra']"),
+]
+
+
+@pytest.mark.parametrize("arg, message", BAD_FLAGS, ids=[a.split("=")[0] for a, _ in BAD_FLAGS])
+def test_bad_flag_is_one_line_and_exit_status_2(tmp_path, arg, message):
+    line = _one_error_line(_main("--config=configs/tiny.py", f"--config.workdir={tmp_path / 'run'}", arg,
+                                 "--dry_run"))
+    assert line.startswith(f"error: {message}")
+    assert not (tmp_path / "run").exists()
+
+
+def test_unknown_key_without_dry_run():
+    """What README and the module docstring promise, as a user types it: exit status 2, one line."""
+    line = _one_error_line(_main("--config=configs/tiny.py", "--config.rollout.foo=1"))
+    assert line == f"error: --config.rollout.foo: unknown key 'foo' in config.rollout; known: {ROLLOUT_KEYS}"
+
+
+@pytest.mark.parametrize("module", ["export", "serve"])
+@pytest.mark.parametrize("arg, message", [
+    ("--config.rollout.foo=1", f"--config.rollout.foo: unknown key 'foo' in config.rollout; known: {ROLLOUT_KEYS}"),
+    ("--nosuchflag", "Unknown command line flag 'nosuchflag' (--help lists the flags)"),
+    ("--config.optim.lr=abc", "flag --config.optim.lr=abc: "),
+    ("extra", "unexpected arguments: ['extra']"),  # was absl's usage text, exit status 1
+    ("--steps=3", "--steps=3: a trainer flag (python -m fp8rl_jax.main)"),
+], ids=["unknown_key", "unknown_flag", "bad_value", "positional", "steps"])
+def test_export_and_serve_bad_flags_are_one_line(tmp_path, module, arg, message):
+    """The other entry points that parse with ``fp8rl_jax.main``'s flags say the same, in the same way."""
+    extra = [f"--out={tmp_path / 'out'}"] if module == "export" else ["--port=0"]
+    line = _one_error_line(_main("--config=configs/tiny.py", *extra, arg, "--dry_run", module=f"fp8rl_jax.{module}"))
+    assert line.startswith(f"error: {message}")
+
+
 @pytest.mark.parametrize("body, message", RAISING_CONFIGS, ids=[m.split(":")[0] for _, m in RAISING_CONFIGS])
 def test_cli_config_whose_get_config_raises(tmp_path, body, message):
     path = _config_file(tmp_path, body)

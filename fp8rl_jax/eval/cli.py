@@ -162,10 +162,8 @@ def _parse(argv: list[str]) -> tuple[dict, list[str]]:
     fv, held = _define_flags(argv)
     try:
         rest = fv(argv)
-    except flags.Error as e:
-        raise UsageError(train_cli._unknown_override(argv) or e) from None
-    except (KeyError, AttributeError, ValueError, TypeError) as e:
-        raise UsageError(train_cli._unknown_override(argv) or e) from None
+    except (flags.Error, KeyError, AttributeError, ValueError, TypeError) as e:
+        raise UsageError(train_cli.flag_error(argv, e)) from None
     return {name: holder.value for name, holder in held.items()}, rest[1:]
 
 
