@@ -16,6 +16,11 @@ exported logits are its master-weight logits, a little different from what its F
 The output folder must not exist or be empty (an export never overwrites files). An ``--out`` inside a run's
 workdir (``config.workdir``, or the one ``--checkpoint`` is in) is written only while no other process holds that
 workdir (``fp8rl_jax.workdir_lock``); under a live trainer the export stops with exit status 3, naming it.
+
+Exit status: 0 written; 2 bad input, said in one ``error:`` line (a flag, a config key or value, an ``--out`` that
+holds files, a ``--checkpoint`` without such a step, a model or tokenizer file that does not read:
+``fp8rl_jax.main.bad_input_errors``); 3 the workdir is in use; 1 the files do not fit together (a checkpoint of
+another model, one line) or anything else (a traceback).
 """
 
 from __future__ import annotations
@@ -79,6 +84,8 @@ def main(argv) -> int:
     config, code = cli.tool_config(argv)
     if config is None:
         return code
+    if _STEP.value is not None and not _CHECKPOINT.value:
+        return cli.input_error(f"--step={_STEP.value} needs --checkpoint (the trainer's <workdir>/checkpoints)")
     try:  # an export into a run's workdir: not while another process (a trainer) owns it
         run_dirs = [Path(_CHECKPOINT.value).parent if _CHECKPOINT.value else None, config.workdir]
         lock = lock_for_output(_OUT.value, run_dirs, alternative="--out=<a folder outside it>")
@@ -87,7 +94,9 @@ def main(argv) -> int:
         return 3
     try:
         out = export_run(config, _OUT.value, checkpoint=_CHECKPOINT.value, step=_STEP.value, dtype=_DTYPE.value)
-    except (OSError, ValueError) as e:  # an existing output folder, a missing checkpoint or model file
+    except cli.bad_input_errors() as e:  # an existing output folder, a missing checkpoint, a bad model file: exit 2
+        return cli.input_error(e)
+    except ValueError as e:  # what the files hold does not fit (a checkpoint of another model, say)
         print(f"error: {e}", file=sys.stderr)
         return 1
     finally:

@@ -34,6 +34,17 @@ _STEPS = flags.DEFINE_integer(
 _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Validate the config, print it and exit.")
 
 
+def bad_input_errors() -> tuple[type[BaseException], ...]:
+    """What bad input raises, which every entry point (this one, ``fp8rl_jax.eval``, ``.export``, ``.serve``) says as
+    one ``error:`` line with exit status 2 (``input_error``): a config key or value (``ConfigError``), a data, model or
+    tokenizer file that does not read as one (``fp8rl_jax.errors.InputFileError``), a file or folder that is missing
+    or cannot be opened (``OSError``; the message names it)."""
+    from fp8rl_jax.config import ConfigError
+    from fp8rl_jax.errors import InputFileError
+
+    return ConfigError, InputFileError, OSError
+
+
 def input_error(error) -> int:
     """Print ``error`` (an exception or a message) as one ``error:`` line on stderr; the exit status of bad input,
     ``EXIT_CONFIG``."""
@@ -43,13 +54,13 @@ def input_error(error) -> int:
 
 def _validated_config(**validate_kw):
     """The ``--config``, checked by ``config.validate(**validate_kw)``; None after printing the one-line error."""
-    from fp8rl_jax.config import ConfigError, validate
+    from fp8rl_jax.config import validate
 
     try:
         config = _CONFIG.value
         config.get("seed")  # a config file that failed to load raises its error on first access
         validate(config, config_file=_config_path(sys.argv).partition(":")[0], **validate_kw)
-    except (ConfigError, OSError) as e:
+    except bad_input_errors() as e:
         input_error(e)
         return None
     return config
@@ -103,14 +114,14 @@ def main(argv) -> int:
     except ValueError as e:
         return input_error(e)
     from fp8rl_jax.checkpoint import CheckpointSaveError
-    from fp8rl_jax.config import ConfigError
+    from fp8rl_jax.errors import InputFileError
     from fp8rl_jax.memory import EXIT_OUT_OF_MEMORY, DeviceOutOfMemory
     from fp8rl_jax.trainer import Trainer
     from fp8rl_jax.workdir_lock import WorkdirLockedError
 
-    try:
-        trainer = Trainer(config)  # checks what needs the machine or the model: backend, positions, workdir
-    except ConfigError as e:
+    try:  # checks what needs the machine or the model (backend, positions, workdir), reads the model and the data
+        trainer = Trainer(config)
+    except bad_input_errors() as e:
         return input_error(e)
     except WorkdirLockedError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -123,6 +134,8 @@ def main(argv) -> int:
         trainer.run()
     except (CheckpointSaveError, DeviceOutOfMemory) as e:  # a save, or a phase of an RL step that did not fit
         failure = e
+    except InputFileError as e:  # the evaluation's data file (data.eval_path), read at the first evaluation
+        failure = e
     finally:  # also on any other error: the pending save finishes, the workdir is released
         try:
             trainer.close()  # the final save's failure shows here
@@ -130,6 +143,8 @@ def main(argv) -> int:
             failure = failure or e
     if failure is not None:
         print(f"error: {failure}", file=sys.stderr)
+        if isinstance(failure, InputFileError):
+            return EXIT_CONFIG
         return EXIT_OUT_OF_MEMORY if isinstance(failure, DeviceOutOfMemory) else EXIT_CHECKPOINT_SAVE
     return 0
 

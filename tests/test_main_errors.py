@@ -243,3 +243,96 @@ def test_bad_gguf_is_named(tmp_path, content, cause):
         weights.load_gguf(path)
     assert str(err.value).startswith(f"{path}: not a readable GGUF file ({cause}")
     assert "\n" not in str(err.value)
+
+
+def test_missing_tensor_and_non_object_configs_are_named(tmp_path):
+    from safetensors.numpy import save
+
+    from fp8rl_jax.errors import InputFileError, MissingTensorError
+
+    folder = _hf_folder(tmp_path, save({"model.embed_tokens.weight": np.ones((16, 8), np.float32)}))
+    with pytest.raises(MissingTensorError) as err:
+        weights.load_hf(folder)
+    assert isinstance(err.value, KeyError) and isinstance(err.value, InputFileError)  # caught as either
+    assert str(err.value).startswith(f"{folder}: tensor 'model.layers.0.")  # the message, not KeyError's repr of it
+    (folder / "config.json").write_text("[1, 2]")
+    with pytest.raises(InputFileError, match=r"hf/config\.json: a JSON list, not an object of model settings"):
+        weights.load_hf(folder)
+
+
+@pytest.mark.parametrize("content, cause", [
+    (b"garbage", "expected value at line 1 column 1"),
+    (b"\x00\xff\xfe", "stream did not contain valid UTF-8"),
+    (b"{}", "Model missing"),
+], ids=["text", "binary", "empty_object"])
+def test_bad_tokenizer_json_is_named(tmp_path, content, cause):
+    """The tokenizers library raises a bare ``Exception`` naming no file: it passed every entry point's catch."""
+    from fp8rl_jax.errors import InputFileError
+    from fp8rl_jax.model.tokenizer import Tokenizer
+
+    (tmp_path / "tokenizer.json").write_bytes(content)
+    with pytest.raises(InputFileError) as err:
+        Tokenizer.from_folder(tmp_path)
+    assert str(err.value).startswith(f"{tmp_path / 'tokenizer.json'}: not a readable tokenizer.json ({cause}")
+    (tmp_path / "tokenizer.json").unlink()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# bad data and model files through the entry points: one line naming the file, exit status 2
+
+
+def _bad_input(tmp_path, kind: str) -> tuple[list[str], str]:
+    """``(config overrides that read a bad file of this kind, the file)``."""
+    if kind == "data":
+        path = tmp_path / "train.jsonl"
+        path.write_text('{"question": "q", "answer": "#### 1"}\nnot json\n')
+        return ["--config.data.dataset=gsm8k", f"--config.data.train_path={path}", f"--config.data.eval_path={path}",
+                "--config.precision.mode=bf16"], str(path)
+    if kind == "gguf":
+        path = tmp_path / "model.gguf"
+        path.write_bytes(np.random.default_rng(0).bytes(4096))
+        return [f"--config.model.source={path}", "--config.model.tokenizer="], str(path)
+    if kind == "tokenizer":  # a model folder that loads, beside a tokenizer.json that does not
+        import jax
+
+        from fp8rl_jax.model import llama
+        from fp8rl_jax.model.config import preset
+
+        folder = tmp_path / "hf"
+        arch = preset("tiny")
+        weights.save_hf(folder, llama.init_params(arch, jax.random.PRNGKey(0)), arch)
+        (folder / "tokenizer.json").write_text("garbage")
+        return [f"--config.model.source={folder}", "--config.model.tokenizer="], str(folder / "tokenizer.json")
+    folder = _hf_folder(tmp_path, np.random.default_rng(0).bytes(4096))
+    if kind == "hf_config":
+        (folder / "config.json").write_bytes(np.random.default_rng(1).bytes(300))
+    return [f"--config.model.source={folder}", "--config.model.tokenizer="], str(
+        folder / ("config.json" if kind == "hf_config" else "model.safetensors"))
+
+
+@pytest.mark.parametrize("module, kind", [
+    ("main", "data"), ("main", "gguf"), ("main", "safetensors"), ("main", "hf_config"), ("main", "tokenizer"),
+    ("serve", "gguf"), ("serve", "hf_config"), ("serve", "tokenizer"),
+    ("export", "safetensors"), ("export", "tokenizer"),
+])
+def test_bad_data_or_model_file_is_one_line(tmp_path, module, kind):
+    """main and serve printed the cause as the last line of a ~30-line traceback (exit status 1), export as one line
+    with exit status 1, and a tokenizer.json that does not parse was a traceback everywhere."""
+    overrides, path = _bad_input(tmp_path, kind)
+    extra = {"main": [f"--config.workdir={tmp_path / 'run'}", "--steps=1"], "serve": ["--port=0"],
+             "export": [f"--out={tmp_path / 'out'}"]}[module]
+    line = _one_error_line(_main("--config=configs/tiny.py", *overrides, *extra, module=f"fp8rl_jax.{module}"))
+    assert line.startswith(f"error: {path}")
+
+
+@pytest.mark.parametrize("kind", ["data", "tokenizer"])
+def test_eval_bad_data_or_model_file_is_exit_status_2(tmp_path, capsys, kind):
+    """The evaluation said these in one line already, with exit status 1 (as for a failure, not bad input)."""
+    from fp8rl_jax.eval.cli import main as eval_main
+
+    overrides, path = _bad_input(tmp_path, kind)
+    tiny = os.path.join(REPO, "configs", "tiny.py")
+    status = eval_main(["fp8rl_jax.eval", f"--config={tiny}", *overrides, f"--out={tmp_path / 'out'}"])
+    out = capsys.readouterr()
+    assert (status, out.err.count("\n")) == (2, 1), out.err
+    assert out.err.startswith(f"error: {path}")

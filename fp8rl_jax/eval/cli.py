@@ -33,10 +33,11 @@ same checkpoint in BF16 and in FP8:
     python -m fp8rl_jax.eval --config=C --checkpoint=runs/x --out=runs/x/eval/fp8 --compare=runs/x/eval/bf16
 
 Bad input (flags, config keys, a checkpoint path that holds no checkpoint, a folder that is not a results folder)
-fails at start-up with one line ``error: ...`` and exit status 2; a failure while loading the model or the
-checkpoint exits with status 1. Results that would go into a run's workdir (the default ``--out``) are written
-only while no other process holds it (``fp8rl_jax.workdir_lock``): under a live trainer the evaluation stops at
-start-up with exit status 3 and names the trainer's host and pid; ``--out`` elsewhere evaluates a live run.
+fails at start-up with one line ``error: ...`` and exit status 2, and so does a data, model or tokenizer file that
+does not read, once it is loaded (``fp8rl_jax.main.bad_input_errors``); a checkpoint that does not fit the config's
+model exits with status 1, in one line too. Results that would go into a run's workdir (the default ``--out``) are
+written only while no other process holds it (``fp8rl_jax.workdir_lock``): under a live trainer the evaluation stops
+at start-up with exit status 3 and names the trainer's host and pid; ``--out`` elsewhere evaluates a live run.
 """
 
 from __future__ import annotations
@@ -307,7 +308,7 @@ def main(argv: list[str]) -> int:
         return 0
     logging.set_verbosity(logging.WARNING)  # Orbax logs every file it writes at INFO
     from fp8rl_jax import main as train_cli
-    from fp8rl_jax.config import ConfigError, validate
+    from fp8rl_jax.config import validate
     from fp8rl_jax.rl.rewards import reward_names
 
     try:
@@ -328,7 +329,7 @@ def main(argv: list[str]) -> int:
                                                 else (None, None))
         if values["compare"] is not None:
             read_results(values["compare"])  # a bad reference fails now, not after the evaluation
-    except (UsageError, ConfigError, ResultsError, OSError) as e:
+    except (UsageError, ResultsError, *train_cli.bad_input_errors()) as e:
         return _error(e)
     values["config_path"] = train_cli._config_path(argv)
     if values["out"] is None:
@@ -348,9 +349,9 @@ def main(argv: list[str]) -> int:
         te.preload()  # before JAX starts its GPU backend (see fp8rl_jax.fp8.te)
     try:
         folder, results = evaluate(config, values, argv)
-    except ConfigError as e:  # what needs the model: positions, the backend
+    except train_cli.bad_input_errors() as e:  # what needs the model (positions, the backend), a file that won't read
         return _error(e)
-    except (OSError, ValueError) as e:  # a model or checkpoint file that does not load
+    except ValueError as e:  # a checkpoint that does not fit the config's model
         return _error(e, status=1)
     finally:
         if lock is not None:
