@@ -336,3 +336,24 @@ def test_eval_bad_data_or_model_file_is_exit_status_2(tmp_path, capsys, kind):
     out = capsys.readouterr()
     assert (status, out.err.count("\n")) == (2, 1), out.err
     assert out.err.startswith(f"error: {path}")
+
+
+@pytest.mark.parametrize("module", ["export", "serve"])
+def test_missing_checkpoint_folder_is_refused_not_created(tmp_path, module):
+    """``--checkpoint`` naming a folder that does not exist: Orbax's CheckpointManager created it (and its parents),
+    then found no checkpoint there. Refused in one line, and nothing is created."""
+    missing = tmp_path / "runs" / "nope" / "checkpoints"
+    extra = [f"--out={tmp_path / 'out'}"] if module == "export" else ["--port=0"]
+    line = _one_error_line(_main("--config=configs/tiny.py", f"--checkpoint={missing}", *extra,
+                                 module=f"fp8rl_jax.{module}"))
+    assert line == f"error: checkpoint folder {missing} does not exist (expected a trainer's <workdir>/checkpoints)"
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "out").exists()
+
+
+def test_checkpoint_folder_that_is_a_file_is_refused(tmp_path):
+    from fp8rl_jax.checkpoint import existing_checkpoint_folder
+
+    (tmp_path / "ckpt").write_text("")
+    with pytest.raises(NotADirectoryError, match="checkpoint folder .*/ckpt is a file"):
+        existing_checkpoint_folder(tmp_path / "ckpt")
+    assert existing_checkpoint_folder(tmp_path) == str(tmp_path)

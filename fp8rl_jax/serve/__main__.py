@@ -2,8 +2,8 @@
 server's own flags.
 
 Exit status: 0 stopped (SIGINT, SIGTERM); 2 bad input, said in one ``error:`` line (a flag, a config key or value, a
-port in use, a ``--checkpoint`` without a complete step, a model or tokenizer file that does not read:
-``fp8rl_jax.main.bad_input_errors``); 1 anything else (a traceback)."""
+port in use, a ``--checkpoint`` folder that does not exist (nothing is created) or holds no complete step, a model or
+tokenizer file that does not read: ``fp8rl_jax.main.bad_input_errors``); 1 anything else (a traceback)."""
 
 from __future__ import annotations
 
