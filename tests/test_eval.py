@@ -4,6 +4,7 @@ hand-written completions, the comparison of two results folders on a hand-made p
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import types
@@ -126,6 +127,67 @@ def test_cli_on_a_checkpoint_is_deterministic_and_samples_as_the_trainer(tmp_pat
     assert (report["problems"], report["same_verdict"], report["identical"], report["prefix_fraction_mean"]) == (
         4, 1.0, 1.0, 1.0)
     assert (report["reference"]["dir"], report["other"]["dir"]) == (str(first), str(second))
+
+
+@pytest.fixture(scope="module")
+def two_steps(tmp_path_factory) -> Path:
+    """A tiny run's workdir with the checkpoints of steps 0 and 1 (the same weights: which step is read matters here,
+    not what it holds)."""
+    from fp8rl_jax.trainer import Trainer
+
+    workdir = tmp_path_factory.mktemp("two_steps") / "run"
+    config = load_config_file(TINY)
+    with config.unlocked():
+        config.workdir = str(workdir)
+        config.logging.progress = config.logging.tensorboard = config.logging.plots = False
+    trainer = Trainer(config)
+    trainer.save()
+    trainer.state = {**trainer.state, "step": trainer.state["step"] + 1}
+    trainer.save()
+    trainer.close()
+    return workdir
+
+
+def _rotate_away_step_1(monkeypatch, when: str) -> list:
+    """``trainer.restore_policy`` as a live trainer's checkpoint rotation meets it: step 1's folder is deleted after
+    the evaluation chose it at start-up, ``before`` the restore reads it or ``during`` the read (which then fails)."""
+    import fp8rl_jax.trainer as trainer_module
+
+    real, calls = trainer_module.restore_policy, []
+
+    def rotating(config, directory, step=None):
+        calls.append(step)
+        if len(calls) == 1:
+            shutil.rmtree(Path(directory) / "1")
+            if when == "during":
+                raise FileNotFoundError(f"{directory}/1: deleted while it was read")
+        return real(config, directory, step)
+
+    monkeypatch.setattr(trainer_module, "restore_policy", rotating)
+    return calls
+
+
+@pytest.mark.parametrize("when", ["before", "during"])
+def test_cli_on_a_live_run_takes_the_newest_step_it_can_restore(two_steps, tmp_path, monkeypatch, capsys, when):
+    """A trainer saving every step keeps the last few: the step the evaluation found at start-up (the newest then)
+    was deleted before it was read, and the evaluation failed (``no checkpoint of step 17 ...; steps there: [27, 28,
+    29]``). With no step asked for, the newest step that can be restored is evaluated."""
+    workdir = tmp_path / "run"
+    shutil.copytree(two_steps, workdir)
+    calls = _rotate_away_step_1(monkeypatch, when)
+    results, _ = _eval(tmp_path, "--num=2", f"--checkpoint={workdir}", out=tmp_path / "out")
+    assert (results["checkpoint"], results["step"]) == (str((workdir / "checkpoints").resolve()), 0)
+    assert len(calls) == {"before": 1, "during": 2}[when]
+
+
+def test_cli_step_asked_for_that_is_gone_stays_an_error(two_steps, tmp_path, monkeypatch, capsys):
+    workdir = tmp_path / "run"
+    shutil.copytree(two_steps, workdir)
+    _rotate_away_step_1(monkeypatch, "before")
+    checkpoints = (workdir / "checkpoints").resolve()
+    assert main(["fp8rl_jax.eval", f"--config={TINY}", f"--config.workdir={workdir}", "--num=2",
+                 f"--checkpoint={checkpoints / '1'}", f"--out={tmp_path / 'out'}"]) == 2
+    assert capsys.readouterr().err == f"error: no checkpoint of step 1 in {checkpoints}; steps there: [0]\n"
 
 
 def test_cli_gsm8k_prompts_and_grading(tmp_path):
