@@ -67,6 +67,18 @@ def latest_complete_step(directory: str | os.PathLike) -> int | None:
     return max(steps) if steps else None
 
 
+def existing_checkpoint_folder(directory: str | os.PathLike) -> str:
+    """``directory``, a folder of checkpoints to read (``--checkpoint`` of export and serve), checked before anything
+    opens it: ``FileNotFoundError`` naming it where it is not an existing folder. A ``Checkpointer`` (Orbax's
+    ``CheckpointManager``) creates its folder, so a mistyped path would otherwise be created, then found empty."""
+    path = os.fspath(directory)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"checkpoint folder {path} does not exist (expected a trainer's <workdir>/checkpoints)")
+    if not os.path.isdir(path):
+        raise NotADirectoryError(f"checkpoint folder {path} is a file (expected a trainer's <workdir>/checkpoints)")
+    return path
+
+
 class CheckpointSaveError(RuntimeError):
     """A checkpoint could not be written. ``step``: the step being saved (None if unknown); ``directory``: the
     checkpoints folder; ``cause``: the OS error (or the first line of the error) in one line; ``last_complete``:

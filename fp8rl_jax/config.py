@@ -288,6 +288,30 @@ def missing_model_message(c: ml_collections.ConfigDict, config_file: str | None 
             f"--config.model.source=preset{preset} --config.model.tokenizer=smollm2")
 
 
+def missing_keys(c: ml_collections.ConfigDict) -> str | None:
+    """What ``c`` lacks of ``base_config()`` in words (``"the sections data, rl and the keys seed"``), or None. Every
+    key is read somewhere, so a config that does not start from ``base_config()`` (a ``get_config`` returning a bare
+    ``ConfigDict()``) would fail later as a ``KeyError`` naming one of them."""
+    sections, keys = [], []
+
+    def walk(base: ml_collections.ConfigDict, node: ml_collections.ConfigDict, prefix: str) -> None:
+        for name, value in base.items():
+            if not isinstance(value, ml_collections.ConfigDict):
+                if name not in node:
+                    keys.append(prefix + name)
+            elif name not in node:
+                sections.append(prefix + name)
+            elif not isinstance(node[name], ml_collections.ConfigDict):
+                sections.append(f"{prefix}{name} (a {type(node[name]).__name__} here)")
+            else:
+                walk(value, node[name], f"{prefix}{name}.")
+
+    walk(base_config(), c, "")
+    parts = ([f"the section{'s' * (len(sections) > 1)} {', '.join(sections)}"] if sections else []) + (
+        [f"the key{'s' * (len(keys) > 1)} {', '.join(keys)}"] if keys else [])
+    return " and ".join(parts) or None
+
+
 def validate(c: ml_collections.ConfigDict, known_rewards: Callable[[], Sequence[str]] | None = None, *,
              training: bool = True, config_file: str | None = None) -> None:
     """Raise ``ConfigError`` naming the first bad key. ``training=False`` (serving, sampling) allows truncated
@@ -295,6 +319,9 @@ def validate(c: ml_collections.ConfigDict, known_rewards: Callable[[], Sequence[
     path, for messages that show a command line."""
     from fp8rl_jax.model.config import PRESETS
 
+    if (missing := missing_keys(c)) is not None:
+        raise ConfigError(f"{config_file or 'the config'} lacks {missing} of base_config(); a config starts from "
+                          "fp8rl_jax.config.base_config() and changes what it needs")
     _finite(c)
     _one_of(c, "precision.mode", PRECISION_MODES)
     _one_of(c, "precision.backend", ("auto", "xla", "te"))
@@ -430,7 +457,8 @@ def validate(c: ml_collections.ConfigDict, known_rewards: Callable[[], Sequence[
 def load_config_file(path: str, arg: str | None = None) -> ml_collections.ConfigDict:
     """Load ``get_config(arg)`` from a config file (what ``--config=path.py:arg`` does), for notebooks.
 
-    Whatever the file raises comes back as one ``ConfigError`` line naming the file (the original is chained).
+    Whatever the file raises comes back as one ``ConfigError`` line naming the file (the original is chained), as
+    does a config that lacks keys of ``base_config()`` (``missing_keys``).
     """
     import importlib.util
 
@@ -455,5 +483,8 @@ def load_config_file(path: str, arg: str | None = None) -> ml_collections.Config
         raise ConfigError(f"{path}: get_config raised {one_line(e)}") from e
     if not isinstance(config, ml_collections.ConfigDict):
         raise ConfigError(f"{path}: get_config returned {type(config).__name__}, not an ml_collections.ConfigDict")
+    if (missing := missing_keys(config)) is not None:
+        raise ConfigError(f"{path}: get_config returned a config without {missing} of base_config(); start it from "
+                          "fp8rl_jax.config.base_config() and change what it needs (as configs/*.py do)")
     config.lock()
     return config

@@ -16,6 +16,11 @@ exported logits are its master-weight logits, a little different from what its F
 The output folder must not exist or be empty (an export never overwrites files). An ``--out`` inside a run's
 workdir (``config.workdir``, or the one ``--checkpoint`` is in) is written only while no other process holds that
 workdir (``fp8rl_jax.workdir_lock``); under a live trainer the export stops with exit status 3, naming it.
+
+Exit status: 0 written; 2 bad input, said in one ``error:`` line (a flag, a config key or value, an ``--out`` that
+holds files, a ``--checkpoint`` folder that does not exist (nothing is created) or holds no such step, a model or
+tokenizer file that does not read: ``fp8rl_jax.main.bad_input_errors``); 3 the workdir is in use; 1 the files do not
+fit together (a checkpoint of another model, one line) or anything else (a traceback).
 """
 
 from __future__ import annotations
@@ -53,11 +58,13 @@ def export_hf(out: str | os.PathLike, params: dict, model: LlamaConfig, tokenize
 
 def export_run(config, out: str | os.PathLike, *, checkpoint: str | None = None, step: int | None = None,
                dtype: str = "float32") -> Path:
-    """Export the policy of ``checkpoint`` (at ``step``, default the latest), or the model ``config`` loads."""
+    """Export the policy of ``checkpoint`` (at ``step``, default the latest), or the model ``config`` loads. A
+    ``checkpoint`` folder that does not exist is a ``FileNotFoundError`` naming it (nothing is created)."""
     if checkpoint is not None:
+        from fp8rl_jax.checkpoint import existing_checkpoint_folder
         from fp8rl_jax.trainer import load_policy
 
-        model, params, _, _, tokenizer = load_policy(config, checkpoint, step)
+        model, params, _, _, tokenizer = load_policy(config, existing_checkpoint_folder(checkpoint), step)
     elif step is not None:
         raise ValueError("--step needs --checkpoint (the trainer's <workdir>/checkpoints)")
     else:
@@ -79,6 +86,15 @@ def main(argv) -> int:
     config, code = cli.tool_config(argv)
     if config is None:
         return code
+    if _STEP.value is not None and not _CHECKPOINT.value:
+        return cli.input_error(f"--step={_STEP.value} needs --checkpoint (the trainer's <workdir>/checkpoints)")
+    if _CHECKPOINT.value:
+        from fp8rl_jax.checkpoint import existing_checkpoint_folder
+
+        try:  # before the lock below, which would create a workdir the --checkpoint names
+            existing_checkpoint_folder(_CHECKPOINT.value)
+        except OSError as e:
+            return cli.input_error(e)
     try:  # an export into a run's workdir: not while another process (a trainer) owns it
         run_dirs = [Path(_CHECKPOINT.value).parent if _CHECKPOINT.value else None, config.workdir]
         lock = lock_for_output(_OUT.value, run_dirs, alternative="--out=<a folder outside it>")
@@ -87,7 +103,9 @@ def main(argv) -> int:
         return 3
     try:
         out = export_run(config, _OUT.value, checkpoint=_CHECKPOINT.value, step=_STEP.value, dtype=_DTYPE.value)
-    except (OSError, ValueError) as e:  # an existing output folder, a missing checkpoint or model file
+    except cli.bad_input_errors() as e:  # an existing output folder, a missing checkpoint, a bad model file: exit 2
+        return cli.input_error(e)
+    except ValueError as e:  # what the files hold does not fit (a checkpoint of another model, say)
         print(f"error: {e}", file=sys.stderr)
         return 1
     finally:

@@ -34,16 +34,34 @@ _STEPS = flags.DEFINE_integer(
 _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Validate the config, print it and exit.")
 
 
+def bad_input_errors() -> tuple[type[BaseException], ...]:
+    """What bad input raises, which every entry point (this one, ``fp8rl_jax.eval``, ``.export``, ``.serve``) says as
+    one ``error:`` line with exit status 2 (``input_error``): a config key or value (``ConfigError``), a data, model or
+    tokenizer file that does not read as one (``fp8rl_jax.errors.InputFileError``), a file or folder that is missing
+    or cannot be opened (``OSError``; the message names it)."""
+    from fp8rl_jax.config import ConfigError
+    from fp8rl_jax.errors import InputFileError
+
+    return ConfigError, InputFileError, OSError
+
+
+def input_error(error) -> int:
+    """Print ``error`` (an exception or a message) as one ``error:`` line on stderr; the exit status of bad input,
+    ``EXIT_CONFIG``."""
+    print(f"error: {' '.join(str(error).split())}", file=sys.stderr)
+    return EXIT_CONFIG
+
+
 def _validated_config(**validate_kw):
     """The ``--config``, checked by ``config.validate(**validate_kw)``; None after printing the one-line error."""
-    from fp8rl_jax.config import ConfigError, validate
+    from fp8rl_jax.config import validate
 
     try:
         config = _CONFIG.value
         config.get("seed")  # a config file that failed to load raises its error on first access
         validate(config, config_file=_config_path(sys.argv).partition(":")[0], **validate_kw)
-    except (ConfigError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except bad_input_errors() as e:
+        input_error(e)
         return None
     return config
 
@@ -52,12 +70,12 @@ def tool_config(argv, *, training: bool = True):
     """The ``--config`` of a non-training entry point (export, serve), validated: ``(config, None)``, or
     ``(None, exit_code)`` when it should stop (a one-line error: 2; ``--dry_run``: the config printed, 0)."""
     if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+        return None, input_error(f"unexpected arguments: {argv[1:]}")
     if _STEPS.value is not None:
-        raise app.UsageError("--steps is a trainer flag")
+        return None, input_error(f"--steps={_STEPS.value}: a trainer flag (python -m fp8rl_jax.main)")
     config = _validated_config(training=training)
     if config is None:
-        return None, 2
+        return None, EXIT_CONFIG
     if _DRY_RUN.value:
         print(config)
         return None, 0
@@ -70,7 +88,7 @@ _PROCESS_ID = flags.DEFINE_integer("process_id", None, "Multi-host: this process
 
 def main(argv) -> int:
     if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+        return input_error(f"unexpected arguments: {argv[1:]}")
     logging.set_verbosity(logging.WARNING)  # Orbax logs every file it writes at INFO
     from fp8rl_jax.rl.rewards import reward_names
 
@@ -79,9 +97,8 @@ def main(argv) -> int:
         return EXIT_CONFIG
     if _STEPS.value is not None:
         if _STEPS.value < 1:
-            print(f"error: --steps={_STEPS.value} is invalid; allowed: a positive number, the run's total RL steps "
-                  "(it overrides config.steps)", file=sys.stderr)
-            return EXIT_CONFIG
+            return input_error(f"--steps={_STEPS.value} is invalid; allowed: a positive number, the run's total RL "
+                               "steps (it overrides config.steps)")
         config.steps = _STEPS.value
     if _DRY_RUN.value:
         print(config)
@@ -95,19 +112,17 @@ def main(argv) -> int:
     try:  # before anything touches a device: every host's devices then form one mesh
         distributed.initialize(distributed.cluster_spec(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value))
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_CONFIG
+        return input_error(e)
     from fp8rl_jax.checkpoint import CheckpointSaveError
-    from fp8rl_jax.config import ConfigError
+    from fp8rl_jax.errors import InputFileError
     from fp8rl_jax.memory import EXIT_OUT_OF_MEMORY, DeviceOutOfMemory
     from fp8rl_jax.trainer import Trainer
     from fp8rl_jax.workdir_lock import WorkdirLockedError
 
-    try:
-        trainer = Trainer(config)  # checks what needs the machine or the model: backend, positions, workdir
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_CONFIG
+    try:  # checks what needs the machine or the model (backend, positions, workdir), reads the model and the data
+        trainer = Trainer(config)
+    except bad_input_errors() as e:
+        return input_error(e)
     except WorkdirLockedError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_WORKDIR_IN_USE
@@ -119,6 +134,8 @@ def main(argv) -> int:
         trainer.run()
     except (CheckpointSaveError, DeviceOutOfMemory) as e:  # a save, or a phase of an RL step that did not fit
         failure = e
+    except InputFileError as e:  # the evaluation's data file (data.eval_path), read at the first evaluation
+        failure = e
     finally:  # also on any other error: the pending save finishes, the workdir is released
         try:
             trainer.close()  # the final save's failure shows here
@@ -126,6 +143,8 @@ def main(argv) -> int:
             failure = failure or e
     if failure is not None:
         print(f"error: {failure}", file=sys.stderr)
+        if isinstance(failure, InputFileError):
+            return EXIT_CONFIG
         return EXIT_OUT_OF_MEMORY if isinstance(failure, DeviceOutOfMemory) else EXIT_CHECKPOINT_SAVE
     return 0
 
@@ -155,10 +174,11 @@ def _unknown_override(argv: list[str]) -> str | None:
         key = a[len("--config."):].split("=", 1)[0]
         node, walked = config, []
         for part in key.split("."):
-            if not hasattr(node, "keys") or part not in node:
-                where = "config" + "".join("." + w for w in walked)
-                known = ", ".join(sorted(node.keys())) if hasattr(node, "keys") else "(not a section)"
-                return f"--config.{key}: unknown key {part!r} in {where}; known: {known}"
+            where = "config" + "".join("." + w for w in walked)
+            if not hasattr(node, "keys"):
+                return f"--config.{key}: {where} is a value ({type(node).__name__}), not a section with keys"
+            if part not in node:
+                return f"--config.{key}: unknown key {part!r} in {where}; known: {', '.join(sorted(node.keys()))}"
             node, walked = node[part], [*walked, part]
     return None
 
@@ -175,7 +195,20 @@ def _config_file_error(argv: list[str]) -> str | None:
     return None
 
 
+def flag_error(argv: list[str], error: Exception) -> str:
+    """The one line of a flag that failed to parse: an unknown ``--config.a.b`` key names the keys there are (absl
+    and ml_collections say only that it failed), an unknown flag points at ``--help``."""
+    unknown = _unknown_override(argv)
+    if unknown is not None:
+        return unknown
+    if isinstance(error, flags.UnrecognizedFlagError):
+        return f"{error} (--help lists the flags)"
+    return str(error)
+
+
 def _parse_flags(argv: list[str]) -> list[str]:
+    """absl's flag parsing, with bad input said in one ``error:`` line and exit status 2 (``EXIT_CONFIG``): a config
+    file that does not load, an unknown flag or config key, a value that does not parse."""
     if any(a in ("-h", "--help", "--helpshort", "-?") for a in argv[1:]):
         print(__doc__)
         print(flags.FLAGS.main_module_help())
@@ -183,14 +216,11 @@ def _parse_flags(argv: list[str]) -> list[str]:
     # checked before absl loads the file: it would print the file's traceback, or defer an OSError to first use
     problem = _config_file_error(argv)
     if problem is not None:
-        print(f"error: {problem}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(input_error(problem))
     try:
         return flags.FLAGS(argv)
-    except flags.Error as e:
-        sys.exit(f"error: {e}\nPass --help for usage.")
-    except (KeyError, AttributeError, ValueError, TypeError) as e:
-        sys.exit(f"error: {_unknown_override(argv) or e}")
+    except (flags.Error, KeyError, AttributeError, ValueError, TypeError) as e:
+        sys.exit(input_error(flag_error(argv, e)))
 
 
 def run() -> None:

@@ -5,7 +5,7 @@ XLA reports a failed allocation as ``RESOURCE_EXHAUSTED: Out of memory while try
 [executable_name='jit_train_step']``, raised as ``jax.errors.JaxRuntimeError`` (jaxlib's ``XlaRuntimeError``) from
 the call that runs the program. ``out_of_memory_report`` wraps a phase and turns exactly that into
 ``DeviceOutOfMemory``; every other error passes through unchanged. ``python -m fp8rl_jax.main`` prints it as one
-``error: ...`` line and exits with status 3 (``EXIT_OUT_OF_MEMORY``).
+``error: ...`` line and exits with status 5 (``EXIT_OUT_OF_MEMORY``).
 """
 
 from __future__ import annotations

@@ -672,10 +672,18 @@ class Trainer:
                 value = value[part]
             return f"{name}{'=' + to if to else ''} (now {value}{'; ' + note if note else ''})"
 
-        micro = [key("rl.microbatch_tokens"), key("rl.microbatch_sequences", note=f"a divisor of {self.minibatch}")]
-        if self._step_packed and phase in ("score", "train"):  # packed rows
+        # rl.microbatch_sequences > 0 sets the microbatch and rl.microbatch_tokens no longer acts: only the first is
+        # named then; at 0 the token budget is, and the count in its place as the other way
+        packed = self._step_packed and phase in ("score", "train")
+        if c.rl.microbatch_sequences > 0:
+            micro = [key("rl.microbatch_sequences", note=(
+                "rows a packed microbatch; it overrides rl.microbatch_tokens" if packed else
+                f"a smaller divisor of {self.minibatch}; it overrides rl.microbatch_tokens"))]
+        elif packed:
             micro = [key("rl.microbatch_tokens", note=f"at least one row of {self.packing.width}"),
                      key("rl.microbatch_sequences", note="rows a packed microbatch where > 0")]
+        else:
+            micro = [key("rl.microbatch_tokens"), key("rl.microbatch_sequences", note=f"a divisor of {self.minibatch}")]
         rows = [key("rollout.max_new_tokens"), key("data.max_prompt_tokens")]
         remat = [] if c.model.remat == "full" else [key("model.remat", "full")]
         devices = [key("mesh.fsdp", note="more devices split the batch and the state"), key("mesh.tensor")]

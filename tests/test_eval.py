@@ -4,6 +4,7 @@ hand-written completions, the comparison of two results folders on a hand-made p
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import types
@@ -126,6 +127,67 @@ def test_cli_on_a_checkpoint_is_deterministic_and_samples_as_the_trainer(tmp_pat
     assert (report["problems"], report["same_verdict"], report["identical"], report["prefix_fraction_mean"]) == (
         4, 1.0, 1.0, 1.0)
     assert (report["reference"]["dir"], report["other"]["dir"]) == (str(first), str(second))
+
+
+@pytest.fixture(scope="module")
+def two_steps(tmp_path_factory) -> Path:
+    """A tiny run's workdir with the checkpoints of steps 0 and 1 (the same weights: which step is read matters here,
+    not what it holds)."""
+    from fp8rl_jax.trainer import Trainer
+
+    workdir = tmp_path_factory.mktemp("two_steps") / "run"
+    config = load_config_file(TINY)
+    with config.unlocked():
+        config.workdir = str(workdir)
+        config.logging.progress = config.logging.tensorboard = config.logging.plots = False
+    trainer = Trainer(config)
+    trainer.save()
+    trainer.state = {**trainer.state, "step": trainer.state["step"] + 1}
+    trainer.save()
+    trainer.close()
+    return workdir
+
+
+def _rotate_away_step_1(monkeypatch, when: str) -> list:
+    """``trainer.restore_policy`` as a live trainer's checkpoint rotation meets it: step 1's folder is deleted after
+    the evaluation chose it at start-up, ``before`` the restore reads it or ``during`` the read (which then fails)."""
+    import fp8rl_jax.trainer as trainer_module
+
+    real, calls = trainer_module.restore_policy, []
+
+    def rotating(config, directory, step=None):
+        calls.append(step)
+        if len(calls) == 1:
+            shutil.rmtree(Path(directory) / "1")
+            if when == "during":
+                raise FileNotFoundError(f"{directory}/1: deleted while it was read")
+        return real(config, directory, step)
+
+    monkeypatch.setattr(trainer_module, "restore_policy", rotating)
+    return calls
+
+
+@pytest.mark.parametrize("when", ["before", "during"])
+def test_cli_on_a_live_run_takes_the_newest_step_it_can_restore(two_steps, tmp_path, monkeypatch, capsys, when):
+    """A trainer saving every step keeps the last few: the step the evaluation found at start-up (the newest then)
+    was deleted before it was read, and the evaluation failed (``no checkpoint of step 17 ...; steps there: [27, 28,
+    29]``). With no step asked for, the newest step that can be restored is evaluated."""
+    workdir = tmp_path / "run"
+    shutil.copytree(two_steps, workdir)
+    calls = _rotate_away_step_1(monkeypatch, when)
+    results, _ = _eval(tmp_path, "--num=2", f"--checkpoint={workdir}", out=tmp_path / "out")
+    assert (results["checkpoint"], results["step"]) == (str((workdir / "checkpoints").resolve()), 0)
+    assert len(calls) == {"before": 1, "during": 2}[when]
+
+
+def test_cli_step_asked_for_that_is_gone_stays_an_error(two_steps, tmp_path, monkeypatch, capsys):
+    workdir = tmp_path / "run"
+    shutil.copytree(two_steps, workdir)
+    _rotate_away_step_1(monkeypatch, "before")
+    checkpoints = (workdir / "checkpoints").resolve()
+    assert main(["fp8rl_jax.eval", f"--config={TINY}", f"--config.workdir={workdir}", "--num=2",
+                 f"--checkpoint={checkpoints / '1'}", f"--out={tmp_path / 'out'}"]) == 2
+    assert capsys.readouterr().err == f"error: no checkpoint of step 1 in {checkpoints}; steps there: [0]\n"
 
 
 def test_cli_gsm8k_prompts_and_grading(tmp_path):
@@ -271,6 +333,29 @@ def test_compare_refuses_different_problems(hand_made_pair, tmp_path, capsys):
                                        "they evaluated different datasets\n")
 
 
+@pytest.mark.parametrize("content, lacks", [
+    ("{}", "lacks config, precision_mode, precision_backend, kv_cache_dtype, checkpoint, step, k"),
+    ('{"config": "c.py", "precision_mode": "bf16", "precision_backend": "xla", "kv_cache_dtype": "bfloat16", "k": 1}',
+     "lacks checkpoint, step"),
+    ("[]", ": a JSON list, not the object python -m fp8rl_jax.eval writes"),
+], ids=["empty", "no_policy", "list"])
+def test_compare_refuses_a_results_json_that_does_not_say_its_run(hand_made_pair, tmp_path, capsys, content, lacks):
+    """A results.json without the run's description was compared as "initial weights" (its checkpoint missing read
+    as none) with exit status 0; a list was a traceback. Refused, naming the file and what it lacks."""
+    reference, other = hand_made_pair
+    (other / "results.json").write_text(content)
+    assert main(["fp8rl_jax.eval", "compare", str(reference), str(other)]) == 2
+    out = capsys.readouterr()
+    assert out.out == ""
+    assert out.err.startswith(f"error: {other / 'results.json'}{' ' if lacks.startswith('lacks') else ''}{lacks}")
+    assert out.err.count("\n") == 1
+    assert not (other / "compare.json").exists()
+    # the same reference given to an evaluation fails at start-up, before the model loads
+    assert main(["fp8rl_jax.eval", f"--config={TINY}", f"--compare={other}", f"--out={tmp_path / 'out'}"]) == 2
+    assert capsys.readouterr().err.startswith(f"error: {other / 'results.json'}")
+    assert not (tmp_path / "out").exists()
+
+
 # ----------------------------------------------------------------------------------------------------------
 # bad input: one line, exit status 2, before anything is loaded
 
@@ -280,6 +365,7 @@ def test_compare_refuses_different_problems(hand_made_pair, tmp_path, capsys):
     (["--checkpoint={tmp}"], "--checkpoint={tmp} holds no complete checkpoint; " + CHECKPOINT_FORMS),
     (["--num=0"], "flag --num=0: 0 is not a positive integer"),
     (["--k=two"], "flag --k=two: invalid literal for int() with base 10: 'two'"),
+    (["--nosuchflag"], "Unknown command line flag 'nosuchflag' (--help lists the flags)"),
     (["--temperature=0"], "--temperature=0.0 is invalid; allowed: > 0 (the temperature of the k samples; greedy "
                           "decoding needs none)"),
     (["--config.rollout.tempreature=0.5"], "--config.rollout.tempreature: unknown key 'tempreature' in "
@@ -290,8 +376,8 @@ def test_compare_refuses_different_problems(hand_made_pair, tmp_path, capsys):
                           "--out=FOLDER writes one)"),
     (["extra"], "unexpected arguments: ['extra'] (compare two results folders with: python -m fp8rl_jax.eval "
                 "compare REFERENCE_DIR OTHER_DIR)"),
-], ids=["missing_checkpoint", "no_checkpoint_in_folder", "num", "k", "temperature", "config_key", "config_value",
-        "compare_folder", "positional"])
+], ids=["missing_checkpoint", "no_checkpoint_in_folder", "num", "k", "flag", "temperature", "config_key",
+        "config_value", "compare_folder", "positional"])
 def test_bad_input_is_one_line(tmp_path, capsys, args, message):
     args = [a.replace("{tmp}", str(tmp_path)) for a in args]
     assert main(["fp8rl_jax.eval", f"--config={TINY}", *args]) == 2

@@ -1,5 +1,5 @@
 """A device allocation that fails, in any phase, is one ``DeviceOutOfMemory`` line naming the phase, its shapes, the
-device memory and the keys that lower it; ``python -m fp8rl_jax.main`` prints it as one ``error:`` line, exit 3.
+device memory and the keys that lower it; ``python -m fp8rl_jax.main`` prints it as one ``error:`` line, exit 5.
 
 CPU does not run out of memory on these sizes, so the phases' device functions are replaced by ones that raise
 what XLA raises on the GPU (``jax.errors.JaxRuntimeError``, ``RESOURCE_EXHAUSTED: Out of memory while trying to
@@ -114,6 +114,31 @@ def test_packing_declined_runs_and_reports_right_padded(tmp_path, monkeypatch):
         trainer.close()
 
 
+def test_microbatch_sequences_set_names_only_the_knob_that_acts(tmp_path, monkeypatch):
+    """``rl.microbatch_sequences`` > 0 sets the microbatch and ``rl.microbatch_tokens`` then changes nothing: the
+    message names the count alone (it suggested the token budget first, which the count overrides)."""
+    config = _config(tmp_path / "run")
+    with config.unlocked():
+        config.rl.microbatch_sequences = 8
+    trainer = Trainer(config)
+    try:
+        assert trainer.microbatch == 8
+        monkeypatch.setattr(trainer, "_train_step", _raise_oom)
+        with pytest.raises(DeviceOutOfMemory) as info:
+            trainer.step()
+    finally:
+        trainer.close()
+    assert _one_line(info.value).endswith(
+        "Lower it with rl.microbatch_sequences (now 8; a smaller divisor of 32; it overrides rl.microbatch_tokens), "
+        "model.remat=full (now none), rollout.max_new_tokens (now 12), data.max_prompt_tokens (now 16), mesh.fsdp "
+        "(now 1; more devices split the batch and the state), mesh.tensor (now 1)")
+    assert "rl.microbatch_tokens (now" not in str(info.value)
+    for phase in ("score", "calibrate", "initial calibration"):
+        knobs = trainer._knobs(phase)
+        assert not any(k.startswith("rl.microbatch_tokens") for k in knobs), (phase, knobs)
+        assert "rl.microbatch_sequences (now 8; a smaller divisor of 32; it overrides rl.microbatch_tokens)" in knobs
+
+
 def test_score_and_rollout_out_of_memory(tiny, monkeypatch):
     monkeypatch.setattr(tiny, "_score", _raise_oom)
     with pytest.raises(DeviceOutOfMemory) as info:
@@ -195,7 +220,7 @@ def test_out_of_memory_report_reads_shapes_only_on_failure():
 
 
 def test_main_prints_one_error_line_and_exits_3(tmp_path):
-    """The whole command line: the train step's allocation fails, the user sees one line and exit status 3."""
+    """The whole command line: the train step's allocation fails, the user sees one line and exit status 5."""
     script = f"""
 import sys
 import jax

@@ -18,6 +18,8 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+from fp8rl_jax.errors import InputFileError
+
 SPLITS = ("train", "test")
 ENV_DIR = "FP8RL_GSM8K_DIR"
 SHIPPED_DIR = Path(__file__).resolve().parent / "gsm8k_data"  # {train,test}.jsonl.gz and their LICENSE
@@ -40,8 +42,8 @@ def final_answer(answer: str) -> str | None:
 
 
 def _lines(path: Path) -> Iterator[tuple[int, str]]:
-    """``(1-based line number, text)`` of a UTF-8 file, gzip'd or not; ``ValueError`` naming the file (and the
-    line, for bytes that are not UTF-8) on anything unreadable."""
+    """``(1-based line number, text)`` of a UTF-8 file, gzip'd or not; ``InputFileError`` (a ValueError) naming the
+    file (and the line, for bytes that are not UTF-8) on anything unreadable."""
     with path.open("rb") as f:
         gzipped = f.read(2) == _GZIP_MAGIC
     line_no = 0
@@ -51,17 +53,17 @@ def _lines(path: Path) -> Iterator[tuple[int, str]]:
                 try:
                     text = raw.decode("utf-8")
                 except UnicodeDecodeError as e:
-                    raise ValueError(f"{path}, line {line_no}: not UTF-8 text (byte 0x{raw[e.start]:02x} at "
+                    raise InputFileError(f"{path}, line {line_no}: not UTF-8 text (byte 0x{raw[e.start]:02x} at "
                                      f"column {e.start + 1}); expected UTF-8 JSONL") from None
                 yield line_no, text
     except (OSError, EOFError) as e:  # gzip.BadGzipFile is an OSError; a cut-off .gz ends in EOFError
         what = "a damaged gzip file" if gzipped else "unreadable"
-        raise ValueError(f"{path}: {what} after line {line_no} ({type(e).__name__}: {e})") from None
+        raise InputFileError(f"{path}: {what} after line {line_no} ({type(e).__name__}: {e})") from None
 
 
 def load_gsm8k(path: str | os.PathLike) -> list[Problem]:
-    """Every problem of a GSM8K JSONL file (``.jsonl`` or ``.jsonl.gz``); ``ValueError`` naming the file and line
-    on the first bad line, and naming the file when it holds no problem at all."""
+    """Every problem of a GSM8K JSONL file (``.jsonl`` or ``.jsonl.gz``); ``InputFileError`` (a ValueError) naming
+    the file and line on the first bad line, and naming the file when it holds no problem at all."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"GSM8K file {path} not found")
@@ -74,18 +76,18 @@ def load_gsm8k(path: str | os.PathLike) -> list[Problem]:
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{where}: invalid JSON ({e.msg})") from None
+            raise InputFileError(f"{where}: invalid JSON ({e.msg})") from None
         if not isinstance(row, dict):
-            raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
+            raise InputFileError(f"{where}: expected a JSON object, got {type(row).__name__}")
         for key in ("question", "answer"):
             if not isinstance(row.get(key), str):
-                raise ValueError(f"{where}: missing string field {key!r}")
+                raise InputFileError(f"{where}: missing string field {key!r}")
         gold = final_answer(row["answer"])
         if not gold:
-            raise ValueError(f"{where}: the answer has no '#### <final answer>'")
+            raise InputFileError(f"{where}: the answer has no '#### <final answer>'")
         problems.append(Problem(f"gsm8k/{stem}/{line_no}", row["question"], gold, row["answer"]))
     if not problems:
-        raise ValueError(f"{path}: holds no problems (the file is empty or blank); expected one JSON object "
+        raise InputFileError(f"{path}: holds no problems (the file is empty or blank); expected one JSON object "
                          '{"question": ..., "answer": "... #### <number>"} per line')
     return problems
 

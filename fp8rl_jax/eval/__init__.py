@@ -42,6 +42,9 @@ SAMPLE_KEYS = ROW_KEYS[4:]
 METRIC_KEYS = ("num_problems", "reward_fn", "max_new_tokens", "pass@1", "greedy_reward_mean", "greedy_stop_fraction",
                "greedy_tokens_mean", "k", "temperature", "mean@k", "pass@k", "sample_reward_mean",
                "greedy_tokens_per_s", "sample_tokens_per_s")
+# what results.json must say of its run for a comparison to describe it (compare.json's "reference" and "other";
+# "checkpoint": null is the initial weights, so a results.json without the key cannot say which policy it was)
+DESCRIBED_KEYS = ("config", "precision_mode", "precision_backend", "kv_cache_dtype", "checkpoint", "step", "k")
 
 
 @dataclasses.dataclass
@@ -174,7 +177,8 @@ def write_results(out: str | os.PathLike, results: dict, rows: Sequence[dict]) -
 
 
 def read_results(folder: str | os.PathLike) -> tuple[dict, list[dict]]:
-    """``(results.json, completions.jsonl rows)`` of a results folder; ``ResultsError`` naming what is wrong."""
+    """``(results.json, completions.jsonl rows)`` of a results folder; ``ResultsError`` naming what is wrong (a
+    ``results.json`` that is not an object holding ``DESCRIBED_KEYS``, a row without its keys)."""
     folder = Path(folder)
     if not folder.is_dir():
         raise ResultsError(f"{folder}: no such results folder")
@@ -186,6 +190,13 @@ def read_results(folder: str | os.PathLike) -> tuple[dict, list[dict]]:
         results = json.loads((folder / RESULTS_JSON).read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ResultsError(f"{folder / RESULTS_JSON}: not JSON ({e})") from None
+    if not isinstance(results, dict):
+        raise ResultsError(f"{folder / RESULTS_JSON}: a JSON {type(results).__name__}, not the object python -m "
+                           "fp8rl_jax.eval writes")
+    missing = [k for k in DESCRIBED_KEYS if k not in results]
+    if missing:
+        raise ResultsError(f"{folder / RESULTS_JSON} lacks {', '.join(missing)} (what it says of the evaluated run; "
+                           "python -m fp8rl_jax.eval writes them)")
     rows = []
     with open(folder / COMPLETIONS, encoding="utf-8") as f:
         for line_no, line in enumerate(f, start=1):

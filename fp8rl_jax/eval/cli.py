@@ -33,10 +33,13 @@ same checkpoint in BF16 and in FP8:
     python -m fp8rl_jax.eval --config=C --checkpoint=runs/x --out=runs/x/eval/fp8 --compare=runs/x/eval/bf16
 
 Bad input (flags, config keys, a checkpoint path that holds no checkpoint, a folder that is not a results folder)
-fails at start-up with one line ``error: ...`` and exit status 2; a failure while loading the model or the
-checkpoint exits with status 1. Results that would go into a run's workdir (the default ``--out``) are written
-only while no other process holds it (``fp8rl_jax.workdir_lock``): under a live trainer the evaluation stops at
-start-up with exit status 3 and names the trainer's host and pid; ``--out`` elsewhere evaluates a live run.
+fails at start-up with one line ``error: ...`` and exit status 2, and so does a data, model or tokenizer file that
+does not read, once it is loaded (``fp8rl_jax.main.bad_input_errors``); a checkpoint that does not fit the config's
+model exits with status 1, in one line too. Results that would go into a run's workdir (the default ``--out``) are
+written only while no other process holds it (``fp8rl_jax.workdir_lock``): under a live trainer the evaluation stops
+at start-up with exit status 3 and names the trainer's host and pid; ``--out`` elsewhere evaluates a live run, its
+newest step when ``--checkpoint`` names none: where the trainer deletes the step found at start-up
+(``checkpoint.keep``) before it is read, the newest one then (``restore_newest``).
 """
 
 from __future__ import annotations
@@ -81,6 +84,11 @@ def _command(argv: list[str]) -> str:
 def resolve_checkpoint(path: str) -> tuple[Path, int]:
     """``(checkpoints folder, step)`` of ``--checkpoint``: a run's workdir or its ``checkpoints/`` folder (the
     latest complete step), or one step's folder ``checkpoints/<step>``; ``UsageError`` for anything else."""
+    return _resolve_checkpoint(path)[:2]
+
+
+def _resolve_checkpoint(path: str) -> tuple[Path, int, bool]:
+    """``resolve_checkpoint`` and whether ``path`` named the step (one step's folder)."""
     from fp8rl_jax.checkpoint import latest_complete_step
 
     p = Path(path)
@@ -93,12 +101,38 @@ def resolve_checkpoint(path: str) -> tuple[Path, int]:
         import orbax.checkpoint as ocp
 
         if int(p.name) in ocp.utils.checkpoint_steps(str(p.parent)):
-            return p.parent.resolve(), int(p.name)
+            return p.parent.resolve(), int(p.name), True
     for folder in (p / "checkpoints", p):
         step = latest_complete_step(folder) if folder.is_dir() else None
         if step is not None:
-            return folder.resolve(), step
+            return folder.resolve(), step, False
     raise UsageError(f"--checkpoint={path} holds no complete checkpoint; {expected}")
+
+
+def restore_newest(config, directory: Path, step: int, *, newest: bool, attempts: int = 3):
+    """``(model, policy, tokenizer, metadata, step restored)`` of the checkpoints in ``directory``
+    (``trainer.restore_policy``): ``step``, or with ``newest`` (no step was asked for) the newest step when the
+    restore starts. A live trainer saving every few steps deletes its older steps (``checkpoint.keep``), so the step
+    found at start-up may be gone by the time the model has loaded, or go while it is read: where the restore fails
+    and the folder's steps changed meanwhile, it is tried again on the newest step then (``attempts`` in all). A step
+    asked for that is not there stays an error (``FileNotFoundError`` naming it and the steps there)."""
+    import orbax.checkpoint as ocp
+
+    from fp8rl_jax.trainer import restore_policy
+
+    for attempt in range(1, attempts + 1):
+        steps = ocp.utils.checkpoint_steps(str(directory))
+        try:
+            model, policy, tokenizer, meta = restore_policy(config, directory, None if newest else step)
+        except Exception:
+            now = ocp.utils.checkpoint_steps(str(directory))
+            if not newest or attempt == attempts or not now or sorted(now) == sorted(steps):
+                raise
+            print(f"the steps in {directory} changed while it was read (a live run rotating its checkpoints): "
+                  f"restoring step {max(now)}, the newest now", flush=True)
+            continue
+        return model, policy, tokenizer, meta, int(meta.get("step", step))
+    raise AssertionError("unreachable")
 
 
 def _git_commit() -> tuple[str | None, bool | None]:
@@ -162,10 +196,8 @@ def _parse(argv: list[str]) -> tuple[dict, list[str]]:
     fv, held = _define_flags(argv)
     try:
         rest = fv(argv)
-    except flags.Error as e:
-        raise UsageError(train_cli._unknown_override(argv) or e) from None
-    except (KeyError, AttributeError, ValueError, TypeError) as e:
-        raise UsageError(train_cli._unknown_override(argv) or e) from None
+    except (flags.Error, KeyError, AttributeError, ValueError, TypeError) as e:
+        raise UsageError(train_cli.flag_error(argv, e)) from None
     return {name: holder.value for name, holder in held.items()}, rest[1:]
 
 
@@ -201,7 +233,7 @@ def evaluate(config, values: dict, argv: list[str]) -> tuple[Path, dict]:
     from fp8rl_jax.parallel.mesh import make_mesh
     from fp8rl_jax.parallel.state import load_model_sharded
     from fp8rl_jax.rollout.sampler import Sampler
-    from fp8rl_jax.trainer import initial_calibration, restore_policy, right_pad
+    from fp8rl_jax.trainer import initial_calibration, right_pad
 
     c, start = config, time.perf_counter()
     checkpoint, step = values["checkpoint"], values["step"]
@@ -210,7 +242,8 @@ def evaluate(config, values: dict, argv: list[str]) -> tuple[Path, dict]:
     mesh = make_mesh(c.mesh)
     checkpoint_mode = None
     if checkpoint is not None:
-        model, policy, tokenizer, meta = restore_policy(c, checkpoint, step)
+        newest = not values.get("step_asked", True)  # no step in --checkpoint: the newest one when it is read
+        model, policy, tokenizer, meta, step = restore_newest(c, checkpoint, step, newest=newest)
         try:  # the precision the checkpoint's run trained in, from the config saved with it
             checkpoint_mode = json.loads(meta.get("config", "{}")).get("precision", {}).get("mode")
         except (json.JSONDecodeError, AttributeError, TypeError):
@@ -310,7 +343,7 @@ def main(argv: list[str]) -> int:
         return 0
     logging.set_verbosity(logging.WARNING)  # Orbax logs every file it writes at INFO
     from fp8rl_jax import main as train_cli
-    from fp8rl_jax.config import ConfigError, validate
+    from fp8rl_jax.config import validate
     from fp8rl_jax.rl.rewards import reward_names
 
     try:
@@ -327,11 +360,11 @@ def main(argv: list[str]) -> int:
             config.rollout.max_new_tokens = values["max_new_tokens"]
         validate(config, known_rewards=reward_names, training=False,
                  config_file=train_cli._config_path(argv).partition(":")[0])
-        values["checkpoint"], values["step"] = (resolve_checkpoint(values["checkpoint"]) if values["checkpoint"]
-                                                else (None, None))
+        values["checkpoint"], values["step"], values["step_asked"] = (
+            _resolve_checkpoint(values["checkpoint"]) if values["checkpoint"] else (None, None, False))
         if values["compare"] is not None:
             read_results(values["compare"])  # a bad reference fails now, not after the evaluation
-    except (UsageError, ConfigError, ResultsError, OSError) as e:
+    except (UsageError, ResultsError, *train_cli.bad_input_errors()) as e:
         return _error(e)
     values["config_path"] = train_cli._config_path(argv)
     if values["out"] is None:
@@ -351,9 +384,9 @@ def main(argv: list[str]) -> int:
         te.preload()  # before JAX starts its GPU backend (see fp8rl_jax.fp8.te)
     try:
         folder, results = evaluate(config, values, argv)
-    except ConfigError as e:  # what needs the model: positions, the backend
+    except train_cli.bad_input_errors() as e:  # what needs the model (positions, the backend), a file that won't read
         return _error(e)
-    except (OSError, ValueError) as e:  # a model or checkpoint file that does not load
+    except ValueError as e:  # a checkpoint that does not fit the config's model
         return _error(e, status=1)
     finally:
         if lock is not None:

@@ -20,11 +20,10 @@ from pathlib import Path
 
 import numpy as np
 
-from fp8rl_jax.eval import ResultsError, format_percent, read_results, write_jsonl, write_text_atomic
+from fp8rl_jax.eval import DESCRIBED_KEYS, ResultsError, format_percent, read_results, write_jsonl, write_text_atomic
 
 COMPARE_JSON, COMPARE_MD, COMPARE_JSONL = "compare.json", "compare.md", "compare.jsonl"
-# what compare.json says of each run
-RUN_KEYS = ("config", "precision_mode", "precision_backend", "kv_cache_dtype", "checkpoint", "step", "k")
+RUN_KEYS = DESCRIBED_KEYS  # what compare.json says of each run (read_results refuses a results.json without them)
 
 
 def common_prefix(a: str, b: str) -> int:

@@ -20,8 +20,9 @@ merging and decoding that llama.cpp applies for them (``llama-vocab.cpp``), whic
   An "unknown" token is special as well (llama.cpp treats it like a control token); normal, unused and byte
   tokens are plain vocabulary entries.
 
-Anything else (a SentencePiece ``model="llama"`` vocabulary, another ``pre``) raises a ValueError naming the file
-and the value: a guessed split would tokenize differently from what the model was trained on, silently.
+Anything else (a SentencePiece ``model="llama"`` vocabulary, another ``pre``) raises an ``InputFileError`` (a
+ValueError) naming the file and the value: a guessed split would tokenize differently from what the model was
+trained on, silently.
 ``tokenizer.ggml.add_eos_token`` is not used: prompts never end in EOS here.
 """
 
@@ -29,6 +30,8 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+
+from fp8rl_jax.errors import InputFileError
 
 # tokenizer.ggml.token_type values (llama.cpp's llama_token_type)
 TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
@@ -94,7 +97,7 @@ def read_metadata(path: str | os.PathLike) -> dict:
     try:
         reader = gguf.GGUFReader(path)
     except Exception as e:  # gguf's own errors name no file
-        raise ValueError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+        raise InputFileError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
     return {key: field.contents() for key, field in reader.fields.items() if key.startswith("tokenizer.")}
 
 
@@ -109,38 +112,38 @@ def convert(path: str | os.PathLike, metadata: dict | None = None):
     meta = read_metadata(path) if metadata is None else metadata
     model = meta.get("tokenizer.ggml.model")
     if model is None:
-        raise ValueError(f"{path}: no tokenizer in this GGUF file (metadata key tokenizer.ggml.model is missing)")
+        raise InputFileError(f"{path}: no tokenizer in this GGUF file (metadata key tokenizer.ggml.model is missing)")
     if model != "gpt2":
-        raise ValueError(f"{path}: tokenizer.ggml.model={model!r} is not supported; supported: 'gpt2' (byte-level "
+        raise InputFileError(f"{path}: tokenizer.ggml.model={model!r} is not supported; supported: 'gpt2' (byte-level "
                          f"BPE) with tokenizer.ggml.pre in {sorted(PRE_TOKENIZERS)}")
     pre_name = meta.get("tokenizer.ggml.pre")
     if pre_name not in PRE_TOKENIZERS:
-        raise ValueError(f"{path}: tokenizer.ggml.pre={pre_name!r} (tokenizer.ggml.model='gpt2') is not supported; "
+        raise InputFileError(f"{path}: tokenizer.ggml.pre={pre_name!r} (tokenizer.ggml.model='gpt2') is not supported; "
                          f"supported: {sorted(PRE_TOKENIZERS)}")
     pre = PRE_TOKENIZERS[pre_name]
 
     tokens = meta.get("tokenizer.ggml.tokens")
     merges = meta.get("tokenizer.ggml.merges")
     if not tokens or merges is None:
-        raise ValueError(f"{path}: tokenizer.ggml.tokens or tokenizer.ggml.merges is missing or empty")
+        raise InputFileError(f"{path}: tokenizer.ggml.tokens or tokenizer.ggml.merges is missing or empty")
     types = meta.get("tokenizer.ggml.token_type") or [TOKEN_NORMAL] * len(tokens)
     if len(types) != len(tokens):
-        raise ValueError(f"{path}: {len(types)} tokenizer.ggml.token_type entries for {len(tokens)} tokens")
+        raise InputFileError(f"{path}: {len(types)} tokenizer.ggml.token_type entries for {len(tokens)} tokens")
     vocab = {}
     for i, token in enumerate(tokens):
         if vocab.setdefault(token, i) != i:  # a second id for one text could never be produced or told apart
-            raise ValueError(f"{path}: token {token!r} appears twice in tokenizer.ggml.tokens "
+            raise InputFileError(f"{path}: token {token!r} appears twice in tokenizer.ggml.tokens "
                              f"(ids {vocab[token]} and {i})")
     pairs = []
     for i, merge in enumerate(merges):
         pair = tuple(merge.split(" "))  # byte-level tokens never hold a space (it is spelled "Ġ")
         if len(pair) != 2 or not all(pair):
-            raise ValueError(f"{path}: tokenizer.ggml.merges[{i}]={merge!r} is not two tokens joined by one space")
+            raise InputFileError(f"{path}: tokenizer.ggml.merges[{i}]={merge!r} is not two tokens joined by one space")
         pairs.append(pair)
     try:
         bpe = models.BPE(vocab, pairs, ignore_merges=pre.ignore_merges, fuse_unk=False, byte_fallback=False)
     except Exception as e:  # a merge of tokens that are not in the vocabulary, ...
-        raise ValueError(f"{path}: the vocabulary and merges do not make a BPE model ({e})") from None
+        raise InputFileError(f"{path}: the vocabulary and merges do not make a BPE model ({e})") from None
     backend = Backend(bpe)
     backend.pre_tokenizer = _pre_tokenizer(pre.split)
     backend.decoder = decoders.ByteLevel()
@@ -154,7 +157,7 @@ def convert(path: str | os.PathLike, metadata: dict | None = None):
     backend.add_tokens([AddedToken(token, special=False, normalized=False)
                         for token, kind in zip(tokens, types, strict=True) if kind == TOKEN_USER_DEFINED])
     if backend.get_vocab_size() != len(tokens):
-        raise ValueError(f"{path}: adding the control/user-defined tokens changed the vocabulary size "
+        raise InputFileError(f"{path}: adding the control/user-defined tokens changed the vocabulary size "
                          f"({len(tokens)} -> {backend.get_vocab_size()})")
 
     config: dict = {}
@@ -163,7 +166,7 @@ def convert(path: str | os.PathLike, metadata: dict | None = None):
         if token_id is None:
             continue
         if not 0 <= int(token_id) < len(tokens):
-            raise ValueError(f"{path}: {key}={token_id} is outside the vocabulary (0..{len(tokens) - 1})")
+            raise InputFileError(f"{path}: {key}={token_id} is outside the vocabulary (0..{len(tokens) - 1})")
         config[name] = tokens[int(token_id)]
     add_bos = meta.get("tokenizer.ggml.add_bos_token")
     config["add_bos_token"] = pre.add_bos if add_bos is None else bool(add_bos)

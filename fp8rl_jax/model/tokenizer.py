@@ -20,6 +20,8 @@ from pathlib import Path
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from fp8rl_jax.errors import InputFileError
+
 
 def _raise(message: str):
     raise jinja2.exceptions.TemplateError(message)
@@ -106,14 +108,19 @@ class Tokenizer:
         path = folder / "tokenizer.json"
         if not path.exists():
             raise FileNotFoundError(f"{path} not found")
-        backend = Backend.from_file(str(path))
+        try:
+            backend = Backend.from_file(str(path))
+        except Exception as e:  # the tokenizers library's own errors (a bare Exception) name no file
+            raise InputFileError(f"{path}: not a readable tokenizer.json ({' '.join(str(e).split())})") from None
         meta = {}
         cfg_path = folder / "tokenizer_config.json"
         if cfg_path.exists():
             try:
-                meta = json.loads(cfg_path.read_text())
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{cfg_path}: invalid JSON ({e})") from e
+                meta = json.loads(cfg_path.read_text(encoding="utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise InputFileError(f"{cfg_path}: invalid JSON ({type(e).__name__}: {e})") from None
+            if not isinstance(meta, dict):
+                raise InputFileError(f"{cfg_path}: a JSON {type(meta).__name__}, not an object of tokenizer settings")
         template = meta.get("chat_template")
         if template is None and (folder / "chat_template.jinja").exists():
             template = (folder / "chat_template.jinja").read_text()

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fp8rl_jax.errors import InputFileError, MissingTensorError
 from fp8rl_jax.model.config import LlamaConfig, RopeScaling
 
 HF_ARCHITECTURES = {"llama", "mistral", "qwen2", "smollm", "smollm2"}
@@ -26,13 +27,17 @@ HF_ARCHITECTURES = {"llama", "mistral", "qwen2", "smollm", "smollm2"}
 
 
 def config_from_hf(cfg: Mapping, path: str = "config.json") -> LlamaConfig:
-    """A ``LlamaConfig`` from a Hugging Face ``config.json`` dict."""
+    """A ``LlamaConfig`` from a Hugging Face ``config.json`` dict; ``InputFileError`` naming ``path`` for one that is
+    not a Llama-family config."""
+    if not isinstance(cfg, Mapping):
+        raise InputFileError(f"{path}: a JSON {type(cfg).__name__}, not an object of model settings")
     model_type = cfg.get("model_type", "llama")
     if model_type not in HF_ARCHITECTURES:
-        raise ValueError(f"{path}: model_type={model_type!r} is not a Llama-family model ({sorted(HF_ARCHITECTURES)})")
+        raise InputFileError(
+            f"{path}: model_type={model_type!r} is not a Llama-family model ({sorted(HF_ARCHITECTURES)})")
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
         if key not in cfg:
-            raise ValueError(f"{path}: missing key {key!r}")
+            raise InputFileError(f"{path}: missing key {key!r}")
     heads = cfg["num_attention_heads"]
     rope = cfg.get("rope_scaling") or cfg.get("rope_parameters")
     scaling = None
@@ -44,7 +49,7 @@ def config_from_hf(cfg: Mapping, path: str = "config.json") -> LlamaConfig:
             original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
         )
     elif rope and rope.get("rope_type", rope.get("type")) not in (None, "default"):
-        raise ValueError(f"{path}: rope_scaling type {rope.get('rope_type')!r} is not supported (llama3 or none)")
+        raise InputFileError(f"{path}: rope_scaling type {rope.get('rope_type')!r} is not supported (llama3 or none)")
     theta = cfg.get("rope_theta", (rope or {}).get("rope_theta", 10000.0))
     eos = cfg.get("eos_token_id")
     eos = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
@@ -191,7 +196,7 @@ def _safetensors_files(folder: Path) -> list[Path]:
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError) as e:
-            raise ValueError(f"{index}: not a safetensors index ({e})") from e
+            raise InputFileError(f"{index}: not a safetensors index ({e})") from e
         return [folder / f for f in sorted(set(weight_map.values()))]
     files = sorted(folder.glob("*.safetensors"))
     if not files:
@@ -214,7 +219,7 @@ class HFCheckpoint:
         try:
             hf_config = json.loads(cfg_path.read_text(encoding="utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ValueError(f"{cfg_path}: not a JSON config ({type(e).__name__}: {e})") from None
+            raise InputFileError(f"{cfg_path}: not a JSON config ({type(e).__name__}: {e})") from None
         config = config_from_hf(hf_config, str(cfg_path))
         self._handles = {}
         self._where: dict[str, Path] = {}
@@ -224,7 +229,7 @@ class HFCheckpoint:
             try:
                 h = safe_open(str(f), framework="numpy")
             except Exception as e:  # safetensors' own errors name no file: "header too large", "invalid JSON"...
-                raise ValueError(f"{f}: not a readable safetensors file ({type(e).__name__}: {e})") from None
+                raise InputFileError(f"{f}: not a readable safetensors file ({type(e).__name__}: {e})") from None
             self._handles[f] = h
             for k in h.keys():
                 self._where[k] = f
@@ -234,7 +239,7 @@ class HFCheckpoint:
 
     def file(self, name: str) -> Path:
         if name not in self._where:
-            raise KeyError(f"{self.folder}: tensor {name!r} not found in the safetensors files")
+            raise MissingTensorError(f"{self.folder}: tensor {name!r} not found in the safetensors files")
         return self._where[name]
 
     def shape(self, name: str) -> tuple[int, ...]:
@@ -313,8 +318,9 @@ class SlicedParam:
 
 def hf_sliced_params(folder: str | os.PathLike, dtype=jnp.float32) -> tuple[LlamaConfig, dict]:
     """``(config, tree)``: the params tree of ``load_hf`` with a ``SlicedParam`` for every leaf, nothing read yet
-    but the headers. Every tensor is checked up front: present (``KeyError`` naming it, as ``load_hf``) and of the
-    shape that ``config.json`` implies (``ValueError`` naming the file and the tensor)."""
+    but the headers. Every tensor is checked up front: present (``MissingTensorError``, a KeyError, naming it, as
+    ``load_hf``) and of the shape that ``config.json`` implies (``InputFileError``, a ValueError, naming the file and
+    the tensor)."""
     checkpoint = HFCheckpoint(folder)
     c = checkpoint.config
     dtype = np.dtype(jnp.dtype(dtype))
@@ -352,7 +358,7 @@ def hf_sliced_params(folder: str | os.PathLike, dtype=jnp.float32) -> tuple[Llam
                 name = fmt.format(i=i)
                 got = checkpoint.shape(name)
                 if got != want:
-                    raise ValueError(f"{checkpoint.file(name)}: tensor {name!r} has shape {list(got)}, "
+                    raise InputFileError(f"{checkpoint.file(name)}: tensor {name!r} has shape {list(got)}, "
                                      f"config.json implies {list(want)}")
     return c, params
 
@@ -414,12 +420,12 @@ def _gguf_field(reader, key: str, default=None):
 def config_from_gguf(reader, path: str = "model.gguf") -> LlamaConfig:
     arch = _gguf_field(reader, "general.architecture")
     if arch not in ("llama", "qwen2"):
-        raise ValueError(f"{path}: general.architecture={arch!r}; supported: llama, qwen2")
+        raise InputFileError(f"{path}: general.architecture={arch!r}; supported: llama, qwen2")
 
     def need(key):
         value = _gguf_field(reader, f"{arch}.{key}")
         if value is None:
-            raise ValueError(f"{path}: missing metadata key {arch}.{key}")
+            raise InputFileError(f"{path}: missing metadata key {arch}.{key}")
         return value
 
     heads = int(need("attention.head_count"))
@@ -466,14 +472,14 @@ def load_gguf(path: str | os.PathLike, dtype=jnp.float32) -> tuple[LlamaConfig, 
     try:
         reader = gguf.GGUFReader(path)
     except Exception as e:  # gguf's own errors name no file: "GGUF magic invalid", an IndexError on a cut file...
-        raise ValueError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+        raise InputFileError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
     config = config_from_gguf(reader, path)
     arch = _gguf_field(reader, "general.architecture")
     tensors = {t.name: t for t in reader.tensors}
 
     def get(name: str) -> np.ndarray:
         if name not in tensors:
-            raise KeyError(f"{path}: tensor {name!r} not found")
+            raise MissingTensorError(f"{path}: tensor {name!r} not found")
         t = tensors[name]
         w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32)
         # GGUF lists dims fastest-first; numpy's shape is the reverse: [out, in] like Hugging Face

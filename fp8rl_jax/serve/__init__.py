@@ -144,7 +144,12 @@ def build_server(config, *, params: dict | None = None, fp8_state: dict | None =
     """Serve ``params`` (training params, FP8 state and KV scales as the trainer holds them; with ``model`` and
     ``tokenizer``, else those load from the config) or, with none, the model of ``config``. ``port=0``: any.
 
-    Raises OSError naming the port when it cannot bind it (held by another server, say)."""
+    Raises OSError naming the port when it cannot bind it (held by another server, say), and ``FileNotFoundError``
+    naming a ``checkpoint`` folder that does not exist (nothing is created)."""
+    if checkpoint is not None:
+        from fp8rl_jax.checkpoint import existing_checkpoint_folder
+
+        checkpoint = existing_checkpoint_folder(checkpoint)
     install_jetstream_compat()
     from fp8rl_jax.fp8.policy import from_config
     from fp8rl_jax.model import llama

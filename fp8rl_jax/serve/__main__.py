@@ -1,5 +1,9 @@
 """``python -m fp8rl_jax.serve``: the trainer's --config flag and friendly errors (``fp8rl_jax.main``), and the
-server's own flags."""
+server's own flags.
+
+Exit status: 0 stopped (SIGINT, SIGTERM); 2 bad input, said in one ``error:`` line (a flag, a config key or value, a
+port in use, a ``--checkpoint`` folder that does not exist (nothing is created) or holds no complete step, a model or
+tokenizer file that does not read: ``fp8rl_jax.main.bad_input_errors``); 1 anything else (a traceback)."""
 
 from __future__ import annotations
 
@@ -34,9 +38,8 @@ def main(argv) -> int:
         handle = serve.build_server(config, port=_PORT.value, host=_HOST.value, greedy=_GREEDY.value,
                                     max_concurrent_decodes=_SLOTS.value, max_new_tokens=_MAX_NEW.value,
                                     checkpoint=_CHECKPOINT.value)
-    except OSError as e:  # the port in use, a missing checkpoint or model file
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    except cli.bad_input_errors() as e:  # the port in use, a missing checkpoint, a model file that does not read
+        return cli.input_error(e)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: handle.stop())
     print(f"serving {config.model.source} on {handle.host}:{handle.port} (JetStream gRPC); Ctrl-C stops", flush=True)
