@@ -62,12 +62,17 @@ def main() -> int:
     parser.add_argument("--commit", default=os.environ.get("FP8RL_COMMIT", ""),
                         help="the commit that runs (a device's copy of the tree may report an older one)")
     parser.add_argument("--timeout", type=int, default=480)
+    parser.add_argument("--log", default="", help="also write the run's whole output here (with JAX_LOG_COMPILES=1 "
+                        "set: which programs compiled when)")
     args = parser.parse_args()
     shutil.rmtree(args.workdir, ignore_errors=True)
     command = [sys.executable, "-m", "fp8rl_jax.main", "--config=configs/smollm2_gsm8k.py", *OVERRIDES,
                f"--steps={args.steps}"]
     start = time.perf_counter()
     run = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
+    if args.log:
+        with open(args.log, "w") as f:
+            f.write(run.stdout + run.stderr)
     lines = [line for line in (run.stdout + run.stderr).splitlines() if not line.startswith(("W", "I0"))]
     print("\n".join(lines[-12:]), flush=True)
     metrics = os.path.join(args.workdir, "metrics.jsonl")

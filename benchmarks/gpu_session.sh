@@ -169,7 +169,8 @@ EOF2
       done ;;
     demo_scaled) # issue 41's acceptance: the demo scaled as a new GPU user would (32 prompts x 8 samples x 256 new
       # tokens, nothing else), 20 steps; FP8RL_COMMIT names the tree that runs
-      timeout 560 python3 benchmarks/demo_scaled.py --out "$OUT/demo_scaled_h100.json" 2>&1 | grep -v "^W\|Warn" | tail -16 ;;
+      timeout 560 python3 benchmarks/demo_scaled.py --out "$OUT/demo_scaled_h100.json" ${DEMO_LOG:+--log "$OUT/demo_scaled.log"} \
+        2>&1 | grep -v "^W\|Warn" | tail -16 ;;
     scaled_demo) # issue 21: the demo scaled up (256 sequences x 256 new tokens) with no microbatch override, 3 steps;
       # then an intentionally oversized microbatch (the whole minibatch) that must end in one out-of-memory line
       args="--config=configs/smollm2_gsm8k.py --config.rollout.prompts_per_step=32 --config.rollout.samples_per_prompt=8
