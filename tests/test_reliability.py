@@ -6,6 +6,7 @@ error line after which the rerun resumes; prompt + new tokens must fit the model
 one place.
 """
 
+import errno
 import json
 import math
 import os
@@ -207,6 +208,43 @@ def test_a_failed_checkpoint_save_is_one_error_line_and_the_rerun_resumes(tmp_pa
     assert f"resumed from {checkpoints} at step 1" in again.stdout
     assert latest_complete_step(checkpoints) == 3
     assert [r["step"] for r in _metrics(workdir)] == [1, 2, 3]  # each once: the failed run's step 2 was dropped
+
+
+def test_a_tensorboard_write_failure_raises_in_the_caller(tmp_path, monkeypatch):
+    """A TensorBoard events write that fails (a full disk) is an OSError from ``Reporter.log``, which the trainer
+    turns into a failed save's error where there is one. Was: tensorboardX's worker thread died of it (a traceback
+    on stderr), and the next record's scalars filled its queue: ``log`` blocked for good."""
+    import threading
+
+    from tensorboardX import record_writer
+
+    from fp8rl_jax.reporting import Reporter
+
+    reporter = Reporter(tmp_path, tensorboard=True, progress=False)
+    reporter.log({"step": 1, "loss": 0.5})
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(record_writer.os, "fsync", full)  # every flush of the events file fails from here on
+    thread_errors, outcome = [], []
+    monkeypatch.setattr(threading, "excepthook", thread_errors.append)
+
+    def log_two_steps():
+        try:
+            for step in (2, 3):
+                reporter.log({"step": step, **{f"metric_{i}": float(i) for i in range(20)}})
+        except OSError as e:
+            outcome.append(e)
+
+    logging_thread = threading.Thread(target=log_two_steps, daemon=True)
+    logging_thread.start()
+    logging_thread.join(30)
+    assert not logging_thread.is_alive(), "Reporter.log blocked"
+    assert [e.errno for e in outcome] == [errno.ENOSPC] and thread_errors == []
+    with pytest.raises(OSError):
+        reporter.close()
+    reporter.close()  # once: a second close does nothing
 
 
 # ----------------------------------------------------------------------------------------------------------
