@@ -23,6 +23,7 @@ restored onto the current mesh's shardings (whatever mesh saved them).
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import json
 import shutil
@@ -804,11 +805,17 @@ class Trainer:
 
     def _lock_workdir(self) -> WorkdirLock | None:
         """One run per workdir (``fp8rl_jax.workdir_lock``). Process 0 holds the lock for its whole job; the other
-        processes learn whether it got it, so that all of them stop (rather than wait for it at a collective)."""
+        processes learn whether it got it, so that all of them stop (rather than wait for it at a collective). A
+        workdir where the lock cannot be written (read-only, no permission) is a ``ConfigError`` naming it: the
+        first write of the run, so the run stops before it loads anything."""
         lock = error = None
         if is_primary():
             try:
                 lock = WorkdirLock.acquire(self.workdir, alternative="another config.workdir")
+            except OSError as e:  # a read-only filesystem, no permission, a file in the way: another workdir it is
+                reason = f"{e.strerror or e} [{errno.errorcode.get(e.errno, e.errno)}]" if e.errno else str(e)
+                error = ConfigError(f"config.workdir={str(self.workdir)!r} cannot be written: {reason}"
+                                    f"{f' ({e.filename})' if e.filename else ''}; choose another config.workdir")
             except Exception as e:  # raised below, once the other processes heard of it
                 error = e
         if jax.process_count() > 1:
