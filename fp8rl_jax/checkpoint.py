@@ -32,8 +32,10 @@ A failed save (disk full, permission, quota) raises ``CheckpointSaveError`` from
 of the next step (the previous save's failure, named by that step), ``wait`` or ``close``. Its one line names the
 step, the folder, the OS error and the last complete step, from which a rerun resumes (the unfinished
 ``<step>.orbax-checkpoint-tmp`` is never read, and removed by the next ``Checkpointer`` there). Orbax logs the same
-failure from each of its threads, with tracebacks, and its writer's callbacks meet a closed event loop; those
-duplicates are dropped (``_quiet_orbax_failures``), so the error is said once.
+failure from each of its threads, with tracebacks, its writer's callbacks meet a closed event loop, and asyncio
+reports each of its failed write tasks when they are collected ("Task exception was never retrieved"); those
+duplicates are dropped (``_quiet_orbax_failures``), so the error is said once. ``failed_save`` lets another writer on
+the same full disk (the trainer's plots and metrics) report the save's failure rather than its own.
 """
 
 from __future__ import annotations
@@ -135,6 +137,33 @@ class _OrbaxRaisedFilter(logging.Filter):
 _ORBAX_RAISED_FILTER = _OrbaxRaisedFilter()
 
 
+def _orbax_frames(tb) -> bool:
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename.startswith(_ORBAX_DIR):
+            return True
+        tb = tb.tb_next
+    return False
+
+
+class _OrbaxTaskFilter(logging.Filter):
+    """Drops asyncio's "Task exception was never retrieved" (and "Future ...", "_GatheringFuture ...") for Orbax's
+    writes: a failed async save leaves one per array (tensorstore's ``RESOURCE_EXHAUSTED ... No space left on
+    device``), logged with its traceback when the task is collected, after the failure was raised to the caller as
+    one ``CheckpointSaveError``. Orbax's are the tasks of its coroutines, and the futures whose error names a file
+    of an unfinished save."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not str(record.msg).partition("\n")[0].endswith(" exception was never retrieved"):
+            return True
+        exc = record.exc_info[1] if record.exc_info else None
+        ours = _ORBAX_DIR in str(record.msg) or (exc is not None and (
+            _orbax_frames(exc.__traceback__) or ".orbax-checkpoint-tmp" in str(exc)))
+        return not ours
+
+
+_ORBAX_TASK_FILTER = _OrbaxTaskFilter()
+
+
 def _make_unraisable_hook(previous):
     """A ``sys.unraisablehook`` that drops the noise of a failed async save and passes anything else to
     ``previous``: tensorstore's write callbacks reaching Orbax's event loop after the failure closed it
@@ -161,9 +190,10 @@ def _make_unraisable_hook(previous):
 
 
 def _quiet_orbax_failures() -> None:
-    """Install the two filters above (once; again if something replaced the hook since), and drop the warning that
+    """Install the filters above (once; again if something replaced the hook since), and drop the warning that
     an abandoned write coroutine of a failed save was never awaited."""
     logging.getLogger("absl").addFilter(_ORBAX_RAISED_FILTER)  # Orbax logs through absl.logging
+    logging.getLogger("asyncio").addFilter(_ORBAX_TASK_FILTER)
     warnings.filterwarnings("ignore", r"coroutine 'async_serialize_from_host\.<locals>\.write_fragment' was never "
                             "awaited", RuntimeWarning)
     if not getattr(sys.unraisablehook, "fp8rl_orbax_quiet", False):
@@ -398,6 +428,16 @@ class Checkpointer:
         except Exception as e:
             raise self._failed(self._pending, e) from e
         self._pending = None
+
+    def failed_save(self) -> CheckpointSaveError | None:
+        """The failure of a save (waiting for the pending one first), or None: what a writer that failed meanwhile
+        (plots, metrics on the same full disk, most likely) reports instead of its own error. Raises nothing."""
+        if self._failure is None:
+            try:
+                self.wait()
+            except CheckpointSaveError:
+                pass
+        return self._failure
 
     def close(self) -> None:
         """Waits for pending saves (``CheckpointSaveError`` if one failed, unless a failure was raised already),

@@ -4,12 +4,13 @@ A thin shell over ``fp8rl_jax.trainer.Trainer``: parse and validate the config, 
 Config keys are overridden as ``--config.rollout.temperature=0.7``; ``--config=file.py:arg`` passes ``arg`` to
 the file's ``get_config``.
 
-Exit status: 0 done; 2 a bad flag, config key or value, or one the machine or model cannot run (one ``error:``
-line); 3 the workdir is in use by another run (the error names its host, pid and start); 4 a checkpoint could not
-be saved (disk full, permission, quota: the error names the step, the folder, the cause and the last complete step,
-from which rerunning the command resumes); 5 a device ran out of memory (one ``error:`` line naming the phase, its
-shapes, the device's memory and the config keys that lower it, ``fp8rl_jax.memory.DeviceOutOfMemory``); 1 anything
-else (a Python traceback).
+Exit status: 0 done; 2 a bad flag, config key or value, one the machine or model cannot run, or a workdir that
+cannot be written (one ``error:`` line); 3 the workdir is in use by another run (the error names its host, pid and
+start); 4 a checkpoint could not be saved (disk full, permission, quota: the error names the step, the folder, the
+cause and the last complete step, from which rerunning the command resumes; plots, metrics or TensorBoard events
+that then fail on the same disk do not replace it); 5 a device ran out of memory (one ``error:`` line naming the
+phase, its shapes, the device's memory and the config keys that lower it, ``fp8rl_jax.memory.DeviceOutOfMemory``);
+1 anything else (a Python traceback).
 """
 
 from __future__ import annotations

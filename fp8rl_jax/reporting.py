@@ -1,7 +1,9 @@
 """Where a run's metrics go: ``metrics.jsonl``, TensorBoard, a progress bar, and PNG plots at the end.
 
 One record per RL step (a flat dict of floats, and the FP8 backend's name). The JSONL file is the source of truth;
-on resume, records past the restored step are dropped so the file reads as one uninterrupted run.
+on resume, records past the restored step are dropped so the file reads as one uninterrupted run. Every write
+happens in the calling thread, so that a failed one (a full disk) raises there: ``Trainer`` then reports a failed
+checkpoint save on the same disk instead, if there is one.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from pathlib import Path
 
 PLOTS = {
@@ -40,6 +43,33 @@ def compile_seconds() -> float:
     return _compile_total["seconds"]
 
 
+class _TensorBoard:
+    """Scalars into a TensorBoard events file (``events.out.tfevents.*``, as tensorboardX's ``SummaryWriter`` names
+    it), written and flushed by the caller. ``SummaryWriter`` writes from a worker thread: a write that failed there
+    (a full disk) printed a traceback and ended the thread, and the next records filled its queue (10 events) and
+    blocked the trainer for good. Here the failure is an ``OSError`` from ``Reporter.log`` or ``close``."""
+
+    def __init__(self, logdir: Path):
+        from tensorboardX.event_file_writer import EventsWriter
+
+        logdir.mkdir(parents=True, exist_ok=True)
+        self._writer = EventsWriter(str(logdir / "events"))
+
+    def scalars(self, values: dict[str, float], step: int) -> None:
+        from tensorboardX.proto.event_pb2 import Event
+        from tensorboardX.summary import scalar
+
+        now = time.time()
+        for tag, value in values.items():
+            self._writer.write_event(Event(wall_time=now, step=step, summary=scalar(tag, value)))
+        self._writer.flush()
+
+    def close(self) -> None:
+        writer, self._writer = self._writer, None  # once, even if it fails
+        if writer is not None:
+            writer.close()
+
+
 class Reporter:
     def __init__(self, workdir: str | os.PathLike, *, tensorboard: bool = True, progress: bool = True,
                  total_steps: int | None = None, resume_step: int = 0, write: bool = True):
@@ -56,9 +86,7 @@ class Reporter:
                     f.write(json.dumps(r) + "\n")
         self._tb = None
         if tensorboard:
-            from tensorboardX import SummaryWriter
-
-            self._tb = SummaryWriter(str(self.dir / "tensorboard"))
+            self._tb = _TensorBoard(self.dir / "tensorboard")
         self._bar = None
         if progress:
             from tqdm.auto import tqdm
@@ -88,10 +116,7 @@ class Reporter:
             f.write(json.dumps(record) + "\n")
         step = int(record["step"])
         if self._tb is not None:
-            for k, v in record.items():
-                if isinstance(v, float) and math.isfinite(v):
-                    self._tb.add_scalar(k, v, step)
-            self._tb.flush()
+            self._tb.scalars({k: v for k, v in record.items() if isinstance(v, float) and math.isfinite(v)}, step)
         if self._bar is not None and advance:
             self._bar.update(1)
             self._bar.set_postfix(reward=f"{record.get('reward_mean', float('nan')):.3f}",
@@ -124,15 +149,17 @@ class Reporter:
             if not keys:
                 continue
             fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.2), squeeze=False)
-            for ax, key in zip(axes[0], keys, strict=True):
-                have = [r for r in self.records if key in r]  # eval metrics come every data.eval_every steps
-                ax.plot([r["step"] for r in have], [r[key] for r in have], marker=".")
-                ax.set_title(key)
-                ax.set_xlabel("step")
-                ax.grid(alpha=0.3)
-            fig.tight_layout()
-            fig.savefig(out_dir / name, dpi=100)
-            plt.close(fig)
+            try:
+                for ax, key in zip(axes[0], keys, strict=True):
+                    have = [r for r in self.records if key in r]  # eval metrics come every data.eval_every steps
+                    ax.plot([r["step"] for r in have], [r[key] for r in have], marker=".")
+                    ax.set_title(key)
+                    ax.set_xlabel("step")
+                    ax.grid(alpha=0.3)
+                fig.tight_layout()
+                fig.savefig(out_dir / name, dpi=100)
+            finally:  # a failed save (a full disk) leaves no open figure behind
+                plt.close(fig)
             written.append(out_dir / name)
         return written
 

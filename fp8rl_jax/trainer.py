@@ -23,6 +23,7 @@ restored onto the current mesh's shardings (whatever mesh saved them).
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import json
 import shutil
@@ -442,7 +443,8 @@ class Trainer:
         self.bad_steps = self.bad_steps + 1 if skipped else 0
         if self._eval_due(step + 1):  # in the step's record, so metrics.jsonl and TensorBoard have it
             record.update(self.evaluate())
-        self.reporter.log(record)
+        with self._writing():
+            self.reporter.log(record)
         if skipped:
             self.reporter.message(f"step {step + 1}: {skipped} update(s) skipped: non-finite loss or gradient, or an "
                                   f"update that made params or optimizer state non-finite "
@@ -511,13 +513,30 @@ class Trainer:
             self.reporter.message(f"{self.workdir}: the run is at step {done} of {total}; nothing to do")
         if count and done == 0 and self._eval_due(0) and not any(r.get("step") == 0 for r in self.reporter.records):
             # the starting point of the eval curve; a resumed run has it from its first start
-            self.reporter.log({"step": 0, **self.evaluate()}, advance=False)
+            record = {"step": 0, **self.evaluate()}
+            with self._writing():
+                self.reporter.log(record, advance=False)
         out = [self.step() for _ in range(count)]
         if self.config.checkpoint.save_final:
             self.save(force=True)
         if self.config.logging.plots:
-            self.reporter.plot()
+            with self._writing():  # while the final save may still be writing, on the same disk
+                self.reporter.plot()
         return out
+
+    @contextlib.contextmanager
+    def _writing(self) -> Iterator[None]:
+        """Around the reporter's writes (metrics.jsonl, TensorBoard, plots): where one fails (``OSError``) and a
+        checkpoint save has failed too (a full disk fails both; an async save's failure may show only now), the
+        save's ``CheckpointSaveError`` is raised instead of the writer's error: it says what the user needs (the
+        folder, the cause, the step a rerun resumes from), and ``python -m fp8rl_jax.main`` exits with 4 on it."""
+        try:
+            yield
+        except OSError:
+            failure = self.checkpointer.failed_save()
+            if failure is None:
+                raise
+            raise failure  # noqa: B904 - not caused by the writer's error: that one stays as its context
 
     # -- pieces ---------------------------------------------------------------------------------------------
 
@@ -806,20 +825,32 @@ class Trainer:
 
     def close(self) -> None:
         """Waits for the pending checkpoint save (a failed one raises ``CheckpointSaveError``), closes the
-        reporter and releases the workdir; idempotent."""
+        reporter and releases the workdir; idempotent. After a failed save, the reporter's own write failure at
+        close (TensorBoard's last flush on the same full disk) is dropped: the save's failure is the error."""
         try:
             self.checkpointer.close()
         finally:
-            self.reporter.close()
-            self._release_workdir()
+            try:
+                self.reporter.close()
+            except OSError:
+                if self.checkpointer.failed_save() is None:
+                    raise
+            finally:
+                self._release_workdir()
 
     def _lock_workdir(self) -> WorkdirLock | None:
         """One run per workdir (``fp8rl_jax.workdir_lock``). Process 0 holds the lock for its whole job; the other
-        processes learn whether it got it, so that all of them stop (rather than wait for it at a collective)."""
+        processes learn whether it got it, so that all of them stop (rather than wait for it at a collective). A
+        workdir where the lock cannot be written (read-only, no permission) is a ``ConfigError`` naming it: the
+        first write of the run, so the run stops before it loads anything."""
         lock = error = None
         if is_primary():
             try:
                 lock = WorkdirLock.acquire(self.workdir, alternative="another config.workdir")
+            except OSError as e:  # a read-only filesystem, no permission, a file in the way: another workdir it is
+                reason = f"{e.strerror or e} [{errno.errorcode.get(e.errno, e.errno)}]" if e.errno else str(e)
+                error = ConfigError(f"config.workdir={str(self.workdir)!r} cannot be written: {reason}"
+                                    f"{f' ({e.filename})' if e.filename else ''}; choose another config.workdir")
             except Exception as e:  # raised below, once the other processes heard of it
                 error = e
         if jax.process_count() > 1:

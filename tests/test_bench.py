@@ -72,7 +72,9 @@ def test_agreement_rollout_path_equals_scoring_in_f32():
     rows = bench_agreement(model, params, sequences,
                            {"f32": Precision(compute_dtype="float32"), "fp8": Precision(backend="xla")})
     assert [r["precision"] for r in rows] == ["f32", "fp8"] and rows[0]["tokens"] == 12
-    assert rows[0]["decode_vs_full_max"] < 1e-4 and rows[0]["vs_f32_mean"] == 0
+    # f32 scoring against the f32 reference: two programs, whose sums XLA:CPU may order apart (a mean of 4e-8 on a
+    # Xeon with AVX-512, 0 elsewhere): a bound float rounding meets with room, far below FP8's > 1e-3
+    assert rows[0]["decode_vs_full_max"] < 1e-4 and rows[0]["vs_f32_mean"] < 1e-5
     assert rows[1]["vs_f32_mean"] > 1e-3
     # the trainer's mismatch metrics over the same tokens: mean exp|d| lies between 1 and exp(max |d|), the IS
     # weights exp(d) within exp(+-max |d|), and KL k3 >= 0 (on CPU the FP8 GEMMs accumulate in f32 in both paths,

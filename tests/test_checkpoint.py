@@ -411,3 +411,32 @@ def test_unraisable_noise_of_a_failed_save_is_dropped_and_the_rest_passes():
     unrelated = ValueError("x")
     hook(types.SimpleNamespace(exc_value=unrelated, exc_traceback=None, object=None))
     assert [u.exc_value for u in seen] == [other, unrelated]
+
+
+def test_unretrieved_exceptions_of_orbax_writes_are_dropped_and_the_rest_pass():
+    """asyncio's "... exception was never retrieved" for the tasks and futures of a failed async save (one per
+    array, each with its traceback, after the one CheckpointSaveError) is dropped; any other passes."""
+    from fp8rl_jax.checkpoint import _ORBAX_DIR, _OrbaxTaskFilter
+
+    def record(msg, exc=None):
+        return logging.LogRecord("asyncio", logging.ERROR, "base_events.py", 1771, msg, None,
+                                 (type(exc), exc, None) if exc else None)
+
+    full = ValueError('RESOURCE_EXHAUSTED: Error writing "params.w/0" in OCDBT database at local file "/c/1.orbax-'
+                      "checkpoint-tmp/train_state.orbax-checkpoint-tmp/ocdbt.process_0/\": No space left on device "
+                      "[os_error_code='28']")
+    dropped = [
+        record("Task exception was never retrieved\nfuture: <Task finished name='Task-75' coro=<async_serialize_"
+               f"from_host() done, defined at {_ORBAX_DIR}_src/serialization/serialization.py:126> exception="
+               "ValueError('RESOURCE_EXHAUSTED')>", full),
+        record("_GatheringFuture exception was never retrieved\nfuture: <_GatheringFuture finished "
+               f"exception={full!r}>", full),
+        record(f"Future exception was never retrieved\nfuture: <Future finished exception={full!r}>", full),
+    ]
+    passed = [
+        record("Task exception was never retrieved\nfuture: <Task finished name='Task-1' coro=<mine() done, defined "
+               "at /app/mine.py:3> exception=KeyError('x')>", KeyError("x")),
+        record("Executing <Task pending name='Task-2'> took 0.2 seconds"),
+    ]
+    quiet = _OrbaxTaskFilter()
+    assert [quiet.filter(r) for r in dropped + passed] == [False] * len(dropped) + [True] * len(passed)

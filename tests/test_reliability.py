@@ -6,6 +6,7 @@ error line after which the rerun resumes; prompt + new tokens must fit the model
 one place.
 """
 
+import errno
 import json
 import math
 import os
@@ -207,6 +208,125 @@ def test_a_failed_checkpoint_save_is_one_error_line_and_the_rerun_resumes(tmp_pa
     assert f"resumed from {checkpoints} at step 1" in again.stdout
     assert latest_complete_step(checkpoints) == 3
     assert [r["step"] for r in _metrics(workdir)] == [1, 2, 3]  # each once: the failed run's step 2 was dropped
+
+
+# The trainer's command line with a disk that is full from the moment a checkpoint save starts: every writer after
+# it fails too (Orbax's array writes and JSON items, the plots, metrics.jsonl, TensorBoard's flush). FULL_DISK=tmpfs:
+# the workdir lies on a small tmpfs, filled up to its last byte before the save; FULL_DISK=injected (no mount needed):
+# from then on every file opened for writing under the workdir fails with ENOSPC (tensorstore's C++ array writes go
+# through).
+FULL_DISK_MAIN = """
+import builtins, errno, os
+from fp8rl_jax import checkpoint
+workdir = os.path.realpath(os.environ["FULL_DISK_WORKDIR"]) + os.sep
+full = []
+
+def fill_up():
+    if os.environ["FULL_DISK"] == "tmpfs":
+        fd = os.open(workdir + "filler", os.O_WRONLY | os.O_CREAT)
+        for size in (1 << 20, 1 << 12, 1):
+            try:
+                while True:
+                    os.write(fd, bytes(size))
+            except OSError as e:
+                assert e.errno == errno.ENOSPC, e
+        os.close(fd)
+    full.append(True)
+
+real_open = builtins.open
+def failing_open(file, mode="r", *args, **kwargs):
+    if full and isinstance(file, (str, os.PathLike)) and os.path.realpath(file).startswith(workdir) and \\
+            set(mode) & set("wax+"):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.fspath(file))
+    return real_open(file, mode, *args, **kwargs)
+if os.environ["FULL_DISK"] == "injected":
+    builtins.open = failing_open
+
+real_save = checkpoint.Checkpointer.save
+def save(self, step, *args, **kwargs):
+    fill_up()
+    return real_save(self, step, *args, **kwargs)
+checkpoint.Checkpointer.save = save
+from fp8rl_jax.main import run
+run()
+"""
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 16 MB tmpfs mounted at ``tmp_path / "disk"``; skips where mounting is not allowed (not root)."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(disk)], capture_output=True,
+                             text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=True)
+
+
+@pytest.mark.parametrize("disk", ["tmpfs", "injected"])
+def test_a_final_async_save_on_a_full_disk_is_the_one_error_whatever_else_fails(tmp_path, request, disk):
+    """The final save, async (the default), on a disk that is full: the plots written meanwhile, TensorBoard's
+    flush at close and Orbax's background tasks fail as well. Was: a PIL ``OSError`` traceback (exit status 1,
+    the save's error never said), or the error line followed by asyncio's "Task exception was never retrieved"
+    tracebacks of Orbax's write tasks, depending on which writer met the full disk first."""
+    workdir = (request.getfixturevalue("small_tmpfs") if disk == "tmpfs" else tmp_path) / "run"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", FULL_DISK=disk, FULL_DISK_WORKDIR=str(workdir))
+    failed = subprocess.run([sys.executable, "-c", FULL_DISK_MAIN, f"--config={TINY}", f"--config.workdir={workdir}",
+                             "--steps=1", "--config.logging.progress=False", "--config.logging.tensorboard=True",
+                             "--config.logging.plots=True"],
+                            cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    errors = [line for line in failed.stderr.splitlines() if line.startswith("error:")]
+    assert failed.returncode == 4 and len(errors) == 1, failed.stderr[-5000:]
+    checkpoints = workdir / "checkpoints"
+    assert re.fullmatch(rf"error: checkpoint step 1 could not be saved to {re.escape(str(checkpoints))}: No space "
+                        rf"left on device \[ENOSPC\]( \({re.escape(str(checkpoints))}/1\.orbax-checkpoint-tmp/\S+\))?; "
+                        r"there is no complete checkpoint yet: a rerun starts the run over", errors[0]), errors[0]
+    for noise in ("Traceback", "Task exception was never retrieved", "Exception in thread", "Exception ignored"):
+        assert noise not in failed.stderr, failed.stderr[-5000:]
+    assert latest_complete_step(checkpoints) is None and not (workdir / "lock.json").exists()
+
+
+def test_a_tensorboard_write_failure_raises_in_the_caller(tmp_path, monkeypatch):
+    """A TensorBoard events write that fails (a full disk) is an OSError from ``Reporter.log``, which the trainer
+    turns into a failed save's error where there is one. Was: tensorboardX's worker thread died of it (a traceback
+    on stderr), and the next record's scalars filled its queue: ``log`` blocked for good."""
+    import threading
+
+    from tensorboardX import record_writer
+
+    from fp8rl_jax.reporting import Reporter
+
+    reporter = Reporter(tmp_path, tensorboard=True, progress=False)
+    reporter.log({"step": 1, "loss": 0.5})
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(record_writer.os, "fsync", full)  # every flush of the events file fails from here on
+    thread_errors, outcome = [], []
+    monkeypatch.setattr(threading, "excepthook", thread_errors.append)
+
+    def log_two_steps():
+        try:
+            for step in (2, 3):
+                reporter.log({"step": step, **{f"metric_{i}": float(i) for i in range(20)}})
+        except OSError as e:
+            outcome.append(e)
+
+    logging_thread = threading.Thread(target=log_two_steps, daemon=True)
+    logging_thread.start()
+    logging_thread.join(30)
+    assert not logging_thread.is_alive(), "Reporter.log blocked"
+    assert [e.errno for e in outcome] == [errno.ENOSPC] and thread_errors == []
+    with pytest.raises(OSError):
+        reporter.close()
+    reporter.close()  # once: a second close does nothing
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -8,9 +8,11 @@ ends a stream on a stop token without sending it).
 """
 
 import concurrent.futures
+import errno
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -301,3 +303,67 @@ def test_serves_a_trainer_checkpoint(tmp_path):
         _, text = _decode(jetstream_pb2_grpc.OrchestratorStub(channel), _text("bfca:"))
         channel.close()
     assert text == want.removesuffix("<eos>") and text
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+def test_a_host_name_is_served_on_every_address_it_resolves_to():
+    """``host="localhost"``, port 0: one port, bound on 127.0.0.1 and on ::1 (where there is IPv6)."""
+    from fp8rl_jax.serve.server import bind_addresses
+
+    addresses = bind_addresses("localhost")
+    assert "127.0.0.1" in addresses and ("::1" in addresses) == _ipv6_loopback(), addresses
+    assert bind_addresses("127.0.0.1") == ["127.0.0.1"] and bind_addresses("::") == ["::"]
+    config = load_config_file(str(ROOT / "configs/tiny.py"), "bf16")
+    with serve.build_server(config, host="localhost", port=0, greedy=True, max_concurrent_decodes=2,
+                            max_new_tokens=4) as handle:
+        for address in addresses:
+            family = socket.AF_INET6 if ":" in address else socket.AF_INET
+            with socket.socket(family, socket.SOCK_STREAM) as probe, pytest.raises(OSError) as taken:
+                probe.bind((address, handle.port))
+            assert taken.value.errno == errno.EADDRINUSE, (address, taken.value)
+            with grpc.insecure_channel(f"{'[::1]' if ':' in address else address}:{handle.port}") as channel:
+                assert jetstream_pb2_grpc.OrchestratorStub(channel).HealthCheck(
+                    jetstream_pb2.HealthCheckRequest(), timeout=30).is_live
+
+
+def test_cli_refuses_a_host_name_one_of_whose_addresses_is_held():
+    """``--host=localhost``, 127.0.0.1:PORT held by another server: gRPC's resolver gives localhost as [::1] and
+    127.0.0.1, bound the one it could and served, so clients of localhost:PORT reached either server. Every address
+    a host name resolves to must be bound, or the server does not start."""
+    if "127.0.0.1" not in {a[4][0] for a in socket.getaddrinfo("localhost", None, type=socket.SOCK_STREAM)}:
+        pytest.skip("localhost does not resolve to 127.0.0.1 here")
+    if not _ipv6_loopback():
+        pytest.skip("no IPv6 loopback (::1) here: localhost resolves to one address only")
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as held:  # another server's port on 127.0.0.1 only
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        env = {**os.environ, "XLA_FLAGS": ""}
+        process = subprocess.Popen([sys.executable, "-m", "fp8rl_jax.serve", "--config=configs/tiny.py:bf16",
+                                    "--host=localhost", f"--port={port}", "--max_concurrent_decodes=2",
+                                    "--max_new_tokens=4"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                   text=True, env=env)
+        watchdog = threading.Timer(120, process.kill)
+        watchdog.start()
+        try:
+            first = process.stdout.readline()  # "serving ..." if it started: stop it, the test has failed
+            if first.startswith("serving"):
+                process.send_signal(signal.SIGTERM)
+            stdout, stderr = process.communicate(timeout=120)
+        finally:
+            watchdog.cancel()
+            process.kill()
+    stdout = first + stdout
+    assert not first.startswith("serving"), f"started although 127.0.0.1:{port} is held: {first}{stderr}"
+    assert process.returncode == 1, stdout + stderr
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and f"port {port} is in use on 127.0.0.1" in errors[0], stderr
+    assert "Traceback" not in stderr, stderr

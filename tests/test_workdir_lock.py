@@ -183,3 +183,75 @@ def test_a_second_trainer_eval_and_export_are_refused_while_a_run_holds_the_work
     assert steps == [1, 2, 3, 4, 5, 6]  # each once: the refused trainer never rewrote the file
     assert not (workdir / "eval").exists() and not (workdir / "hf").exists()
     assert not (workdir / LOCK_NAME).exists()  # released at close
+
+
+# The trainer's command line with every path under $READ_ONLY_DIR read-only (EROFS), as on a read-only mount:
+# for a machine where mounting one is not allowed
+READ_ONLY_MAIN = """
+import errno, os
+root = os.path.realpath(os.environ["READ_ONLY_DIR"])
+real_open, real_mkdir = os.open, os.mkdir
+
+def read_only(path):
+    path = os.path.realpath(os.fspath(path))
+    return path == root or path.startswith(root + os.sep)
+
+def erofs(path):
+    return OSError(errno.EROFS, os.strerror(errno.EROFS), os.fspath(path))
+
+def open_read_only(path, flags, *args, **kwargs):
+    if flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND) and read_only(path):
+        raise erofs(path)
+    return real_open(path, flags, *args, **kwargs)
+
+def mkdir_read_only(path, *args, **kwargs):
+    if read_only(path):
+        raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), os.fspath(path)) if os.path.exists(path) \\
+            else erofs(path)
+    return real_mkdir(path, *args, **kwargs)
+
+os.open, os.mkdir = open_read_only, mkdir_read_only
+from fp8rl_jax.main import run
+run()
+"""
+
+
+@pytest.fixture(params=["mount", "injected"])
+def read_only_dir(request, tmp_path):
+    """A read-only folder: a read-only tmpfs mounted at ``tmp_path / "ro"`` (root; skipped where mounting is not
+    allowed), or a plain folder the trainer's process sees as read-only (``READ_ONLY_MAIN``). Root writes into a
+    folder without write permission, so chmod would not do. Yields the folder and the Python arguments to run."""
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    if request.param == "injected":
+        yield folder, ["-c", READ_ONLY_MAIN]
+        return
+    if os.geteuid() != 0:
+        pytest.skip("mounting a read-only tmpfs needs root")
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(folder)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        yield folder, ["-m", "fp8rl_jax.main"]
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], check=True)
+
+
+@pytest.mark.parametrize("where", ["workdir", "parent"])
+def test_a_read_only_workdir_is_one_error_line_and_exit_2(read_only_dir, where):
+    """``config.workdir`` on a read-only filesystem (itself, or a new folder in a read-only one): the trainer
+    cannot take its lock there, and says so in one line naming the path (a config problem: choose another
+    workdir). Was: a 28-line traceback from the lock file's ``os.open`` (or the folder's ``mkdir``), exit 1."""
+    folder, python_args = read_only_dir
+    workdir = folder if where == "workdir" else folder / "run"
+    env = dict(_env(), READ_ONLY_DIR=str(folder))
+    result = subprocess.run([sys.executable, *python_args, "--config=configs/tiny.py", f"--config.workdir={workdir}",
+                             "--steps=1", "--config.logging.progress=False"], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=300)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode == 2 and len(errors) == 1, result.stderr[-3000:]
+    assert errors[0].startswith(f"error: config.workdir={str(workdir)!r} cannot be written: Read-only file system "
+                                f"[EROFS] ({workdir}"), errors[0]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert not os.path.exists(workdir / LOCK_NAME)

@@ -6,10 +6,13 @@ params=, fp8_state=, kv_scales=)``; otherwise the model is loaded from the confi
 untrained FP8 state served without calibration gives poor FP8 numerics; ``--checkpoint=DIR`` (a trainer's
 ``<workdir>/checkpoints``) serves a trained policy with its own FP8 and KV scales. Binds 127.0.0.1 unless
 ``--host`` says otherwise; no TLS, no auth. A port another server holds is an error (gRPC's default
-``SO_REUSEPORT`` would let both bind it and split the traffic between two models).
+``SO_REUSEPORT`` would let both bind it and split the traffic between two models); a host name is bound on every
+address it resolves to (``localhost``: 127.0.0.1 and ::1), and another server holding the port on any one of them is
+the same error (gRPC alone would serve on the others, and a client could reach either model).
 
 JetStream's orchestrator (``Driver``, interleaved, one engine) and servicer run as they are (``server.py``), except:
-- the gRPC server is ours: ``server_lib`` always binds ``[::]``, every interface;
+- the gRPC server is ours: ``server_lib`` always binds ``[::]``, every interface; we bind ``--host``'s addresses one
+  by one (``server.bind_addresses``), all or none;
 - 0.2.2's ``prefill`` returns only a prefix, so the first token (drawn at prefill) would never be streamed:
   ``generate`` reports each slot's *pending* token (the one fed into the step), one step late. Every sampled
   token is streamed; a stop token ends the stream unsent (as JetStream does);

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import errno
+import ipaddress
 import itertools
 import logging
 import socket
@@ -280,17 +281,55 @@ def _add_servicer(servicer: _Servicer, server: grpc.aio.Server) -> None:
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
 
 
-def _bind_error(host: str, port: int, error: Exception) -> OSError:
-    """Why gRPC could not bind (it says only "Failed to bind"): a port in use, or the system's reason."""
+def _bind_error(host: str, port: int, error: Exception, address: str | None = None) -> OSError:
+    """Why gRPC could not bind ``address`` (default ``host``; it says only "Failed to bind"): a port in use, or the
+    system's reason. Where ``host`` is a name, the message says which of its addresses failed."""
+    address = address or host
+    where = "" if address == host else f" on {address}"
     try:
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        family = socket.AF_INET6 if ":" in address else socket.AF_INET
         with socket.socket(family, socket.SOCK_STREAM) as probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC: TIME_WAIT is no conflict
-            probe.bind((host, port))
+            probe.bind((address, port))
     except OSError as e:
-        reason = f"port {port} is in use" if e.errno == errno.EADDRINUSE else e.strerror or str(e)
+        reason = f"port {port} is in use{where}" if e.errno == errno.EADDRINUSE else f"{e.strerror or e}{where}"
         return OSError(f"cannot serve on {host}:{port}: {reason}")
     return OSError(f"cannot serve on {host}:{port}: {error}")
+
+
+def _is_address(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host.partition("%")[0])  # an IPv6 address may carry a %zone
+    except ValueError:
+        return False
+    return True
+
+
+def _has_ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+def bind_addresses(host: str) -> list[str]:
+    """The addresses to bind for ``host``, each of which a client of ``host:port`` may reach: an address (or ``""``)
+    as it is; a name, every address it resolves to. Given a name, gRPC binds what it can of the addresses its own
+    resolver finds and serves on those ("Only 1 addresses added out of total 2"), so a client of ``localhost:PORT``
+    whose resolver picks the other address reaches whichever server holds it there. ``localhost`` (and
+    ``*.localhost``) also names both loopbacks, 127.0.0.1 and ::1 where this machine has IPv6, as gRPC's resolver
+    has it (RFC 6761) whatever ``/etc/hosts`` says. Raises OSError naming ``host`` if it does not resolve."""
+    if not host or _is_address(host):
+        return [host]
+    try:
+        found = [info[4][0] for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)]
+    except socket.gaierror as e:
+        raise OSError(f"cannot serve on {host}: the name does not resolve ({e.strerror or e})") from None
+    if host.lower().rstrip(".") == "localhost" or host.lower().rstrip(".").endswith(".localhost"):
+        found += ["127.0.0.1", *(["::1"] if _has_ipv6_loopback() else [])]
+    return list(dict.fromkeys(found))  # once each, in the resolver's order
 
 
 class ServerHandle:
@@ -315,15 +354,31 @@ class ServerHandle:
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
 
     async def _start(self, host: str, port: int) -> int:
-        # no SO_REUSEPORT (gRPC's default): a second server on this port must fail, not take part of its traffic
-        self._server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-        _add_servicer(_Servicer(self.driver), self._server)
-        try:
-            bound = self._server.add_insecure_port(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
-        except RuntimeError as e:
-            raise _bind_error(host, port, e) from None
-        await self._server.start()
-        return bound
+        """Bind every address of ``host`` (``bind_addresses``) on one port, or none; ``port=0``: a port free on all
+        of them (another one where a later address has the first one's taken)."""
+        addresses, tries = bind_addresses(host), 1 if port else 10
+        for attempt in range(1, tries + 1):
+            # no SO_REUSEPORT (gRPC's default): a second server on this port must fail, not take part of its traffic
+            server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+            _add_servicer(_Servicer(self.driver), server)
+            bound, failed = port, None
+            for address in addresses:  # one at a time: given a name, gRPC serves on what it could bind of it
+                try:
+                    bound = server.add_insecure_port(f"[{address}]:{bound}" if ":" in address else f"{address}:{bound}")
+                except RuntimeError as e:
+                    failed = (address, e)
+                    break
+            if failed is None:
+                self._server = server
+                await server.start()
+                return bound
+            partly = failed[0] != addresses[0]
+            if partly:  # gRPC lets go of the addresses it did bind only when a started server stops
+                await server.start()
+                await server.stop(0)
+            if not (partly and port == 0 and attempt < tries):
+                raise _bind_error(host, bound, failed[1], failed[0]) from None
+        raise AssertionError("unreachable: the last try returns or raises")
 
     def stop(self, grace_s: float = 5.0) -> None:
         """(d) Let in-flight requests finish (up to ``grace_s``), then stop the Driver's threads (its detokenize
