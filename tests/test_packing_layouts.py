@@ -2,13 +2,14 @@
 rollout/trainer mismatch metrics and the IS weights mean the same in both (the issue: on the tiny config the
 packed step reported ``mismatch_kl_k3`` 7e-15, IS weights at most 1.0000005, the unpacked one 6.9e-7 and 1.0048).
 
-Why they differed: XLA:CPU's YNNPACK reduce fusions took another form in the unpacked step's programs, whose
-microbatch (64 rows x 32 tokens) holds 1,024 tokens or more: the attention softmax was fused into one YNNPACK
-fusion with its normaliser and rounded apart from the smaller programs (1 BF16 ulp on 38% of the attention
+Why they differed: XLA:CPU's YNNPACK reduce fusions take another form from 1,024 tokens a call (measured: 512 not,
+1,024 so), and the unpacked step's microbatch is 64 rows x 32 tokens: its attention softmax was fused with its
+normaliser into one YNNPACK fusion and rounded apart from the smaller programs (1 BF16 ulp on 38% of the attention
 outputs), which FP8 amplifies to 4.8e-3 in a logprob. The packed step's microbatches (8 rows x 32) and the
 sampler's programs stay below, so they agreed with each other to an f32 ulp; unpacked microbatches of 8 rows did
-too. Without the fusion (``exact.CPU_XLA_FLAG``, which ``python -m fp8rl_jax.main`` now sets on XLA:CPU and
-conftest sets for the tests) every program rounds alike: packed and unpacked logprobs equal bit for bit.
+too. Without those fusions (``exact.CPU_XLA_FLAG``, which ``python -m fp8rl_jax.main`` sets on XLA:CPU since this
+test, as conftest does for the tests) the layouts' logprobs are equal bit for bit, 1 f32 ulp at most from the
+sampler's.
 
 On the GPU the layouts run other attention kernels (cuDNN's packed layout against its causal one) and GEMMs of
 other shapes, so they agree within rounding, not bit for bit: the GPU test bounds that against the sampler's own
@@ -28,7 +29,7 @@ import pytest
 from fp8rl_jax.config import load_config_file
 from fp8rl_jax.rl.metrics import mismatch_metrics
 from fp8rl_jax.rl.packing import first_fit_decreasing, pack, unpack
-from fp8rl_jax.rollout.exact import CPU_XLA_FLAG
+from fp8rl_jax.rollout.exact import CPU_XLA_FLAG, use_cpu_xla_flag
 from fp8rl_jax.trainer import Trainer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -71,6 +72,19 @@ def test_cli_packed_and_unpacked_steps_report_the_same_mismatch(tmp_path):
     for name in IS_METRICS:
         assert abs(packed[name] - unpacked[name]) <= 1e-5, name
 
+
+
+def test_cli_flag_is_added_once_and_the_users_value_wins(monkeypatch):
+    """``use_cpu_xla_flag`` (``python -m fp8rl_jax.main`` calls it first): ``CPU_XLA_FLAG`` added to ``XLA_FLAGS``
+    once, and not where ``XLA_FLAGS`` sets that option itself."""
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+    assert use_cpu_xla_flag()
+    assert os.environ["XLA_FLAGS"] == f"--xla_force_host_platform_device_count=2 {CPU_XLA_FLAG}"
+    assert not use_cpu_xla_flag() and os.environ["XLA_FLAGS"].count(CPU_XLA_FLAG) == 1
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_experimental_ynn_fusion_type=+reduce")
+    assert not use_cpu_xla_flag() and os.environ["XLA_FLAGS"] == "--xla_cpu_experimental_ynn_fusion_type=+reduce"
+    monkeypatch.delenv("XLA_FLAGS")
+    assert use_cpu_xla_flag() and os.environ["XLA_FLAGS"] == CPU_XLA_FLAG
 
 # ----------------------------------------------------------------------------------------------------------
 # one rollout scored three ways, token by token
