@@ -330,6 +330,10 @@ class Trainer:
                 self.reporter.message(f"rollout.exact on XLA:CPU: set XLA_FLAGS={exact.CPU_XLA_FLAG} before starting "
                                       "for bit-for-bit agreement (without it a few percent of the logprobs are "
                                       "1 ulp off)")
+        elif exact.cpu_flag_missing():  # the Python API (the CLI sets it): programs of other shapes round apart
+            self.reporter.message(f"XLA:CPU without XLA_FLAGS={exact.CPU_XLA_FLAG}: packed and unpacked microbatches "
+                                  "and the sampler round the attention softmax apart (FP8 amplifies it), so "
+                                  "mismatch_* and the IS weights depend on the layout; set it before starting")
         if self._workdir_lock is not None and self._workdir_lock.took_over:
             self.reporter.message(self._workdir_lock.took_over_message())
         if resumed:
