@@ -23,16 +23,15 @@ def test_gemm_and_rollout_benchmarks_smoke(tmp_path):
 
     # a row per decode tuning and earlier form, each run under its settings (set while it runs, restored after)
     main(["rollout", "--smoke", "--modes", "fp8_kv", "--decode_tuning", "128:2048:2", "--variants",
-          "default,scatter_kv+one_level_draw", "--out", str(tmp_path / "t.json")])
+          "default,scatter_kv", "--out", str(tmp_path / "t.json")])
     rows = json.loads((tmp_path / "t.json").read_text())
     assert [(r["decode_tuning"], r["variant"]) for r in rows] == [
-        ("128:2048:2", "default"), ("128:2048:2", "scatter_kv+one_level_draw")]
+        ("128:2048:2", "default"), ("128:2048:2", "scatter_kv")]
     from fp8rl_jax.kernels import decode_attention as da
     from fp8rl_jax.model import llama
-    from fp8rl_jax.rollout import sampling
 
     assert (da.MAX_BLOCK_K, da.TARGET_PROGRAMS, da.NUM_STAGES) == (64, 1024, 3)
-    assert (llama.DECODE_INPUTS, sampling.DRAW) == ("projection", "two_level")
+    assert llama.DECODE_INPUTS == "projection"
     with pytest.raises(ValueError, match="unknown form 'fast'"):
         main(["rollout", "--smoke", "--modes", "bf16", "--variants", "fast", "--out", str(tmp_path / "x.json")])
 

@@ -26,14 +26,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--variants", default="default",
                         help="comma-separated: default, or '+'-joined earlier forms to run instead: rotate_in_xla "
                              "(XLA splits and rotates q|k|v for the decode kernel, llama.DECODE_INPUTS), scatter_kv "
-                             "(XLA also scatters the K/V into the cache), one_level_draw (jax.random.categorical over "
-                             "the vocabulary, sampling.DRAW), two_pass_block_stats (the two-level draw's block max and "
-                             "exp-sum in two reads of the logits, sampling.BLOCK_STATS), select_exp_loop (the decode "
+                             "(XLA also scatters the K/V into the cache), select_exp_loop (the decode "
                              "kernel's loop with exp and a select on V, kernels.decode_attention.LEAN_LOOP), "
                              "one_head_per_program (the decode kernel's programs of one kv head at every batch, "
                              "kernels.decode_attention.HEADS_PER_PROGRAM), residual_add_kernels (TE's FP8 GEMM for wo "
                              "and w_down, then XLA's residual add: precision.residual_in_gemm off); "
-                             "e.g. default,scatter_kv+one_level_draw")
+                             "e.g. default,scatter_kv+select_exp_loop")
     parser.add_argument("--profile", action="store_true",
                         help="also trace one chunk: kernel and idle time per step, top kernels")
     parser.add_argument("--smoke", action="store_true")
@@ -184,11 +182,8 @@ def _earlier_form(name: str):
     """The package's earlier form ``name`` (``--variants``) inside the block: a module switch read at trace time."""
     from fp8rl_jax.kernels import decode_attention
     from fp8rl_jax.model import llama
-    from fp8rl_jax.rollout import sampling
 
     switches = {"rotate_in_xla": (llama, "DECODE_INPUTS", "rotated"), "scatter_kv": (llama, "DECODE_INPUTS", "cached"),
-                "one_level_draw": (sampling, "DRAW", "one_level"),
-                "two_pass_block_stats": (sampling, "BLOCK_STATS", "two_pass"),
                 "select_exp_loop": (decode_attention, "LEAN_LOOP", False),
                 "one_head_per_program": (decode_attention, "HEADS_PER_PROGRAM", 1)}
     if name not in switches:
