@@ -23,15 +23,14 @@ def test_gemm_and_rollout_benchmarks_smoke(tmp_path):
 
     # a row per decode tuning and earlier form, each run under its settings (set while it runs, restored after)
     main(["rollout", "--smoke", "--modes", "fp8_kv", "--decode_tuning", "128:2048:2", "--variants",
-          "default,scatter_kv", "--out", str(tmp_path / "t.json")])
+          "default,select_exp_loop", "--out", str(tmp_path / "t.json")])
     rows = json.loads((tmp_path / "t.json").read_text())
     assert [(r["decode_tuning"], r["variant"]) for r in rows] == [
-        ("128:2048:2", "default"), ("128:2048:2", "scatter_kv")]
+        ("128:2048:2", "default"), ("128:2048:2", "select_exp_loop")]
     from fp8rl_jax.kernels import decode_attention as da
-    from fp8rl_jax.model import llama
 
     assert (da.MAX_BLOCK_K, da.TARGET_PROGRAMS, da.NUM_STAGES) == (64, 1024, 3)
-    assert llama.DECODE_INPUTS == "projection"
+    assert da.LEAN_LOOP is True
     with pytest.raises(ValueError, match="unknown form 'fast'"):
         main(["rollout", "--smoke", "--modes", "bf16", "--variants", "fast", "--out", str(tmp_path / "x.json")])
 

@@ -24,14 +24,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the decode kernel's launch defaults, comma-separated: default (the package's) or "
                              "max_block_k:target_programs:num_stages (kernels.decode_attention.tuned), e.g. 128:2048:2")
     parser.add_argument("--variants", default="default",
-                        help="comma-separated: default, or '+'-joined earlier forms to run instead: rotate_in_xla "
-                             "(XLA splits and rotates q|k|v for the decode kernel, llama.DECODE_INPUTS), scatter_kv "
-                             "(XLA also scatters the K/V into the cache), select_exp_loop (the decode "
-                             "kernel's loop with exp and a select on V, kernels.decode_attention.LEAN_LOOP), "
+                        help="comma-separated: default, or '+'-joined earlier forms to run instead: "
+                             "select_exp_loop (the decode kernel's loop with exp and a select on V, "
+                             "kernels.decode_attention.LEAN_LOOP), "
                              "one_head_per_program (the decode kernel's programs of one kv head at every batch, "
                              "kernels.decode_attention.HEADS_PER_PROGRAM), residual_add_kernels (TE's FP8 GEMM for wo "
                              "and w_down, then XLA's residual add: precision.residual_in_gemm off); "
-                             "e.g. default,scatter_kv+select_exp_loop")
+                             "e.g. default,select_exp_loop+one_head_per_program")
     parser.add_argument("--profile", action="store_true",
                         help="also trace one chunk: kernel and idle time per step, top kernels")
     parser.add_argument("--smoke", action="store_true")
@@ -181,10 +180,8 @@ PRECISION_FORMS = {"residual_add_kernels": {"residual_in_gemm": False}}
 def _earlier_form(name: str):
     """The package's earlier form ``name`` (``--variants``) inside the block: a module switch read at trace time."""
     from fp8rl_jax.kernels import decode_attention
-    from fp8rl_jax.model import llama
 
-    switches = {"rotate_in_xla": (llama, "DECODE_INPUTS", "rotated"), "scatter_kv": (llama, "DECODE_INPUTS", "cached"),
-                "select_exp_loop": (decode_attention, "LEAN_LOOP", False),
+    switches = {"select_exp_loop": (decode_attention, "LEAN_LOOP", False),
                 "one_head_per_program": (decode_attention, "HEADS_PER_PROGRAM", 1)}
     if name not in switches:
         raise ValueError(f"--variants: unknown form {name!r}; known: default, {', '.join(PRECISION_FORMS)}, "

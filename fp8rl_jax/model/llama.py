@@ -536,50 +536,33 @@ def _kv_stored(k, v, k_scale, v_scale, precision: Precision):
     return k, v
 
 
-# What the decode attention kernel is given (earlier forms kept for benchmarks, ``bench rollout --variants``; read
-# when the step is traced): "projection", the q|k|v GEMM's output as it is, which the kernel splits, rotates (RoPE),
-# writes into the cache and attends to (``decode_attention_qkv``; with ``fused_shards`` = 1, else "rotated");
-# "rotated", q and this step's K/V after XLA's split and RoPE, written by the kernel (``new_kv``); "cached", XLA's
-# scatters write K/V into the cache first and the kernel reads them from there.
-DECODE_INPUTS = "projection"
-
-
 def _decode_attention(qkv, q, k, v, layer, fp8, idx, positions, cache, kv_scales, k_scale, v_scale,
                       config: LlamaConfig, precision: Precision, inv_freq, decode_impl: str, cache_dtype):
     """``_block``'s decode attention through ``kernels.decode_attention`` (T = 1): q [B, 1, N, H], this token's k, v
     [B, 1, K, H] (BF16, after RoPE), or ``qkv`` [B, 1, (N+2K) H] before them (None where its columns are laid out
-    per tensor shard) -> (attn [B, 1, N, H], the cache with k, v written at ``positions``). The kernel quantizes and
-    stores k, v itself (no scatter per layer and step), from the projection also splits and rotates them (no XLA
-    kernel per layer and step for that either), and reads each sequence's positions 0..position only, from the cache
-    in place; the cache comes back in the form it came in (per layer or stacked, as its bits or not)."""
+    per tensor shard: then q, k, v as XLA split and rotated them) -> (attn [B, 1, N, H], the cache with k, v written
+    at ``positions``). The kernel quantizes and stores k, v itself (no scatter per layer and step), from the
+    projection also splits and rotates them (no XLA kernel per layer and step for that either), and reads each
+    sequence's positions 0..position only, from the cache in place; the cache comes back in the form it came in (per
+    layer or stacked, as its bits or not)."""
     c = config
     b = q.shape[0]
-    inputs = "rotated" if DECODE_INPUTS == "projection" and qkv is None else DECODE_INPUTS
-    in_kernel = inputs != "cached"
-    if not in_kernel:  # XLA's scatters write k, v first (the earlier form; benchmarks compare the two)
-        rows = jnp.broadcast_to(jnp.arange(b)[:, None], positions.shape)
-        cache = {name: _cache_write(cache[name], idx, rows, positions, a.astype(cache_dtype))[0]
-                 for name, a in zip(("k", "v"), _kv_stored(k, v, k_scale, v_scale, precision), strict=True)}
-    # [B, 1, N, H] -> [B, K, G, H]
-    q_heads = q.reshape(b, c.num_kv_heads, c.num_heads // c.num_kv_heads, c.head_dim)
     layered = isinstance(cache["k"], tuple)  # one array per layer: this layer's, [B, K, S, H]
     held = {n: (a[idx] if layered else a) for n, a in cache.items()}
     native = {n: a if a.dtype == cache_dtype else lax.bitcast_convert_type(a, cache_dtype) for n, a in held.items()}
     given = dict(layer=None if layered else idx, impl=decode_impl,
                  **_decode_scales(kv_scales, k_scale, v_scale, layered, precision),
                  **_decode_output(layer["wo"], fp8.get("wo"), precision))
-    if inputs == "projection":
+    if qkv is not None:
         # [B, 1, (N+2K) H] -> [B, N+2K, H]; cos, sin [B, H/2] at each sequence's position (one XLA kernel a step for
         # all layers)
-        attn = decode_kernel.decode_attention_qkv(qkv.reshape(b, -1, c.head_dim), native["k"], native["v"],
-                                                  positions[:, 0] + 1, rope_cos_sin(positions[:, 0], inv_freq),
-                                                  **given)
-    else:
-        attn = decode_kernel.decode_attention(q_heads, native["k"], native["v"], positions[:, 0] + 1,
-                                              new_kv=(k[:, 0], v[:, 0]) if in_kernel else None, **given)
-    if not in_kernel:
-        return attn.reshape(b, 1, c.num_heads, c.head_dim), cache
-    attn, k_cache, v_cache = attn
+        attn, k_cache, v_cache = decode_kernel.decode_attention_qkv(
+            qkv.reshape(b, -1, c.head_dim), native["k"], native["v"], positions[:, 0] + 1,
+            rope_cos_sin(positions[:, 0], inv_freq), **given)
+    else:  # [B, 1, N, H] -> [B, K, G, H]
+        q_heads = q.reshape(b, c.num_kv_heads, c.num_heads // c.num_kv_heads, c.head_dim)
+        attn, k_cache, v_cache = decode_kernel.decode_attention(q_heads, native["k"], native["v"], positions[:, 0] + 1,
+                                                                new_kv=(k[:, 0], v[:, 0]), **given)
     written = {}
     for name, new in (("k", k_cache), ("v", v_cache)):
         if new.dtype != held[name].dtype:  # back to the bits it was held as
