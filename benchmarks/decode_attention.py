@@ -26,6 +26,7 @@ few minutes.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import math
@@ -78,12 +79,12 @@ def _make_cache(layers, batch, kv_heads, cache_len, head_dim, kv: str, seed: int
     return stack, scale
 
 
-def _attention_fn(impl: str, tuning: dict, interpret: bool):
+def _attention_fn(impl: str, tuning: da.DecodeTuning, interpret: bool):
     """attention(q [B, K, G, H], k_cache, v_cache [L, B, K, S, H], lengths [B], layer, k_scale, v_scale)."""
     if impl == "pallas":
         def attend(q, k_cache, v_cache, lengths, layer, k_scale, v_scale):
             return da.decode_attention_pallas(q, k_cache, v_cache, lengths, layer=layer, k_scale=k_scale,
-                                              v_scale=v_scale, interpret=interpret, **tuning)
+                                              v_scale=v_scale, interpret=interpret, tuning=tuning)
         return attend
 
     def model_xla_path(q, k_cache, v_cache, lengths, layer, k_scale, v_scale):
@@ -103,7 +104,7 @@ def _attention_fn(impl: str, tuning: dict, interpret: bool):
     return model_xla_path
 
 
-def _layer_scan(impl: str, tuning: dict, interpret: bool):
+def _layer_scan(impl: str, tuning: da.DecodeTuning, interpret: bool):
     """jit(cache_k, cache_v, q_layers [L, B, K, G, H], lengths, scales) -> (caches, outputs [L, B, K, G, H])."""
     attend = None if impl == "scatter_only" else _attention_fn(impl, tuning, interpret)
 
@@ -150,7 +151,7 @@ def _memory_budget(fraction: float) -> int:
 
 def bench_shape(model, batch, cache_len, fill, kv, impls, *, tunings, repeats, warmup, interpret, mem_fraction,
                 max_layers=None, seed=0):
-    """Rows for one shape: every impl (and every tuning of the kernel)."""
+    """Rows for one shape: every impl (and every tuning of the kernel, ``tunings``: ``DecodeTuning`` values)."""
     kv_heads, groups, head_dim, layers = MODELS[model]
     itemsize = 1 if kv == "fp8" else 2
     per_layer = 2 * batch * kv_heads * cache_len * head_dim * itemsize  # K and V
@@ -170,7 +171,7 @@ def bench_shape(model, batch, cache_len, fill, kv, impls, *, tunings, repeats, w
     # correctness on this device, before any timing (the timed scans write into the caches): every tuning of
     # the kernel against the model's path, on layer 0
     check = (q_layers[0], k_cache, v_cache, lengths_dev, 0, scale, scale)
-    reference = _attention_fn("xla", {}, interpret)(*check).astype(jnp.float32)
+    reference = _attention_fn("xla", da.DEFAULT_TUNING, interpret)(*check).astype(jnp.float32)
     diffs = {}
     if "pallas" in impls:
         for i, tuning in enumerate(tunings):
@@ -181,23 +182,20 @@ def bench_shape(model, batch, cache_len, fill, kv, impls, *, tunings, repeats, w
                 diffs[i] = f"{type(e).__name__}"
     rows, xla_us = [], None
     for impl in impls:
-        for i, tuning in enumerate(tunings if impl == "pallas" else [{}]):
+        for i, tuning in enumerate(tunings if impl == "pallas" else [da.DEFAULT_TUNING]):
             fn = _layer_scan(impl, tuning, interpret)
             row = {**base, "impl": impl, "layers_timed": layers_timed, "mean_length": float(lengths.mean()),
                    "kv_bytes_needed_per_layer": needed}
-            if impl == "pallas":
-                heads = da.heads_per_program_for(tuning.get("heads_per_program"), batch * kv_heads, kv_heads, groups,
-                                                 itemsize)
-                block_k = tuning.get("block_k") or da.default_block_k(head_dim, itemsize, cache_len, heads)
-                programs = batch * kv_heads // heads
-                row.update(block_k=block_k,
-                           k_splits=tuning.get("k_splits") or da.default_k_splits(programs, cache_len, block_k),
-                           heads_per_program=heads, num_warps=tuning.get("num_warps", 4),
-                           num_stages=tuning.get("num_stages") or da.NUM_STAGES,
-                           dot_dtype=str(jnp.dtype(tuning.get("dot_dtype") or da.default_dot_dtype(
-                               jnp.bfloat16, jnp.float8_e4m3fn if kv == "fp8" else jnp.bfloat16))))
-                row["tail_loop"] = tuning.get("tail_loop", False)
-                row["lean_loop"] = tuning.get("lean", da.LEAN_LOOP)
+            if impl == "pallas":  # the launch as the kernel resolves it
+                try:
+                    launch = tuning.resolved(batch * kv_heads, kv_heads, groups, head_dim, itemsize, cache_len)
+                except ValueError:  # a heads_per_program that does not divide K: the timing records the error
+                    launch = tuning
+                row.update(block_k=launch.block_k, k_splits=launch.k_splits, heads_per_program=launch.heads_per_program,
+                           num_warps=launch.num_warps, num_stages=launch.num_stages,
+                           dot_dtype=str(jnp.dtype(launch.dot_dtype or da.default_dot_dtype(
+                               jnp.bfloat16, jnp.float8_e4m3fn if kv == "fp8" else jnp.bfloat16))),
+                           tail_loop=launch.tail_loop)
                 row["max_abs_diff_vs_xla"] = diffs[i]
             try:
                 seconds, k_cache, v_cache = _time_layers(fn, k_cache, v_cache, (q_layers, lengths_dev, scale, scale),
@@ -252,8 +250,6 @@ def main(argv=None):
                    help="comma-separated num_stages crossed into the first stage (e.g. 2,3)")
     p.add_argument("--ab_tail_loop", action="store_true",
                    help="time the kernel with tail_loop=True and False (whole blocks unmasked, or every block masked)")
-    p.add_argument("--ab_lean_loop", action="store_true",
-                   help="time the kernel with lean=True and False (exp2 and zero-filled loads, or exp and a select)")
     p.add_argument("--ab_heads_per_program", default="",
                    help="with the --ab_ flags: comma-separated heads_per_program values crossed in")
     p.add_argument("--ab_num_warps", default="", help="with the --ab_ flags: comma-separated num_warps crossed in")
@@ -274,14 +270,14 @@ def main(argv=None):
                   max_layers=args.max_layers)
     ints = lambda arg: [int(v) for v in arg.split(",")] if arg else []  # noqa: E731
     ab_crossed = [(key, values) for key, values in (
-        ("tail_loop", (True, False) if args.ab_tail_loop else ()), ("lean", (False, True) if args.ab_lean_loop else ()),
+        ("tail_loop", (True, False) if args.ab_tail_loop else ()),
         ("heads_per_program", ints(args.ab_heads_per_program)), ("num_warps", ints(args.ab_num_warps)),
         ("block_k", ints(args.ab_block_k))) if values]
     rows = []
     for model, batch, cache_len, fill, kv in itertools.product(models, batches, lens, args.fill, args.kv):
-        tunings = [{}]
+        tunings = [da.DEFAULT_TUNING]
         for key, values in ab_crossed:  # each A/B option crossed with the ones before it
-            tunings = [{**t, key: v} for t in tunings for v in values]
+            tunings = [dataclasses.replace(t, **{key: v}) for t in tunings for v in values]
         rows += bench_shape(model, batch, cache_len, fill, kv, args.impls, tunings=tunings, **common)
     sweep = []
     if args.sweep:
@@ -303,12 +299,12 @@ def main(argv=None):
                 print(f"{shape}: heads_per_program {sorted(set(heads_per_program) - set(heads))} left out "
                       f"(K={kv_heads})", flush=True)
             # the dots' operand dtype is the kernel's default (F16 for an FP8 cache: measured faster)
-            tiles = [{**dict(zip(grid, v, strict=True)), "heads_per_program": n}
+            tiles = [da.DecodeTuning(**dict(zip(grid, v, strict=True)), heads_per_program=n)
                      for v in itertools.product(*grid.values()) for n in heads]
             if args.interpret:  # the interpreter ignores launch settings; a few tilings show the path works
                 picked = {}  # the first tiling of each heads_per_program, and the last one
                 for t in tiles:
-                    picked.setdefault(t["heads_per_program"], t)
+                    picked.setdefault(t.heads_per_program, t)
                 tiles = [*picked.values()] + ([] if tiles[-1] in picked.values() else [tiles[-1]])
                 launch = launch[:1]
             first = bench_shape(*shape, ("xla", "pallas"), tunings=tiles, **common)
@@ -316,9 +312,10 @@ def main(argv=None):
             sweep += first
             if timed and not crossed:
                 best = min(timed, key=lambda r: r["us_per_layer"])
-                around = [{"block_k": best["block_k"], "k_splits": best["k_splits"],
-                           "heads_per_program": best["heads_per_program"], **lc}
-                          for lc in launch if (lc["num_warps"], lc["num_stages"]) != (4, 2)]
+                first_launch = (da.DEFAULT_TUNING.num_warps, da.DEFAULT_TUNING.num_stages)  # the first stage's
+                around = [da.DecodeTuning(block_k=best["block_k"], k_splits=best["k_splits"],
+                                          heads_per_program=best["heads_per_program"], **lc)
+                          for lc in launch if (lc["num_warps"], lc["num_stages"]) != first_launch]
                 second = bench_shape(*shape, ("pallas",), tunings=around, **common)
                 xla = [r["us_per_layer"] for r in first if r.get("impl") == "xla" and "us_per_layer" in r]
                 for row in second:

@@ -21,20 +21,38 @@ def test_gemm_and_rollout_benchmarks_smoke(tmp_path):
     assert [r["mode"] for r in rows] == ["bf16", "fp8", "fp8_kv"]
     assert all(r["tokens_per_s"] > 0 and 0 < r["hbm_bound_fraction"] for r in rows)
 
-    # a row per decode tuning and earlier form, each run under its settings (set while it runs, restored after)
+    # a row per decode tuning and form, each an engine built with its values
     main(["rollout", "--smoke", "--modes", "fp8_kv", "--decode_tuning", "128:2048:2", "--variants",
-          "default,scatter_kv+one_level_draw", "--out", str(tmp_path / "t.json")])
+          "default,one_head_per_program", "--out", str(tmp_path / "t.json")])
     rows = json.loads((tmp_path / "t.json").read_text())
     assert [(r["decode_tuning"], r["variant"]) for r in rows] == [
-        ("128:2048:2", "default"), ("128:2048:2", "scatter_kv+one_level_draw")]
-    from fp8rl_jax.kernels import decode_attention as da
-    from fp8rl_jax.model import llama
-    from fp8rl_jax.rollout import sampling
-
-    assert (da.MAX_BLOCK_K, da.TARGET_PROGRAMS, da.NUM_STAGES) == (64, 1024, 3)
-    assert (llama.DECODE_INPUTS, sampling.DRAW) == ("projection", "two_level")
+        ("128:2048:2", "default"), ("128:2048:2", "one_head_per_program")]
     with pytest.raises(ValueError, match="unknown form 'fast'"):
         main(["rollout", "--smoke", "--modes", "bf16", "--variants", "fast", "--out", str(tmp_path / "x.json")])
+
+
+def test_rollout_variants_are_values():
+    """``bench rollout``'s --decode_tuning and --variants as the values an engine is built with: a DecodeTuning and a
+    precision, nothing set in any module; the forms removed after their A/B are unknown names."""
+    from fp8rl_jax.bench.rollout import parse_decode_tuning, variant_values
+    from fp8rl_jax.fp8.policy import Precision
+    from fp8rl_jax.kernels.decode_attention import DecodeTuning
+
+    assert parse_decode_tuning("default") == DecodeTuning()
+    assert parse_decode_tuning("128:2048:2") == DecodeTuning(max_block_k=128, target_programs=2048, num_stages=2)
+    for bad, match in (("128:2048", "is not 'default'"), ("a:b:c", "is not 'default'"),
+                       ("48:1024:3", "max_block_k=48 must be")):
+        with pytest.raises(ValueError, match=match):
+            parse_decode_tuning(bad)
+    precision = Precision(backend="xla", kv_cache_dtype="float8_e4m3fn")
+    assert variant_values(precision, "default", "default") == (precision, DecodeTuning())
+    got = variant_values(precision, "128:2048:2", "one_head_per_program+residual_add_kernels")
+    assert got == (precision.replace(residual_in_gemm=False),
+                   DecodeTuning(max_block_k=128, target_programs=2048, num_stages=2, heads_per_program=1))
+    for removed in ("rotate_in_xla", "scatter_kv", "one_level_draw", "two_pass_block_stats", "select_exp_loop"):
+        with pytest.raises(ValueError, match=f"unknown form '{removed}'; known: default, residual_add_kernels, "
+                                             "one_head_per_program"):
+            variant_values(precision, "default", removed)
 
 
 def test_collectives_benchmark_smoke(tmp_path):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
+import dataclasses
 import json
 import time
 
@@ -21,19 +21,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the engine's compiler_options, comma-separated: auto (the decode options), none")
     parser.add_argument("--layer_loops", default="auto", help="the engine's layer_loop: auto, scan, unrolled")
     parser.add_argument("--decode_tuning", default="default",
-                        help="the decode kernel's launch defaults, comma-separated: default (the package's) or "
-                             "max_block_k:target_programs:num_stages (kernels.decode_attention.tuned), e.g. 128:2048:2")
+                        help="the decode kernel's launch rules, comma-separated: default (DecodeTuning()'s) or "
+                             "max_block_k:target_programs:num_stages (a DecodeTuning with these), e.g. 128:2048:2")
     parser.add_argument("--variants", default="default",
-                        help="comma-separated: default, or '+'-joined earlier forms to run instead: rotate_in_xla "
-                             "(XLA splits and rotates q|k|v for the decode kernel, llama.DECODE_INPUTS), scatter_kv "
-                             "(XLA also scatters the K/V into the cache), one_level_draw (jax.random.categorical over "
-                             "the vocabulary, sampling.DRAW), two_pass_block_stats (the two-level draw's block max and "
-                             "exp-sum in two reads of the logits, sampling.BLOCK_STATS), select_exp_loop (the decode "
-                             "kernel's loop with exp and a select on V, kernels.decode_attention.LEAN_LOOP), "
-                             "one_head_per_program (the decode kernel's programs of one kv head at every batch, "
-                             "kernels.decode_attention.HEADS_PER_PROGRAM), residual_add_kernels (TE's FP8 GEMM for wo "
-                             "and w_down, then XLA's residual add: precision.residual_in_gemm off); "
-                             "e.g. default,scatter_kv+one_level_draw")
+                        help="comma-separated: default, or '+'-joined forms to run instead: one_head_per_program "
+                             "(the decode kernel's programs of one kv head at every batch: DecodeTuning "
+                             "heads_per_program=1), residual_add_kernels (TE's FP8 GEMM for wo and w_down, then XLA's "
+                             "residual add: precision.residual_in_gemm off); e.g. "
+                             "default,one_head_per_program+residual_add_kernels")
     parser.add_argument("--profile", action="store_true",
                         help="also trace one chunk: kernel and idle time per step, top kernels")
     parser.add_argument("--smoke", action="store_true")
@@ -73,12 +68,13 @@ def bench_rollout(model_name: str, batches: list[int], new_tokens: list[int], mo
 
     from fp8rl_jax.fp8 import kv as kvq
     from fp8rl_jax.fp8.policy import Precision
-    from fp8rl_jax.kernels import decode_attention
     from fp8rl_jax.model import llama
     from fp8rl_jax.model.config import preset
     from fp8rl_jax.rollout.engine import Engine, EngineConfig
     from fp8rl_jax.rollout.sampling import SamplingParams
 
+    for tuning, variant in itertools.product(decode_tunings, variants):  # bad names fail before any work
+        variant_values(Precision(), tuning, variant)
     cfg = preset(model_name)
     # BF16 master weights: the rollout weights come from them as from f32 ones, and an 8B model's f32 copy (32 GB)
     # would crowd out the rollout's own memory on one GPU
@@ -104,103 +100,99 @@ def bench_rollout(model_name: str, batches: list[int], new_tokens: list[int], mo
         kv_scales = kvq.init_kv_scales(cfg.num_layers) if precision.kv_fp8 else None
         for new, batch, option, layer_loop, tuning, variant in itertools.product(
                 new_tokens, batches, options, layer_loops, decode_tunings, variants):
-            context = contextlib.ExitStack()
-            if tuning != "default":
-                context.enter_context(decode_attention.tuned(*(int(v) for v in tuning.split(":"))))
-            run_precision = precision
-            for earlier in variant.split("+") if variant != "default" else ():
-                if earlier in PRECISION_FORMS:  # a precision option
-                    run_precision = run_precision.replace(**PRECISION_FORMS[earlier])
-                else:  # a module switch
-                    context.enter_context(_earlier_form(earlier))
-            with context:
-                engine_config = EngineConfig(max_concurrent_decodes=batch, max_prefill_length=prompt_len,
-                                             max_new_tokens=new, sampling=SamplingParams(), compiler_options=option,
-                                             layer_loop=layer_loop)
-                engine = Engine(cfg, run_precision, engine_config)
-                p = engine.load_params(params, fp8_state, kv_scales)
-                state = engine.init_decode_state()
-                prompt = np.arange(1, prompt_len + 1, dtype=np.int32) % cfg.vocab_size
-                jax.block_until_ready(engine.prefill(p, prompt, prompt_len, jax.random.PRNGKey(1)))  # compiles
-                t = time.perf_counter()
-                prefix = jax.block_until_ready(engine.prefill(p, prompt, prompt_len, jax.random.PRNGKey(1)))
-                prefill_ms = 1e3 * (time.perf_counter() - t)
-                state = jax.block_until_ready(engine.insert(prefix, state, 0, jax.random.PRNGKey(0)))  # compiles
-                insert_temp = _temp_bytes(engine._insert, prefix, state, 0, jax.random.PRNGKey(0))
-                singles = range(1, min(batch, 9))  # a few one-slot inserts, then the rest in one insert_samples call
-                t = time.perf_counter()
-                for slot in singles:
-                    state = engine.insert(prefix, state, slot, jax.random.PRNGKey(slot))
-                jax.block_until_ready(state)
-                insert_ms = 1e3 * (time.perf_counter() - t) / max(len(singles), 1)
-                rest = list(range(len(singles) + 1, batch))
-                samples_ms = None
-                if rest:
-                    keys = jnp.stack([jax.random.PRNGKey(slot) for slot in rest])
-                    state = jax.block_until_ready(engine.insert_samples(prefix, state, rest, keys))  # compiles
-                    t = time.perf_counter()  # the same slots again
-                    state = jax.block_until_ready(engine.insert_samples(prefix, state, rest, keys))
-                    samples_ms = round(1e3 * (time.perf_counter() - t), 3)
-                # the first chunk compiles the loop; time the rest
+            run_precision, decode_tuning = variant_values(precision, tuning, variant)
+            engine_config = EngineConfig(max_concurrent_decodes=batch, max_prefill_length=prompt_len,
+                                         max_new_tokens=new, sampling=SamplingParams(), compiler_options=option,
+                                         layer_loop=layer_loop, decode_tuning=decode_tuning)
+            engine = Engine(cfg, run_precision, engine_config)
+            p = engine.load_params(params, fp8_state, kv_scales)
+            state = engine.init_decode_state()
+            prompt = np.arange(1, prompt_len + 1, dtype=np.int32) % cfg.vocab_size
+            jax.block_until_ready(engine.prefill(p, prompt, prompt_len, jax.random.PRNGKey(1)))  # compiles
+            t = time.perf_counter()
+            prefix = jax.block_until_ready(engine.prefill(p, prompt, prompt_len, jax.random.PRNGKey(1)))
+            prefill_ms = 1e3 * (time.perf_counter() - t)
+            state = jax.block_until_ready(engine.insert(prefix, state, 0, jax.random.PRNGKey(0)))  # compiles
+            insert_temp = _temp_bytes(engine._insert, prefix, state, 0, jax.random.PRNGKey(0))
+            singles = range(1, min(batch, 9))  # a few one-slot inserts, then the rest in one insert_samples call
+            t = time.perf_counter()
+            for slot in singles:
+                state = engine.insert(prefix, state, slot, jax.random.PRNGKey(slot))
+            jax.block_until_ready(state)
+            insert_ms = 1e3 * (time.perf_counter() - t) / max(len(singles), 1)
+            rest = list(range(len(singles) + 1, batch))
+            samples_ms = None
+            if rest:
+                keys = jnp.stack([jax.random.PRNGKey(slot) for slot in rest])
+                state = jax.block_until_ready(engine.insert_samples(prefix, state, rest, keys))  # compiles
+                t = time.perf_counter()  # the same slots again
+                state = jax.block_until_ready(engine.insert_samples(prefix, state, rest, keys))
+                samples_ms = round(1e3 * (time.perf_counter() - t), 3)
+            # the first chunk compiles the loop; time the rest
+            state = engine.generate_steps(p, state, chunk)[0]
+            jax.block_until_ready(state)
+            steps = new - 1 - chunk  # the first token came from the prefill
+            t = time.perf_counter()
+            for _ in range(steps // chunk):
                 state = engine.generate_steps(p, state, chunk)[0]
-                jax.block_until_ready(state)
-                steps = new - 1 - chunk  # the first token came from the prefill
-                t = time.perf_counter()
-                for _ in range(steps // chunk):
-                    state = engine.generate_steps(p, state, chunk)[0]
-                jax.block_until_ready(state)
-                sec = time.perf_counter() - t
-                done_steps = (steps // chunk) * chunk
-                tok_s = batch * done_steps / sec
-                weight_bytes = _weight_bytes(cfg, precision)
-                kv_bytes_per_pos = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * (1 if precision.kv_fp8 else 2)
-                avg_ctx = prompt_len + chunk + done_steps / 2
-                step_bytes = weight_bytes + batch * avg_ctx * kv_bytes_per_pos
-                bound_tok_s = batch / (step_bytes / bw)
-                rows.append({"batch": batch, "new_tokens": new, "mode": mode, "tokens_per_s": round(tok_s, 1),
-                             "hbm_bound_tokens_per_s": round(bound_tok_s, 1),
-                             # three significant digits: a loaded CPU's tiny fraction is not rounded to 0
-                             "hbm_bound_fraction": float(f"{tok_s / bound_tok_s:.3g}"), "model": model_name,
-                             "ms_per_step": round(1e3 * sec / done_steps, 3), "compiler_options": option,
-                             "layer_loop": layer_loop, "decode_tuning": tuning, "variant": variant,
-                             "prefill_ms": round(prefill_ms, 3),
-                             "insert_ms": round(insert_ms, 3),
-                             "insert_temp_bytes": insert_temp, "insert_samples_slots": len(rest),
-                             "insert_samples_ms": samples_ms})
-                print(json.dumps(rows[-1]), flush=True)
-                if profile:  # one more chunk, traced (the cache is fuller than the timed average: late in the rollout)
-                    rows[-1]["profile"] = _profile_chunk(engine, p, state, chunk)
-                    print(json.dumps({k: v for k, v in rows[-1]["profile"].items() if k != "top"}), flush=True)
-                del state, p, engine
+            jax.block_until_ready(state)
+            sec = time.perf_counter() - t
+            done_steps = (steps // chunk) * chunk
+            tok_s = batch * done_steps / sec
+            weight_bytes = _weight_bytes(cfg, precision)
+            kv_bytes_per_pos = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * (1 if precision.kv_fp8 else 2)
+            avg_ctx = prompt_len + chunk + done_steps / 2
+            step_bytes = weight_bytes + batch * avg_ctx * kv_bytes_per_pos
+            bound_tok_s = batch / (step_bytes / bw)
+            rows.append({"batch": batch, "new_tokens": new, "mode": mode, "tokens_per_s": round(tok_s, 1),
+                         "hbm_bound_tokens_per_s": round(bound_tok_s, 1),
+                         # three significant digits: a loaded CPU's tiny fraction is not rounded to 0
+                         "hbm_bound_fraction": float(f"{tok_s / bound_tok_s:.3g}"), "model": model_name,
+                         "ms_per_step": round(1e3 * sec / done_steps, 3), "compiler_options": option,
+                         "layer_loop": layer_loop, "decode_tuning": tuning, "variant": variant,
+                         "prefill_ms": round(prefill_ms, 3),
+                         "insert_ms": round(insert_ms, 3),
+                         "insert_temp_bytes": insert_temp, "insert_samples_slots": len(rest),
+                         "insert_samples_ms": samples_ms})
+            print(json.dumps(rows[-1]), flush=True)
+            if profile:  # one more chunk, traced (the cache is fuller than the timed average: late in the rollout)
+                rows[-1]["profile"] = _profile_chunk(engine, p, state, chunk)
+                print(json.dumps({k: v for k, v in rows[-1]["profile"].items() if k != "top"}), flush=True)
+            del state, p, engine
     return rows
 
 
-# ``--variants``' earlier forms that are precision options: the engine's precision with these fields replaced
+# ``--variants``' forms, each a value: the engine's precision with these fields replaced, or its decode tuning
 PRECISION_FORMS = {"residual_add_kernels": {"residual_in_gemm": False}}
+TUNING_FORMS = {"one_head_per_program": {"heads_per_program": 1}}
 
 
-@contextlib.contextmanager
-def _earlier_form(name: str):
-    """The package's earlier form ``name`` (``--variants``) inside the block: a module switch read at trace time."""
-    from fp8rl_jax.kernels import decode_attention
-    from fp8rl_jax.model import llama
-    from fp8rl_jax.rollout import sampling
+def parse_decode_tuning(text: str):
+    """``--decode_tuning``'s ``default`` or ``max_block_k:target_programs:num_stages`` as a ``DecodeTuning``."""
+    from fp8rl_jax.kernels.decode_attention import DecodeTuning
 
-    switches = {"rotate_in_xla": (llama, "DECODE_INPUTS", "rotated"), "scatter_kv": (llama, "DECODE_INPUTS", "cached"),
-                "one_level_draw": (sampling, "DRAW", "one_level"),
-                "two_pass_block_stats": (sampling, "BLOCK_STATS", "two_pass"),
-                "select_exp_loop": (decode_attention, "LEAN_LOOP", False),
-                "one_head_per_program": (decode_attention, "HEADS_PER_PROGRAM", 1)}
-    if name not in switches:
-        raise ValueError(f"--variants: unknown form {name!r}; known: default, {', '.join(PRECISION_FORMS)}, "
-                         f"{', '.join(switches)}")
-    module, attr, value = switches[name]
-    saved = getattr(module, attr)
-    setattr(module, attr, value)
-    try:
-        yield
-    finally:
-        setattr(module, attr, saved)
+    if text == "default":
+        return DecodeTuning()
+    parts = text.split(":")
+    if len(parts) != 3 or not all(p.isdigit() for p in parts):
+        raise ValueError(f"--decode_tuning: {text!r} is not 'default' or max_block_k:target_programs:num_stages")
+    max_block_k, target_programs, num_stages = map(int, parts)
+    return DecodeTuning(max_block_k=max_block_k, target_programs=target_programs, num_stages=num_stages)
+
+
+def variant_values(precision, tuning: str, variant: str):
+    """The (precision, ``DecodeTuning``) a row runs under: ``--decode_tuning``'s ``tuning`` with the '+'-joined forms
+    of ``variant`` (``PRECISION_FORMS``, ``TUNING_FORMS``) applied."""
+    decode_tuning = parse_decode_tuning(tuning)
+    for form in variant.split("+") if variant != "default" else ():
+        if form in PRECISION_FORMS:
+            precision = precision.replace(**PRECISION_FORMS[form])
+        elif form in TUNING_FORMS:
+            decode_tuning = dataclasses.replace(decode_tuning, **TUNING_FORMS[form])
+        else:
+            raise ValueError(f"--variants: unknown form {form!r}; known: default, "
+                             f"{', '.join([*PRECISION_FORMS, *TUNING_FORMS])}")
+    return precision, decode_tuning
 
 
 def _temp_bytes(jitted, *args) -> int | None:

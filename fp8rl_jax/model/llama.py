@@ -42,6 +42,7 @@ from fp8rl_jax.fp8.policy import Precision
 from fp8rl_jax.fp8.recipe import init_linear_state
 from fp8rl_jax.fp8.xla import QuantizedKernel, TrainKernel
 from fp8rl_jax.kernels import decode_attention as decode_kernel
+from fp8rl_jax.kernels.decode_attention import DEFAULT_TUNING, DecodeTuning
 from fp8rl_jax.model.config import LlamaConfig
 from fp8rl_jax.parallel import fsdp, rules
 from fp8rl_jax.parallel.rules import RESIDUAL_AXES, constrain
@@ -459,11 +460,12 @@ def _split_fused(y: jax.Array, sizes: tuple[int, ...], shards: int) -> list[jax.
 
 def _block(x, layer, fp8, idx, positions, cache, kv_scales, config: LlamaConfig, precision: Precision, inv_freq,
            decode_impl: str = "xla", cache_dtype=None, attention_impl: str = "xla", fused_shards: int = 1,
-           segment_ids=None):
+           segment_ids=None, decode_tuning: DecodeTuning = DEFAULT_TUNING):
     """One transformer block. Returns the new residual stream, the updated cache and this layer's K/V amax.
 
     ``cache`` holds a ``cache_dtype`` cache, on CPU as its bits (see ``forward_hidden``). ``fused_shards``: see
-    ``_split_fused``. ``segment_ids`` (packed rows, no cache) confine attention to each segment."""
+    ``_split_fused``. ``segment_ids`` (packed rows, no cache) confine attention to each segment. ``decode_tuning``:
+    the decode kernel's launch."""
     c = config
     b, t, _ = x.shape
     eps = c.rms_norm_eps
@@ -488,7 +490,8 @@ def _block(x, layer, fp8, idx, positions, cache, kv_scales, config: LlamaConfig,
         # decode: the kernel writes this token's K/V into the (FP8) cache and reads each sequence's filled
         # positions 0..position only, in place
         attn, cache = _decode_attention(qkv if fused_shards == 1 else None, q, k, v, layer, fp8, idx, positions, cache,
-                                        kv_scales, k_scale, v_scale, c, precision, inv_freq, decode_impl, cache_dtype)
+                                        kv_scales, k_scale, v_scale, c, precision, inv_freq, decode_impl, cache_dtype,
+                                        decode_tuning)
     elif cache is None:
         if precision.kv_fp8:
             k, v = kvq.round_trip(k, k_scale), kvq.round_trip(v, v_scale)
@@ -536,50 +539,34 @@ def _kv_stored(k, v, k_scale, v_scale, precision: Precision):
     return k, v
 
 
-# What the decode attention kernel is given (earlier forms kept for benchmarks, ``bench rollout --variants``; read
-# when the step is traced): "projection", the q|k|v GEMM's output as it is, which the kernel splits, rotates (RoPE),
-# writes into the cache and attends to (``decode_attention_qkv``; with ``fused_shards`` = 1, else "rotated");
-# "rotated", q and this step's K/V after XLA's split and RoPE, written by the kernel (``new_kv``); "cached", XLA's
-# scatters write K/V into the cache first and the kernel reads them from there.
-DECODE_INPUTS = "projection"
-
-
 def _decode_attention(qkv, q, k, v, layer, fp8, idx, positions, cache, kv_scales, k_scale, v_scale,
-                      config: LlamaConfig, precision: Precision, inv_freq, decode_impl: str, cache_dtype):
-    """``_block``'s decode attention through ``kernels.decode_attention`` (T = 1): q [B, 1, N, H], this token's k, v
-    [B, 1, K, H] (BF16, after RoPE), or ``qkv`` [B, 1, (N+2K) H] before them (None where its columns are laid out
-    per tensor shard) -> (attn [B, 1, N, H], the cache with k, v written at ``positions``). The kernel quantizes and
-    stores k, v itself (no scatter per layer and step), from the projection also splits and rotates them (no XLA
-    kernel per layer and step for that either), and reads each sequence's positions 0..position only, from the cache
-    in place; the cache comes back in the form it came in (per layer or stacked, as its bits or not)."""
+                      config: LlamaConfig, precision: Precision, inv_freq, decode_impl: str, cache_dtype,
+                      tuning: DecodeTuning):
+    """``_block``'s decode attention through ``kernels.decode_attention`` (T = 1), launched as ``tuning`` says: q
+    [B, 1, N, H], this token's k, v [B, 1, K, H] (BF16, after RoPE), or ``qkv`` [B, 1, (N+2K) H] before them (None
+    where its columns are laid out per tensor shard: then q, k, v as XLA split and rotated them) -> (attn [B, 1, N,
+    H], the cache with k, v written at ``positions``). The kernel quantizes and stores k, v itself (no scatter per
+    layer and step), from the projection also splits and rotates them (no XLA kernel per layer and step for that
+    either), and reads each sequence's positions 0..position only, from the cache in place; the cache comes back in
+    the form it came in (per layer or stacked, as its bits or not)."""
     c = config
     b = q.shape[0]
-    inputs = "rotated" if DECODE_INPUTS == "projection" and qkv is None else DECODE_INPUTS
-    in_kernel = inputs != "cached"
-    if not in_kernel:  # XLA's scatters write k, v first (the earlier form; benchmarks compare the two)
-        rows = jnp.broadcast_to(jnp.arange(b)[:, None], positions.shape)
-        cache = {name: _cache_write(cache[name], idx, rows, positions, a.astype(cache_dtype))[0]
-                 for name, a in zip(("k", "v"), _kv_stored(k, v, k_scale, v_scale, precision), strict=True)}
-    # [B, 1, N, H] -> [B, K, G, H]
-    q_heads = q.reshape(b, c.num_kv_heads, c.num_heads // c.num_kv_heads, c.head_dim)
     layered = isinstance(cache["k"], tuple)  # one array per layer: this layer's, [B, K, S, H]
     held = {n: (a[idx] if layered else a) for n, a in cache.items()}
     native = {n: a if a.dtype == cache_dtype else lax.bitcast_convert_type(a, cache_dtype) for n, a in held.items()}
-    given = dict(layer=None if layered else idx, impl=decode_impl,
+    given = dict(layer=None if layered else idx, impl=decode_impl, tuning=tuning,
                  **_decode_scales(kv_scales, k_scale, v_scale, layered, precision),
                  **_decode_output(layer["wo"], fp8.get("wo"), precision))
-    if inputs == "projection":
+    if qkv is not None:
         # [B, 1, (N+2K) H] -> [B, N+2K, H]; cos, sin [B, H/2] at each sequence's position (one XLA kernel a step for
         # all layers)
-        attn = decode_kernel.decode_attention_qkv(qkv.reshape(b, -1, c.head_dim), native["k"], native["v"],
-                                                  positions[:, 0] + 1, rope_cos_sin(positions[:, 0], inv_freq),
-                                                  **given)
-    else:
-        attn = decode_kernel.decode_attention(q_heads, native["k"], native["v"], positions[:, 0] + 1,
-                                              new_kv=(k[:, 0], v[:, 0]) if in_kernel else None, **given)
-    if not in_kernel:
-        return attn.reshape(b, 1, c.num_heads, c.head_dim), cache
-    attn, k_cache, v_cache = attn
+        attn, k_cache, v_cache = decode_kernel.decode_attention_qkv(
+            qkv.reshape(b, -1, c.head_dim), native["k"], native["v"], positions[:, 0] + 1,
+            rope_cos_sin(positions[:, 0], inv_freq), **given)
+    else:  # [B, 1, N, H] -> [B, K, G, H]
+        q_heads = q.reshape(b, c.num_kv_heads, c.num_heads // c.num_kv_heads, c.head_dim)
+        attn, k_cache, v_cache = decode_kernel.decode_attention(q_heads, native["k"], native["v"], positions[:, 0] + 1,
+                                                                new_kv=(k[:, 0], v[:, 0]), **given)
     written = {}
     for name, new in (("k", k_cache), ("v", v_cache)):
         if new.dtype != held[name].dtype:  # back to the bits it was held as
@@ -640,6 +627,7 @@ def forward_hidden(
     kv_scales: dict | None = None,
     cache: Cache | None = None,
     decode_attention: str = "auto",
+    decode_tuning: DecodeTuning = DEFAULT_TUNING,
     remat: str = "none",
     cache_dtype=None,
     fused_shards: int = 1,
@@ -659,7 +647,8 @@ def forward_hidden(
 
     With ``cache`` the new K/V are written at ``positions`` and attention reads the whole cache, except in decode
     (T == 1) with ``decode_attention`` ``pallas`` / ``pallas_interpret`` (``auto``: pallas on a GPU backend), which
-    reads positions 0..position of each sequence only (``fp8rl_jax.kernels.decode_attention``).
+    reads positions 0..position of each sequence only (``fp8rl_jax.kernels.decode_attention``), launched as
+    ``decode_tuning`` says (a static ``DecodeTuning``).
 
     A precision segment of ``blocks`` may come as a tuple of per-layer trees (``split_layers``: the CPU's rollout
     weights, see ``Engine``): its layers then run as an unrolled loop that reads each layer's weights in place, where a
@@ -727,7 +716,7 @@ def forward_hidden(
                     fp8_layer = fp8[i] if fp8_per_layer else jax.tree.map(lambda a, i=i: a[i], fp8)
                 x, cache, (ak, av) = _block(x, layer, fp8_layer, start + i, positions, cache, kv_scales, c,
                                             precision, inv_freq, decode_impl, cache_dtype, attention_impl,
-                                            fused_shards, segment_ids)
+                                            fused_shards, segment_ids, decode_tuning)
                 x = constrain(x, RESIDUAL_AXES)
                 amax_k.append(ak[None])
                 amax_v.append(av[None])
@@ -754,7 +743,7 @@ def forward_hidden(
             if hoisted is not None:  # the masters beside their FP8 operands (``update_kernels``)
                 layer = {**layer, **{name: TrainKernel(layer[name], **q) for name, q in hoisted.items()}}
             x, cache, amax = _block(x, layer, fp8_layer, idx, positions, cache, kv_scales, c, precision, inv_freq,
-                                    decode_impl, cache_dtype, attention_impl, fused_shards, segment_ids)
+                                    decode_impl, cache_dtype, attention_impl, fused_shards, segment_ids, decode_tuning)
             return (constrain(x, RESIDUAL_AXES), cache), amax
 
         body = _remat(body, remat)

@@ -47,6 +47,7 @@ from fp8rl_jax.fp8 import kv as kvq
 from fp8rl_jax.fp8.policy import Precision
 from fp8rl_jax.fp8.recipe import with_input_scale_inv
 from fp8rl_jax.kernels.decode_attention import IMPLS as DECODE_ATTENTION_IMPLS
+from fp8rl_jax.kernels.decode_attention import DecodeTuning
 from fp8rl_jax.model import llama
 from fp8rl_jax.model.config import LlamaConfig
 from fp8rl_jax.parallel import rules
@@ -162,6 +163,8 @@ class EngineConfig:
     # attention of the decode step: "pallas" reads each sequence's filled cache only (a Triton kernel, GPU),
     # "xla" scores the whole cache (masked), "auto" = pallas on GPU, xla elsewhere; "pallas_interpret" (tests)
     decode_attention: str = "auto"
+    # how the pallas kernel is launched (part of the decode programs: engines of two tunings compile two programs)
+    decode_tuning: DecodeTuning = DecodeTuning()
     # XLA options of the decoding programs: "auto" = DECODE_GPU_OPTIONS on a GPU, "none" = the process's defaults
     compiler_options: str = "auto"
     # the decode step's layers: "unrolled" reads per-layer weights and cache in place (one straight-line program),
@@ -175,6 +178,8 @@ class EngineConfig:
         if self.decode_attention not in DECODE_ATTENTION_IMPLS:
             raise ValueError(f"EngineConfig.decode_attention={self.decode_attention!r}; "
                              f"allowed: {DECODE_ATTENTION_IMPLS}")
+        if not isinstance(self.decode_tuning, DecodeTuning):
+            raise ValueError(f"EngineConfig.decode_tuning={self.decode_tuning!r} must be a DecodeTuning")
         if self.compiler_options not in COMPILER_OPTIONS:
             raise ValueError(f"EngineConfig.compiler_options={self.compiler_options!r}; allowed: {COMPILER_OPTIONS}")
         if self.layer_loop not in LAYER_LOOPS:
@@ -401,8 +406,8 @@ class Engine:
         return llama.forward_hidden(
             params["weights"], tokens, positions, config=self.model, precision=self.precision,
             fp8_state=params["fp8_state"], kv_scales=params["kv_scales"], cache=cache,
-            decode_attention=self.config.decode_attention, cache_dtype=self.cache_dtype,
-            fused_shards=self.config.tensor_parallel,
+            decode_attention=self.config.decode_attention, decode_tuning=self.config.decode_tuning,
+            cache_dtype=self.cache_dtype, fused_shards=self.config.tensor_parallel,
         )
 
     def _logits(self, params, hidden):

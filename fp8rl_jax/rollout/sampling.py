@@ -21,7 +21,11 @@ exp(z - max z) (each block's max m_j and sum of exp(z - m_j) in one read of the 
 exp(m_j - max z); the logprob's normaliser is S = sum_j S_j), then token i of that block with probability exp(z_i)
 / sum over the block (Gumbel-max over its entries alone). P(j) P(i | j) = exp(z_i - max z) / S: the same
 distribution pi_T, exactly (up to the f32 rounding of the block sums), with Gumbel noise for about 2 sqrt(V)
-entries a row. Not the same draws as a one-level Gumbel-max from the same key.
+entries a row. Not the same draws as a one-level Gumbel-max from the same key. Each block's max and exp-sum come
+from one read of the logits (``block_stats``). Both measured against the earlier forms (``jax.random.categorical``
+over the row; a max, then a sum of exps over the block again), which were then removed: ``benchmarks/RESULTS.md``,
+sessions 26 and 27 ("The sampler draws a vocabulary block, then a token in it"; "The sampler's block statistics in
+one read").
 """
 
 from __future__ import annotations
@@ -112,14 +116,9 @@ def _online(a, b):
 
 
 def block_stats(blocks: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Each row's max m and sum of exp(z - m) over the last axis of ``blocks`` [..., n], in one read
-    (``BLOCK_STATS`` "online": one variadic reduction carrying (max, sum), each merge rescaling the smaller max's
-    sum), or as a max then a sum of exps over the block again ("two_pass", the earlier form: XLA runs the two
-    reductions as two kernels, each reading every logit). A row of -inf only gives (-inf, 0)."""
-    if BLOCK_STATS == "two_pass":
-        block_max = jnp.max(blocks, axis=-1)
-        shift = jnp.where(jnp.isfinite(block_max), block_max, 0.0)
-        return block_max, jnp.sum(jnp.exp(blocks - shift[..., None]), axis=-1)
+    """Each row's max m and sum of exp(z - m) over the last axis of ``blocks`` [..., n], in one read: one variadic
+    reduction carrying (max, sum), each merge rescaling the smaller max's sum (a max and then a sum of exps would be
+    two reductions, two reads of every logit). A row of -inf only gives (-inf, 0)."""
     ones = jnp.ones_like(blocks)  # each entry as the pair (z, exp(z - z) = 1)
     init = (jnp.array(-jnp.inf, blocks.dtype), jnp.array(0, blocks.dtype))
     return lax.reduce((blocks, ones), init, _online, (blocks.ndim - 1,))
@@ -147,17 +146,11 @@ def two_level(key: jax.Array, scaled: jax.Array) -> tuple[jax.Array, jax.Array]:
     return token, (scaled[token] - top) - jnp.log(total)
 
 
-# The untruncated draw: "two_level" (the module note) or "one_level" (``jax.random.categorical`` over the row, the
-# earlier form). Read when a sampler is traced; benchmarks set it to compare the two (``bench rollout --variants``).
-DRAW = "two_level"
-# How ``block_stats`` reads the blocks: "online" (one pass) or "two_pass" (the earlier form; ``bench rollout
-# --variants two_pass_block_stats``).
-BLOCK_STATS = "online"
-
-
 def sample(logits: jax.Array, keys: jax.Array, params: SamplingParams) -> tuple[jax.Array, jax.Array]:
-    """Draw one token per row. logits [B, V], keys [B] -> (tokens [B] int32, logprobs [B] f32 under pi_T)."""
-    if DRAW == "two_level" and not params.greedy and not params.top_k and params.top_p == 1.0:
+    """Draw one token per row. logits [B, V], keys [B] -> (tokens [B] int32, logprobs [B] f32 under pi_T): untruncated
+    in two levels (``two_level``), greedy as the argmax, truncated (top-k / top-p) by ``categorical`` over the
+    proposal."""
+    if not params.greedy and not params.top_k and params.top_p == 1.0:
         scaled = logits.astype(jnp.float32) / params.temperature
         return jax.vmap(two_level)(keys, scaled)
     logp = policy_logprobs(logits, params.temperature)

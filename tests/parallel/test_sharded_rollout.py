@@ -219,7 +219,7 @@ def test_decode_kernel_under_shard_map(layers):
     lengths = jnp.asarray([1, 5, 32, 17, 0, 9, 30, 2], jnp.int32)
     layer = None if layers is None else jnp.int32(1)
     run = jax.jit(lambda q, k, v, n, i: da.decode_attention(q, k, v, n, layer=i, impl="pallas_interpret",
-                                                           block_k=16, k_splits=2))
+                                                           tuning=da.DecodeTuning(block_k=16, k_splits=2)))
     want = run(q, k, v, lengths, layer)
     cache_sharding = rules.cache_sharding(roll, k.shape) if layers else jax.sharding.NamedSharding(
         roll, rules.spec(rules.LAYER_CACHE_AXES, k.shape, dict(roll.shape)))

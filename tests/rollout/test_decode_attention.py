@@ -9,8 +9,8 @@ Tolerances (max |got - reference| <= atol + rtol |reference|):
   BF16 query is exact in F16 here; the probabilities round to 2**-12); ``fp8_bf16dot`` checks BF16 operands.
 """
 
+import dataclasses
 import functools
-import inspect
 
 import jax
 import jax.numpy as jnp
@@ -63,8 +63,9 @@ def _reference(q, k, v, lengths):
 @functools.cache
 def _jitted(impl: str, block_k: int | None, k_splits: int | None, stacked: bool, dot_dtype: str | None = None,
             heads_per_program: int = 1):
-    tuning = {} if impl == "xla" else {"block_k": block_k, "k_splits": k_splits, "dot_dtype": dot_dtype,
-                                       "heads_per_program": heads_per_program}
+    tuning = {"tuning": da.DecodeTuning(block_k=block_k, k_splits=k_splits, dot_dtype=dot_dtype,
+                                        heads_per_program=heads_per_program)}
+    tuning = {} if impl == "xla" else tuning
 
     def run(q, k, v, lengths, k_scale, v_scale, layer):
         return da.decode_attention(q, k, v, lengths, layer=layer if stacked else None, k_scale=k_scale,
@@ -141,7 +142,7 @@ def test_packed_heads_bad_count_names_the_key():
     for bad in (3, 8, 0):
         with pytest.raises(ValueError, match=f"heads_per_program={bad}"):
             da.decode_attention_pallas(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(LENGTHS),
-                                       heads_per_program=bad, interpret=True)
+                                       tuning=da.DecodeTuning(heads_per_program=bad), interpret=True)
 
 
 @pytest.mark.parametrize("kind", ["f32", "bf16", "fp8"])
@@ -173,27 +174,6 @@ def test_garbage_past_the_length_does_not_leak(impl, heads_per_program, kind):
     np.testing.assert_array_equal(dirty, clean)
 
 
-@pytest.mark.parametrize("kind,k_splits", [("fp8", 1), ("fp8", 3), ("bf16", 2)])
-def test_lean_loop_is_the_earlier_loop(kind, k_splits):
-    """The block loop's lean form (exp2 of log2-unit scores, V's masked rows loaded as zeros) against the earlier one
-    (exp, a select on the converted V): the same attention to f32 rounding, garbage past the lengths ignored by
-    both, and the float64 reference met by both; with several splits the combine takes the same units."""
-    q, k, v, k_scale, v_scale, q64, k64, v64 = _inputs(kind, 4, layers=2)
-    k_bad, v_bad = k.astype(np.float32), v.astype(np.float32)
-    for b, n in enumerate(LENGTHS):
-        k_bad[1, b, :, n:], v_bad[1, b, :, n:] = np.nan, np.nan
-    k_bad, v_bad = k_bad.astype(k.dtype), v_bad.astype(v.dtype)
-    outs = {}
-    for lean in (True, False):
-        outs[lean] = np.asarray(da.decode_attention_pallas(
-            jnp.asarray(q), jnp.asarray(k_bad), jnp.asarray(v_bad), jnp.asarray(LENGTHS), layer=1, k_scale=k_scale,
-            v_scale=v_scale, block_k=16, k_splits=k_splits, lean=lean, interpret=True), np.float64)
-        assert np.isfinite(outs[lean]).all()
-        np.testing.assert_allclose(outs[lean], _reference(q64, k64[1], v64[1], LENGTHS), rtol=TOL[kind],
-                                   atol=TOL[kind])
-    np.testing.assert_allclose(outs[True], outs[False], rtol=1e-2, atol=2e-3)
-
-
 def test_stacked_cache_reads_the_given_layer():
     """A [L, B, K, S, H] cache with a traced layer index equals the reference on that layer."""
     q, k, v, k_scale, v_scale, q64, k64, v64 = _inputs("fp8", 4, layers=3)
@@ -213,13 +193,13 @@ def test_unmasked_whole_blocks_change_nothing(kind, k_splits):
     for b, n in enumerate(lengths):
         k_bad[b, :, n:], v_bad[b, :, n:] = np.nan, np.nan
     args = [jnp.asarray(a) for a in (q, k_bad.astype(k.dtype), v_bad.astype(v.dtype), lengths)]
-    run = functools.partial(da.decode_attention_pallas, k_scale=k_scale, v_scale=v_scale, block_k=16,
-                            k_splits=k_splits, interpret=True)
-    one_loop = np.asarray(jax.jit(functools.partial(run, tail_loop=False))(*args), np.float32)
+    tuning = da.DecodeTuning(block_k=16, k_splits=k_splits)
+    run = functools.partial(da.decode_attention_pallas, k_scale=k_scale, v_scale=v_scale, interpret=True)
+    one_loop = np.asarray(jax.jit(functools.partial(run, tuning=tuning))(*args), np.float32)
     assert np.isfinite(one_loop).all()
-    two_loops = np.asarray(jax.jit(functools.partial(run, tail_loop=True))(*args), np.float32)
-    np.testing.assert_array_equal(two_loops, one_loop)
-    assert inspect.signature(da.decode_attention_pallas).parameters["tail_loop"].default is False
+    two_loops = jax.jit(functools.partial(run, tuning=dataclasses.replace(tuning, tail_loop=True)))(*args)
+    np.testing.assert_array_equal(np.asarray(two_loops, np.float32), one_loop)
+    assert da.DecodeTuning().tail_loop is False
 
 
 @pytest.mark.parametrize("impl", ["pallas_interpret", "xla"])
@@ -245,7 +225,7 @@ def test_fp8_output_is_the_next_linear_quantization(impl, k_splits, kind):
     from fp8rl_jax.fp8.recipe import quantize
 
     q, k, v, k_scale, v_scale, *_ = _inputs(kind, 4)
-    tuning = {} if impl == "xla" else {"block_k": 16, "k_splits": k_splits}
+    tuning = {} if impl == "xla" else {"tuning": da.DecodeTuning(block_k=16, k_splits=k_splits)}
     args = [jnp.asarray(a) for a in (q, k, v, LENGTHS)]
     run = functools.partial(da.decode_attention, k_scale=k_scale, v_scale=v_scale, impl=impl, **tuning)
     out_scale = jnp.float32(448.0 / 2.0)  # saturates: |out| reaches ~3 here
@@ -289,9 +269,9 @@ def _check_new_token(impl, kind, g, heads_per_program, block_k, k_splits):
     new = [np.asarray(jnp.asarray(rng.standard_normal((b, 4, H)) * m, q.dtype)) for m in (2.0, 1.0)]
     args = [jnp.asarray(a) for a in (q, k, v, NEW_LENGTHS)]
     scales = {"k_scale": k_scale, "v_scale": v_scale}
-    tuning = {"block_k": block_k, "k_splits": k_splits, "heads_per_program": heads_per_program}
+    tuning = da.DecodeTuning(block_k=block_k, k_splits=k_splits, heads_per_program=heads_per_program)
     run = jax.jit(functools.partial(da.decode_attention, layer=jnp.int32(1), new_kv=tuple(map(jnp.asarray, new)),
-                                    impl=impl, **scales, **tuning))
+                                    impl=impl, tuning=tuning, **scales))
     out, k_written, v_written = run(*args)
     layer_scales = {"k": k_scale, "v": v_scale}
     for name, cache, written, new_name in (("k", k, k_written, 0), ("v", v, v_written, 1)):
@@ -337,16 +317,16 @@ def _check_fused(impl, kind, g, heads_per_program, k_splits):
     freqs = jnp.asarray(NEW_LENGTHS - 1, jnp.float32)[:, None] * inv_freq
     rope = (jnp.cos(freqs), jnp.sin(freqs))
     scales = {"k_scale": k_scale, "v_scale": v_scale}
-    tuning = {"block_k": 16, "k_splits": k_splits, "heads_per_program": heads_per_program}
+    tuning = da.DecodeTuning(block_k=16, k_splits=k_splits, heads_per_program=heads_per_program)
     args = [jnp.asarray(a) for a in (k, v, NEW_LENGTHS)]
-    fused = jax.jit(functools.partial(da.decode_attention_qkv, layer=jnp.int32(1), impl=impl, **scales, **tuning))
+    fused = jax.jit(functools.partial(da.decode_attention_qkv, layer=jnp.int32(1), impl=impl, tuning=tuning, **scales))
     got = fused(qkv, *args, rope)
     q, new_kv = da.split_qkv(qkv, kv_heads, rope)
     # split_qkv rotates as the model does
     positions = jnp.asarray(NEW_LENGTHS - 1)[:, None]
     rotated = llama.apply_rope(qkv[:, None, : kv_heads * g], positions, inv_freq)[:, 0]
     np.testing.assert_array_equal(np.asarray(q, np.float32).reshape(rotated.shape), np.asarray(rotated, np.float32))
-    split = jax.jit(functools.partial(da.decode_attention, layer=jnp.int32(1), impl=impl, **scales, **tuning))
+    split = jax.jit(functools.partial(da.decode_attention, layer=jnp.int32(1), impl=impl, tuning=tuning, **scales))
     want = split(q, *args[:2], args[2], new_kv=new_kv)
     xla = jax.jit(functools.partial(da.decode_attention_qkv, layer=jnp.int32(1), impl="xla", **scales))(
         qkv, *args, rope)
@@ -383,19 +363,27 @@ def test_new_kv_bad_shape_names_the_key():
 
 def test_heads_per_program_default_hand_derived():
     """Two kv heads a program over an FP8 cache at batch 256 (B*K = 2048: 1024 programs, no splits), one otherwise:
-    batch 64, a BF16 cache, an odd K, 2G rows past the 16-row tile; ``HEADS_PER_PROGRAM`` set wins."""
+    batch 64, a BF16 cache, an odd K, 2G rows past the 16-row tile; a tuning's ``heads_per_program`` wins."""
     assert da.default_heads_per_program(256 * 8, 8, 4, 1) == 2
     assert da.default_heads_per_program(64 * 8, 8, 4, 1) == 1
     assert da.default_heads_per_program(256 * 8, 8, 4, 2) == 1
     assert da.default_heads_per_program(256 * 7, 7, 4, 1) == 1
     assert da.default_heads_per_program(256 * 4, 4, 16, 1) == 1
-    with da.tuned(64, 512, 3):  # TARGET_PROGRAMS 512: batch 128 at K=8 qualifies
-        assert da.default_heads_per_program(128 * 8, 8, 4, 1) == 2
+    # target_programs 512: batch 128 at K=8 qualifies
+    assert da.default_heads_per_program(128 * 8, 8, 4, 1, target_programs=512) == 2
+    # through a tuning (rows, K, G, H, itemsize, S): the rule, its target, or the tuning's own count
+    assert da.DecodeTuning().resolved(256 * 8, 8, 4, 64, 1, 1088).heads_per_program == 2
+    assert da.DecodeTuning().resolved(128 * 8, 8, 4, 64, 1, 1088).heads_per_program == 1
+    assert da.DecodeTuning(target_programs=512).resolved(128 * 8, 8, 4, 64, 1, 1088).heads_per_program == 2
+    assert da.DecodeTuning(heads_per_program=1).resolved(256 * 8, 8, 4, 64, 1, 1088).heads_per_program == 1
 
 
 def test_defaults_hand_derived():
     # 16 KiB of K per block, at most 64 positions: 16384 / (128 * 2) = 64; FP8 and H=64 give 128 or more, capped
-    assert (da.MAX_BLOCK_K, da.TARGET_PROGRAMS, da.NUM_STAGES) == (64, 1024, 3)
+    default = da.DecodeTuning()
+    assert (default.max_block_k, default.target_programs, default.num_stages, default.num_warps) == (64, 1024, 3, 4)
+    assert (default.heads_per_program, default.block_k, default.k_splits, default.dot_dtype) == (None,) * 4
+    assert default == da.DEFAULT_TUNING
     assert da.default_block_k(128, 2, 1088) == 64
     assert da.default_block_k(128, 1, 1088) == 64
     assert da.default_block_k(64, 2, 4160) == 64
@@ -412,10 +400,17 @@ def test_defaults_hand_derived():
     assert da.default_k_splits(512, 1088, 64) == 2
     assert da.default_k_splits(8, 1088, 64) == 16
     assert da.default_k_splits(8, 40, 16) == 3
-    # the earlier defaults, as bench rollout --decode_tuning 128:2048:2 sets them
-    with da.tuned(128, 2048, 2):
-        assert (da.default_block_k(64, 1, 1088), da.default_k_splits(512, 1088, 128), da.NUM_STAGES) == (128, 4, 2)
-    assert (da.MAX_BLOCK_K, da.TARGET_PROGRAMS, da.NUM_STAGES) == (64, 1024, 3)
+    # the earlier defaults, as bench rollout --decode_tuning 128:2048:2 builds them
+    assert (da.default_block_k(64, 1, 1088, max_block_k=128), da.default_k_splits(512, 1088, 128, 2048)) == (128, 4)
+    earlier = da.DecodeTuning(max_block_k=128, target_programs=2048, num_stages=2).resolved(512, 8, 4, 64, 1, 1088)
+    assert (earlier.block_k, earlier.k_splits, earlier.heads_per_program, earlier.num_stages) == (128, 4, 1, 2)
+    # the rules on the default tuning: one split of 64 positions at batch 256 (two heads a program over FP8)
+    resolved = default.resolved(256 * 8, 8, 4, 64, 1, 1088)
+    assert (resolved.block_k, resolved.k_splits, resolved.heads_per_program) == (64, 1, 2)
+    assert default.resolved(64 * 8, 8, 4, 64, 2, 1088).k_splits == 2
+    # what a tuning fixes stays as it is
+    fixed = da.DecodeTuning(block_k=16, k_splits=3, heads_per_program=4).resolved(256 * 8, 8, 4, 64, 1, 1088)
+    assert (fixed.block_k, fixed.k_splits, fixed.heads_per_program) == (16, 3, 4)
     # F16 dot operands for a BF16 query over an FP8 cache only
     assert da.default_dot_dtype(jnp.bfloat16, jnp.float8_e4m3fn) == jnp.float16
     assert da.default_dot_dtype(jnp.float32, jnp.float8_e4m3fn) == jnp.float32
@@ -435,6 +430,72 @@ def test_bad_options_name_the_key():
         q, k, v, *_ = _inputs("bf16", 4)
         with pytest.raises(ValueError, match="needs a GPU backend"):
             da.decode_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(LENGTHS), impl="pallas")
+
+
+@pytest.mark.parametrize("field,bad", [
+    ("max_block_k", 48), ("max_block_k", 8), ("block_k", 24), ("block_k", 8), ("target_programs", 0),
+    ("num_stages", 0), ("num_warps", 3), ("heads_per_program", 0), ("k_splits", 0), ("k_splits", True),
+    ("dot_dtype", "int8"), ("dot_dtype", "float8_e4m3fn"), ("tail_loop", 1)])
+def test_tuning_fields_are_validated(field, bad):
+    """Each ``DecodeTuning`` field refuses what the kernel cannot launch, naming the field and the value."""
+    with pytest.raises(ValueError, match=f"DecodeTuning {field}={bad!r} must be"):
+        da.DecodeTuning(**{field: bad})
+
+
+def test_tuning_is_a_hashable_value():
+    """Frozen and hashable (a static argument, a compile cache key): equal fields make equal, equally hashed values,
+    whichever way the dot dtype is spelled; none can be set after construction."""
+    a = da.DecodeTuning(block_k=32, dot_dtype=jnp.float16)
+    b = da.DecodeTuning(block_k=32, dot_dtype="float16")
+    assert a == b and hash(a) == hash(b) and a.dot_dtype == "float16"
+    assert a != da.DecodeTuning(block_k=64, dot_dtype="float16")
+    assert len({da.DecodeTuning(), da.DEFAULT_TUNING, da.DecodeTuning(num_stages=2)}) == 2
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        a.block_k = 64
+    with pytest.raises(TypeError, match="tuning must be a DecodeTuning"):
+        da.decode_attention(jnp.zeros((B, K, 2, H)), jnp.zeros((B, K, S, H)), jnp.zeros((B, K, S, H)),
+                            jnp.asarray(LENGTHS), impl="pallas_interpret", tuning={"block_k": 16})
+
+
+def _pallas_calls(jaxpr):
+    """The pallas_call equations of ``jaxpr`` and of every jaxpr inside it (scans, loops, jitted calls)."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            yield eqn
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else (param,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from _pallas_calls(inner)
+
+
+def _launches(fn, *args) -> list[tuple]:
+    """(grid, num_warps, num_stages) of each decode attention kernel ``fn(*args)`` traces to."""
+    calls = _pallas_calls(jax.make_jaxpr(fn)(*args).jaxpr)
+    return [(e.params["grid_mapping"].grid, e.params["compiler_params"].num_warps,
+             e.params["compiler_params"].num_stages) for e in calls if e.params["name"] == "decode_attention"]
+
+
+def test_tuning_is_part_of_the_compiled_program():
+    """Two tunings, two programs: as a static argument the tuning is in jit's cache key (an equal one hits the cache),
+    each program launches the kernel as its tuning says (grid, warps, stages), and both attend alike."""
+    q, k, v, k_scale, v_scale, q64, k64, v64 = _inputs("fp8", 4)
+    args = [jnp.asarray(a) for a in (q, k, v, LENGTHS)]
+    one = da.DecodeTuning(block_k=16, k_splits=1, num_stages=2)
+    three = da.DecodeTuning(block_k=16, k_splits=3, num_warps=8)
+    attend = jax.jit(functools.partial(da.decode_attention, k_scale=k_scale, v_scale=v_scale, impl="pallas_interpret"),
+                     static_argnames=("tuning",))
+    outs = [np.asarray(attend(*args, tuning=t), np.float64) for t in (one, three, dataclasses.replace(one))]
+    assert attend._cache_size() == 2
+    want = _reference(q64, k64, v64, LENGTHS)
+    for out in outs:
+        np.testing.assert_allclose(out, want, rtol=TOL["fp8"], atol=TOL["fp8"])
+    np.testing.assert_array_equal(outs[2], outs[0])
+    launch = lambda t: _launches(functools.partial(attend, tuning=t), *args)  # noqa: E731
+    assert launch(one) == [((B * K, 1), 4, 2)] and launch(three) == [((B * K, 3), 8, 3)]
+    # the rules under other parameters: target_programs 64 over 8 (sequence, kv head) rows -> 8 splits, capped by
+    # the cache's 3 blocks of 16
+    assert launch(da.DecodeTuning(max_block_k=16, target_programs=64)) == [((B * K, 3), 4, 3)]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -483,6 +544,32 @@ def test_greedy_rollout_same_tokens_with_kernel_and_xla():
     for i in range(len(prompts)):
         n = xla.lengths[i]
         np.testing.assert_allclose(kernel.logprobs[i, :n], xla.logprobs[i, :n], rtol=0, atol=1e-5)
+
+
+def test_engine_carries_its_decode_tuning():
+    """``EngineConfig.decode_tuning`` reaches every decode kernel of the engine's decode step (each layer's launch is
+    the tuning's), and an engine of another tuning compiles another program; a tuning that is not a DecodeTuning is
+    refused."""
+    from fp8rl_jax.fp8.policy import Precision
+    from fp8rl_jax.rollout.engine import Engine, EngineConfig
+
+    config, params = _tiny()
+    launches = {}
+    for tuning in (da.DecodeTuning(), da.DecodeTuning(block_k=16, k_splits=2, num_warps=2, num_stages=1)):
+        engine = Engine(config, Precision(), EngineConfig(max_concurrent_decodes=4, max_prefill_length=16,
+                                                          max_new_tokens=8, decode_attention="pallas_interpret",
+                                                          decode_tuning=tuning))
+        assert engine.config.decode_tuning is tuning
+        p = engine.load_params(params, None, None)
+        launches[tuning] = _launches(engine._generate_impl, p, engine.init_decode_state())
+        assert len(launches[tuning]) == config.num_layers
+    default, tuned = launches.values()
+    programs = config.num_kv_heads * 4  # one kv head a program over a BF16 cache
+    assert set(default) == {((programs, 1), 4, 3)}  # 24 positions: one block of 32, one split
+    assert set(tuned) == {((programs, 2), 2, 1)}
+    assert EngineConfig() != EngineConfig(decode_tuning=da.DecodeTuning(num_stages=2))
+    with pytest.raises(ValueError, match="EngineConfig.decode_tuning=.* must be a DecodeTuning"):
+        EngineConfig(decode_tuning={"k_splits": 2})
 
 
 def _decode_logprobs(config, params, precision, seqs, prompt_len, impl, kv_scales=None):
@@ -564,7 +651,7 @@ def test_fp8_output_and_per_layer_scales_lower_to_triton(triton_ir):
     q = jax.ShapeDtypeStruct((8, 8, 4, 64), jnp.bfloat16)
     cache = jax.ShapeDtypeStruct((16, 8, 8, 1088, 64), jnp.float8_e4m3fn)
     scales = jax.ShapeDtypeStruct((16,), jnp.float32)
-    fn = functools.partial(da.decode_attention_pallas, out_dtype=jnp.float8_e4m3fn, k_splits=1)
+    fn = functools.partial(da.decode_attention_pallas, out_dtype=jnp.float8_e4m3fn, tuning=da.DecodeTuning(k_splits=1))
     [ttir] = triton_ir(lambda q, k, v, n, i, ks, vs, s: fn(q, k, v, n, layer=i, k_scale=ks, v_scale=vs, out_scale=s),
                         q, cache, cache, jax.ShapeDtypeStruct((8,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32),
                         scales, scales, jax.ShapeDtypeStruct((), jnp.float32))
@@ -578,7 +665,7 @@ def test_packed_heads_kernel_lowers_to_triton(cache_dtype, q_dtype, triton_ir):
     q = jax.ShapeDtypeStruct((8, 8, 4, 64), jnp.dtype(q_dtype))
     cache = jax.ShapeDtypeStruct((16, 8, 8, 1088, 64), jnp.dtype(cache_dtype))
     fn = functools.partial(da.decode_attention_pallas, k_scale=jnp.float32(2.0), v_scale=jnp.float32(3.0),
-                           heads_per_program=4)
+                           tuning=da.DecodeTuning(heads_per_program=4))
     [ttir] = triton_ir(lambda q, k, v, n, i: fn(q, k, v, n, layer=i), q, cache, cache,
                         jax.ShapeDtypeStruct((8,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32))
     # one loop, every block masked (``tail_loop`` off by default)
@@ -592,7 +679,7 @@ def test_new_kv_lowers_to_triton(triton_ir):
     cache = jax.ShapeDtypeStruct((16, 256, 8, 1088, 64), jnp.float8_e4m3fn)
     new = jax.ShapeDtypeStruct((256, 8, 64), jnp.bfloat16)
     fn = functools.partial(da.decode_attention_pallas, k_scale=jnp.float32(2.0), v_scale=jnp.float32(3.0),
-                           heads_per_program=1)
+                           tuning=da.DecodeTuning(heads_per_program=1))
     [ttir] = triton_ir(lambda q, k, v, n, i, nk, nv: fn(q, k, v, n, layer=i, new_kv=(nk, nv)), q, cache, cache,
                         jax.ShapeDtypeStruct((256,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32), new, new)
     stores = [line for line in ttir.splitlines() if "tt.store" in line and "f8E4M3FN" in line]
@@ -609,7 +696,7 @@ def test_fused_projection_lowers_to_triton(heads_per_program, triton_ir):
     cache = jax.ShapeDtypeStruct((16, 256, 8, 1088, 64), jnp.float8_e4m3fn)
     half = jax.ShapeDtypeStruct((256, 32), jnp.float32)
     fn = functools.partial(da.decode_attention_pallas, k_scale=jnp.float32(2.0), v_scale=jnp.float32(3.0),
-                           heads_per_program=heads_per_program)
+                           tuning=da.DecodeTuning(heads_per_program=heads_per_program))
     [ttir] = triton_ir(lambda x, k, v, n, i, c, s: fn(x, k, v, n, layer=i, rope=(c, s)), qkv, cache, cache,
                         jax.ShapeDtypeStruct((256,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32), half, half)
     stores = [line for line in ttir.splitlines() if "tt.store" in line and "f8E4M3FN" in line]
@@ -617,19 +704,18 @@ def test_fused_projection_lowers_to_triton(heads_per_program, triton_ir):
     assert "tt.split" in ttir and "tt.join" in ttir and "tt.dot" in ttir
 
 
-@pytest.mark.parametrize("lean", [True, False])
-def test_both_loop_forms_lower_to_triton(lean, triton_ir):
-    """Llama-3.2-1B, batch 256, FP8 cache: the lean loop (exp2, V's masked rows loaded as zeros: ``tt.load`` with an
-    ``other`` operand) and the earlier one (exp) both lower."""
+def test_lean_loop_lowers_to_triton(triton_ir):
+    """Llama-3.2-1B, batch 256, FP8 cache: the block loop takes exp2 of log2-unit scores (no ``__nv_expf``) and loads
+    V's masked rows as zeros (``tt.load`` with an ``other`` operand, no select on the converted tile)."""
     cache = jax.ShapeDtypeStruct((16, 256, 8, 1088, 64), jnp.float8_e4m3fn)
-    fn = functools.partial(da.decode_attention_pallas, k_scale=jnp.float32(2.0), v_scale=jnp.float32(3.0), lean=lean)
+    fn = functools.partial(da.decode_attention_pallas, k_scale=jnp.float32(2.0), v_scale=jnp.float32(3.0))
     q = jax.ShapeDtypeStruct((256, 8, 4, 64), jnp.bfloat16)
     [ttir] = triton_ir(lambda q, k, v, n, i: fn(q, k, v, n, layer=i), q, cache, cache,
                        jax.ShapeDtypeStruct((256,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32))
-    assert ("__nv_exp2f" in ttir) == lean and ("__nv_expf" in ttir) != lean
-    # the masked V block: tt.load ptr, mask[, other]
+    assert "__nv_exp2f" in ttir and "__nv_expf" not in ttir
+    # the masked V block: tt.load ptr, mask, other
     v_loads = [line for line in ttir.splitlines() if "tt.load" in line and "tensor<64x64x!tt.ptr<f8E4M3FN>>" in line]
-    assert any(line.split("tt.load")[1].count("%") == 3 for line in v_loads) == lean, v_loads
+    assert any(line.split("tt.load")[1].count("%") == 3 for line in v_loads), v_loads
 
 
 def test_large_fp8_cache_gets_64_bit_offsets(triton_ir):
@@ -668,8 +754,8 @@ def test_gpu_fp8_output_is_the_next_linear_quantization(k_splits):
     q, k, v, k_scale, v_scale, *_ = _inputs("fp8", 4, layers=2)
     args = [jnp.asarray(a) for a in (q, k, v, LENGTHS)]
     scales = dict(k_scale=jnp.asarray([1.0, k_scale], jnp.float32), v_scale=jnp.asarray([1.0, v_scale], jnp.float32))
-    run = functools.partial(da.decode_attention, layer=jnp.int32(1), impl="pallas", block_k=16, k_splits=k_splits,
-                            **scales)
+    run = functools.partial(da.decode_attention, layer=jnp.int32(1), impl="pallas",
+                            tuning=da.DecodeTuning(block_k=16, k_splits=k_splits), **scales)
     out_scale = jnp.float32(448.0 / 3.0)
     plain = jax.jit(run)(*args)
     got = jax.jit(functools.partial(run, out_scale=out_scale, out_dtype=jnp.float8_e4m3fn))(*args)

@@ -87,7 +87,7 @@ def test_two_level_draw_depends_on_the_row_key_only():
 def test_block_stats_one_pass_against_float64():
     """``block_stats``' single variadic reduction: each block's max exactly, its sum of exp(z - max) to f32 rounding
     of a float64 reference, rows of -inf only as (-inf, 0), a block's -inf entries adding nothing; one reduction in
-    the compiled program (the two-pass form has two)."""
+    the compiled program (a max and then a sum of exps would be two)."""
     rng = np.random.default_rng(3)
     blocks = (rng.standard_normal((3, 50, 384)) * 12).astype(np.float32)
     blocks[0, 0, 0] = 80.0  # exp(80) alone would overflow nothing in f32, exp of its neighbours' gap underflows
