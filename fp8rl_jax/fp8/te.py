@@ -47,7 +47,7 @@ from fp8rl_jax.parallel import fsdp
 quantize_kernel = xla.quantize_kernel  # same bits as TE's cast kernel; one place to get them from
 
 
-SHARES_JAX_CUDNN = False  # set when TE was imported after JAX's own cuDNN (``_load_jax_cudnn``)
+_CUDNN = {"shared": False}  # "shared": set when TE was imported after JAX's own cuDNN (``_load_jax_cudnn``)
 _CUDNN_LIBS = ("graph", "engines_precompiled", "engines_runtime_compiled", "heuristic", "ops", "cnn", "adv", "")
 
 
@@ -75,7 +75,6 @@ def _load_jax_cudnn() -> bool:
 
 @functools.cache
 def _te():
-    global SHARES_JAX_CUDNN
     shared = _load_jax_cudnn()
     try:
         from transformer_engine.jax import cpp_extensions as tex
@@ -87,7 +86,7 @@ def _te():
             "If a cuDNN symbol is missing, import Transformer Engine before JAX starts its GPU backend "
             f"(fp8rl_jax.fp8.te.preload()). Import failed with: {e}"
         ) from e
-    SHARES_JAX_CUDNN = shared
+    _CUDNN["shared"] = shared
     return {"tex": tex, "Factory": ScaledTensorFactory, "Mode": ScalingMode}
 
 
@@ -98,6 +97,12 @@ def preload() -> bool:
     except ImportError:
         return False
     return True
+
+
+def shares_jax_cudnn() -> bool:
+    """Whether Transformer Engine was imported here (``preload``) after JAX's own cuDNN (``_load_jax_cudnn``), so
+    that both use one cuDNN; False before that import, or where it failed."""
+    return _CUDNN["shared"]
 
 
 def is_available() -> bool:
