@@ -135,7 +135,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jax.sharding import PartitionSpec as P
 
-from fp8rl_jax.fp8.recipe import fp8_max, quantize, rounded
+from fp8rl_jax.numerics import fp8_max, quantize, rounded
 
 IMPLS = ("auto", "pallas", "pallas_interpret", "xla")
 NEG_INF = -1e30  # the XLA path's mask value (as in ``llama.attention``)

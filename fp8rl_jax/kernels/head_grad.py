@@ -40,7 +40,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from fp8rl_jax.fp8.recipe import amax, quantize, rounded
+from fp8rl_jax.numerics import amax, quantize, rounded
 
 IMPLS = ("auto", "pallas", "pallas_interpret", "xla")
 BLOCK = (32, 256)  # rows, logits per tile
