@@ -29,6 +29,7 @@ wheels (``_load_jax_cudnn``), so that both use one cuDNN: with two, cuDNN's flas
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import os
@@ -97,6 +98,20 @@ def preload() -> bool:
     except ImportError:
         return False
     return True
+
+
+def mesh_resource() -> contextlib.AbstractContextManager:
+    """TE's global ``MeshResource`` for our mesh axes (``parallel.mesh``), as a context: TE's primitives' custom
+    partitioning then all-gathers an FSDP-sharded weight, all-reduces a GEMM whose contraction is split over
+    ``tensor``, and max-reduces the amax of every FP8 cast over the whole mesh (GPU with Transformer Engine only)."""
+    if not preload():  # TE's own import, in the order this module needs (cuDNN)
+        raise ImportError("precision.backend='te' needs Transformer Engine for JAX on a CUDA GPU "
+                          "(pip install 'transformer-engine[jax]'); use precision.backend='xla' elsewhere")
+    from transformer_engine.jax.sharding import MeshResource, global_shard_guard
+
+    # batch over data (and fsdp), weights over fsdp, heads / MLP columns over tensor. No tensor-sequence,
+    # pipeline, context or expert parallelism here.
+    return global_shard_guard(MeshResource(dp_resource="data", fsdp_resource="fsdp", tp_resource="tensor"))
 
 
 def shares_jax_cudnn() -> bool:

@@ -16,7 +16,7 @@ step t samples with ``fold_in(rng, t)``) and ``step``.
 On a mesh (``state_sharding``: a ``NamedSharding`` per leaf of the train state, from
 ``fp8rl_jax.parallel.rules.state_shardings``) each function is jitted with those in/out shardings, token batches
 are placed over data+fsdp by their shape at each call, and tracing and running happen under the mesh
-(``parallel.mesh.mesh_context``). Under jit the arrays are global views, so an FP8 amax (``jnp.max`` over a
+(``fp8.linear.mesh_context``). Under jit the arrays are global views, so an FP8 amax (``jnp.max`` over a
 sharded tensor) is already the max over every device: the FP8 state comes out replicated and identical.
 """
 
@@ -31,13 +31,13 @@ import numpy as np
 import optax
 
 from fp8rl_jax.fp8 import kv as kvq
+from fp8rl_jax.fp8.linear import mesh_context
 from fp8rl_jax.fp8.policy import Precision
 from fp8rl_jax.fp8.recipe import amax, combine_observations, observations, update_state
 from fp8rl_jax.model import llama
 from fp8rl_jax.model.config import LlamaConfig
 from fp8rl_jax.parallel import rules
 from fp8rl_jax.parallel.distributed import place
-from fp8rl_jax.parallel.mesh import mesh_context
 from fp8rl_jax.rl.importance import ICEPOP_BAND, MIS_BAND, is_weights
 from fp8rl_jax.rl.losses import policy_loss
 from fp8rl_jax.rl.metrics import masked_mean, reduce_metric

@@ -44,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fp8rl_jax.fp8 import kv as kvq
+from fp8rl_jax.fp8.linear import mesh_context
 from fp8rl_jax.fp8.policy import Precision
 from fp8rl_jax.fp8.recipe import with_input_scale_inv
 from fp8rl_jax.kernels.decode_attention import IMPLS as DECODE_ATTENTION_IMPLS
@@ -51,7 +52,7 @@ from fp8rl_jax.model import llama
 from fp8rl_jax.model.config import LlamaConfig
 from fp8rl_jax.parallel import rules
 from fp8rl_jax.parallel.distributed import place
-from fp8rl_jax.parallel.mesh import mesh_context, rollout_mesh
+from fp8rl_jax.parallel.mesh import rollout_mesh
 from fp8rl_jax.rollout.sampling import SamplingParams, sample
 from fp8rl_jax.rollout.weights import as_bits, from_bits, interleave_fused, per_layer, rollout_params
 

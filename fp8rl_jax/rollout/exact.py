@@ -31,10 +31,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fp8rl_jax.fp8.linear import mesh_context
 from fp8rl_jax.fp8.policy import Precision
 from fp8rl_jax.model.config import LlamaConfig
 from fp8rl_jax.parallel.distributed import host_get
-from fp8rl_jax.parallel.mesh import mesh_context
 from fp8rl_jax.rl.microbatch import ROW_MULTIPLE, row_width  # the trainer's widths: few shapes to compile
 from fp8rl_jax.rl.scoring import sample_next_token
 from fp8rl_jax.rl.step import jit_head_program
