@@ -100,7 +100,7 @@ def build_optimizer(optim, total_updates: int) -> tuple[optax.GradientTransforma
 
 
 # XLA:GPU options for the programs that run the LM head's training or scoring forward (scoring, the train step, the
-# calibration) when that head is FP8: its GEMMs are XLA's FP8 dots (``scoring.fp8_chunked_head_logprobs``), and with
+# calibration) when that head is FP8: its GEMMs are XLA's FP8 dots (``fp8_heads.fp8_chunked_head_logprobs``), and with
 # XLA's Triton GEMMs the head's forward + backward at llama1b shapes had not finished compiling and running after
 # 90 s on the H100; on cuBLAS it compiled in 1.4 s (benchmarks/head_step.py; benchmarks/RESULTS.md, "The LM head's
 # backward in FP8"). The same options for a head with FP8 backward GEMMs only (``lm_head_grad_fp8``), whose XLA FP8
@@ -246,7 +246,7 @@ def make_calibrate(model: LlamaConfig, precision: Precision, kv_margin: int = 0,
 
 def _head_grad_observations(params, head_state, hidden: jax.Array, dlogits: jax.Array):
     """The LM head's FP8 observations where its forward is BF16 and its backward GEMMs FP8 (``lm_head_grad_fp8``,
-    ``scoring.fp8_grad_head_logprobs``): the amaxes of the hidden state [B, T, D] at the positions that predict a
+    ``fp8_heads.fp8_grad_head_logprobs``): the amaxes of the hidden state [B, T, D] at the positions that predict a
     token (all but the last, as ``token_logprobs`` feeds the head), of the master kernel, and of the cotangent of
     the logits ``dlogits`` [B, T, V] (zeros: the gradient role observes 0 and keeps its scale)."""
     return observations(head_state, amax(hidden[:, :-1]), amax(llama.lm_head_kernel(params)), amax(dlogits))
