@@ -43,7 +43,7 @@ from fp8rl_jax.rl.losses import policy_loss
 from fp8rl_jax.rl.metrics import masked_mean, reduce_metric
 from fp8rl_jax.rl.packing import sequence_keys
 from fp8rl_jax.rl.scoring import token_logprobs
-from fp8rl_jax.rollout.engine import gpu_compiler_options
+from fp8rl_jax.xla_options import gpu_compiler_options
 
 
 @dataclasses.dataclass(frozen=True)
