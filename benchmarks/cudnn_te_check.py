@@ -19,7 +19,7 @@ try:
 
         te.preload()
         te._te()
-        print(mode, "TE imports; shares JAX's cuDNN:", te.SHARES_JAX_CUDNN, flush=True)
+        print(mode, "TE imports; shares JAX's cuDNN:", te.shares_jax_cudnn(), flush=True)
     else:
         import transformer_engine.jax  # noqa: F401
 

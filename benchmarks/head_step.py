@@ -2,7 +2,7 @@
 the autodiff FP8 head it replaced, ``fp8_grad``: the BF16 head with its backward GEMMs in FP8,
 ``precision.lm_head_grad_fp8``, and ``fp8_recompute``: that head with its backward's logit recompute in FP8 too,
 ``precision.lm_head_recompute_fp8``; ``fp8_recompute_f32``: that recompute writing its logits in f32 instead of
-``scoring.RECOMPUTE_LOGITS_DTYPE``; ``fp8_recompute_xla``: its logit gradient by XLA's ops, not the
+``fp8_heads.RECOMPUTE_LOGITS_DTYPE``; ``fp8_recompute_xla``: its logit gradient by XLA's ops, not the
 ``kernels.head_grad`` kernel) at a microbatch's shape, compile and run timed separately.
 
     JAX_PLATFORMS=cuda python benchmarks/head_step.py --out head_step.json [--hidden 4096 --untied]
@@ -24,9 +24,8 @@ import jax.numpy as jnp
 
 from fp8rl_jax.bench import device_name, timeit
 from fp8rl_jax.fp8.policy import Precision
-from fp8rl_jax.model import llama
+from fp8rl_jax.model import fp8_heads, heads, llama
 from fp8rl_jax.model.config import preset
-from fp8rl_jax.rl import scoring
 from fp8rl_jax.rl.step import jit_head_program
 
 
@@ -60,17 +59,17 @@ def main() -> None:
 
     def loss(variant, h, k, st):
         if variant == "bf16":
-            logp, _ = scoring.chunked_head_logprobs(h, k, targets, kernel_nk=tied, dtype=jnp.bfloat16)
+            logp, _ = heads.chunked_head_logprobs(h, k, targets, kernel_nk=tied, dtype=jnp.bfloat16)
         elif variant == "fp8":
-            logp, _ = scoring.fp8_chunked_head_logprobs(h, k, targets, st, precision=precision, kernel_nk=tied)
+            logp, _ = fp8_heads.fp8_chunked_head_logprobs(h, k, targets, st, precision=precision, kernel_nk=tied)
         elif variant in ("fp8_grad", "fp8_recompute", "fp8_recompute_f32", "fp8_recompute_xla"):
             logits = jnp.float32 if variant == "fp8_recompute_f32" else None  # None: the package's default
-            logp, _ = scoring.fp8_grad_head_logprobs(h, k, targets, st, precision=programs[variant], kernel_nk=tied,
+            logp, _ = fp8_heads.fp8_grad_head_logprobs(h, k, targets, st, precision=programs[variant], kernel_nk=tied,
                                                      recompute_dtype=logits,
                                                      grad_impl="xla" if variant == "fp8_recompute_xla" else "auto")
         else:
             params = {"embed": k} if tied else {"lm_head": k}
-            logp, _ = scoring.autodiff_head_logprobs(params, h, targets, precision=precision, head_state=st)
+            logp, _ = heads.autodiff_head_logprobs(params, h, targets, precision=precision, head_state=st)
         return jnp.sum(logp)
 
     rows = []

@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 
 import ml_collections
 
+from fp8rl_jax.errors import ConfigError  # defined there for the lower layers; still importable from here
 from fp8rl_jax.rl.microbatch import DEFAULT_MICROBATCH_TOKENS, longest_row_tokens
 
 PRECISION_MODES = ("bf16", "fp8_rollout", "fp8_e2e")
@@ -190,10 +191,6 @@ def base_config() -> ml_collections.ConfigDict:
 
 # ----------------------------------------------------------------------------------------------------------
 # validation
-
-
-class ConfigError(ValueError):
-    pass
 
 
 def _check(cond: bool, key: str, value, allowed: str) -> None:

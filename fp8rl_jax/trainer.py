@@ -46,10 +46,11 @@ from fp8rl_jax.memory import DeviceOutOfMemory as DeviceOutOfMemory  # raised by
 from fp8rl_jax.memory import out_of_memory_report
 from fp8rl_jax.model import llama
 from fp8rl_jax.model.loading import load_model
+from fp8rl_jax.model.sharded import load_model_sharded
 from fp8rl_jax.parallel import rules
 from fp8rl_jax.parallel.distributed import host_get, is_primary, place
 from fp8rl_jax.parallel.mesh import make_mesh, peak_memory_gib
-from fp8rl_jax.parallel.state import init_sharded, load_model_sharded
+from fp8rl_jax.parallel.state import init_sharded
 from fp8rl_jax.reporting import Reporter, compile_seconds
 from fp8rl_jax.rl.advantages import group_advantages
 from fp8rl_jax.rl.metrics import mismatch_metrics, reduce_metric

@@ -34,9 +34,10 @@ from fp8rl_jax.fp8.recipe import Fp8Recipe, update_state
 from fp8rl_jax.model import llama
 from fp8rl_jax.model.config import LlamaConfig
 from fp8rl_jax.rl.metrics import mismatch_metrics
-from fp8rl_jax.rl.scoring import sample_next_token, token_logprobs
+from fp8rl_jax.rl.scoring import token_logprobs
 from fp8rl_jax.rl.step import jit_head_program, make_calibrate, make_score
 from fp8rl_jax.rollout.engine import DecodeState, Engine, EngineConfig, prefill_bucket
+from fp8rl_jax.rollout.exact import sample_next_token
 from fp8rl_jax.rollout.sampling import SamplingParams
 
 PRECISIONS = {

@@ -83,10 +83,11 @@ def train_step_hlo(config, mode: str, fsdp: int = 8, remat: str = "full", microb
     import optax
 
     from fp8rl_jax.fp8 import kv as kvq
+    from fp8rl_jax.fp8.linear import mesh_context
     from fp8rl_jax.fp8.policy import Precision
     from fp8rl_jax.model import llama
     from fp8rl_jax.parallel import rules
-    from fp8rl_jax.parallel.mesh import make_mesh, mesh_context
+    from fp8rl_jax.parallel.mesh import make_mesh
     from fp8rl_jax.rl.step import LossConfig, make_train_step
 
     if mode not in MODES:

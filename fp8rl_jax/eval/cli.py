@@ -230,8 +230,8 @@ def evaluate(config, values: dict, argv: list[str]) -> tuple[Path, dict]:
     from fp8rl_jax.fp8 import kv as kvq
     from fp8rl_jax.fp8.policy import choose_backend, from_config
     from fp8rl_jax.model import llama
+    from fp8rl_jax.model.sharded import load_model_sharded
     from fp8rl_jax.parallel.mesh import make_mesh
-    from fp8rl_jax.parallel.state import load_model_sharded
     from fp8rl_jax.rollout.sampler import Sampler
     from fp8rl_jax.trainer import initial_calibration, right_pad
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +14,7 @@ from fp8rl_jax.fp8 import xla
 from fp8rl_jax.fp8.policy import Precision
 from fp8rl_jax.fp8.recipe import Fp8LinearState
 from fp8rl_jax.fp8.xla import QuantizedKernel, TrainKernel
-from fp8rl_jax.parallel import fsdp
+from fp8rl_jax.parallel import fsdp, mesh
 from fp8rl_jax.parallel.fsdp import FsdpKernel
 
 
@@ -20,6 +22,22 @@ def _te():
     from fp8rl_jax.fp8 import te  # lazy: Transformer Engine is optional and GPU-only
 
     return te
+
+
+@contextlib.contextmanager
+def mesh_context(device_mesh: jax.sharding.Mesh | None, backend: str = "xla") -> Iterator[None]:
+    """Trace and run the programs of ``backend``'s matmuls under ``device_mesh`` (``parallel.mesh.mesh_context``);
+    nothing when it is None. With ``backend='te'``, Transformer Engine's primitives are also told which mesh axes
+    mean what (``te.mesh_resource``). TE is imported only here and only for that backend, so CPU runs never
+    import it."""
+    if device_mesh is None:
+        yield
+        return
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mesh.mesh_context(device_mesh))
+        if backend == "te":
+            stack.enter_context(_te().mesh_resource())
+        yield
 
 
 def linear(

@@ -29,7 +29,7 @@ class Precision:
     lm_head_fp8: run the output projection in FP8 too (off by default: logits are precision-sensitive).
     lm_head_grad_fp8: the BF16 head's two backward GEMMs (logit gradient x kernel, hidden x logit gradient) in FP8:
       E5M2 logit gradient, E4M3 kernel and hidden state, the head's own delayed scales; the forward, its logits and
-      logprobs, and the rollout's head stay BF16 (``rl.scoring.fp8_grad_head_logprobs``). With ``lm_head_fp8``
+      logprobs, and the rollout's head stay BF16 (``model.fp8_heads.fp8_grad_head_logprobs``). With ``lm_head_fp8``
       too, ``lm_head_fp8`` wins: the head is FP8 both ways.
     lm_head_recompute_fp8: with ``lm_head_grad_fp8`` (and not ``lm_head_fp8``), the backward's recompute of the
       logits in FP8 too, with the head's delayed x and kernel scales, normalised on the FP8 logits' own softmax

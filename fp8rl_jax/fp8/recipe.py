@@ -41,11 +41,15 @@ softmax; the KV cache has its own per-layer scales (``kv.py``).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
+
+# the FP8 primitives: defined below every FP8 layer (the kernels use them too), re-exported as the recipe's names
+from fp8rl_jax.numerics import amax as amax
+from fp8rl_jax.numerics import fp8_max as fp8_max
+from fp8rl_jax.numerics import quantize as quantize
+from fp8rl_jax.numerics import rounded as rounded
 
 E4M3 = jnp.float8_e4m3fn
 E5M2 = jnp.float8_e5m2
@@ -59,11 +63,6 @@ Fp8LinearState = dict[str, Fp8Meta]  # {"x": Fp8Meta, "kernel": Fp8Meta, "grad":
 
 
 SCALINGS = ("tensor", "rowwise")
-
-
-def fp8_max(dtype: Any) -> float:
-    """Largest finite value of an FP8 dtype (448 for E4M3, 57344 for E5M2)."""
-    return float(ml_dtypes.finfo(dtype).max)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,28 +128,10 @@ def with_input_scale_inv(fp8_state):
     return fp8_state
 
 
-def quantize(x: jax.Array, scale: jax.Array, dtype) -> jax.Array:
-    """Saturating cast of ``x * scale`` to FP8. The multiply is in f32, so the cast rounds once."""
-    limit = fp8_max(dtype)
-    y = x.astype(jnp.float32) * scale.astype(jnp.float32)
-    return jnp.clip(y, -limit, limit).astype(dtype)
-
-
 def quantize_input(x: jax.Array, scale: jax.Array, dtype) -> jax.Array:
     """A GEMM input ``quantize``d, or ``x`` as it is where it is FP8 already: quantized with ``scale`` beforehand
     (the decode attention kernel writes ``wo``'s input so)."""
     return x if jnp.dtype(x.dtype).itemsize == 1 else quantize(x, scale, dtype)
-
-
-def rounded(x: jax.Array, dtype, hold=jnp.float32) -> jax.Array:
-    """``x`` rounded to ``dtype``'s precision, held in ``hold`` (f32 by default): ``reduce_precision``, which XLA
-    keeps, where it may fold an f32 -> BF16 -> f32 convert pair (or a GEMM's narrower output) away."""
-    f = jnp.finfo(dtype)
-    return jax.lax.reduce_precision(x.astype(hold), exponent_bits=f.nexp, mantissa_bits=f.nmant)
-
-
-def amax(x: jax.Array) -> jax.Array:
-    return jnp.max(jnp.abs(x)).astype(jnp.float32)
 
 
 def scale_from_history(history: jax.Array, old_scale: jax.Array, dtype, recipe: Fp8Recipe) -> jax.Array:

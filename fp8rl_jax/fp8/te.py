@@ -29,6 +29,7 @@ wheels (``_load_jax_cudnn``), so that both use one cuDNN: with two, cuDNN's flas
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import os
@@ -47,7 +48,7 @@ from fp8rl_jax.parallel import fsdp
 quantize_kernel = xla.quantize_kernel  # same bits as TE's cast kernel; one place to get them from
 
 
-SHARES_JAX_CUDNN = False  # set when TE was imported after JAX's own cuDNN (``_load_jax_cudnn``)
+_CUDNN = {"shared": False}  # "shared": set when TE was imported after JAX's own cuDNN (``_load_jax_cudnn``)
 _CUDNN_LIBS = ("graph", "engines_precompiled", "engines_runtime_compiled", "heuristic", "ops", "cnn", "adv", "")
 
 
@@ -75,7 +76,6 @@ def _load_jax_cudnn() -> bool:
 
 @functools.cache
 def _te():
-    global SHARES_JAX_CUDNN
     shared = _load_jax_cudnn()
     try:
         from transformer_engine.jax import cpp_extensions as tex
@@ -87,7 +87,7 @@ def _te():
             "If a cuDNN symbol is missing, import Transformer Engine before JAX starts its GPU backend "
             f"(fp8rl_jax.fp8.te.preload()). Import failed with: {e}"
         ) from e
-    SHARES_JAX_CUDNN = shared
+    _CUDNN["shared"] = shared
     return {"tex": tex, "Factory": ScaledTensorFactory, "Mode": ScalingMode}
 
 
@@ -98,6 +98,26 @@ def preload() -> bool:
     except ImportError:
         return False
     return True
+
+
+def mesh_resource() -> contextlib.AbstractContextManager:
+    """TE's global ``MeshResource`` for our mesh axes (``parallel.mesh``), as a context: TE's primitives' custom
+    partitioning then all-gathers an FSDP-sharded weight, all-reduces a GEMM whose contraction is split over
+    ``tensor``, and max-reduces the amax of every FP8 cast over the whole mesh (GPU with Transformer Engine only)."""
+    if not preload():  # TE's own import, in the order this module needs (cuDNN)
+        raise ImportError("precision.backend='te' needs Transformer Engine for JAX on a CUDA GPU "
+                          "(pip install 'transformer-engine[jax]'); use precision.backend='xla' elsewhere")
+    from transformer_engine.jax.sharding import MeshResource, global_shard_guard
+
+    # batch over data (and fsdp), weights over fsdp, heads / MLP columns over tensor. No tensor-sequence,
+    # pipeline, context or expert parallelism here.
+    return global_shard_guard(MeshResource(dp_resource="data", fsdp_resource="fsdp", tp_resource="tensor"))
+
+
+def shares_jax_cudnn() -> bool:
+    """Whether Transformer Engine was imported here (``preload``) after JAX's own cuDNN (``_load_jax_cudnn``), so
+    that both use one cuDNN; False before that import, or where it failed."""
+    return _CUDNN["shared"]
 
 
 def is_available() -> bool:

@@ -1,7 +1,7 @@
 """The FP8 logit gradient of the LM head's backward from its recomputed logits: two Triton kernels.
 
 Why. With ``lm_head_recompute_fp8`` the head's backward recomputes each chunk's logits by the FP8 GEMM (BF16 out)
-and normalises them on their own log-sum-exp (``rl/scoring.py``). As XLA ops that was a reduction for the sum of
+and normalises them on their own log-sum-exp (``model/fp8_heads.py``). As XLA ops that was a reduction for the sum of
 the exponentials, then the fusion that forms the gradient, quantizes it to E5M2 and takes its amax, then a byte
 transpose of the E5M2 gradient for the weight gradient's GEMM: in a llama1b train minibatch's profile on the H100
 1.3 + 2.3 + 0.7 ms a chunk of 8,192 x 128,256 logits (43 ms a minibatch); the two passes ran at about 0.8 G
@@ -40,7 +40,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from fp8rl_jax.fp8.recipe import amax, quantize, rounded
+from fp8rl_jax.numerics import amax, quantize, rounded
 
 IMPLS = ("auto", "pallas", "pallas_interpret", "xla")
 BLOCK = (32, 256)  # rows, logits per tile

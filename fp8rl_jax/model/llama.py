@@ -186,7 +186,7 @@ def resolve_attention(impl: str, dtype, head_dim: int, backend: str | None = Non
     """The full-sequence attention ``Precision.attention=impl`` runs. ``auto`` on a GPU backend, for a BF16 / F16
     compute dtype and a head dim of at most 128 (a multiple of 8; a power of two >= 16 for Pallas): ``cudnn``;
     ``pallas`` where Transformer Engine loaded another cuDNN than JAX's (``cudnn_clash``, default: TE imported
-    without ``fp8.te.SHARES_JAX_CUDNN``), except under a mesh of several devices (``mesh_devices``, default: the
+    without ``fp8.te.shares_jax_cudnn()``), except under a mesh of several devices (``mesh_devices``, default: the
     mesh active at trace time), where the Pallas kernel would run unpartitioned (XLA gathers its operands): ``xla``
     there. ``xla`` elsewhere. The others as asked.
 
@@ -199,7 +199,7 @@ def resolve_attention(impl: str, dtype, head_dim: int, backend: str | None = Non
         return impl
     if cudnn_clash is None:
         te = sys.modules.get("fp8rl_jax.fp8.te")
-        cudnn_clash = "transformer_engine" in sys.modules and not getattr(te, "SHARES_JAX_CUDNN", False)
+        cudnn_clash = "transformer_engine" in sys.modules and not (te is not None and te.shares_jax_cudnn())
     if (backend or jax.default_backend()) != "gpu" or jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
         return "xla"
     if not cudnn_clash:  # cuDNN's call carries partitioning rules (batch and heads)

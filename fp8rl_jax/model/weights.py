@@ -261,7 +261,7 @@ def _read_slice(handle, name: str, index: tuple[slice, ...]) -> np.ndarray:
 
 def load_hf(folder: str | os.PathLike, dtype=jnp.float32) -> tuple[LlamaConfig, dict]:
     """Load ``config.json`` and the safetensors weights of a Hugging Face model folder, whole, on the host
-    (``parallel.state.load_hf_sharded`` reads them slice by slice straight onto a mesh)."""
+    (``model.sharded.load_hf_sharded`` reads them slice by slice straight onto a mesh)."""
     checkpoint = HFCheckpoint(folder)
     return checkpoint.config, _assemble(checkpoint.get, checkpoint.config, HF_NAMES, dtype)
 

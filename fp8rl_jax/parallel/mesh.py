@@ -6,7 +6,8 @@
 
 ``-1`` on one axis means "the devices the other two leave". The jitted RL-step functions and the rollout engine
 trace and run inside ``mesh_context`` (``jax.set_mesh``), so ``with_sharding_constraint`` inside the model sees the
-mesh; with the ``te`` backend the same context names the axes for Transformer Engine's primitives.
+mesh; ``fp8.linear.mesh_context`` is that context for a precision's backend (with ``te`` it also names the axes for
+Transformer Engine's primitives).
 """
 
 from __future__ import annotations
@@ -83,36 +84,14 @@ def rollout_mesh(mesh: Mesh, tensor_parallel: int = 1) -> Mesh:
 
 
 @contextlib.contextmanager
-def mesh_context(mesh: Mesh | None, backend: str = "xla") -> Iterator[None]:
-    """Trace and run under ``mesh`` (``jax.set_mesh``); nothing when ``mesh`` is None.
-
-    With ``backend='te'``, Transformer Engine's primitives are told which mesh axes mean what (its
-    ``MeshResource``): their custom partitioning all-gathers an FSDP-sharded weight, all-reduces a GEMM whose
-    contraction is split over ``tensor``, and max-reduces the amax of every FP8 cast over the whole mesh.
-    TE is imported only here and only for that backend, so CPU runs never import it.
-    """
+def mesh_context(mesh: Mesh | None) -> Iterator[None]:
+    """Trace and run under ``mesh`` (``jax.set_mesh``); nothing when ``mesh`` is None. The programs of an FP8
+    backend run under ``fp8.linear.mesh_context``, which adds what that backend needs (TE's mesh axes)."""
     if mesh is None:
         yield
         return
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(jax.set_mesh(mesh))
-        if backend == "te":
-            stack.enter_context(te_mesh_resource())
+    with jax.set_mesh(mesh):
         yield
-
-
-def te_mesh_resource() -> contextlib.AbstractContextManager:
-    """TE's global ``MeshResource`` for our axes (GPU with Transformer Engine only)."""
-    from fp8rl_jax.fp8 import te
-
-    if not te.preload():  # TE's own import, in the order fp8.te needs (cuDNN)
-        raise ImportError("precision.backend='te' needs Transformer Engine for JAX on a CUDA GPU "
-                          "(pip install 'transformer-engine[jax]'); use precision.backend='xla' elsewhere")
-    from transformer_engine.jax.sharding import MeshResource, global_shard_guard
-
-    # batch over data (and fsdp), weights over fsdp, heads / MLP columns over tensor. No tensor-sequence,
-    # pipeline, context or expert parallelism here.
-    return global_shard_guard(MeshResource(dp_resource="data", fsdp_resource="fsdp", tp_resource="tensor"))
 
 
 def peak_memory_gib(devices: Sequence[jax.Device] | None = None) -> float | None:

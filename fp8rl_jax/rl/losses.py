@@ -1,4 +1,4 @@
-"""The clipped policy-gradient loss, its KL term, loss aggregation and entropy.
+"""The clipped policy-gradient loss, its KL term and loss aggregation.
 
 Per token, with ratio = exp(logp - old_logp) and the sequence's advantage A (PPO, arXiv 1707.06347; GRPO uses it
 with group advantages):
@@ -170,12 +170,3 @@ def policy_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array, mas
     loss = aggregate(per_token, m, loss_agg, num_tokens=num_tokens, num_sequences=num_sequences, segments=segments,
                      norm=loss_agg_norm)
     return loss, jax.tree.map(jax.lax.stop_gradient, metrics)
-
-
-def entropy_from_logits(logits: jax.Array) -> jax.Array:
-    """Entropy (nats, f32) of softmax(logits) over the last axis; -inf logits (banned tokens) are allowed."""
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    p = jnp.exp(logp)
-    # 0 * log 0 = 0; the where is on logp itself so the backward pass never multiplies by -inf either
-    safe_logp = jnp.where(p > 0, logp, 0.0)
-    return -jnp.sum(p * safe_logp, axis=-1)

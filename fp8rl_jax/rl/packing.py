@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fp8rl_jax.config import ConfigError
+from fp8rl_jax.errors import ConfigError
 from fp8rl_jax.model.llama import row_segments
 from fp8rl_jax.rl.microbatch import ROW_MULTIPLE, longest_row_tokens
 

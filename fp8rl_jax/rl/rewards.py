@@ -12,6 +12,7 @@ Add a reward with ``@register("name")``; select them with ``config.reward.fns`` 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import re
 from collections.abc import Callable, Sequence
@@ -149,7 +150,11 @@ class _DropTimeoutWarning(logging.Filter):
         return not record.getMessage().startswith("Timeout is disabled")
 
 
-_math_verify_ready = False
+@functools.cache
+def _quiet_math_verify() -> None:
+    """``_DropTimeoutWarning`` on math_verify's two loggers, once per process."""
+    for name in ("math_verify.parser", "math_verify.grader"):
+        logging.getLogger(name).addFilter(_DropTimeoutWarning())
 
 
 def _math_verify_equal(span: str, gold: str) -> bool:
@@ -159,15 +164,11 @@ def _math_verify_equal(span: str, gold: str) -> bool:
     run in a worker thread). ``parsing_timeout=None`` / ``timeout_seconds=None`` turn that machinery off — it
     becomes a plain call in any thread — and ``_math_verify_safe`` keeps out the inputs that would need it.
     """
-    global _math_verify_ready
     if not _math_verify_safe(span):
         return False
     from math_verify import parse, verify  # imports SymPy (~0.5 s): only once a span needs it
 
-    if not _math_verify_ready:
-        for name in ("math_verify.parser", "math_verify.grader"):
-            logging.getLogger(name).addFilter(_DropTimeoutWarning())
-        _math_verify_ready = True
+    _quiet_math_verify()
     try:
         target = parse(span, parsing_timeout=None)
         return bool(target) and bool(verify(parse(gold, parsing_timeout=None), target, timeout_seconds=None))

@@ -16,7 +16,7 @@ step t samples with ``fold_in(rng, t)``) and ``step``.
 On a mesh (``state_sharding``: a ``NamedSharding`` per leaf of the train state, from
 ``fp8rl_jax.parallel.rules.state_shardings``) each function is jitted with those in/out shardings, token batches
 are placed over data+fsdp by their shape at each call, and tracing and running happen under the mesh
-(``parallel.mesh.mesh_context``). Under jit the arrays are global views, so an FP8 amax (``jnp.max`` over a
+(``fp8.linear.mesh_context``). Under jit the arrays are global views, so an FP8 amax (``jnp.max`` over a
 sharded tensor) is already the max over every device: the FP8 state comes out replicated and identical.
 """
 
@@ -31,19 +31,19 @@ import numpy as np
 import optax
 
 from fp8rl_jax.fp8 import kv as kvq
+from fp8rl_jax.fp8.linear import mesh_context
 from fp8rl_jax.fp8.policy import Precision
 from fp8rl_jax.fp8.recipe import amax, combine_observations, observations, update_state
 from fp8rl_jax.model import llama
 from fp8rl_jax.model.config import LlamaConfig
 from fp8rl_jax.parallel import rules
 from fp8rl_jax.parallel.distributed import place
-from fp8rl_jax.parallel.mesh import mesh_context
 from fp8rl_jax.rl.importance import ICEPOP_BAND, MIS_BAND, is_weights
 from fp8rl_jax.rl.losses import policy_loss
 from fp8rl_jax.rl.metrics import masked_mean, reduce_metric
 from fp8rl_jax.rl.packing import sequence_keys
 from fp8rl_jax.rl.scoring import token_logprobs
-from fp8rl_jax.rollout.engine import gpu_compiler_options
+from fp8rl_jax.xla_options import gpu_compiler_options
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +100,7 @@ def build_optimizer(optim, total_updates: int) -> tuple[optax.GradientTransforma
 
 
 # XLA:GPU options for the programs that run the LM head's training or scoring forward (scoring, the train step, the
-# calibration) when that head is FP8: its GEMMs are XLA's FP8 dots (``scoring.fp8_chunked_head_logprobs``), and with
+# calibration) when that head is FP8: its GEMMs are XLA's FP8 dots (``fp8_heads.fp8_chunked_head_logprobs``), and with
 # XLA's Triton GEMMs the head's forward + backward at llama1b shapes had not finished compiling and running after
 # 90 s on the H100; on cuBLAS it compiled in 1.4 s (benchmarks/head_step.py; benchmarks/RESULTS.md, "The LM head's
 # backward in FP8"). The same options for a head with FP8 backward GEMMs only (``lm_head_grad_fp8``), whose XLA FP8
@@ -246,7 +246,7 @@ def make_calibrate(model: LlamaConfig, precision: Precision, kv_margin: int = 0,
 
 def _head_grad_observations(params, head_state, hidden: jax.Array, dlogits: jax.Array):
     """The LM head's FP8 observations where its forward is BF16 and its backward GEMMs FP8 (``lm_head_grad_fp8``,
-    ``scoring.fp8_grad_head_logprobs``): the amaxes of the hidden state [B, T, D] at the positions that predict a
+    ``fp8_heads.fp8_grad_head_logprobs``): the amaxes of the hidden state [B, T, D] at the positions that predict a
     token (all but the last, as ``token_logprobs`` feeds the head), of the master kernel, and of the cotangent of
     the logits ``dlogits`` [B, T, V] (zeros: the gradient role observes 0 and keeps its scale)."""
     return observations(head_state, amax(hidden[:, :-1]), amax(llama.lm_head_kernel(params)), amax(dlogits))

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from typing import Any
 
 import jax
@@ -44,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fp8rl_jax.fp8 import kv as kvq
+from fp8rl_jax.fp8.linear import mesh_context
 from fp8rl_jax.fp8.policy import Precision
 from fp8rl_jax.fp8.recipe import with_input_scale_inv
 from fp8rl_jax.kernels.decode_attention import IMPLS as DECODE_ATTENTION_IMPLS
@@ -52,9 +52,10 @@ from fp8rl_jax.model import llama
 from fp8rl_jax.model.config import LlamaConfig
 from fp8rl_jax.parallel import rules
 from fp8rl_jax.parallel.distributed import place
-from fp8rl_jax.parallel.mesh import mesh_context, rollout_mesh
+from fp8rl_jax.parallel.mesh import rollout_mesh
 from fp8rl_jax.rollout.sampling import SamplingParams, sample
 from fp8rl_jax.rollout.weights import as_bits, from_bits, interleave_fused, per_layer, rollout_params
+from fp8rl_jax.xla_options import gpu_compiler_options
 
 PREFILL_BUCKETS = tuple(2**i for i in range(4, 16))  # 16 .. 32768, JetStream's convention
 
@@ -67,15 +68,6 @@ PREFILL_BUCKETS = tuple(2**i for i in range(4, 16))  # 16 .. 32768, JetStream's 
 DECODE_GPU_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
 COMPILER_OPTIONS = ("auto", "none")
 LAYER_LOOPS = ("auto", "scan", "unrolled")
-
-
-def gpu_compiler_options(options: dict, backend: str | None = None) -> dict:
-    """XLA:GPU ``options`` for one program's ``jax.jit(compiler_options=...)``, minus any option the user's
-    ``XLA_FLAGS`` sets (theirs wins); ``{}`` off the GPU (XLA:CPU refuses GPU options)."""
-    if (backend or jax.default_backend()) != "gpu":
-        return {}
-    flags = os.environ.get("XLA_FLAGS", "")
-    return {k: v for k, v in options.items() if f"--{k}=" not in flags}
 
 
 def decode_compiler_options(choice: str = "auto", backend: str | None = None) -> dict:

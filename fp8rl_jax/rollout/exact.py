@@ -5,7 +5,7 @@ attention over a cache against the scoring forward's [B * T]-row GEMMs and full 
 differently is harmless in BF16 and is not in FP8, where every quantizer turns a last-bit difference into an FP8
 step; the rollout's logprobs end up 0.17 nats per token from the trainer's on SmolLM2 (docs/accuracy.md).
 
-This sampler runs no other arithmetic than the trainer's. At every step it runs ``rl.scoring.sample_next_token``:
+This sampler runs no other arithmetic than the trainer's. At every step it runs ``sample_next_token``:
 the scoring forward over the whole [microbatch, T] batch, with the trainer's master weights, FP8 state, KV scales
 and precision, T fixed for the whole rollout, then the head's chunk GEMM, and draws each row's next token from
 those logits. The trainer scores the finished sequences at the same [microbatch, T] shape (``RolloutBatch.width``),
@@ -23,6 +23,7 @@ measured against. Every sequence draws with its own key, ``fold_in(rng, row)``, 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import time
@@ -31,15 +32,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fp8rl_jax.fp8.linear import mesh_context
 from fp8rl_jax.fp8.policy import Precision
+from fp8rl_jax.model import fp8_heads, heads, llama
 from fp8rl_jax.model.config import LlamaConfig
 from fp8rl_jax.parallel.distributed import host_get
-from fp8rl_jax.parallel.mesh import mesh_context
 from fp8rl_jax.rl.microbatch import ROW_MULTIPLE, row_width  # the trainer's widths: few shapes to compile
-from fp8rl_jax.rl.scoring import sample_next_token
 from fp8rl_jax.rl.step import jit_head_program
 from fp8rl_jax.rollout.driver import RolloutBatch
-from fp8rl_jax.rollout.sampling import SamplingParams
+from fp8rl_jax.rollout.sampling import SamplingParams, sample
 
 # XLA:CPU (jaxlib 0.10): YNNPACK's reduce fusions take other forms in programs of other shapes, which round apart.
 # The head's softmax normaliser is summed in a different order in the sampler's program and in the train step's (1
@@ -71,6 +72,61 @@ def cpu_flag_missing() -> bool:
 def sequence_width(prompt_lengths, max_new_tokens: int, multiple: int = ROW_MULTIPLE) -> int:
     """The fixed [rows, T] width of an exact rollout: the longest prompt plus ``max_new_tokens``, rounded up."""
     return row_width(max(prompt_lengths) + max_new_tokens, multiple)
+
+
+def sample_next_token(
+    params: dict,
+    tokens: jax.Array,
+    at: jax.Array,
+    keys: jax.Array,
+    *,
+    config: LlamaConfig,
+    precision: Precision,
+    sampling: SamplingParams,
+    fp8_state: dict | None = None,
+    kv_scales: dict | None = None,
+    chunk: int = heads.HEAD_CHUNK,
+    forced: jax.Array | None = None,
+):
+    """Draw ``tokens[b, at[b]]`` from pi_T given ``tokens[b, :at[b]]``, with ``token_logprobs``'s own arithmetic.
+
+    tokens [B, T] right-padded (what stands at ``at`` and after it does not matter), at [B] in [1, T), keys [B]
+    (one PRNG key per row). The whole [B, T] batch runs through the scoring forward, and the head's GEMM is the
+    [B, C, V] GEMM of the chunk that holds position ``at - 1``, exactly as ``token_logprobs`` computes them for a
+    [B, T] batch. Causal attention gives a position nothing from the ones after it (their weights are exact
+    zeros), so ``token_logprobs`` of the finished sequences, at this shape, sees the same logits at ``at - 1``:
+    the sampler's distribution and logprob are the scorer's, bit for bit, as long as the two XLA programs round
+    alike (``rollout.exact``; ``tests/rollout/test_exact.py`` checks it: they do, on CPU and GPU).
+
+    Returns ``(token [B] int32, logp [B] f32)``; ``logp`` is the token's ``log pi_T`` by the scoring head's
+    formula. ``sampling.temperature`` is pi_T's T; top-k / top-p / greedy choose the token as ``sample`` does.
+    ``forced`` [B]: take these tokens instead of drawing (teacher forcing, ``bench agreement``); ``keys`` unused.
+    """
+    b, t = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    hidden, _, _ = llama.forward_hidden(params, tokens, positions, config=config, precision=precision,
+                                        fp8_state=fp8_state, kv_scales=kv_scales)
+    hidden = hidden[:, :-1]  # position t - 1 predicts token t, as in token_logprobs
+    c = min(chunk, t - 1)
+    rows = jnp.arange(b)
+    k, r = (at - 1) // c, (at - 1) % c  # the chunk that holds position at - 1, and its place in it
+    head_state = fp8_state.get("lm_head") if (fp8_state is not None and precision.lm_head_fp8) else None
+    draw = dataclasses.replace(sampling, temperature=1.0)  # z below is already logits / T
+    tied = "lm_head" not in params
+    kernel = params["embed"] if tied else params["lm_head"]
+    if head_state is not None and precision.recipe.scaling == "tensor":  # fp8_chunked_head_logprobs' chunk
+        z = fp8_heads.chunk_logits(hidden, kernel, head_state, k, rows, c, precision=precision,
+                                   temperature=sampling.temperature, kernel_nk=tied)  # [B, C, V]
+    elif head_state is not None:  # autodiff_head_logprobs' chunk (rowwise scaling)
+        z = heads.autodiff_chunk_logits(params, hidden, k, rows, c, precision=precision,
+                                        temperature=sampling.temperature, head_state=head_state)  # [B, C, V]
+        token = sample(z[rows, r], keys, draw)[0] if forced is None else forced
+        return token, jax.nn.log_softmax(z, axis=-1)[rows, r, token]
+    else:  # chunked_head_logprobs' chunk
+        z = heads.chunk_logits(hidden, kernel, k, rows, c, temperature=sampling.temperature, kernel_nk=tied,
+                               dtype=precision.dtype)  # [B, C, V]
+    token = sample(z[rows, r], keys, draw)[0] if forced is None else forced
+    return token, heads.chunk_token_logprob(z, rows, r, token)
 
 
 class ExactSampler:

@@ -31,6 +31,7 @@ own modules).
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 import types
@@ -49,7 +50,6 @@ DEFAULT_HOST = "127.0.0.1"
 SERVE_SLOTS = 64
 
 _LOG_CALLS = frozenset({"debug", "info", "warning", "warn", "error", "exception", "critical", "fatal", "log"})
-_installed = False
 
 
 class _ModuleLogging:
@@ -81,6 +81,7 @@ def _seqio_stand_in() -> dict[str, types.ModuleType]:
     return {"seqio": seqio, "seqio.vocabularies": vocabularies}
 
 
+@functools.cache  # idempotent: once it has returned, later calls do nothing (a raise is not cached: tried again)
 def install_jetstream_compat() -> None:
     """Import JetStream 0.2.2 so that it loads and runs here; ``build_server`` calls it. Idempotent.
 
@@ -97,9 +98,6 @@ def install_jetstream_compat() -> None:
       ``delete_pytree`` becomes the same function on ``jax.tree.map``.
     - a protoc-4.25 module under a newer protobuf runtime: if it ever stops loading, the ImportError says so.
     """
-    global _installed
-    if _installed:
-        return
     import jax
 
     root = logging.getLogger()
@@ -136,7 +134,6 @@ def install_jetstream_compat() -> None:
         jax.tree.map(lambda leaf: leaf.delete() if isinstance(leaf, jax.Array) else None, tree)
 
     orchestrator.delete_pytree = delete_pytree
-    _installed = True
 
 
 def build_server(config, *, params: dict | None = None, fp8_state: dict | None = None, kv_scales: dict | None = None,

@@ -11,7 +11,7 @@ from fp8rl_jax.fp8.recipe import E5M2, quantize
 from fp8rl_jax.kernels.head_grad import logit_grad_fp8
 from fp8rl_jax.model import llama
 from fp8rl_jax.model.config import preset
-from fp8rl_jax.rl.scoring import fp8_grad_head_logprobs
+from fp8rl_jax.model.fp8_heads import fp8_grad_head_logprobs
 
 M, V = 37, 1000  # neither a power of two: programs that do not divide the rows, a last block that overlaps
 

@@ -251,8 +251,8 @@ def test_gpu_flash_attention_matches_the_einsum(impl):
     """Flash attention in the BF16 forward and its gradient: as close to the f32 reference as the einsum path
     (Llama-like head dim 64, GQA, a length that is no multiple of a tile)."""
     if impl == "cudnn" and llama.resolve_attention("auto", jnp.bfloat16, 64) != "cudnn":
-        pytest.skip("Transformer Engine loaded another cuDNN than JAX's (fp8.te.SHARES_JAX_CUDNN is False): the cuDNN "
-                    "flash backward fails beside it; run with FP8RL_TEST_NO_TE=1")
+        pytest.skip("Transformer Engine loaded another cuDNN than JAX's (fp8.te.shares_jax_cudnn() is False): the "
+                    "cuDNN flash backward fails beside it; run with FP8RL_TEST_NO_TE=1")
     config = preset("tiny").replace(head_dim=64, num_heads=8, num_kv_heads=2)
     params = llama.init_params(config, jax.random.PRNGKey(0), std=0.1)
     tokens = jnp.asarray(np.random.RandomState(0).randint(0, config.vocab_size, (3, 200)))

@@ -7,6 +7,7 @@ import ml_collections
 import pytest
 
 from fp8rl_jax.config import ConfigError, base_config, validate
+from fp8rl_jax.fp8 import linear
 from fp8rl_jax.parallel.mesh import AXES, make_mesh, mesh_context, mesh_shape, peak_memory_gib
 
 
@@ -89,12 +90,12 @@ def test_peak_memory_is_the_largest_device_peak_and_absent_without_statistics():
 def test_te_backend_names_the_mesh_axes_for_transformer_engine():
     mesh = make_mesh(_mesh_config(1, -1, 1))
     if importlib.util.find_spec("transformer_engine") is None:  # CPU CI: TE absent, a clear error (not a crash)
-        with pytest.raises(ImportError, match="transformer-engine"), mesh_context(mesh, "te"):
+        with pytest.raises(ImportError, match="transformer-engine"), linear.mesh_context(mesh, "te"):
             pass
         assert jax.sharding.get_abstract_mesh().empty  # the mesh context unwound
         return
     from transformer_engine.jax.sharding import global_mesh_resource  # the GPU host
 
-    with mesh_context(mesh, "te"):
+    with linear.mesh_context(mesh, "te"):
         resource = global_mesh_resource()
         assert (resource.dp_resource, resource.fsdp_resource, resource.tp_resource) == ("data", "fsdp", "tensor")

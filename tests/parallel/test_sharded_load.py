@@ -17,9 +17,9 @@ from fp8rl_jax.config import load_config_file
 from fp8rl_jax.model import weights
 from fp8rl_jax.model.config import LlamaConfig
 from fp8rl_jax.model.loading import load_model
+from fp8rl_jax.model.sharded import load_model_sharded
 from fp8rl_jax.parallel import rules
 from fp8rl_jax.parallel.mesh import make_mesh
-from fp8rl_jax.parallel.state import load_model_sharded
 
 TINY = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs", "tiny.py")
 
@@ -210,7 +210,7 @@ def test_host_memory_stays_at_a_few_layer_slices(tmp_path):
     unstacked params' final shards; on a GPU the host slice is freed once copied."""
     import tracemalloc
 
-    from fp8rl_jax.parallel.state import load_hf_sharded
+    from fp8rl_jax.model.sharded import load_hf_sharded
 
     arch = ARCH.replace(hidden_size=256, intermediate_size=2048, num_layers=4, num_heads=16, num_kv_heads=4)
     tensors = _write_checkpoint(tmp_path / "hf", arch)

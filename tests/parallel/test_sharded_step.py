@@ -124,13 +124,13 @@ def test_sharded_fp8_train_step_equals_single_device(mesh_name):
 @pytest.mark.parametrize("mesh_name", ["fsdp8", "fsdp4_tensor2"])
 def test_sharded_fp8_head_train_step_equals_single_device(mesh_name):
     """The FP8 head's custom VJP under FSDP: its kernel's shards quantized where they are, the FP8 bits gathered,
-    the gradient reduce-scattered back (``scoring.fp8_chunked_head_logprobs``)."""
+    the gradient reduce-scattered back (``fp8_heads.fp8_chunked_head_logprobs``)."""
     _check_step("fp8_head", mesh_name)
 
 
 @pytest.mark.parametrize("precision_name", ["fp8_head_grad", "fp8_head_recompute"])
 def test_sharded_fp8_head_grad_train_step_equals_single_device(precision_name):
-    """The BF16 head with FP8 backward GEMMs under FSDP (``scoring.fp8_grad_head_logprobs``): the BF16 forward's
+    """The BF16 head with FP8 backward GEMMs under FSDP (``fp8_heads.fp8_grad_head_logprobs``): the BF16 forward's
     gathered cast, the kernel's shards quantized where they are in the backward and their FP8 bits gathered (both
     layouts with ``lm_head_recompute_fp8``), the gradient reduce-scattered back."""
     _check_step(precision_name, "fsdp4_tensor2")

@@ -9,9 +9,10 @@ from jax.sharding import PartitionSpec as P
 
 from fp8rl_jax.config import load_config_file
 from fp8rl_jax.model.loading import load_model
+from fp8rl_jax.model.sharded import load_model_sharded
 from fp8rl_jax.parallel import rules
 from fp8rl_jax.parallel.mesh import make_mesh
-from fp8rl_jax.parallel.state import init_sharded, load_model_sharded
+from fp8rl_jax.parallel.state import init_sharded
 from fp8rl_jax.rl.step import build_optimizer
 
 TINY = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs", "tiny.py")

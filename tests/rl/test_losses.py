@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from fp8rl_jax import config
-from fp8rl_jax.rl.losses import AGGREGATIONS, KL_ESTIMATORS, aggregate, entropy_from_logits, kl_penalty, policy_loss
+from fp8rl_jax.model.heads import entropy_from_logits
+from fp8rl_jax.rl.losses import AGGREGATIONS, KL_ESTIMATORS, aggregate, kl_penalty, policy_loss
 
 LN2 = math.log(2.0)
 

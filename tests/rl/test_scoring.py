@@ -7,7 +7,7 @@ preset, T = 0.7, chunks 256 / 8 / 7 of the 20 predicted positions (1 chunk; 3 wi
     |new - old| <= 1e-5 |old| + 1e-6 max|old| (measured: logp <= 4.8e-7 abs, entropy <= 1.9e-6 abs (its one-pass
     form), gradients <= 1.7e-7 max|old| at the head, <= 4.7e-7 max|old| per parameter through the model)
   bf16 compute: the forward is the same f32 math over the same BF16-valued GEMM operands (on CPU the new head
-    runs them as f32 GEMMs, see ``scoring._operand``): logp within 1e-6 abs (f32 rounding; measured <= 4.8e-7,
+    runs them as f32 GEMMs, see ``heads._operand``): logp within 1e-6 abs (f32 rounding; measured <= 4.8e-7,
     1 ulp at |logp| ~ 6; not bitwise through XLA's fusion choices), entropy within 1e-5 abs. The gradients differ
     by design: the logit gradient is rounded to BF16 before the backward GEMMs (the old path ran them in f32
     against the upcast kernel), and the kernel's gradient is summed over the chunks in f32 (the old path rounded
@@ -30,7 +30,8 @@ import pytest
 from fp8rl_jax.fp8.policy import Precision
 from fp8rl_jax.model import llama
 from fp8rl_jax.model.config import preset
-from fp8rl_jax.rl.scoring import autodiff_head_logprobs, chunked_head_logprobs, token_logprobs
+from fp8rl_jax.model.heads import autodiff_head_logprobs, chunked_head_logprobs
+from fp8rl_jax.rl.scoring import token_logprobs
 
 TEMPERATURE = 0.7
 
@@ -289,7 +290,7 @@ def test_fp8_head_custom_vjp_equals_autodiff(tied, dtype, chunk):
     round the other way after a 1-ulp difference in its softmax, which moves that token's hidden-state gradient
     row by one E5M2 step of that element times the kernel (measured: 8.5e-5 of the largest value, one row of 40,
     f32 tied with 3 chunks)."""
-    from fp8rl_jax.rl.scoring import fp8_chunked_head_logprobs
+    from fp8rl_jax.model.fp8_heads import fp8_chunked_head_logprobs
 
     config, params = _tiny(tied)
     precision = Precision(backend="xla", compute_dtype=dtype, lm_head_fp8=True)
@@ -367,7 +368,7 @@ def _fp8_grad_head_grads(which, tied, chunk, dtype="bfloat16", recompute_dtype=N
     (``bf16``), the BF16 head with FP8 backward GEMMs (``fp8_grad``), that head with its logit recompute in FP8
     too (``fp8_recompute``, its logits written in ``recompute_dtype``, default the package's) or the FP8 head
     (``fp8``), all under the same state, jitted; and the inputs."""
-    from fp8rl_jax.rl.scoring import fp8_chunked_head_logprobs, fp8_grad_head_logprobs
+    from fp8rl_jax.model.fp8_heads import fp8_chunked_head_logprobs, fp8_grad_head_logprobs
 
     config, params = _tiny(tied)
     precision = Precision(backend="xla", compute_dtype=dtype, lm_head_grad_fp8=True,
@@ -400,7 +401,7 @@ def test_fp8_grad_head_forward_is_the_bf16_heads_bit_for_bit(tied, chunk, which)
     """The forward of ``lm_head_grad_fp8`` (with ``lm_head_recompute_fp8`` too) is the BF16 head's, so its logprobs
     (and the rollout's agreement with them) do not move: logprobs and entropies bitwise equal, differentiated or
     not (scoring runs the primal)."""
-    from fp8rl_jax.rl.scoring import fp8_grad_head_logprobs
+    from fp8rl_jax.model.fp8_heads import fp8_grad_head_logprobs
 
     (logp, ent), _, (hidden, kernel, targets, state, _, _) = _fp8_grad_head_grads(which, tied, chunk)
     (logp0, ent0), _, _ = _fp8_grad_head_grads("bf16", tied, chunk)
@@ -484,7 +485,7 @@ def test_fp8_recompute_head_backward_is_the_fp8_heads(tied, chunk):
     the largest value (measured: bitwise equal in every case on CPU; the bound leaves a logit gradient on an E5M2
     rounding boundary room to round the other way, see ``test_fp8_head_custom_vjp_equals_autodiff``), where the
     BF16 recompute (``lm_head_grad_fp8`` alone) is 6e-4 - 4e-3 of it away from the FP8 head's. Written in BF16
-    (the default, ``scoring.RECOMPUTE_LOGITS_DTYPE``) the gradients move by < 2e-3 of their norm (measured 3e-4).
+    (the default, ``fp8_heads.RECOMPUTE_LOGITS_DTYPE``) the gradients move by < 2e-3 of their norm (measured 3e-4).
     Against the BF16 head's gradients: relative (norm) error < 15%, as ``lm_head_grad_fp8`` alone (measured 6.3% -
     7.0%, the same E5M2 rounding)."""
     _, (d_h, d_k, observed), _ = _fp8_grad_head_grads("fp8_recompute", tied, chunk, recompute_dtype=jnp.float32)

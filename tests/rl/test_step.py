@@ -177,7 +177,7 @@ def test_fp8_head_programs_compile_without_triton_gemms_on_a_gpu(monkeypatch):
     program after 90 s); the user's XLA_FLAGS win; nothing changes for a BF16 head or off the GPU (XLA:CPU
     refuses GPU options)."""
     from fp8rl_jax.rl import step
-    from fp8rl_jax.rollout.engine import gpu_compiler_options
+    from fp8rl_jax.xla_options import gpu_compiler_options
 
     options = {"xla_gpu_enable_triton_gemm": False}
     assert gpu_compiler_options(options, backend="cpu") == {}

@@ -14,7 +14,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from fp8rl_jax.fp8.recipe import fp8_max
 from fp8rl_jax.kernels.decode_attention.tuning import (
     DEFAULT_TUNING,
     MIN_DOT_ROWS,
@@ -34,6 +33,7 @@ from fp8rl_jax.kernels.decode_attention.xla import (
     _rotate_half,
     _stacked,
 )
+from fp8rl_jax.numerics import fp8_max
 
 LOG2_E = math.log2(math.e)
 

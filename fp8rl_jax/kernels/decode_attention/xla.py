@@ -8,7 +8,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from fp8rl_jax.fp8.recipe import quantize, rounded
+from fp8rl_jax.numerics import quantize, rounded
 
 NEG_INF = -1e30  # the XLA path's mask value (as in ``llama.attention``)
 
