@@ -34,16 +34,10 @@ test: $(VENV)/.dev-deps
 	$(BIN)/python -m pytest -q -m "not gpu" -n $(TEST_WORKERS) --dist loadfile --durations=30 --ignore=$(EXACT_TESTS) tests
 	FP8RL_TEST_XLA_OPT=default $(BIN)/python -m pytest -q -m "not gpu" $(EXACT_TESTS)
 
-# the edit loop's target (about 4 min on 2 cores): FP8 numerics, RL losses and steps, data, the tokenizer, sharding
-# rules and FSDP gathers, config, checkpoint and out-of-memory errors; `make test` adds the trainer, rollout engine,
-# benchmarks, notebooks, multi-process and reliability tests
-FAST_TESTS := tests/fp8 tests/data tests/rl/test_advantages.py tests/rl/test_importance.py tests/rl/test_losses.py \
-	tests/rl/test_metrics.py tests/rl/test_microbatch.py tests/rl/test_rewards.py tests/rl/test_scoring.py \
-	tests/rl/test_step.py tests/model/test_tokenizer.py tests/parallel/test_hlo.py tests/parallel/test_rules.py \
-	tests/parallel/test_mesh.py tests/parallel/test_state.py tests/parallel/test_fsdp.py tests/test_configs.py \
-	tests/test_main_errors.py tests/test_checkpoint.py tests/test_out_of_memory.py
+# the edit loop's target (about 4 min on 2 cores): the tests not marked slow (a test file marks itself with
+# `pytestmark = pytest.mark.slow`: the trainer, rollout engine, benchmarks, notebooks, multi-process, reliability...)
 test-fast: $(VENV)/.dev-deps
-	$(BIN)/python -m pytest -q -m "not gpu" --durations=10 $(FAST_TESTS)
+	$(BIN)/python -m pytest -q -m "not gpu and not slow" --durations=10 tests
 
 # on a GPU host (Transformer Engine installed): the GPU-marked tests
 test-gpu:

@@ -9,6 +9,8 @@ import pytest
 
 from fp8rl_jax.bench.__main__ import main
 
+pytestmark = pytest.mark.slow  # minutes on 2 cores: `make test-fast` leaves it out
+
 
 def test_gemm_and_rollout_benchmarks_smoke(tmp_path):
     main(["gemm", "--smoke", "--out", str(tmp_path / "g.json")])

@@ -19,6 +19,8 @@ from fp8rl_jax.data.prompts import PromptRecord
 from fp8rl_jax.eval import METRIC_KEYS, ROW_KEYS, evaluate_policy
 from fp8rl_jax.eval.cli import RUN_KEYS, main, resolve_checkpoint
 
+pytestmark = pytest.mark.slow  # minutes on 2 cores: `make test-fast` leaves it out
+
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny.py")
 VARYING = ("time", "seconds", "greedy_tokens_per_s", "sample_tokens_per_s", "command")  # differ run to run

@@ -19,6 +19,8 @@ from fp8rl_jax.fp8.policy import Precision
 from fp8rl_jax.model import llama, weights
 from fp8rl_jax.model.tokenizer import Tokenizer, char_tokenizer
 
+pytestmark = pytest.mark.slow  # minutes on 2 cores: `make test-fast` leaves it out
+
 ROOT = Path(__file__).resolve().parents[1]
 F32 = Precision(compute_dtype="float32")
 TEXTS = ["bfca:", "a b:12", "37+48=85\n#### 85", "kqz:\n\nx  y"]

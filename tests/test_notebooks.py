@@ -6,6 +6,8 @@ import re
 
 import pytest
 
+pytestmark = pytest.mark.slow  # minutes on 2 cores: `make test-fast` leaves it out
+
 # the `notebook` extra (make test installs it); a bare GPU image may lack it
 nbformat = pytest.importorskip("nbformat")
 NotebookClient = pytest.importorskip("nbclient").NotebookClient

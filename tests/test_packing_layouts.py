@@ -32,6 +32,8 @@ from fp8rl_jax.rl.packing import first_fit_decreasing, pack, unpack
 from fp8rl_jax.rollout.exact import CPU_XLA_FLAG, use_cpu_xla_flag
 from fp8rl_jax.trainer import Trainer
 
+pytestmark = pytest.mark.slow  # minutes on 2 cores: `make test-fast` leaves it out
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(REPO, "configs", "tiny.py")
 QUIET = {"logging.progress": False, "logging.tensorboard": False, "logging.plots": False}

@@ -23,6 +23,8 @@ from fp8rl_jax.checkpoint import Checkpointer, latest_complete_step
 from fp8rl_jax.config import ConfigError, config_list, load_config_file
 from fp8rl_jax.trainer import Trainer
 
+pytestmark = pytest.mark.slow  # minutes on 2 cores: `make test-fast` leaves it out
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(REPO, "configs", "tiny.py")
 

@@ -32,6 +32,8 @@ from fp8rl_jax import serve  # noqa: E402
 from fp8rl_jax.config import load_config_file  # noqa: E402
 from fp8rl_jax.rollout import driver  # noqa: E402
 
+pytestmark = pytest.mark.slow  # minutes on 2 cores: `make test-fast` leaves it out
+
 ROOT = Path(__file__).resolve().parents[1]
 SLOTS, MAX_NEW = 4, 12
 PROMPTS = ["bfca:", "ab:", "hgfedcba:", "dc:", "gaeh:", "fb:"]  # more prompts than slots: slots are reused

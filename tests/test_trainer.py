@@ -15,6 +15,8 @@ import pytest
 from fp8rl_jax.config import load_config_file
 from fp8rl_jax.trainer import Trainer
 
+pytestmark = pytest.mark.slow  # minutes on 2 cores: `make test-fast` leaves it out
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(REPO, "configs", "tiny.py")
 TIMING = ("time/", "tokens_per_s")

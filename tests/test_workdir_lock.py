@@ -15,6 +15,8 @@ import pytest
 
 from fp8rl_jax.workdir_lock import LOCK_NAME, WorkdirLock, WorkdirLockedError, lock_for_output
 
+pytestmark = pytest.mark.slow  # minutes on 2 cores: `make test-fast` leaves it out
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HOST = socket.gethostname()
 

@@ -20,6 +20,8 @@ import pytest
 from fp8rl_jax.model import assets
 from fp8rl_jax.model.tokenizer import Tokenizer, gguf_tokenizer_cache
 
+pytestmark = pytest.mark.slow  # minutes on 2 cores: `make test-fast` leaves it out
+
 REPO = Path(__file__).resolve().parents[2]
 CONTROL, USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

@@ -15,6 +15,8 @@ from fp8rl_jax.model import llama, weights
 from fp8rl_jax.model.config import RopeScaling, preset
 from fp8rl_jax.parallel.mesh import make_mesh, mesh_context
 
+pytestmark = pytest.mark.slow  # minutes on 2 cores: `make test-fast` leaves it out
+
 F32 = Precision(compute_dtype="float32")
 
 

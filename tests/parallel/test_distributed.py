@@ -4,6 +4,8 @@ import pytest
 
 from fp8rl_jax.parallel import distributed as dist
 
+pytestmark = pytest.mark.slow  # minutes on 2 cores: `make test-fast` leaves it out
+
 _ENV = (dist.ENV_COORDINATOR, dist.ENV_NUM_PROCESSES, dist.ENV_PROCESS_ID, dist.K8S_INDEX, "SLURM_JOB_ID",
         "OMPI_COMM_WORLD_SIZE")
 

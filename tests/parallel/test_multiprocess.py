@@ -15,6 +15,8 @@ import pytest
 
 from fp8rl_jax.checkpoint import latest_complete_step
 
+pytestmark = pytest.mark.slow  # minutes on 2 cores: `make test-fast` leaves it out
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LAUNCHER = os.path.join(REPO, "launch", "local.py")
 PROCESSES, DEVICES_PER_PROCESS = 2, 2

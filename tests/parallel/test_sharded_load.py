@@ -21,6 +21,8 @@ from fp8rl_jax.model.sharded import load_model_sharded
 from fp8rl_jax.parallel import rules
 from fp8rl_jax.parallel.mesh import make_mesh
 
+pytestmark = pytest.mark.slow  # minutes on 2 cores: `make test-fast` leaves it out
+
 TINY = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs", "tiny.py")
 
 # 6 heads of 16 and 2 kv heads: wqkv's columns [q 96 | k 32 | v 32] split over tensor=2 at 80, inside q, so one

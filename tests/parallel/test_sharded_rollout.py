@@ -29,6 +29,8 @@ from fp8rl_jax.rollout.engine import Engine, EngineConfig
 from fp8rl_jax.rollout.sampling import SamplingParams
 from fp8rl_jax.rollout.weights import interleave_fused, per_layer, rollout_params
 
+pytestmark = pytest.mark.slow  # minutes on 2 cores: `make test-fast` leaves it out
+
 CONFIG = preset("tiny")
 PROMPTS = [list(np.random.RandomState(i).randint(3, CONFIG.vocab_size, size=n)) for i, n in enumerate((5, 9, 3, 12))]
 PRECISIONS = {

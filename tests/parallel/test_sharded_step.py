@@ -29,6 +29,8 @@ from fp8rl_jax.parallel import rules
 from fp8rl_jax.parallel.mesh import make_mesh
 from fp8rl_jax.rl.step import LossConfig, make_train_step
 
+pytestmark = pytest.mark.slow  # minutes on 2 cores: `make test-fast` leaves it out
+
 CONFIG = preset("tiny")
 MESHES = {"fsdp8": (1, 8, 1), "fsdp4_tensor2": (1, 4, 2), "data2_fsdp4": (2, 4, 1)}
 PRECISIONS = {"fp8": Precision(backend="xla", compute_dtype="float32"),

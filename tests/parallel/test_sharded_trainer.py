@@ -4,11 +4,14 @@ import os
 
 import jax
 import numpy as np
+import pytest
 from jax.sharding import PartitionSpec as P
 
 from fp8rl_jax.config import load_config_file
 from fp8rl_jax.parallel import rules
 from fp8rl_jax.trainer import Trainer
+
+pytestmark = pytest.mark.slow  # minutes on 2 cores: `make test-fast` leaves it out
 
 TINY = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs", "tiny.py")
 

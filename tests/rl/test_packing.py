@@ -32,6 +32,8 @@ from fp8rl_jax.rl.packing import PackingPlan, first_fit_decreasing, pack, sequen
 from fp8rl_jax.rl.step import LossConfig, make_calibrate, make_score, make_train_step
 from fp8rl_jax.trainer import right_pad
 
+pytestmark = pytest.mark.slow  # minutes on 2 cores: `make test-fast` leaves it out
+
 CONFIG = preset("tiny")
 F32 = Precision(compute_dtype="float32")
 FP8 = Precision(backend="xla")

@@ -17,6 +17,8 @@ from fp8rl_jax.rollout import driver
 from fp8rl_jax.rollout.engine import Engine, EngineConfig, prefill_bucket
 from fp8rl_jax.rollout.sampling import SamplingParams
 
+pytestmark = pytest.mark.slow  # minutes on 2 cores: `make test-fast` leaves it out
+
 CONFIG = preset("tiny")
 PROMPTS = [list(np.random.RandomState(i).randint(3, CONFIG.vocab_size, size=n)) for i, n in enumerate((5, 9, 3, 12))]
 

@@ -24,6 +24,8 @@ from fp8rl_jax.rollout.exact import ExactSampler, sequence_width
 from fp8rl_jax.rollout.sampling import SamplingParams
 from fp8rl_jax.trainer import right_pad
 
+pytestmark = pytest.mark.slow  # minutes on 2 cores: `make test-fast` leaves it out
+
 CONFIG = preset("tiny")
 PROMPTS = [list(np.random.RandomState(i).randint(3, CONFIG.vocab_size, size=n)) for i, n in enumerate((5, 9, 3, 12))]
 N = 2  # samples per prompt

@@ -11,6 +11,8 @@ from fp8rl_jax.model import llama
 from fp8rl_jax.model.config import preset
 from fp8rl_jax.rollout.weights import per_layer, rollout_params
 
+pytestmark = pytest.mark.slow  # minutes on 2 cores: `make test-fast` leaves it out
+
 CONFIG = preset("tiny").replace(num_layers=4)
 B, P, S = 3, 6, 12
 

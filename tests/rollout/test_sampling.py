@@ -3,8 +3,11 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from fp8rl_jax.rollout import sampling
+
+pytestmark = pytest.mark.slow  # minutes on 2 cores: `make test-fast` leaves it out
 
 
 def _rows(seed: int) -> np.ndarray:

@@ -20,6 +20,8 @@ import pytest
 
 from fp8rl_jax.kernels import decode_attention as da
 
+pytestmark = pytest.mark.slow  # minutes on 2 cores: `make test-fast` leaves it out
+
 B, K, H, S = 4, 2, 16, 40
 LENGTHS = np.array([1, 16, 23, S], np.int32)  # one token, a block multiple, a ragged block, the full cache
 TOL = {"f32": 1e-5, "bf16": 1e-2, "fp8": 1e-2, "fp8_f32q": 1e-5, "fp8_bf16dot": 1e-2}
