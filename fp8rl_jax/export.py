@@ -62,7 +62,7 @@ def export_run(config, out: str | os.PathLike, *, checkpoint: str | None = None,
     ``checkpoint`` folder that does not exist is a ``FileNotFoundError`` naming it (nothing is created)."""
     if checkpoint is not None:
         from fp8rl_jax.checkpoint import existing_checkpoint_folder
-        from fp8rl_jax.trainer import load_policy
+        from fp8rl_jax.policy_io import load_policy
 
         model, params, _, _, tokenizer = load_policy(config, existing_checkpoint_folder(checkpoint), step)
     elif step is not None:

@@ -282,7 +282,8 @@ def test_cli_serves_and_exits_on_sigterm():
 
 def test_serves_a_trainer_checkpoint(tmp_path):
     """--checkpoint: the server streams what the trained policy (its params, FP8 state, KV scales) decodes."""
-    from fp8rl_jax.trainer import Trainer, load_policy
+    from fp8rl_jax.policy_io import load_policy
+    from fp8rl_jax.trainer import Trainer
 
     config = load_config_file(str(ROOT / "configs/tiny.py"))
     with config.unlocked():

@@ -111,14 +111,14 @@ def _resolve_checkpoint(path: str) -> tuple[Path, int, bool]:
 
 def restore_newest(config, directory: Path, step: int, *, newest: bool, attempts: int = 3):
     """``(model, policy, tokenizer, metadata, step restored)`` of the checkpoints in ``directory``
-    (``trainer.restore_policy``): ``step``, or with ``newest`` (no step was asked for) the newest step when the
+    (``policy_io.restore_policy``): ``step``, or with ``newest`` (no step was asked for) the newest step when the
     restore starts. A live trainer saving every few steps deletes its older steps (``checkpoint.keep``), so the step
     found at start-up may be gone by the time the model has loaded, or go while it is read: where the restore fails
     and the folder's steps changed meanwhile, it is tried again on the newest step then (``attempts`` in all). A step
     asked for that is not there stays an error (``FileNotFoundError`` naming it and the steps there)."""
     import orbax.checkpoint as ocp
 
-    from fp8rl_jax.trainer import restore_policy
+    from fp8rl_jax.policy_io import restore_policy
 
     for attempt in range(1, attempts + 1):
         steps = ocp.utils.checkpoint_steps(str(directory))
@@ -232,8 +232,8 @@ def evaluate(config, values: dict, argv: list[str]) -> tuple[Path, dict]:
     from fp8rl_jax.model import llama
     from fp8rl_jax.parallel.mesh import make_mesh
     from fp8rl_jax.parallel.state import load_model_sharded
+    from fp8rl_jax.policy_io import initial_calibration, right_pad
     from fp8rl_jax.rollout.sampler import Sampler
-    from fp8rl_jax.trainer import initial_calibration, right_pad
 
     c, start = config, time.perf_counter()
     checkpoint, step = values["checkpoint"], values["step"]

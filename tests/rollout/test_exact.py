@@ -17,12 +17,12 @@ from fp8rl_jax.fp8.policy import Precision
 from fp8rl_jax.fp8.recipe import update_state
 from fp8rl_jax.model import llama
 from fp8rl_jax.model.config import preset
+from fp8rl_jax.policy_io import right_pad
 from fp8rl_jax.rl.step import LossConfig, make_calibrate, make_score, make_train_step
 from fp8rl_jax.rollout import driver
 from fp8rl_jax.rollout.engine import Engine, EngineConfig
 from fp8rl_jax.rollout.exact import ExactSampler, sequence_width
 from fp8rl_jax.rollout.sampling import SamplingParams
-from fp8rl_jax.trainer import right_pad
 
 CONFIG = preset("tiny")
 PROMPTS = [list(np.random.RandomState(i).randint(3, CONFIG.vocab_size, size=n)) for i, n in enumerate((5, 9, 3, 12))]
