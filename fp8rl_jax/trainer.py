@@ -64,6 +64,7 @@ from fp8rl_jax.rl.step import LossConfig, build_optimizer, make_calibrate, make_
 from fp8rl_jax.rollout import driver, exact
 from fp8rl_jax.rollout.sampler import Sampler
 from fp8rl_jax.rollout.sampling import SamplingParams
+from fp8rl_jax.step_shapes import StepShapes
 from fp8rl_jax.workdir_lock import LOCK_NAME, WorkdirLock, WorkdirLockedError
 
 # What a run writes into its workdir; ``checkpoint.resume=overwrite`` deletes these and nothing else.
@@ -190,6 +191,11 @@ class Trainer:
                 self.model, self.train_precision, rl_sampling, max_new_tokens=c.rollout.max_new_tokens,
                 microbatch=self.microbatch, stop_ids=tuple(self.tokenizer.stop_ids),
                 pad_id=self.tokenizer.pad_id or 0, mesh=self.mesh)
+        self.step_shapes = StepShapes(  # what an out-of-memory message says of each phase
+            c, self.model, self.rollout_precision, self.train_precision, self.sampler.slot_plan,
+            exact=self.exact_sampler is not None, mesh_size=self.mesh.size, group=self.group, sequences=self.sequences,
+            minibatch=self.minibatch, microbatch=self.microbatch, row_tokens=self.row_tokens,
+            calibration_rows=self.calibration_rows, packing=self.packing)
         self.bad_steps = 0
 
         self.checkpointer = Checkpointer(self.workdir / "checkpoints", keep=c.checkpoint.keep,
@@ -555,75 +561,13 @@ class Trainer:
             times[f"{phase}_compile"] = compile_seconds() - compiled
 
     def _shapes(self, phase: str) -> str:
-        """The device shapes of ``phase`` in words, for an out-of-memory message."""
-        c, mb, t = self.config, self.microbatch, self.row_tokens
-        micro = (f"in microbatches of {mb} x up to {t} tokens ({mb * t} tokens; "
-                 f"{microbatch_source(c)})")
-        if self._step_packed and phase in ("score", "train"):
-            p = self.packing
-            fewer = f" (or {', '.join(map(str, p.row_options))})" if p.row_options else ""
-            micro = (f"packed (rl.packing) in microbatches of {p.rows}{fewer} rows x {p.width} tokens (up to "
-                     f"{p.tokens} tokens, {p.max_segments} sequences a row; {microbatch_source(c)})")
-        if phase == "weights":
-            return (f"the rollout's copy of the {self.model.num_params() / 1e6:.0f}M-parameter policy "
-                    f"({c.precision.mode}) beside the train state, on {self.mesh.size} device(s)")
-        if phase == "rollout" and self.exact_sampler is None:
-            slots = self.sampler.slot_plan.slots
-            return (f"{c.rollout.prompts_per_step} prompts x {self.group} samples = {self.sequences} sequences "
-                    f"through {slots} decode slots, a KV cache of {slots} x "
-                    f"({c.data.max_prompt_tokens} + {c.rollout.max_new_tokens}) positions x "
-                    f"{self.model.num_layers} layers in {llama.cache_dtype(self.rollout_precision).name}")
-        if phase in ("rollout", "score"):  # the exact sampler runs the scoring forward too
-            return f"{self.sequences} sequences {micro}"
-        if phase == "train":
-            return (f"{c.rl.minibatches} update(s) of {self.minibatch} sequences {micro}, "
-                    f"model.remat={c.model.remat}")
-        if phase == "calibrate":
-            rows = microbatch_sequences(c, self.calibration_rows, t)
-            return f"{self.calibration_rows} sequences in microbatches of {rows} x up to {t} tokens"
-        return f"{self.sequences} sequences"
+        """``phase``'s device shapes in words (``StepShapes.shapes``), as this step lays out its rows."""
+        return self.step_shapes.shapes(phase, self._step_packed)
 
     def _knobs(self, phase: str) -> list[str]:
-        """The config keys that lower ``phase``'s device memory, with their values now."""
-        c = self.config
-
-        def key(name: str, to: str = "", note: str = "") -> str:
-            value = c
-            for part in name.split("."):
-                value = value[part]
-            return f"{name}{'=' + to if to else ''} (now {value}{'; ' + note if note else ''})"
-
-        # rl.microbatch_sequences > 0 sets the microbatch and rl.microbatch_tokens no longer acts: only the first is
-        # named then; at 0 the token budget is, and the count in its place as the other way
-        packed = self._step_packed and phase in ("score", "train")
-        if c.rl.microbatch_sequences > 0:
-            micro = [key("rl.microbatch_sequences", note=(
-                "rows a packed microbatch; it overrides rl.microbatch_tokens" if packed else
-                f"a smaller divisor of {self.minibatch}; it overrides rl.microbatch_tokens"))]
-        elif packed:
-            micro = [key("rl.microbatch_tokens", note=f"at least one row of {self.packing.width}"),
-                     key("rl.microbatch_sequences", note="rows a packed microbatch where > 0")]
-        else:
-            micro = [key("rl.microbatch_tokens"), key("rl.microbatch_sequences", note=f"a divisor of {self.minibatch}")]
-        rows = [key("rollout.max_new_tokens"), key("data.max_prompt_tokens")]
-        remat = [] if c.model.remat == "full" else [key("model.remat", "full")]
-        devices = [key("mesh.fsdp", note="more devices split the batch and the state"), key("mesh.tensor")]
-        if phase == "weights":
-            return devices
-        if phase == "eval" or (phase == "rollout" and self.exact_sampler is None):  # the KV-cache engine
-            fp8_kv = self.rollout_precision.fp8 and not self.rollout_precision.kv_fp8
-            slots = self.sampler.slot_plan
-            automatic = f"automatic: {slots.slots} slots" if slots.automatic else ""
-            return [key("rollout.decode_slots", str(max(slots.slots // 2, 1)), automatic), *rows,
-                    *([key("precision.kv_cache_dtype", "float8_e4m3fn")] if fp8_kv else []), *devices]
-        if phase in ("rollout", "score"):  # the exact sampler runs the scoring forward a microbatch at a time
-            return [*micro, *rows]
-        if phase in ("train", "initial calibration"):
-            return [*micro, *remat, *rows, *devices]
-        if phase == "calibrate":  # a pullback (remat matters) only where training observes no FP8 amaxes
-            pullback = self.rollout_precision.fp8 and not self.train_precision.fp8
-            return [key("precision.kv_calibration_sequences"), *micro, *(remat if pullback else []), *rows]
-        return [key("rollout.prompts_per_step"), key("rollout.samples_per_prompt")]
+        """The config keys that lower ``phase``'s device memory (``StepShapes.knobs``), as this step lays out its
+        rows."""
+        return self.step_shapes.knobs(phase, self._step_packed)
 
     # -- sampling and evaluation ----------------------------------------------------------------------------
 
