@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fp8rl_jax.batches import StepBatches, score_packed, score_right_padded
 from fp8rl_jax.checkpoint import Checkpointer, latest_complete_step
 from fp8rl_jax.config import ConfigError, check_fits_model, config_list, validate
 from fp8rl_jax.data.prompts import build_prompt, load_prompts, prompt_iterator
@@ -48,7 +49,7 @@ from fp8rl_jax.parallel import rules
 from fp8rl_jax.parallel.distributed import host_get, is_primary, place
 from fp8rl_jax.parallel.mesh import make_mesh, peak_memory_gib
 from fp8rl_jax.parallel.state import init_sharded, load_model_sharded
-from fp8rl_jax.policy_io import ADDED_STATE, calibrate_state, initial_calibration, padded_width, right_pad
+from fp8rl_jax.policy_io import ADDED_STATE, calibrate_state, initial_calibration, right_pad
 from fp8rl_jax.reporting import Reporter, compile_seconds
 from fp8rl_jax.rl.advantages import group_advantages
 from fp8rl_jax.rl.metrics import mismatch_metrics, reduce_metric
@@ -58,7 +59,7 @@ from fp8rl_jax.rl.microbatch import (
     microbatch_source,
     row_width_note,
 )
-from fp8rl_jax.rl.packing import PackingPlan, first_fit_decreasing, pack
+from fp8rl_jax.rl.packing import PackingPlan
 from fp8rl_jax.rl.rewards import combined_rewards, reward_names
 from fp8rl_jax.rl.step import LossConfig, build_optimizer, make_calibrate, make_score, make_train_step
 from fp8rl_jax.rollout import driver, exact
@@ -92,20 +93,6 @@ def timed(times: dict[str, float], phase: str) -> Iterator[None]:
         yield
     finally:
         times[phase] = time.perf_counter() - start
-
-
-@jax.jit
-def _microbatch(arrays: dict, mb: jax.Array, i: jax.Array) -> dict:
-    """``arrays[k][mb, i]`` for each key, the indices traced: one program whatever the microbatch (eager integer
-    indexing compiles a slice per index)."""
-    return {k: v[mb, i] for k, v in arrays.items()}
-
-
-@functools.partial(jax.jit, donate_argnums=0)
-def _put_microbatch(out: jax.Array, value: jax.Array, mb: jax.Array, i: jax.Array) -> jax.Array:
-    """``out`` with ``out[mb, i] = value`` in place, the indices traced (stacking the scored microbatches with zeros
-    for the empty ones compiled anew for each new pattern of empty ones)."""
-    return out.at[mb, i].set(value)
 
 
 class Trainer:
@@ -142,10 +129,12 @@ class Trainer:
         self.microbatch = microbatch_sequences(c, self.minibatch, self.row_tokens)
         self.calibration_rows = min(c.precision.kv_calibration_sequences, self.sequences)  # what step() recalibrates on
         self.packing = None  # rl.packing: the [microbatches, rows, width] shape of a packed minibatch
-        self._step_packed = c.rl.packing  # whether this step's rows are packed (_pack_rows may decline)
+        self._step_packed = c.rl.packing  # whether this step's rows are packed (StepBatches.packed may decline)
         if c.rl.packing:
             batch_devices = self.mesh.shape["data"] * self.mesh.shape["fsdp"]  # the devices the rows split over
             self.packing = PackingPlan.from_config(c, batch_devices)
+        self.batches = StepBatches(self.tokenizer.pad_id or 0, self.row_tokens, self.minibatch, c.rl.minibatches,
+                                   c.precision.kv_calibration_sequences, self.packing)
         self.reward_fns = config_list(c.reward.fns)
         self.reward_weights = config_list(c.reward.weights, float)
 
@@ -170,7 +159,7 @@ class Trainer:
         train_step = functools.partial(make_train_step, self.model, self.train_precision, self.optimizer, loss_cfg,
                                        old_logp_from_forward=self._own_old_logp, remat=c.model.remat, **on_mesh)
         self._train_step = train_step()
-        if self.packing:  # a step whose packed rows would run no fewer tokens runs right-padded (_pack_rows)
+        if self.packing:  # a step whose packed rows would run no fewer tokens runs right-padded (StepBatches.packed)
             self._train_step_packed = train_step(packed_sequences=self.minibatch)
         # after an update: FP8 observations only where training does not make them (fp8_rollout), and K/V amaxes
         self._calibrate = make_calibrate(self.model, self.rollout_precision, c.precision.kv_margin,
@@ -297,15 +286,18 @@ class Trainer:
         with self._phase(times, "score"):
             # [minibatches, microbatches, rows, width] arrays, each minibatch packed on its own, where that runs
             # fewer tokens than right-padding
-            packed = self._pack_rows(records, batch, advantages, order) if self.packing else None
+            packed = None
+            if self.packing:
+                packed, self._packing_record = self.batches.packed(records, batch, advantages, order)
             self._step_packed = packed is not None  # what an out-of-memory message describes
             if packed:
                 arrays, active, calibration_tokens = packed
-                score = functools.partial(self._score_packed, arrays=arrays, active=active)
+                score = functools.partial(score_packed, self._score, self.state, arrays=arrays, active=active)
             else:
-                arrays = self._pack(records, batch, advantages)
+                arrays = self.batches.right_padded(records, batch, advantages)
                 calibration_tokens = arrays["tokens"]
-                score = functools.partial(self._score_all, tokens=arrays["tokens"])
+                score = functools.partial(score_right_padded, self._score, self.state, tokens=arrays["tokens"],
+                                          microbatch=self.microbatch)
             if not self._own_old_logp:
                 arrays["old_logp"] = score(self.state["params"])
             if self.ref_params is not None:
@@ -447,82 +439,6 @@ class Trainer:
             raise failure  # noqa: B904 - not caused by the writer's error: that one stays as its context
 
     # -- pieces ---------------------------------------------------------------------------------------------
-
-    def _pack(self, records, batch, advantages: jax.Array) -> dict:
-        """Right-padded prompt + completion rows and their per-token masks and rollout logprobs, put on the device
-        once (built on the host, where the rollout's tokens are), with the (device) advantages [rows]."""
-        rows = [[*records[p].prompt_ids, *batch.completion(i)] for i, p in enumerate(batch.prompt_index)]
-        # an exact rollout's width, else the bucket of the step's longest row
-        tokens = right_pad(rows, self.tokenizer.pad_id or 0, width=batch.width, bucket=self.row_tokens)
-        mask = np.zeros(tokens.shape, np.float32)
-        rollout_logp = np.zeros(tokens.shape, np.float32)
-        for i, p in enumerate(batch.prompt_index):
-            prompt, done = records[p].prompt_ids, int(batch.lengths[i])
-            mask[i, len(prompt) : len(prompt) + done] = 1.0
-            rollout_logp[i, len(prompt) : len(prompt) + done] = batch.logprobs[i, :done]
-        arrays = jax.device_put({"tokens": tokens, "mask": mask, "rollout_logp": rollout_logp})
-        return {**arrays, "advantages": advantages.astype(jnp.float32)}
-
-    def _pack_rows(self, records, batch, advantages: jax.Array, order: np.ndarray):
-        """``rl.packing``: each minibatch's prompt + completion rows packed (``rl.packing.pack``; minibatch mb holds
-        rows ``order[mb * minibatch:][:minibatch]`` of the batch, as unpacked), stacked into [minibatches,
-        microbatches, rows, width] arrays put on the device once; also how many microbatches of each minibatch hold
-        rows (host ints), and the KV calibration's rows, right-padded as the unpacked layout has them. None where
-        the packed rows would run at least as many tokens as the right-padded layout (``packing/rows`` 0): packing
-        there only adds its segment bookkeeping (the H100's llama1b step at fixed lengths ran 7% slower packed)."""
-        rows = [np.asarray([*records[p].prompt_ids, *batch.completion(i)], np.int32)
-                for i, p in enumerate(batch.prompt_index)]
-        masks, rollout_logp = [], []
-        for i, p in enumerate(batch.prompt_index):
-            prompt, done = len(records[p].prompt_ids), int(batch.lengths[i])
-            masks.append(np.concatenate([np.zeros(prompt, np.float32), np.ones(done, np.float32)]))
-            rollout_logp.append(np.concatenate([np.zeros(prompt, np.float32), batch.logprobs[i, :done]]))
-        advantages = np.asarray(host_get(advantages), np.float32)
-        pad = self.tokenizer.pad_id or 0
-        takes = [order[mb * self.minibatch : (mb + 1) * self.minibatch] for mb in range(self.config.rl.minibatches)]
-        # each minibatch's packed rows (sequence indices into `take`), then the step's rows per microbatch: of the
-        # plan's options, the one that costs least
-        bins = [first_fit_decreasing([len(rows[i]) for i in take], self.packing.width, self.packing.max_segments)
-                for take in takes]
-        plan = self.packing.choose_rows([len(b) for b in bins])
-        run = sum(-(-len(b) // plan.rows) for b in bins) * plan.tokens  # the tokens the packed step would run
-        padded = len(rows) * padded_width(rows, width=batch.width, bucket=self.row_tokens)  # and _pack's
-        if run >= padded:  # nothing to gain (e.g. every sequence alone in a row): this step runs right-padded
-            self._packing_record = {"packing/rows": 0.0, "packing/fill": sum(map(len, rows)) / padded}
-            return None
-        parts = []
-        for take, rows_of in zip(takes, bins, strict=True):
-            parts.append(pack(plan, [rows[i] for i in take],
-                              {"mask": [masks[i] for i in take], "rollout_logp": [rollout_logp[i] for i in take]},
-                              {"advantages": advantages[take]}, pad_id=pad, bins=rows_of))
-        active = [int(p["microbatches"]) for p in parts]
-        # the step's rows per microbatch, and the share of the tokens it runs (used rows or not) that sequences fill
-        self._packing_record = {"packing/rows": float(plan.rows),
-                                "packing/fill": sum(map(len, rows)) / (sum(active) * plan.tokens)}
-        names = ("tokens", "segment_ids", "positions", "mask", "rollout_logp", "advantages")
-        arrays = jax.device_put({k: np.stack([p[k] for p in parts]) for k in names})
-        k = self.config.precision.kv_calibration_sequences
-        return arrays, active, right_pad(rows, pad, width=batch.width, bucket=self.row_tokens)[:k]
-
-    def _score_packed(self, params, arrays: dict, active: list[int]) -> jax.Array:
-        """Per-token logprobs [minibatches, microbatches, rows, width] of packed ``arrays`` under ``params``: one
-        [rows, width] call per microbatch that holds rows, zeros for the rest."""
-        s = self.state
-        layout = {k: arrays[k] for k in ("tokens", "segment_ids", "positions")}
-        out = jnp.zeros(arrays["tokens"].shape, jnp.float32)
-        for mb, count in enumerate(active):
-            for i in range(count):
-                where = np.int32(mb), np.int32(i)
-                logp = self._score(params, s["fp8_state"], s["kv_scales"], _microbatch(layout, *where))
-                out = _put_microbatch(out, logp, *where)
-        return out
-
-    def _score_all(self, params, tokens: jax.Array) -> jax.Array:
-        """Per-token logprobs [rows, T] of ``tokens`` under ``params``, scored a microbatch at a time."""
-        s = self.state
-        parts = [self._score(params, s["fp8_state"], s["kv_scales"], tokens[i : i + self.microbatch])
-                 for i in range(0, len(tokens), self.microbatch)]
-        return jnp.concatenate(parts)
 
     def _recalibrate(self, tokens: np.ndarray) -> None:
         """After an update: KV scales; in ``fp8_rollout`` mode also the rollout's FP8 scales (BF16 training observes

@@ -87,7 +87,7 @@ def test_exact_rollout_logprobs_equal_scoring_and_the_train_forward_bit_for_bit(
     sampled = _sampled_logp(batch)
     tokens = jnp.asarray(_rows(batch))
 
-    # the scoring program, a microbatch at a time (Trainer._score_all)
+    # the scoring program, a microbatch at a time (batches.score_right_padded)
     score = make_score(CONFIG, precision, 0.9)
     scored = jnp.concatenate([score(params, state["fp8_state"], state["kv_scales"], tokens[i : i + MICROBATCH])
                               for i in range(0, len(tokens), MICROBATCH)])
