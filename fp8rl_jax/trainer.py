@@ -23,10 +23,8 @@ restored onto the current mesh's shardings (whatever mesh saved them).
 from __future__ import annotations
 
 import contextlib
-import errno
 import functools
 import json
-import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -66,23 +64,7 @@ from fp8rl_jax.rollout import driver, exact
 from fp8rl_jax.rollout.sampler import Sampler
 from fp8rl_jax.rollout.sampling import SamplingParams
 from fp8rl_jax.step_shapes import StepShapes
-from fp8rl_jax.workdir_lock import LOCK_NAME, WorkdirLock, WorkdirLockedError
-
-# What a run writes into its workdir; ``checkpoint.resume=overwrite`` deletes these and nothing else.
-RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "plots", "tensorboard", "run.json")
-
-
-def previous_run(workdir: Path) -> list[str]:
-    """What of an earlier run ``workdir`` holds (checkpoints, metrics records); empty when it holds none."""
-    held = []
-    checkpoints = workdir / "checkpoints"
-    if checkpoints.is_dir() and any(checkpoints.iterdir()):
-        step = latest_complete_step(checkpoints)
-        held.append(f"checkpoints up to step {step}" if step is not None else "unfinished checkpoints")
-    metrics = workdir / "metrics.jsonl"
-    if metrics.is_file() and (lines := sum(1 for line in metrics.read_text().splitlines() if line.strip())):
-        held.append(f"{lines} metrics records")
-    return held
+from fp8rl_jax.workdir import lock_workdir, prepare_workdir, write_run_json
 
 
 @contextlib.contextmanager
@@ -100,7 +82,7 @@ class Trainer:
         validate(config, known_rewards=reward_names)
         self.config = config
         self.workdir = Path(config.workdir)
-        self._workdir_lock = self._lock_workdir()  # before _prepare_workdir: an overwrite must not hit a live run
+        self._workdir_lock = lock_workdir(self.workdir)  # before prepare_workdir: an overwrite must not hit a live run
         try:
             self._build(config, report)
         except BaseException:  # a Trainer that failed to start holds no workdir (notebooks keep the traceback)
@@ -108,7 +90,7 @@ class Trainer:
             raise
 
     def _build(self, c, report: bool) -> None:
-        self._prepare_workdir()
+        prepare_workdir(self.workdir, c.checkpoint.resume)
         self.train_precision = from_config(c, "train")  # precision.backend=te where it cannot run fails here
         self.rollout_precision = from_config(c, "rollout")
         self.backend, self.backend_reason = (choose_backend(c.precision.backend) if self.rollout_precision.fp8
@@ -201,7 +183,7 @@ class Trainer:
                                  progress=c.logging.progress and report, total_steps=c.steps,
                                  resume_step=self.step_count, write=primary)
         if primary:
-            self._write_run_json()
+            write_run_json(self.workdir, c, self.step_count, self.backend, self.backend_reason)
         self.reporter.message(f"precision: {c.precision.mode}, FP8 backend {self.backend} ({self.backend_reason})")
         if self.exact_sampler is None:
             self.reporter.message(self.sampler.slot_plan.describe())
@@ -531,47 +513,6 @@ class Trainer:
                 "config": self.config.to_json(), "bad_steps": self.bad_steps, "precision_backend": self.backend}
         return self.checkpointer.save(self.step_count, self.state, meta, force=force)
 
-    def _prepare_workdir(self) -> None:
-        """Never destroy a run by accident: ``checkpoint.resume=never`` refuses a workdir that holds one,
-        ``overwrite`` deletes that run's outputs (``RUN_OUTPUTS``, nothing else in the folder) first."""
-        mode, held = self.config.checkpoint.resume, previous_run(self.workdir)
-        if mode == "never" and held:
-            raise ConfigError(
-                f"config.workdir={str(self.workdir)!r} holds a run ({', '.join(held)}) and checkpoint.resume=never; "
-                "continue it with checkpoint.resume=auto, delete it and start over with checkpoint.resume=overwrite, "
-                "or choose another config.workdir")
-        if mode == "overwrite":
-            if is_primary():  # one process deletes; the others wait for it (they would race it, then see its gaps)
-                for name in RUN_OUTPUTS:
-                    path = self.workdir / name
-                    if path.is_dir() and not path.is_symlink():
-                        shutil.rmtree(path)
-                    elif path.exists() or path.is_symlink():
-                        path.unlink()
-            if jax.process_count() > 1:
-                from jax.experimental import multihost_utils
-
-                multihost_utils.sync_global_devices("fp8rl_jax: workdir overwritten")
-
-    def _write_run_json(self) -> None:
-        """``workdir/run.json``: the config and the FP8 backend chosen, with one entry per start of the run (a
-        resumed run may land on another machine, and ``auto`` on another backend)."""
-        path = self.workdir / "run.json"
-        starts = []
-        if self.step_count and path.exists():
-            try:
-                starts = json.loads(path.read_text()).get("starts", [])
-            except (json.JSONDecodeError, AttributeError):
-                starts = []
-        starts.append({"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "step": self.step_count,
-                       "precision_backend": self.backend, "precision_backend_reason": self.backend_reason,
-                       "devices": [str(d) for d in jax.devices()][:8], "jax": jax.__version__})
-        run = {"config": json.loads(self.config.to_json()), "precision_backend": self.backend,
-               "precision_backend_reason": self.backend_reason, "starts": starts}
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(run, indent=1) + "\n")
-        tmp.replace(path)
-
     def restore(self, step: int | None = None) -> None:
         # onto this mesh's shardings
         self.state, meta = self.checkpointer.restore(step, like=self.state, absent_ok=ADDED_STATE)
@@ -599,31 +540,6 @@ class Trainer:
                     raise
             finally:
                 self._release_workdir()
-
-    def _lock_workdir(self) -> WorkdirLock | None:
-        """One run per workdir (``fp8rl_jax.workdir_lock``). Process 0 holds the lock for its whole job; the other
-        processes learn whether it got it, so that all of them stop (rather than wait for it at a collective). A
-        workdir where the lock cannot be written (read-only, no permission) is a ``ConfigError`` naming it: the
-        first write of the run, so the run stops before it loads anything."""
-        lock = error = None
-        if is_primary():
-            try:
-                lock = WorkdirLock.acquire(self.workdir, alternative="another config.workdir")
-            except OSError as e:  # a read-only filesystem, no permission, a file in the way: another workdir it is
-                reason = f"{e.strerror or e} [{errno.errorcode.get(e.errno, e.errno)}]" if e.errno else str(e)
-                error = ConfigError(f"config.workdir={str(self.workdir)!r} cannot be written: {reason}"
-                                    f"{f' ({e.filename})' if e.filename else ''}; choose another config.workdir")
-            except Exception as e:  # raised below, once the other processes heard of it
-                error = e
-        if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
-            if not int(multihost_utils.broadcast_one_to_all(np.int32(error is None))) and error is None:
-                error = WorkdirLockedError(f"config.workdir={str(self.workdir)!r}: process 0 of this job could not "
-                                           f"take {self.workdir / LOCK_NAME} (its error says why)")
-        if error is not None:
-            raise error
-        return lock
 
     def _release_workdir(self) -> None:
         if self._workdir_lock is not None:
