@@ -14,6 +14,7 @@ import numpy as np
 
 from fp8rl_jax.parallel.distributed import host_get
 from fp8rl_jax.policy_io import padded_width, right_pad
+from fp8rl_jax.rl.microbatch import row_width_note
 from fp8rl_jax.rl.packing import PackingPlan, first_fit_decreasing, pack
 
 
@@ -42,6 +43,13 @@ class StepBatches:
     minibatches: int  # updates a step (rl.minibatches)
     calibration_sequences: int  # precision.kv_calibration_sequences
     packing: PackingPlan | None = None  # rl.packing
+
+    def row_widths(self) -> str:
+        """The widths of a step's rows, in words (said at the start of a run)."""
+        if self.packing:
+            return (f"row widths: packed into rows of {self.packing.width} tokens (rl.packing); a step that packing "
+                    f"would not shorten: {row_width_note(self.row_tokens)}")
+        return f"row widths: {row_width_note(self.row_tokens)}"
 
     def right_padded(self, records, batch, advantages: jax.Array) -> dict:
         """Right-padded prompt + completion rows and their per-token masks and rollout logprobs, put on the device

@@ -33,6 +33,13 @@ class StepShapes:
     calibration_rows: int  # what step() recalibrates on
     packing: PackingPlan | None  # rl.packing
 
+    def microbatches(self) -> str | None:
+        """An update's microbatches in words where it runs more than one (said at the start of a run), else None."""
+        if self.microbatch < self.minibatch:
+            return (f"microbatches of {self.microbatch} sequences x up to {self.row_tokens} tokens "
+                    f"({microbatch_source(self.config)}), {self.minibatch // self.microbatch} per update")
+        return None
+
     def shapes(self, phase: str, packed: bool = False) -> str:
         """The device shapes of ``phase`` in words, for an out-of-memory message; ``packed``: the step's rows are
         packed (``rl.packing``)."""

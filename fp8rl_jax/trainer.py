@@ -48,33 +48,18 @@ from fp8rl_jax.parallel.distributed import host_get, is_primary, place
 from fp8rl_jax.parallel.mesh import make_mesh, peak_memory_gib
 from fp8rl_jax.parallel.state import init_sharded, load_model_sharded
 from fp8rl_jax.policy_io import ADDED_STATE, calibrate_state, initial_calibration, right_pad
-from fp8rl_jax.reporting import Reporter, compile_seconds
+from fp8rl_jax.reporting import Reporter, compile_seconds, timed
 from fp8rl_jax.rl.advantages import group_advantages
-from fp8rl_jax.rl.metrics import mismatch_metrics, reduce_metric
-from fp8rl_jax.rl.microbatch import (
-    longest_row_tokens,
-    microbatch_sequences,
-    microbatch_source,
-    row_width_note,
-)
+from fp8rl_jax.rl.metrics import mismatch_metrics, step_record
+from fp8rl_jax.rl.microbatch import longest_row_tokens, microbatch_sequences
 from fp8rl_jax.rl.packing import PackingPlan
 from fp8rl_jax.rl.rewards import combined_rewards, reward_names
 from fp8rl_jax.rl.step import LossConfig, build_optimizer, make_calibrate, make_score, make_train_step
-from fp8rl_jax.rollout import driver, exact
+from fp8rl_jax.rollout import exact
 from fp8rl_jax.rollout.sampler import Sampler
 from fp8rl_jax.rollout.sampling import SamplingParams
 from fp8rl_jax.step_shapes import StepShapes
 from fp8rl_jax.workdir import lock_workdir, prepare_workdir, write_run_json
-
-
-@contextlib.contextmanager
-def timed(times: dict[str, float], phase: str) -> Iterator[None]:
-    """Wall seconds of the ``with`` block into ``times[phase]``; the block waits for its device results itself."""
-    start = time.perf_counter()
-    try:
-        yield
-    finally:
-        times[phase] = time.perf_counter() - start
 
 
 class Trainer:
@@ -162,7 +147,7 @@ class Trainer:
                 self.model, self.train_precision, rl_sampling, max_new_tokens=c.rollout.max_new_tokens,
                 microbatch=self.microbatch, stop_ids=tuple(self.tokenizer.stop_ids),
                 pad_id=self.tokenizer.pad_id or 0, mesh=self.mesh)
-        self.step_shapes = StepShapes(  # what an out-of-memory message says of each phase
+        self.step_shapes = StepShapes(  # the step in words: what an out-of-memory message says of a phase
             c, self.model, self.rollout_precision, self.train_precision, self.sampler.slot_plan,
             exact=self.exact_sampler is not None, mesh_size=self.mesh.size, group=self.group, sequences=self.sequences,
             minibatch=self.minibatch, microbatch=self.microbatch, row_tokens=self.row_tokens,
@@ -189,26 +174,15 @@ class Trainer:
             self.reporter.message(self.sampler.slot_plan.describe())
             if waves := self.sampler.slot_plan.waves_message():
                 self.reporter.message(waves)
-        rows = f"row widths: {row_width_note(self.row_tokens)}"
-        if self.packing:
-            rows = (f"row widths: packed into rows of {self.packing.width} tokens (rl.packing); a step that packing "
-                    f"would not shorten: {row_width_note(self.row_tokens)}")
-        self.reporter.message(rows)
+        self.reporter.message(self.batches.row_widths())
         if self.restore_note:
             self.reporter.message(self.restore_note)
-        if self.microbatch < self.minibatch:
-            self.reporter.message(f"microbatches of {self.microbatch} sequences x up to {self.row_tokens} tokens "
-                                  f"({microbatch_source(c)}), {self.minibatch // self.microbatch} per update")
+        if note := self.step_shapes.microbatches():
+            self.reporter.message(note)
         if self.exact_sampler is not None:
             self.reporter.message("rollout.exact: the rollouts are drawn by the trainer's own forward")
-            if exact.cpu_flag_missing():
-                self.reporter.message(f"rollout.exact on XLA:CPU: set XLA_FLAGS={exact.CPU_XLA_FLAG} before starting "
-                                      "for bit-for-bit agreement (without it a few percent of the logprobs are "
-                                      "1 ulp off)")
-        elif exact.cpu_flag_missing():  # the Python API (the CLI sets it): programs of other shapes round apart
-            self.reporter.message(f"XLA:CPU without XLA_FLAGS={exact.CPU_XLA_FLAG}: packed and unpacked microbatches "
-                                  "and the sampler round the attention softmax apart (FP8 amplifies it), so "
-                                  "mismatch_* and the IS weights depend on the layout; set it before starting")
+        if note := exact.cpu_flag_note(self.exact_sampler is not None):  # the Python API (the CLI sets the flag)
+            self.reporter.message(note)
         if self._workdir_lock is not None and self._workdir_lock.took_over:
             self.reporter.message(self._workdir_lock.took_over_message())
         if resumed:
@@ -318,7 +292,10 @@ class Trainer:
         self.state["step"] = place(np.int32(step + 1), self.state_sharding["step"])
         times["step"] = time.perf_counter() - t_start
 
-        record = self._record(step, batch, per_row, rewards, per_fn, train_metrics, mismatch, times)
+        record = step_record(step, batch, per_row, rewards, per_fn, train_metrics, mismatch, times,
+                             backend=self.backend, accuracy_fn=self.reward_fns[0],
+                             lr=float(self.schedule(step * c.rl.minibatches)),
+                             packing=self._packing_record if self.packing else {})
         # device memory high-water mark (max over local devices) by the end of each phase; absent on CPU
         record.update({f"memory/{k}_peak_gib": v for k, v in memory.items() if v is not None})
         skipped = int(record["skipped_updates"])
@@ -345,34 +322,6 @@ class Trainer:
         steps; step 0 is the policy before training, evaluated by ``run`` at the start of a fresh run."""
         c = self.config.data
         return bool(c.num_eval and c.eval_every and step % c.eval_every == 0)
-
-    def _record(self, step: int, batch: driver.RolloutBatch, per_row: list, rewards: np.ndarray,
-                per_fn: dict[str, np.ndarray], train_metrics: list[dict], mismatch: dict,
-                times: dict[str, float]) -> dict:
-        """The metrics record of RL step ``step`` (0-based): rollout and rewards, the train metrics of its
-        minibatch updates (``train_metrics``, one dict of host values per update) reduced over the updates,
-        the rollout/trainer mismatch, skipped updates, learning rate, throughput and phase times."""
-        c, lengths = self.config, batch.lengths
-        train_tokens = int(lengths.sum()) + sum(len(r.prompt_ids) for r in per_row)
-        return {
-            "step": step + 1,
-            "precision_backend": self.backend,
-            "reward_mean": float(rewards.mean()),
-            "reward_std": float(rewards.std()),
-            "accuracy": float(per_fn[self.reward_fns[0]].mean()),
-            **{f"reward/{k}": float(v.mean()) for k, v in per_fn.items()},
-            "response_length_mean": float(lengths.mean()),
-            "response_length_max": float(lengths.max()),
-            "stop_fraction": float(np.mean([r == "stop" for r in batch.finish_reasons])),
-            **{k: float(reduce_metric(k, [m[k] for m in train_metrics])) for k in train_metrics[0] if k != "finite"},
-            **{k: float(v) for k, v in mismatch.items()},
-            "skipped_updates": float(sum(not bool(m["finite"]) for m in train_metrics)),
-            "lr": float(self.schedule(step * c.rl.minibatches)),
-            "rollout_tokens_per_s": batch.stats["tokens_per_second"],
-            "train_tokens_per_s": float(train_tokens) / max(times["train"], 1e-9),
-            **{f"time/{k}": v for k, v in times.items()},
-            **(self._packing_record if self.packing else {}),
-        }
 
     def run(self, steps: int | None = None) -> list[dict]:
         """RL steps, then a final checkpoint and the plots; returns the new steps' records.
