@@ -7,7 +7,7 @@ The data, model and tokenizer loaders (``fp8rl_jax.data.gsm8k``, ``fp8rl_jax.mod
 but cannot be used: a data line that is not JSON, a ``.gguf`` or ``.safetensors`` file of other bytes, a
 ``config.json`` that is not a Llama-family config, a tensor the weights lack. Every entry point (``fp8rl_jax.main``,
 ``.eval``, ``.export``, ``.serve``) says it as one ``error:`` line with exit status 2, as it does a bad config value
-(``fp8rl_jax.main.bad_input_errors``). A subclass of ``ValueError`` (``MissingTensorError`` also of ``KeyError``),
+(``fp8rl_jax.cli.bad_input_errors``). A subclass of ``ValueError`` (``MissingTensorError`` also of ``KeyError``),
 so code that caught those before still does; a missing file stays ``FileNotFoundError``.
 """
 

@@ -19,7 +19,7 @@ workdir (``fp8rl_jax.workdir_lock``); under a live trainer the export stops with
 
 Exit status: 0 written; 2 bad input, said in one ``error:`` line (a flag, a config key or value, an ``--out`` that
 holds files, a ``--checkpoint`` folder that does not exist (nothing is created) or holds no such step, a model or
-tokenizer file that does not read: ``fp8rl_jax.main.bad_input_errors``); 3 the workdir is in use; 1 the files do not
+tokenizer file that does not read: ``fp8rl_jax.cli.bad_input_errors``); 3 the workdir is in use; 1 the files do not
 fit together (a checkpoint of another model, one line) or anything else (a traceback).
 """
 
@@ -62,7 +62,7 @@ def export_run(config, out: str | os.PathLike, *, checkpoint: str | None = None,
     ``checkpoint`` folder that does not exist is a ``FileNotFoundError`` naming it (nothing is created)."""
     if checkpoint is not None:
         from fp8rl_jax.checkpoint import existing_checkpoint_folder
-        from fp8rl_jax.trainer import load_policy
+        from fp8rl_jax.policy_io import load_policy
 
         model, params, _, _, tokenizer = load_policy(config, existing_checkpoint_folder(checkpoint), step)
     elif step is not None:
@@ -75,12 +75,12 @@ def export_run(config, out: str | os.PathLike, *, checkpoint: str | None = None,
 
 
 # ----------------------------------------------------------------------------------------------------------
-# command line: the trainer's --config flag and friendly errors (fp8rl_jax.main), and the export's own flags
+# command line: the --config flag and friendly errors (fp8rl_jax.cli), and the export's own flags
 
 
 def main(argv) -> int:
 
-    from fp8rl_jax import main as cli
+    from fp8rl_jax import cli
     from fp8rl_jax.workdir_lock import WorkdirLockedError, lock_for_output
 
     config, code = cli.tool_config(argv)
@@ -118,17 +118,17 @@ def main(argv) -> int:
 def _parse_flags(argv: list[str]) -> list[str]:
     from absl import flags
 
-    from fp8rl_jax import main as cli
+    from fp8rl_jax import cli
 
     if any(a in ("-h", "--help", "--helpshort", "-?") for a in argv[1:]):
         sys.exit(print(__doc__, flags.FLAGS.main_module_help(), sep="\n"))
-    return cli._parse_flags(argv)
+    return cli.parse_flags(argv)
 
 
 if __name__ == "__main__":
     from absl import app, flags
 
-    import fp8rl_jax.main  # noqa: F401 - defines --config (and the trainer's --steps, --dry_run)
+    import fp8rl_jax.cli  # noqa: F401 - defines --config, --dry_run (and the trainer's --steps)
 
     _OUT = flags.DEFINE_string("out", None, "The Hugging Face folder to write (new or empty).", required=True)
     _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "A trainer's checkpoint directory "

@@ -8,10 +8,12 @@ checkpoint save on the same disk instead, if there is one.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 PLOTS = {
@@ -26,6 +28,16 @@ PLOTS = {
 COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
                   "/jax/core/compile/backend_compile_duration")
 _compile_total = {"seconds": 0.0, "listening": False}
+
+
+@contextlib.contextmanager
+def timed(times: dict[str, float], phase: str) -> Iterator[None]:
+    """Wall seconds of the ``with`` block into ``times[phase]``; the block waits for its device results itself."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        times[phase] = time.perf_counter() - start
 
 
 def compile_seconds() -> float:

@@ -23,10 +23,8 @@ restored onto the current mesh's shardings (whatever mesh saved them).
 from __future__ import annotations
 
 import contextlib
-import errno
 import functools
 import json
-import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,179 +33,34 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fp8rl_jax.batches import StepBatches, score_packed, score_right_padded
 from fp8rl_jax.checkpoint import Checkpointer, latest_complete_step
 from fp8rl_jax.config import ConfigError, check_fits_model, config_list, validate
 from fp8rl_jax.data.prompts import build_prompt, load_prompts, prompt_iterator
 from fp8rl_jax.eval import evaluate_policy
 from fp8rl_jax.fp8 import kv as kvq
-from fp8rl_jax.fp8.policy import Precision, choose_backend, from_config
-from fp8rl_jax.fp8.recipe import update_state
+from fp8rl_jax.fp8.policy import choose_backend, from_config
 from fp8rl_jax.memory import DeviceOutOfMemory as DeviceOutOfMemory  # raised by Trainer: one line, phase and knobs
 from fp8rl_jax.memory import out_of_memory_report
 from fp8rl_jax.model import llama
-from fp8rl_jax.model.loading import load_model
 from fp8rl_jax.model.sharded import load_model_sharded
 from fp8rl_jax.parallel import rules
 from fp8rl_jax.parallel.distributed import host_get, is_primary, place
 from fp8rl_jax.parallel.mesh import make_mesh, peak_memory_gib
 from fp8rl_jax.parallel.state import init_sharded
-from fp8rl_jax.reporting import Reporter, compile_seconds
+from fp8rl_jax.policy_io import ADDED_STATE, calibrate_state, initial_calibration, right_pad
+from fp8rl_jax.reporting import Reporter, compile_seconds, timed
 from fp8rl_jax.rl.advantages import group_advantages
-from fp8rl_jax.rl.metrics import mismatch_metrics, reduce_metric
-from fp8rl_jax.rl.microbatch import (
-    ROW_MULTIPLE,
-    bucket_width,
-    longest_row_tokens,
-    microbatch_sequences,
-    microbatch_source,
-    row_width,
-    row_width_note,
-)
-from fp8rl_jax.rl.packing import PackingPlan, first_fit_decreasing, pack
+from fp8rl_jax.rl.metrics import mismatch_metrics, step_record
+from fp8rl_jax.rl.microbatch import longest_row_tokens, microbatch_sequences
+from fp8rl_jax.rl.packing import PackingPlan
 from fp8rl_jax.rl.rewards import combined_rewards, reward_names
 from fp8rl_jax.rl.step import LossConfig, build_optimizer, make_calibrate, make_score, make_train_step
-from fp8rl_jax.rollout import driver, exact
+from fp8rl_jax.rollout import exact
 from fp8rl_jax.rollout.sampler import Sampler
 from fp8rl_jax.rollout.sampling import SamplingParams
-from fp8rl_jax.workdir_lock import LOCK_NAME, WorkdirLock, WorkdirLockedError
-
-# train state that checkpoints of earlier versions may lack (``Checkpointer.restore``'s ``absent_ok``): the LM head's
-# FP8 state, always in the state since ``precision.lm_head_grad_fp8`` (on by default) came; before, only with
-# ``lm_head_fp8``
-ADDED_STATE = ("fp8_state.lm_head",)
-
-
-def restore_policy(config, directory: str | Path | None = None, step: int | None = None):
-    """``(model, policy, tokenizer, metadata)`` of a trainer checkpoint: ``policy`` holds its ``params``,
-    ``fp8_state`` and ``kv_scales``, ``metadata`` what the trainer saved beside them (``step``, ``config`` as JSON,
-    ``precision_backend``, ...).
-
-    ``directory`` defaults to ``<config.workdir>/checkpoints``; ``step`` to the latest complete one. The train
-    state is restored whole against an abstract template (no second copy of the model is built first).
-    """
-    directory = Path(directory) if directory else Path(config.workdir) / "checkpoints"
-    model, params, tokenizer = load_model(config)
-    optimizer, _ = build_optimizer(config.optim, max(config.steps * config.rl.minibatches, 1))
-    rollout = from_config(config, "rollout")
-    like = {
-        "params": params,
-        "opt_state": jax.eval_shape(optimizer.init, params),
-        "fp8_state": llama.init_fp8_state(model, rollout.replace(lm_head_fp8=config.precision.lm_head_fp8)),
-        "kv_scales": kvq.init_kv_scales(model.num_layers),
-        "rng": jax.random.PRNGKey(0),
-        "step": jnp.int32(0),
-    }
-    checkpointer = Checkpointer(directory, async_save=False)
-    try:
-        state, meta = checkpointer.restore(step, like=like, absent_ok=ADDED_STATE)
-    finally:
-        checkpointer.close()
-    policy = {name: state[name] for name in ("params", "fp8_state", "kv_scales")}
-    return model, policy, tokenizer, meta
-
-
-def load_policy(config, directory: str | Path | None = None, step: int | None = None):
-    """``(model, params, fp8_state, kv_scales, tokenizer)`` of a trainer checkpoint, for serving or evaluation
-    (``restore_policy``)."""
-    model, policy, tokenizer, _ = restore_policy(config, directory, step)
-    return model, policy["params"], policy["fp8_state"], policy["kv_scales"], tokenizer
-
-
-def padded_width(rows: list, multiple: int = ROW_MULTIPLE, width: int = 0, bucket: int = 0) -> int:
-    """The width ``right_pad`` pads ``rows`` to: ``width`` where given; else with ``bucket`` (the longest row the run
-    can make) the smallest of its ``row_buckets`` holding the longest row; else the longest row up to ``multiple``."""
-    longest = max(len(r) for r in rows)
-    if width:
-        return width
-    return bucket_width(longest, bucket, multiple) if bucket else row_width(longest, multiple)
-
-
-def right_pad(rows: list, pad_id: int, multiple: int = ROW_MULTIPLE, width: int = 0, bucket: int = 0) -> np.ndarray:
-    """Token rows right-padded into [len(rows), T]: T as ``padded_width`` says (a few widths to compile for); a
-    given ``width`` must hold every row."""
-    longest = max(len(r) for r in rows)
-    t = padded_width(rows, multiple, width, bucket)
-    if longest > t:
-        raise ValueError(f"a row of {longest} tokens does not fit width {t}")
-    out = np.full((len(rows), t), pad_id, np.int32)
-    for i, r in enumerate(rows):
-        out[i, : len(r)] = r
-    return out
-
-
-def calibrate_state(state: dict, calibrate, tokens: np.ndarray, precision: Precision, *, fp8: bool,
-                    kv: bool) -> dict:
-    """``state`` (``params``, ``fp8_state``, ``kv_scales``, ...) after one ``calibrate`` (``make_calibrate``) over
-    ``tokens``: with ``kv`` its new KV scales, with ``fp8`` the FP8 observations rolled into its FP8 state."""
-    if not (kv or fp8):
-        return state
-    observed, kv_scales = calibrate(state["params"], state["fp8_state"], state["kv_scales"], jnp.asarray(tokens))
-    state = dict(state)
-    if kv:
-        state["kv_scales"] = kv_scales
-    if fp8:
-        state["fp8_state"] = update_state(state["fp8_state"], observed, precision.recipe)
-    return state
-
-
-def initial_calibration(config, model, precision: Precision, state: dict, tokens: np.ndarray, *,
-                        fp8: bool | None = None, kv: bool | None = None, gradients: bool = False,
-                        state_sharding=None) -> dict:
-    """The scales a policy samples with before its first update, from ``tokens`` (the first training prompts): two
-    passes, the second with the first one's scales; with ``gradients`` (FP8 training) a real backward pass, so that
-    the first update's gradients are quantized with an observed scale, not 1 (``make_calibrate``). ``fp8`` / ``kv``
-    (default: what ``precision`` uses) say which scales to set: the FP8 state's, the KV cache's. The rows go
-    ``microbatch_sequences(config, rows, width)`` at a time (``rl.microbatch_tokens``), like the train step's."""
-    fp8 = precision.fp8 if fp8 is None else fp8
-    kv = precision.kv_fp8 if kv is None else kv
-    if not (fp8 or kv):
-        return state
-    calibrate = make_calibrate(model, precision, config.precision.kv_margin, gradients=gradients,
-                               temperature=config.rollout.temperature, passes=2, remat=config.model.remat,
-                               microbatch=microbatch_sequences(config, *np.shape(tokens)),
-                               state_sharding=state_sharding)
-    return calibrate_state(state, calibrate, tokens, precision, fp8=fp8, kv=kv)
-
-
-# What a run writes into its workdir; ``checkpoint.resume=overwrite`` deletes these and nothing else.
-RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "plots", "tensorboard", "run.json")
-
-
-def previous_run(workdir: Path) -> list[str]:
-    """What of an earlier run ``workdir`` holds (checkpoints, metrics records); empty when it holds none."""
-    held = []
-    checkpoints = workdir / "checkpoints"
-    if checkpoints.is_dir() and any(checkpoints.iterdir()):
-        step = latest_complete_step(checkpoints)
-        held.append(f"checkpoints up to step {step}" if step is not None else "unfinished checkpoints")
-    metrics = workdir / "metrics.jsonl"
-    if metrics.is_file() and (lines := sum(1 for line in metrics.read_text().splitlines() if line.strip())):
-        held.append(f"{lines} metrics records")
-    return held
-
-
-@contextlib.contextmanager
-def timed(times: dict[str, float], phase: str) -> Iterator[None]:
-    """Wall seconds of the ``with`` block into ``times[phase]``; the block waits for its device results itself."""
-    start = time.perf_counter()
-    try:
-        yield
-    finally:
-        times[phase] = time.perf_counter() - start
-
-
-@jax.jit
-def _microbatch(arrays: dict, mb: jax.Array, i: jax.Array) -> dict:
-    """``arrays[k][mb, i]`` for each key, the indices traced: one program whatever the microbatch (eager integer
-    indexing compiles a slice per index)."""
-    return {k: v[mb, i] for k, v in arrays.items()}
-
-
-@functools.partial(jax.jit, donate_argnums=0)
-def _put_microbatch(out: jax.Array, value: jax.Array, mb: jax.Array, i: jax.Array) -> jax.Array:
-    """``out`` with ``out[mb, i] = value`` in place, the indices traced (stacking the scored microbatches with zeros
-    for the empty ones compiled anew for each new pattern of empty ones)."""
-    return out.at[mb, i].set(value)
+from fp8rl_jax.step_shapes import StepShapes
+from fp8rl_jax.workdir import lock_workdir, prepare_workdir, write_run_json
 
 
 class Trainer:
@@ -215,7 +68,7 @@ class Trainer:
         validate(config, known_rewards=reward_names)
         self.config = config
         self.workdir = Path(config.workdir)
-        self._workdir_lock = self._lock_workdir()  # before _prepare_workdir: an overwrite must not hit a live run
+        self._workdir_lock = lock_workdir(self.workdir)  # before prepare_workdir: an overwrite must not hit a live run
         try:
             self._build(config, report)
         except BaseException:  # a Trainer that failed to start holds no workdir (notebooks keep the traceback)
@@ -223,7 +76,7 @@ class Trainer:
             raise
 
     def _build(self, c, report: bool) -> None:
-        self._prepare_workdir()
+        prepare_workdir(self.workdir, c.checkpoint.resume)
         self.train_precision = from_config(c, "train")  # precision.backend=te where it cannot run fails here
         self.rollout_precision = from_config(c, "rollout")
         self.backend, self.backend_reason = (choose_backend(c.precision.backend) if self.rollout_precision.fp8
@@ -244,10 +97,12 @@ class Trainer:
         self.microbatch = microbatch_sequences(c, self.minibatch, self.row_tokens)
         self.calibration_rows = min(c.precision.kv_calibration_sequences, self.sequences)  # what step() recalibrates on
         self.packing = None  # rl.packing: the [microbatches, rows, width] shape of a packed minibatch
-        self._step_packed = c.rl.packing  # whether this step's rows are packed (_pack_rows may decline)
+        self._step_packed = c.rl.packing  # whether this step's rows are packed (StepBatches.packed may decline)
         if c.rl.packing:
             batch_devices = self.mesh.shape["data"] * self.mesh.shape["fsdp"]  # the devices the rows split over
             self.packing = PackingPlan.from_config(c, batch_devices)
+        self.batches = StepBatches(self.tokenizer.pad_id or 0, self.row_tokens, self.minibatch, c.rl.minibatches,
+                                   c.precision.kv_calibration_sequences, self.packing)
         self.reward_fns = config_list(c.reward.fns)
         self.reward_weights = config_list(c.reward.weights, float)
 
@@ -272,7 +127,7 @@ class Trainer:
         train_step = functools.partial(make_train_step, self.model, self.train_precision, self.optimizer, loss_cfg,
                                        old_logp_from_forward=self._own_old_logp, remat=c.model.remat, **on_mesh)
         self._train_step = train_step()
-        if self.packing:  # a step whose packed rows would run no fewer tokens runs right-padded (_pack_rows)
+        if self.packing:  # a step whose packed rows would run no fewer tokens runs right-padded (StepBatches.packed)
             self._train_step_packed = train_step(packed_sequences=self.minibatch)
         # after an update: FP8 observations only where training does not make them (fp8_rollout), and K/V amaxes
         self._calibrate = make_calibrate(self.model, self.rollout_precision, c.precision.kv_margin,
@@ -293,6 +148,11 @@ class Trainer:
                 self.model, self.train_precision, rl_sampling, max_new_tokens=c.rollout.max_new_tokens,
                 microbatch=self.microbatch, stop_ids=tuple(self.tokenizer.stop_ids),
                 pad_id=self.tokenizer.pad_id or 0, mesh=self.mesh)
+        self.step_shapes = StepShapes(  # the step in words: what an out-of-memory message says of a phase
+            c, self.model, self.rollout_precision, self.train_precision, self.sampler.slot_plan,
+            exact=self.exact_sampler is not None, mesh_size=self.mesh.size, group=self.group, sequences=self.sequences,
+            minibatch=self.minibatch, microbatch=self.microbatch, row_tokens=self.row_tokens,
+            calibration_rows=self.calibration_rows, packing=self.packing)
         self.bad_steps = 0
 
         self.checkpointer = Checkpointer(self.workdir / "checkpoints", keep=c.checkpoint.keep,
@@ -309,32 +169,21 @@ class Trainer:
                                  progress=c.logging.progress and report, total_steps=c.steps,
                                  resume_step=self.step_count, write=primary)
         if primary:
-            self._write_run_json()
+            write_run_json(self.workdir, c, self.step_count, self.backend, self.backend_reason)
         self.reporter.message(f"precision: {c.precision.mode}, FP8 backend {self.backend} ({self.backend_reason})")
         if self.exact_sampler is None:
             self.reporter.message(self.sampler.slot_plan.describe())
             if waves := self.sampler.slot_plan.waves_message():
                 self.reporter.message(waves)
-        rows = f"row widths: {row_width_note(self.row_tokens)}"
-        if self.packing:
-            rows = (f"row widths: packed into rows of {self.packing.width} tokens (rl.packing); a step that packing "
-                    f"would not shorten: {row_width_note(self.row_tokens)}")
-        self.reporter.message(rows)
+        self.reporter.message(self.batches.row_widths())
         if self.restore_note:
             self.reporter.message(self.restore_note)
-        if self.microbatch < self.minibatch:
-            self.reporter.message(f"microbatches of {self.microbatch} sequences x up to {self.row_tokens} tokens "
-                                  f"({microbatch_source(c)}), {self.minibatch // self.microbatch} per update")
+        if note := self.step_shapes.microbatches():
+            self.reporter.message(note)
         if self.exact_sampler is not None:
             self.reporter.message("rollout.exact: the rollouts are drawn by the trainer's own forward")
-            if exact.cpu_flag_missing():
-                self.reporter.message(f"rollout.exact on XLA:CPU: set XLA_FLAGS={exact.CPU_XLA_FLAG} before starting "
-                                      "for bit-for-bit agreement (without it a few percent of the logprobs are "
-                                      "1 ulp off)")
-        elif exact.cpu_flag_missing():  # the Python API (the CLI sets it): programs of other shapes round apart
-            self.reporter.message(f"XLA:CPU without XLA_FLAGS={exact.CPU_XLA_FLAG}: packed and unpacked microbatches "
-                                  "and the sampler round the attention softmax apart (FP8 amplifies it), so "
-                                  "mismatch_* and the IS weights depend on the layout; set it before starting")
+        if note := exact.cpu_flag_note(self.exact_sampler is not None):  # the Python API (the CLI sets the flag)
+            self.reporter.message(note)
         if self._workdir_lock is not None and self._workdir_lock.took_over:
             self.reporter.message(self._workdir_lock.took_over_message())
         if resumed:
@@ -394,15 +243,18 @@ class Trainer:
         with self._phase(times, "score"):
             # [minibatches, microbatches, rows, width] arrays, each minibatch packed on its own, where that runs
             # fewer tokens than right-padding
-            packed = self._pack_rows(records, batch, advantages, order) if self.packing else None
+            packed = None
+            if self.packing:
+                packed, self._packing_record = self.batches.packed(records, batch, advantages, order)
             self._step_packed = packed is not None  # what an out-of-memory message describes
             if packed:
                 arrays, active, calibration_tokens = packed
-                score = functools.partial(self._score_packed, arrays=arrays, active=active)
+                score = functools.partial(score_packed, self._score, self.state, arrays=arrays, active=active)
             else:
-                arrays = self._pack(records, batch, advantages)
+                arrays = self.batches.right_padded(records, batch, advantages)
                 calibration_tokens = arrays["tokens"]
-                score = functools.partial(self._score_all, tokens=arrays["tokens"])
+                score = functools.partial(score_right_padded, self._score, self.state, tokens=arrays["tokens"],
+                                          microbatch=self.microbatch)
             if not self._own_old_logp:
                 arrays["old_logp"] = score(self.state["params"])
             if self.ref_params is not None:
@@ -441,7 +293,10 @@ class Trainer:
         self.state["step"] = place(np.int32(step + 1), self.state_sharding["step"])
         times["step"] = time.perf_counter() - t_start
 
-        record = self._record(step, batch, per_row, rewards, per_fn, train_metrics, mismatch, times)
+        record = step_record(step, batch, per_row, rewards, per_fn, train_metrics, mismatch, times,
+                             backend=self.backend, accuracy_fn=self.reward_fns[0],
+                             lr=float(self.schedule(step * c.rl.minibatches)),
+                             packing=self._packing_record if self.packing else {})
         # device memory high-water mark (max over local devices) by the end of each phase; absent on CPU
         record.update({f"memory/{k}_peak_gib": v for k, v in memory.items() if v is not None})
         skipped = int(record["skipped_updates"])
@@ -468,34 +323,6 @@ class Trainer:
         steps; step 0 is the policy before training, evaluated by ``run`` at the start of a fresh run."""
         c = self.config.data
         return bool(c.num_eval and c.eval_every and step % c.eval_every == 0)
-
-    def _record(self, step: int, batch: driver.RolloutBatch, per_row: list, rewards: np.ndarray,
-                per_fn: dict[str, np.ndarray], train_metrics: list[dict], mismatch: dict,
-                times: dict[str, float]) -> dict:
-        """The metrics record of RL step ``step`` (0-based): rollout and rewards, the train metrics of its
-        minibatch updates (``train_metrics``, one dict of host values per update) reduced over the updates,
-        the rollout/trainer mismatch, skipped updates, learning rate, throughput and phase times."""
-        c, lengths = self.config, batch.lengths
-        train_tokens = int(lengths.sum()) + sum(len(r.prompt_ids) for r in per_row)
-        return {
-            "step": step + 1,
-            "precision_backend": self.backend,
-            "reward_mean": float(rewards.mean()),
-            "reward_std": float(rewards.std()),
-            "accuracy": float(per_fn[self.reward_fns[0]].mean()),
-            **{f"reward/{k}": float(v.mean()) for k, v in per_fn.items()},
-            "response_length_mean": float(lengths.mean()),
-            "response_length_max": float(lengths.max()),
-            "stop_fraction": float(np.mean([r == "stop" for r in batch.finish_reasons])),
-            **{k: float(reduce_metric(k, [m[k] for m in train_metrics])) for k in train_metrics[0] if k != "finite"},
-            **{k: float(v) for k, v in mismatch.items()},
-            "skipped_updates": float(sum(not bool(m["finite"]) for m in train_metrics)),
-            "lr": float(self.schedule(step * c.rl.minibatches)),
-            "rollout_tokens_per_s": batch.stats["tokens_per_second"],
-            "train_tokens_per_s": float(train_tokens) / max(times["train"], 1e-9),
-            **{f"time/{k}": v for k, v in times.items()},
-            **(self._packing_record if self.packing else {}),
-        }
 
     def run(self, steps: int | None = None) -> list[dict]:
         """RL steps, then a final checkpoint and the plots; returns the new steps' records.
@@ -545,82 +372,6 @@ class Trainer:
 
     # -- pieces ---------------------------------------------------------------------------------------------
 
-    def _pack(self, records, batch, advantages: jax.Array) -> dict:
-        """Right-padded prompt + completion rows and their per-token masks and rollout logprobs, put on the device
-        once (built on the host, where the rollout's tokens are), with the (device) advantages [rows]."""
-        rows = [[*records[p].prompt_ids, *batch.completion(i)] for i, p in enumerate(batch.prompt_index)]
-        # an exact rollout's width, else the bucket of the step's longest row
-        tokens = right_pad(rows, self.tokenizer.pad_id or 0, width=batch.width, bucket=self.row_tokens)
-        mask = np.zeros(tokens.shape, np.float32)
-        rollout_logp = np.zeros(tokens.shape, np.float32)
-        for i, p in enumerate(batch.prompt_index):
-            prompt, done = records[p].prompt_ids, int(batch.lengths[i])
-            mask[i, len(prompt) : len(prompt) + done] = 1.0
-            rollout_logp[i, len(prompt) : len(prompt) + done] = batch.logprobs[i, :done]
-        arrays = jax.device_put({"tokens": tokens, "mask": mask, "rollout_logp": rollout_logp})
-        return {**arrays, "advantages": advantages.astype(jnp.float32)}
-
-    def _pack_rows(self, records, batch, advantages: jax.Array, order: np.ndarray):
-        """``rl.packing``: each minibatch's prompt + completion rows packed (``rl.packing.pack``; minibatch mb holds
-        rows ``order[mb * minibatch:][:minibatch]`` of the batch, as unpacked), stacked into [minibatches,
-        microbatches, rows, width] arrays put on the device once; also how many microbatches of each minibatch hold
-        rows (host ints), and the KV calibration's rows, right-padded as the unpacked layout has them. None where
-        the packed rows would run at least as many tokens as the right-padded layout (``packing/rows`` 0): packing
-        there only adds its segment bookkeeping (the H100's llama1b step at fixed lengths ran 7% slower packed)."""
-        rows = [np.asarray([*records[p].prompt_ids, *batch.completion(i)], np.int32)
-                for i, p in enumerate(batch.prompt_index)]
-        masks, rollout_logp = [], []
-        for i, p in enumerate(batch.prompt_index):
-            prompt, done = len(records[p].prompt_ids), int(batch.lengths[i])
-            masks.append(np.concatenate([np.zeros(prompt, np.float32), np.ones(done, np.float32)]))
-            rollout_logp.append(np.concatenate([np.zeros(prompt, np.float32), batch.logprobs[i, :done]]))
-        advantages = np.asarray(host_get(advantages), np.float32)
-        pad = self.tokenizer.pad_id or 0
-        takes = [order[mb * self.minibatch : (mb + 1) * self.minibatch] for mb in range(self.config.rl.minibatches)]
-        # each minibatch's packed rows (sequence indices into `take`), then the step's rows per microbatch: of the
-        # plan's options, the one that costs least
-        bins = [first_fit_decreasing([len(rows[i]) for i in take], self.packing.width, self.packing.max_segments)
-                for take in takes]
-        plan = self.packing.choose_rows([len(b) for b in bins])
-        run = sum(-(-len(b) // plan.rows) for b in bins) * plan.tokens  # the tokens the packed step would run
-        padded = len(rows) * padded_width(rows, width=batch.width, bucket=self.row_tokens)  # and _pack's
-        if run >= padded:  # nothing to gain (e.g. every sequence alone in a row): this step runs right-padded
-            self._packing_record = {"packing/rows": 0.0, "packing/fill": sum(map(len, rows)) / padded}
-            return None
-        parts = []
-        for take, rows_of in zip(takes, bins, strict=True):
-            parts.append(pack(plan, [rows[i] for i in take],
-                              {"mask": [masks[i] for i in take], "rollout_logp": [rollout_logp[i] for i in take]},
-                              {"advantages": advantages[take]}, pad_id=pad, bins=rows_of))
-        active = [int(p["microbatches"]) for p in parts]
-        # the step's rows per microbatch, and the share of the tokens it runs (used rows or not) that sequences fill
-        self._packing_record = {"packing/rows": float(plan.rows),
-                                "packing/fill": sum(map(len, rows)) / (sum(active) * plan.tokens)}
-        names = ("tokens", "segment_ids", "positions", "mask", "rollout_logp", "advantages")
-        arrays = jax.device_put({k: np.stack([p[k] for p in parts]) for k in names})
-        k = self.config.precision.kv_calibration_sequences
-        return arrays, active, right_pad(rows, pad, width=batch.width, bucket=self.row_tokens)[:k]
-
-    def _score_packed(self, params, arrays: dict, active: list[int]) -> jax.Array:
-        """Per-token logprobs [minibatches, microbatches, rows, width] of packed ``arrays`` under ``params``: one
-        [rows, width] call per microbatch that holds rows, zeros for the rest."""
-        s = self.state
-        layout = {k: arrays[k] for k in ("tokens", "segment_ids", "positions")}
-        out = jnp.zeros(arrays["tokens"].shape, jnp.float32)
-        for mb, count in enumerate(active):
-            for i in range(count):
-                where = np.int32(mb), np.int32(i)
-                logp = self._score(params, s["fp8_state"], s["kv_scales"], _microbatch(layout, *where))
-                out = _put_microbatch(out, logp, *where)
-        return out
-
-    def _score_all(self, params, tokens: jax.Array) -> jax.Array:
-        """Per-token logprobs [rows, T] of ``tokens`` under ``params``, scored a microbatch at a time."""
-        s = self.state
-        parts = [self._score(params, s["fp8_state"], s["kv_scales"], tokens[i : i + self.microbatch])
-                 for i in range(0, len(tokens), self.microbatch)]
-        return jnp.concatenate(parts)
-
     def _recalibrate(self, tokens: np.ndarray) -> None:
         """After an update: KV scales; in ``fp8_rollout`` mode also the rollout's FP8 scales (BF16 training observes
         no FP8 amaxes)."""
@@ -658,75 +409,13 @@ class Trainer:
             times[f"{phase}_compile"] = compile_seconds() - compiled
 
     def _shapes(self, phase: str) -> str:
-        """The device shapes of ``phase`` in words, for an out-of-memory message."""
-        c, mb, t = self.config, self.microbatch, self.row_tokens
-        micro = (f"in microbatches of {mb} x up to {t} tokens ({mb * t} tokens; "
-                 f"{microbatch_source(c)})")
-        if self._step_packed and phase in ("score", "train"):
-            p = self.packing
-            fewer = f" (or {', '.join(map(str, p.row_options))})" if p.row_options else ""
-            micro = (f"packed (rl.packing) in microbatches of {p.rows}{fewer} rows x {p.width} tokens (up to "
-                     f"{p.tokens} tokens, {p.max_segments} sequences a row; {microbatch_source(c)})")
-        if phase == "weights":
-            return (f"the rollout's copy of the {self.model.num_params() / 1e6:.0f}M-parameter policy "
-                    f"({c.precision.mode}) beside the train state, on {self.mesh.size} device(s)")
-        if phase == "rollout" and self.exact_sampler is None:
-            slots = self.sampler.slot_plan.slots
-            return (f"{c.rollout.prompts_per_step} prompts x {self.group} samples = {self.sequences} sequences "
-                    f"through {slots} decode slots, a KV cache of {slots} x "
-                    f"({c.data.max_prompt_tokens} + {c.rollout.max_new_tokens}) positions x "
-                    f"{self.model.num_layers} layers in {llama.cache_dtype(self.rollout_precision).name}")
-        if phase in ("rollout", "score"):  # the exact sampler runs the scoring forward too
-            return f"{self.sequences} sequences {micro}"
-        if phase == "train":
-            return (f"{c.rl.minibatches} update(s) of {self.minibatch} sequences {micro}, "
-                    f"model.remat={c.model.remat}")
-        if phase == "calibrate":
-            rows = microbatch_sequences(c, self.calibration_rows, t)
-            return f"{self.calibration_rows} sequences in microbatches of {rows} x up to {t} tokens"
-        return f"{self.sequences} sequences"
+        """``phase``'s device shapes in words (``StepShapes.shapes``), as this step lays out its rows."""
+        return self.step_shapes.shapes(phase, self._step_packed)
 
     def _knobs(self, phase: str) -> list[str]:
-        """The config keys that lower ``phase``'s device memory, with their values now."""
-        c = self.config
-
-        def key(name: str, to: str = "", note: str = "") -> str:
-            value = c
-            for part in name.split("."):
-                value = value[part]
-            return f"{name}{'=' + to if to else ''} (now {value}{'; ' + note if note else ''})"
-
-        # rl.microbatch_sequences > 0 sets the microbatch and rl.microbatch_tokens no longer acts: only the first is
-        # named then; at 0 the token budget is, and the count in its place as the other way
-        packed = self._step_packed and phase in ("score", "train")
-        if c.rl.microbatch_sequences > 0:
-            micro = [key("rl.microbatch_sequences", note=(
-                "rows a packed microbatch; it overrides rl.microbatch_tokens" if packed else
-                f"a smaller divisor of {self.minibatch}; it overrides rl.microbatch_tokens"))]
-        elif packed:
-            micro = [key("rl.microbatch_tokens", note=f"at least one row of {self.packing.width}"),
-                     key("rl.microbatch_sequences", note="rows a packed microbatch where > 0")]
-        else:
-            micro = [key("rl.microbatch_tokens"), key("rl.microbatch_sequences", note=f"a divisor of {self.minibatch}")]
-        rows = [key("rollout.max_new_tokens"), key("data.max_prompt_tokens")]
-        remat = [] if c.model.remat == "full" else [key("model.remat", "full")]
-        devices = [key("mesh.fsdp", note="more devices split the batch and the state"), key("mesh.tensor")]
-        if phase == "weights":
-            return devices
-        if phase == "eval" or (phase == "rollout" and self.exact_sampler is None):  # the KV-cache engine
-            fp8_kv = self.rollout_precision.fp8 and not self.rollout_precision.kv_fp8
-            slots = self.sampler.slot_plan
-            automatic = f"automatic: {slots.slots} slots" if slots.automatic else ""
-            return [key("rollout.decode_slots", str(max(slots.slots // 2, 1)), automatic), *rows,
-                    *([key("precision.kv_cache_dtype", "float8_e4m3fn")] if fp8_kv else []), *devices]
-        if phase in ("rollout", "score"):  # the exact sampler runs the scoring forward a microbatch at a time
-            return [*micro, *rows]
-        if phase in ("train", "initial calibration"):
-            return [*micro, *remat, *rows, *devices]
-        if phase == "calibrate":  # a pullback (remat matters) only where training observes no FP8 amaxes
-            pullback = self.rollout_precision.fp8 and not self.train_precision.fp8
-            return [key("precision.kv_calibration_sequences"), *micro, *(remat if pullback else []), *rows]
-        return [key("rollout.prompts_per_step"), key("rollout.samples_per_prompt")]
+        """The config keys that lower ``phase``'s device memory (``StepShapes.knobs``), as this step lays out its
+        rows."""
+        return self.step_shapes.knobs(phase, self._step_packed)
 
     # -- sampling and evaluation ----------------------------------------------------------------------------
 
@@ -774,47 +463,6 @@ class Trainer:
                 "config": self.config.to_json(), "bad_steps": self.bad_steps, "precision_backend": self.backend}
         return self.checkpointer.save(self.step_count, self.state, meta, force=force)
 
-    def _prepare_workdir(self) -> None:
-        """Never destroy a run by accident: ``checkpoint.resume=never`` refuses a workdir that holds one,
-        ``overwrite`` deletes that run's outputs (``RUN_OUTPUTS``, nothing else in the folder) first."""
-        mode, held = self.config.checkpoint.resume, previous_run(self.workdir)
-        if mode == "never" and held:
-            raise ConfigError(
-                f"config.workdir={str(self.workdir)!r} holds a run ({', '.join(held)}) and checkpoint.resume=never; "
-                "continue it with checkpoint.resume=auto, delete it and start over with checkpoint.resume=overwrite, "
-                "or choose another config.workdir")
-        if mode == "overwrite":
-            if is_primary():  # one process deletes; the others wait for it (they would race it, then see its gaps)
-                for name in RUN_OUTPUTS:
-                    path = self.workdir / name
-                    if path.is_dir() and not path.is_symlink():
-                        shutil.rmtree(path)
-                    elif path.exists() or path.is_symlink():
-                        path.unlink()
-            if jax.process_count() > 1:
-                from jax.experimental import multihost_utils
-
-                multihost_utils.sync_global_devices("fp8rl_jax: workdir overwritten")
-
-    def _write_run_json(self) -> None:
-        """``workdir/run.json``: the config and the FP8 backend chosen, with one entry per start of the run (a
-        resumed run may land on another machine, and ``auto`` on another backend)."""
-        path = self.workdir / "run.json"
-        starts = []
-        if self.step_count and path.exists():
-            try:
-                starts = json.loads(path.read_text()).get("starts", [])
-            except (json.JSONDecodeError, AttributeError):
-                starts = []
-        starts.append({"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "step": self.step_count,
-                       "precision_backend": self.backend, "precision_backend_reason": self.backend_reason,
-                       "devices": [str(d) for d in jax.devices()][:8], "jax": jax.__version__})
-        run = {"config": json.loads(self.config.to_json()), "precision_backend": self.backend,
-               "precision_backend_reason": self.backend_reason, "starts": starts}
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(run, indent=1) + "\n")
-        tmp.replace(path)
-
     def restore(self, step: int | None = None) -> None:
         # onto this mesh's shardings
         self.state, meta = self.checkpointer.restore(step, like=self.state, absent_ok=ADDED_STATE)
@@ -842,31 +490,6 @@ class Trainer:
                     raise
             finally:
                 self._release_workdir()
-
-    def _lock_workdir(self) -> WorkdirLock | None:
-        """One run per workdir (``fp8rl_jax.workdir_lock``). Process 0 holds the lock for its whole job; the other
-        processes learn whether it got it, so that all of them stop (rather than wait for it at a collective). A
-        workdir where the lock cannot be written (read-only, no permission) is a ``ConfigError`` naming it: the
-        first write of the run, so the run stops before it loads anything."""
-        lock = error = None
-        if is_primary():
-            try:
-                lock = WorkdirLock.acquire(self.workdir, alternative="another config.workdir")
-            except OSError as e:  # a read-only filesystem, no permission, a file in the way: another workdir it is
-                reason = f"{e.strerror or e} [{errno.errorcode.get(e.errno, e.errno)}]" if e.errno else str(e)
-                error = ConfigError(f"config.workdir={str(self.workdir)!r} cannot be written: {reason}"
-                                    f"{f' ({e.filename})' if e.filename else ''}; choose another config.workdir")
-            except Exception as e:  # raised below, once the other processes heard of it
-                error = e
-        if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
-            if not int(multihost_utils.broadcast_one_to_all(np.int32(error is None))) and error is None:
-                error = WorkdirLockedError(f"config.workdir={str(self.workdir)!r}: process 0 of this job could not "
-                                           f"take {self.workdir / LOCK_NAME} (its error says why)")
-        if error is not None:
-            raise error
-        return lock
 
     def _release_workdir(self) -> None:
         if self._workdir_lock is not None:

@@ -151,11 +151,11 @@ def two_steps(tmp_path_factory) -> Path:
 
 
 def _rotate_away_step_1(monkeypatch, when: str) -> list:
-    """``trainer.restore_policy`` as a live trainer's checkpoint rotation meets it: step 1's folder is deleted after
+    """``policy_io.restore_policy`` as a live trainer's checkpoint rotation meets it: step 1's folder is deleted after
     the evaluation chose it at start-up, ``before`` the restore reads it or ``during`` the read (which then fails)."""
-    import fp8rl_jax.trainer as trainer_module
+    import fp8rl_jax.policy_io as policy_io
 
-    real, calls = trainer_module.restore_policy, []
+    real, calls = policy_io.restore_policy, []
 
     def rotating(config, directory, step=None):
         calls.append(step)
@@ -165,7 +165,7 @@ def _rotate_away_step_1(monkeypatch, when: str) -> list:
                 raise FileNotFoundError(f"{directory}/1: deleted while it was read")
         return real(config, directory, step)
 
-    monkeypatch.setattr(trainer_module, "restore_policy", rotating)
+    monkeypatch.setattr(policy_io, "restore_policy", rotating)
     return calls
 
 

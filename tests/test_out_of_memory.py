@@ -13,7 +13,7 @@ import types
 import jax
 import pytest
 
-from fp8rl_jax import trainer as trainer_module
+from fp8rl_jax import policy_io
 from fp8rl_jax.config import load_config_file
 from fp8rl_jax.memory import EXIT_OUT_OF_MEMORY, DeviceOutOfMemory, device_memory, out_of_memory_report
 from fp8rl_jax.trainer import Trainer
@@ -176,7 +176,7 @@ def test_other_runtime_errors_pass_through(tiny, monkeypatch):
 
 
 def test_initial_calibration_out_of_memory(tmp_path, monkeypatch):
-    monkeypatch.setattr(trainer_module, "make_calibrate", lambda *a, **k: _raise_oom)
+    monkeypatch.setattr(policy_io, "make_calibrate", lambda *a, **k: _raise_oom)
     with pytest.raises(DeviceOutOfMemory) as info:
         Trainer(_config(tmp_path / "run"))
     message = _one_line(info.value)

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from fp8rl_jax.batches import score_packed, score_right_padded
 from fp8rl_jax.config import load_config_file
 from fp8rl_jax.rl.metrics import mismatch_metrics
 from fp8rl_jax.rl.packing import first_fit_decreasing, pack, unpack
@@ -104,8 +105,8 @@ def _score_three_ways(trainer: Trainer) -> dict:
     (``rollout``), (b) the unpacked layout scores it (``unpacked``) and (c) the packed one (``packed``), mapped back
     to the right-padded rows; with one minibatch the step's old logprobs are the train step's own forward, so also
     (``unpacked_own``, ``packed_own``); and the completion ``mask``. The layouts' arrays are the trainer's own
-    (``_pack``, ``_pack_rows``), scored and trained as ``Trainer.step`` does (the train steps on copies of the
-    state)."""
+    (``StepBatches.right_padded``, ``StepBatches.packed``), scored and trained as ``Trainer.step`` does (the train
+    steps on copies of the state)."""
     t, c = trainer, trainer.config
     assert c.rl.minibatches == 1 and t.packing is not None
     records = t.prompts.take(c.rollout.prompts_per_step)
@@ -113,8 +114,8 @@ def _score_three_ways(trainer: Trainer) -> dict:
     batch = t.sampler.rollout(t.engine, t.state, [r.prompt_ids for r in records], t.group, key)
     advantages = jnp.asarray(np.random.RandomState(0).randn(t.sequences), jnp.float32)
     order = np.random.RandomState(1).permutation(t.sequences)
-    unpacked = t._pack(records, batch, advantages)
-    packed, active, _ = t._pack_rows(records, batch, advantages, order)
+    unpacked = t.batches.right_padded(records, batch, advantages)
+    (packed, active, _), _ = t.batches.packed(records, batch, advantages, order)
     width = unpacked["tokens"].shape[1]
 
     # where each sequence went: the placement of the same packing (the trainer keeps none), checked against its rows
@@ -144,8 +145,9 @@ def _score_three_ways(trainer: Trainer) -> dict:
     return {
         "mask": mask,
         "rollout": rollout,
-        "unpacked": np.asarray(t._score_all(params, tokens=unpacked["tokens"])),
-        "packed": back(t._score_packed(params, arrays=packed, active=active)),
+        "unpacked": np.asarray(score_right_padded(t._score, t.state, params, tokens=unpacked["tokens"],
+                                                  microbatch=t.microbatch)),
+        "packed": back(score_packed(t._score, t.state, params, arrays=packed, active=active)),
         "unpacked_own": own(t._train_step, by_row).reshape(t.sequences, width)[np.argsort(order)],
         "packed_own": back(own(t._train_step_packed, {k: v[0] for k, v in packed.items()})[None]),
     }

@@ -284,7 +284,8 @@ def test_cli_serves_and_exits_on_sigterm():
 
 def test_serves_a_trainer_checkpoint(tmp_path):
     """--checkpoint: the server streams what the trained policy (its params, FP8 state, KV scales) decodes."""
-    from fp8rl_jax.trainer import Trainer, load_policy
+    from fp8rl_jax.policy_io import load_policy
+    from fp8rl_jax.trainer import Trainer
 
     config = load_config_file(str(ROOT / "configs/tiny.py"))
     with config.unlocked():
@@ -365,7 +366,7 @@ def test_cli_refuses_a_host_name_one_of_whose_addresses_is_held():
             process.kill()
     stdout = first + stdout
     assert not first.startswith("serving"), f"started although 127.0.0.1:{port} is held: {first}{stderr}"
-    assert process.returncode == 1, stdout + stderr
+    assert process.returncode == 2, stdout + stderr  # a port in use: exit status 2, as for any bad input
     errors = [line for line in stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and f"port {port} is in use on 127.0.0.1" in errors[0], stderr
     assert "Traceback" not in stderr, stderr

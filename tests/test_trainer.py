@@ -398,20 +398,21 @@ def test_packed_scoring_compiles_nothing_for_more_microbatches(tmp_path):
     microbatches are read and written by traced indices. Eager integer indexing compiled a slice per index, and
     stacking scored microbatches with zeros for the empty ones compiled anew for each pattern (about 0.2 s a
     step on the H100's llama1b run with drawn lengths, where each step fills its own number)."""
+    from fp8rl_jax.batches import score_packed
     from fp8rl_jax.reporting import compile_seconds
 
     trainer = Trainer(_config(tmp_path, "bf16", steps=1, **{
         "data.max_prompt_tokens": 40, "rl.packing": True, "rl.microbatch_tokens": 256, "rl.minibatches": 2}))
-    packed, pack_rows = [], trainer._pack_rows
-    trainer._pack_rows = lambda *args: packed.append(pack_rows(*args)) or packed[-1]
+    packed, pack_rows = [], trainer.batches.packed
+    trainer.batches.packed = lambda *args: packed.append(pack_rows(*args)) or packed[-1]
     trainer.step()
-    arrays, active, _ = packed[0]
+    (arrays, active, _), _ = packed[0]
     most = arrays["tokens"].shape[1]
     assert max(active) < most  # the step scored fewer microbatches than the layout holds
     params = trainer.state["params"]
-    first = trainer._score_packed(params, arrays, [1] * len(active))
+    first = score_packed(trainer._score, trainer.state, params, arrays, [1] * len(active))
     compiled = compile_seconds()
-    every = trainer._score_packed(params, arrays, [most] * len(active))
+    every = score_packed(trainer._score, trainer.state, params, arrays, [most] * len(active))
     assert compile_seconds() == compiled
     np.testing.assert_array_equal(np.asarray(every)[:, 0], np.asarray(first)[:, 0])
     trainer.close()
@@ -461,7 +462,7 @@ def test_row_widths_are_bucketed_so_programs_compile_a_bounded_number_of_times(t
         batch = RolloutBatch(prompt_index=np.repeat(np.arange(8), 8), tokens=np.ones((64, 200), np.int32),
                              logprobs=np.zeros((64, 200), np.float32), lengths=lengths,
                              finish_reasons=["length"] * 64, stats={})
-        tokens = trainer._pack(records, batch, jnp.zeros(64))["tokens"]
+        tokens = trainer.batches.right_padded(records, batch, jnp.zeros(64))["tokens"]
         longest_row = max(len(r.prompt_ids) for r in records) + longest
         assert tokens.shape[1] == min(w for w in (32, 64, 128, 224) if w >= longest_row)
         widths.add(tokens.shape[1])

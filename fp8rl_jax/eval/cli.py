@@ -34,7 +34,7 @@ same checkpoint in BF16 and in FP8:
 
 Bad input (flags, config keys, a checkpoint path that holds no checkpoint, a folder that is not a results folder)
 fails at start-up with one line ``error: ...`` and exit status 2, and so does a data, model or tokenizer file that
-does not read, once it is loaded (``fp8rl_jax.main.bad_input_errors``); a checkpoint that does not fit the config's
+does not read, once it is loaded (``fp8rl_jax.cli.bad_input_errors``); a checkpoint that does not fit the config's
 model exits with status 1, in one line too. Results that would go into a run's workdir (the default ``--out``) are
 written only while no other process holds it (``fp8rl_jax.workdir_lock``): under a live trainer the evaluation stops
 at start-up with exit status 3 and names the trainer's host and pid; ``--out`` elsewhere evaluates a live run, its
@@ -111,14 +111,14 @@ def _resolve_checkpoint(path: str) -> tuple[Path, int, bool]:
 
 def restore_newest(config, directory: Path, step: int, *, newest: bool, attempts: int = 3):
     """``(model, policy, tokenizer, metadata, step restored)`` of the checkpoints in ``directory``
-    (``trainer.restore_policy``): ``step``, or with ``newest`` (no step was asked for) the newest step when the
+    (``policy_io.restore_policy``): ``step``, or with ``newest`` (no step was asked for) the newest step when the
     restore starts. A live trainer saving every few steps deletes its older steps (``checkpoint.keep``), so the step
     found at start-up may be gone by the time the model has loaded, or go while it is read: where the restore fails
     and the folder's steps changed meanwhile, it is tried again on the newest step then (``attempts`` in all). A step
     asked for that is not there stays an error (``FileNotFoundError`` naming it and the steps there)."""
     import orbax.checkpoint as ocp
 
-    from fp8rl_jax.trainer import restore_policy
+    from fp8rl_jax.policy_io import restore_policy
 
     for attempt in range(1, attempts + 1):
         steps = ocp.utils.checkpoint_steps(str(directory))
@@ -185,19 +185,19 @@ def _define_flags(argv: list[str]) -> tuple[flags.FlagValues, dict]:
 
 
 def _parse(argv: list[str]) -> tuple[dict, list[str]]:
-    """``({flag: value}, positional args)``; ``UsageError`` with the message ``fp8rl_jax.main`` would give."""
-    from fp8rl_jax import main as train_cli
+    """``({flag: value}, positional args)``; ``UsageError`` with the message ``fp8rl_jax.cli`` gives."""
+    from fp8rl_jax import cli as shared_cli
 
     if not any(a.startswith("--config=") or a == "--config" for a in argv[1:]):
         argv = [argv[0], f"--config={DEFAULT_CONFIG}", *argv[1:]]
-    problem = train_cli._config_file_error(argv)  # before absl loads the file: one line naming it
+    problem = shared_cli.config_file_error(argv)  # before absl loads the file: one line naming it
     if problem is not None:
         raise UsageError(problem)
     fv, held = _define_flags(argv)
     try:
         rest = fv(argv)
     except (flags.Error, KeyError, AttributeError, ValueError, TypeError) as e:
-        raise UsageError(train_cli.flag_error(argv, e)) from None
+        raise UsageError(shared_cli.flag_error(argv, e)) from None
     return {name: holder.value for name, holder in held.items()}, rest[1:]
 
 
@@ -232,8 +232,8 @@ def evaluate(config, values: dict, argv: list[str]) -> tuple[Path, dict]:
     from fp8rl_jax.model import llama
     from fp8rl_jax.model.sharded import load_model_sharded
     from fp8rl_jax.parallel.mesh import make_mesh
+    from fp8rl_jax.policy_io import initial_calibration, right_pad
     from fp8rl_jax.rollout.sampler import Sampler
-    from fp8rl_jax.trainer import initial_calibration, right_pad
 
     c, start = config, time.perf_counter()
     checkpoint, step = values["checkpoint"], values["step"]
@@ -342,7 +342,7 @@ def main(argv: list[str]) -> int:
         print("\n".join(f"--{name}: {fv[name].help}" for name in fv))
         return 0
     logging.set_verbosity(logging.WARNING)  # Orbax logs every file it writes at INFO
-    from fp8rl_jax import main as train_cli
+    from fp8rl_jax import cli as shared_cli
     from fp8rl_jax.config import validate
     from fp8rl_jax.rl.rewards import reward_names
 
@@ -359,14 +359,14 @@ def main(argv: list[str]) -> int:
         if values["max_new_tokens"] is not None:
             config.rollout.max_new_tokens = values["max_new_tokens"]
         validate(config, known_rewards=reward_names, training=False,
-                 config_file=train_cli._config_path(argv).partition(":")[0])
+                 config_file=shared_cli.config_path(argv).partition(":")[0])
         values["checkpoint"], values["step"], values["step_asked"] = (
             _resolve_checkpoint(values["checkpoint"]) if values["checkpoint"] else (None, None, False))
         if values["compare"] is not None:
             read_results(values["compare"])  # a bad reference fails now, not after the evaluation
-    except (UsageError, ResultsError, *train_cli.bad_input_errors()) as e:
+    except (UsageError, ResultsError, *shared_cli.bad_input_errors()) as e:
         return _error(e)
-    values["config_path"] = train_cli._config_path(argv)
+    values["config_path"] = shared_cli.config_path(argv)
     if values["out"] is None:
         where = values["checkpoint"].parent if values["checkpoint"] else Path(config.workdir)
         name = f"step{values['step']}" if values["checkpoint"] else "init"
@@ -384,7 +384,7 @@ def main(argv: list[str]) -> int:
         te.preload()  # before JAX starts its GPU backend (see fp8rl_jax.fp8.te)
     try:
         folder, results = evaluate(config, values, argv)
-    except train_cli.bad_input_errors() as e:  # what needs the model (positions, the backend), a file that won't read
+    except shared_cli.bad_input_errors() as e:  # what needs the model (positions, the backend), a file that won't read
         return _error(e)
     except ValueError as e:  # a checkpoint that does not fit the config's model
         return _error(e, status=1)

@@ -1,4 +1,5 @@
-"""Training/rollout mismatch metrics, and the masked reductions the rest of ``rl/`` shares.
+"""Training/rollout mismatch metrics, the masked reductions the rest of ``rl/`` shares, and the metrics record of an
+RL step (``step_record``).
 
 The inputs are per-token logprobs of the *sampled* tokens: ``rollout_logp`` from the sampler (FP8 rollout),
 ``train_logp`` from the trainer's forward on the same tokens. With d = train_logp - rollout_logp on valid tokens:
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 # |log-ratio| bound before an exp in the k3 estimator (metric and loss) and chi2: veRL's low_var_kl clamp and
 # SAFETY_BOUND (its chi2), NeMo RL's calculate_kl input clamp
@@ -101,4 +103,35 @@ def mismatch_metrics(rollout_logp: jax.Array, train_logp: jax.Array, mask: jax.A
         "ppl_ratio": jnp.exp(k1),
         # = mean(exp(2d)) - 1 without the cancellation near 0; d clamped as above, so never inf
         "chi2": masked_mean(jnp.expm1(2.0 * jnp.clip(d, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)), m),
+    }
+
+
+def step_record(step: int, batch, per_row: list, rewards: np.ndarray, per_fn: dict[str, np.ndarray],
+                train_metrics: list[dict], mismatch: dict, times: dict[str, float], *, backend: str,
+                accuracy_fn: str, lr: float, packing: dict) -> dict:
+    """The metrics record of RL step ``step`` (0-based): rollout and rewards, the train metrics of its
+    minibatch updates (``train_metrics``, one dict of host values per update) reduced over the updates,
+    the rollout/trainer mismatch, skipped updates, learning rate, throughput and phase times. ``batch``: the
+    step's ``rollout.driver.RolloutBatch``, ``per_row`` the prompt record of each of its rows, ``accuracy_fn`` the
+    reward fn whose mean is ``accuracy``, ``packing`` the step's ``packing/*`` metrics (``rl.packing``)."""
+    lengths = batch.lengths
+    train_tokens = int(lengths.sum()) + sum(len(r.prompt_ids) for r in per_row)
+    return {
+        "step": step + 1,
+        "precision_backend": backend,
+        "reward_mean": float(rewards.mean()),
+        "reward_std": float(rewards.std()),
+        "accuracy": float(per_fn[accuracy_fn].mean()),
+        **{f"reward/{k}": float(v.mean()) for k, v in per_fn.items()},
+        "response_length_mean": float(lengths.mean()),
+        "response_length_max": float(lengths.max()),
+        "stop_fraction": float(np.mean([r == "stop" for r in batch.finish_reasons])),
+        **{k: float(reduce_metric(k, [m[k] for m in train_metrics])) for k in train_metrics[0] if k != "finite"},
+        **{k: float(v) for k, v in mismatch.items()},
+        "skipped_updates": float(sum(not bool(m["finite"]) for m in train_metrics)),
+        "lr": lr,
+        "rollout_tokens_per_s": batch.stats["tokens_per_second"],
+        "train_tokens_per_s": float(train_tokens) / max(times["train"], 1e-9),
+        **{f"time/{k}": v for k, v in times.items()},
+        **packing,
     }

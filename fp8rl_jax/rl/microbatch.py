@@ -54,7 +54,7 @@ with the whole minibatch in one microbatch.) The budget alone would give smollm2
 
 from __future__ import annotations
 
-ROW_MULTIPLE = 32  # the trainer pads rows to a multiple of this (trainer.right_pad): few shapes to compile
+ROW_MULTIPLE = 32  # the trainer pads rows to a multiple of this (policy_io.right_pad): few shapes to compile
 DEFAULT_MICROBATCH_TOKENS = 32768
 
 

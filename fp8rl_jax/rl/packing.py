@@ -194,7 +194,7 @@ def pack(plan: PackingPlan, tokens: Sequence[np.ndarray], per_token: dict[str, S
 
 def unpack(packed: np.ndarray, placement: np.ndarray, width: int, fill=0) -> np.ndarray:
     """[S, width]: each sequence's values from a packed [M, R, W] array, back at positions 0.. of its own row (the
-    layout ``trainer.right_pad`` makes), ``fill`` after its end."""
+    layout ``policy_io.right_pad`` makes), ``fill`` after its end."""
     packed = np.asarray(packed)
     flat = packed.reshape(-1, packed.shape[-1])  # [M * R, W]
     out = np.full((len(placement), width), fill, packed.dtype)

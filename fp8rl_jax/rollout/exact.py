@@ -69,6 +69,20 @@ def cpu_flag_missing() -> bool:
     return jax.default_backend() == "cpu" and CPU_XLA_FLAG not in os.environ.get("XLA_FLAGS", "")
 
 
+def cpu_flag_note(exact: bool) -> str | None:
+    """What a trainer says at its start where ``cpu_flag_missing``, ``exact`` where its rollouts are this module's;
+    None elsewhere."""
+    if not cpu_flag_missing():
+        return None
+    if exact:
+        return (f"rollout.exact on XLA:CPU: set XLA_FLAGS={CPU_XLA_FLAG} before starting for bit-for-bit agreement "
+                "(without it a few percent of the logprobs are 1 ulp off)")
+    # programs of other shapes round apart
+    return (f"XLA:CPU without XLA_FLAGS={CPU_XLA_FLAG}: packed and unpacked microbatches and the sampler round the "
+            "attention softmax apart (FP8 amplifies it), so mismatch_* and the IS weights depend on the layout; set "
+            "it before starting")
+
+
 def sequence_width(prompt_lengths, max_new_tokens: int, multiple: int = ROW_MULTIPLE) -> int:
     """The fixed [rows, T] width of an exact rollout: the longest prompt plus ``max_new_tokens``, rounded up."""
     return row_width(max(prompt_lengths) + max_new_tokens, multiple)

@@ -161,7 +161,7 @@ def build_server(config, *, params: dict | None = None, fp8_state: dict | None =
 
     precision = from_config(config, "rollout")
     if checkpoint is not None:  # a trainer checkpoint: its params, FP8 state and KV scales
-        from fp8rl_jax.trainer import load_policy
+        from fp8rl_jax.policy_io import load_policy
 
         model, params, fp8_state, kv_scales, tokenizer = load_policy(config, checkpoint)
     if params is None or model is None or tokenizer is None:

@@ -1,9 +1,9 @@
-"""``python -m fp8rl_jax.serve``: the trainer's --config flag and friendly errors (``fp8rl_jax.main``), and the
+"""``python -m fp8rl_jax.serve``: the --config flag and friendly errors (``fp8rl_jax.cli``), and the
 server's own flags.
 
 Exit status: 0 stopped (SIGINT, SIGTERM); 2 bad input, said in one ``error:`` line (a flag, a config key or value, a
 port in use, a ``--checkpoint`` folder that does not exist (nothing is created) or holds no complete step, a model or
-tokenizer file that does not read: ``fp8rl_jax.main.bad_input_errors``); 1 anything else (a traceback)."""
+tokenizer file that does not read: ``fp8rl_jax.cli.bad_input_errors``); 1 anything else (a traceback)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,7 @@ import sys
 
 from absl import app, flags
 
-import fp8rl_jax.main as cli  # defines --config (and the trainer's --steps, --dry_run)
-from fp8rl_jax import serve
+from fp8rl_jax import cli, serve  # cli defines --config, --dry_run (and the trainer's --steps)
 
 _PORT = flags.DEFINE_integer("port", 9000, "gRPC port (0: any free one).", lower_bound=0, upper_bound=65535)
 _HOST = flags.DEFINE_string("host", serve.DEFAULT_HOST, "Interface to bind; 0.0.0.0 or :: exposes it (no auth).")
@@ -50,7 +49,7 @@ def main(argv) -> int:
 def _parse_flags(argv: list[str]) -> list[str]:
     if any(a in ("-h", "--help", "--helpshort", "-?") for a in argv[1:]):
         sys.exit(print(serve.__doc__, flags.FLAGS.main_module_help(), sep="\n"))
-    return cli._parse_flags(argv)
+    return cli.parse_flags(argv)
 
 
 if __name__ == "__main__":

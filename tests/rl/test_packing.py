@@ -27,10 +27,10 @@ from fp8rl_jax.fp8.policy import Precision
 from fp8rl_jax.fp8.recipe import update_state
 from fp8rl_jax.model import llama
 from fp8rl_jax.model.config import preset
+from fp8rl_jax.policy_io import right_pad
 from fp8rl_jax.rl import packing
 from fp8rl_jax.rl.packing import PackingPlan, first_fit_decreasing, pack, sequence_keys, unpack
 from fp8rl_jax.rl.step import LossConfig, make_calibrate, make_score, make_train_step
-from fp8rl_jax.trainer import right_pad
 
 pytestmark = pytest.mark.slow  # minutes on 2 cores: `make test-fast` leaves it out
 

@@ -17,12 +17,12 @@ from fp8rl_jax.fp8.policy import Precision
 from fp8rl_jax.fp8.recipe import update_state
 from fp8rl_jax.model import llama
 from fp8rl_jax.model.config import preset
+from fp8rl_jax.policy_io import right_pad
 from fp8rl_jax.rl.step import LossConfig, make_calibrate, make_score, make_train_step
 from fp8rl_jax.rollout import driver
 from fp8rl_jax.rollout.engine import Engine, EngineConfig
 from fp8rl_jax.rollout.exact import ExactSampler, sequence_width
 from fp8rl_jax.rollout.sampling import SamplingParams
-from fp8rl_jax.trainer import right_pad
 
 pytestmark = pytest.mark.slow  # minutes on 2 cores: `make test-fast` leaves it out
 
@@ -89,7 +89,7 @@ def test_exact_rollout_logprobs_equal_scoring_and_the_train_forward_bit_for_bit(
     sampled = _sampled_logp(batch)
     tokens = jnp.asarray(_rows(batch))
 
-    # the scoring program, a microbatch at a time (Trainer._score_all)
+    # the scoring program, a microbatch at a time (batches.score_right_padded)
     score = make_score(CONFIG, precision, 0.9)
     scored = jnp.concatenate([score(params, state["fp8_state"], state["kv_scales"], tokens[i : i + MICROBATCH])
                               for i in range(0, len(tokens), MICROBATCH)])
