@@ -31,6 +31,7 @@ from jetstream.core.proto import jetstream_pb2, jetstream_pb2_grpc  # noqa: E402
 from fp8rl_jax import serve  # noqa: E402
 from fp8rl_jax.config import load_config_file  # noqa: E402
 from fp8rl_jax.rollout import driver  # noqa: E402
+from fp8rl_jax.serve.server import has_ipv6_loopback  # noqa: E402
 
 pytestmark = pytest.mark.slow  # minutes on 2 cores: `make test-fast` leaves it out
 
@@ -308,21 +309,12 @@ def test_serves_a_trainer_checkpoint(tmp_path):
     assert text == want.removesuffix("<eos>") and text
 
 
-def _ipv6_loopback() -> bool:
-    try:
-        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as probe:
-            probe.bind(("::1", 0))
-    except OSError:
-        return False
-    return True
-
-
 def test_a_host_name_is_served_on_every_address_it_resolves_to():
     """``host="localhost"``, port 0: one port, bound on 127.0.0.1 and on ::1 (where there is IPv6)."""
     from fp8rl_jax.serve.server import bind_addresses
 
     addresses = bind_addresses("localhost")
-    assert "127.0.0.1" in addresses and ("::1" in addresses) == _ipv6_loopback(), addresses
+    assert "127.0.0.1" in addresses and ("::1" in addresses) == has_ipv6_loopback(), addresses
     assert bind_addresses("127.0.0.1") == ["127.0.0.1"] and bind_addresses("::") == ["::"]
     config = load_config_file(str(ROOT / "configs/tiny.py"), "bf16")
     with serve.build_server(config, host="localhost", port=0, greedy=True, max_concurrent_decodes=2,
@@ -343,7 +335,7 @@ def test_cli_refuses_a_host_name_one_of_whose_addresses_is_held():
     a host name resolves to must be bound, or the server does not start."""
     if "127.0.0.1" not in {a[4][0] for a in socket.getaddrinfo("localhost", None, type=socket.SOCK_STREAM)}:
         pytest.skip("localhost does not resolve to 127.0.0.1 here")
-    if not _ipv6_loopback():
+    if not has_ipv6_loopback():
         pytest.skip("no IPv6 loopback (::1) here: localhost resolves to one address only")
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as held:  # another server's port on 127.0.0.1 only
         held.bind(("127.0.0.1", 0))

@@ -305,7 +305,7 @@ def _is_address(host: str) -> bool:
     return True
 
 
-def _has_ipv6_loopback() -> bool:
+def has_ipv6_loopback() -> bool:
     try:
         with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as probe:
             probe.bind(("::1", 0))
@@ -328,7 +328,7 @@ def bind_addresses(host: str) -> list[str]:
     except socket.gaierror as e:
         raise OSError(f"cannot serve on {host}: the name does not resolve ({e.strerror or e})") from None
     if host.lower().rstrip(".") == "localhost" or host.lower().rstrip(".").endswith(".localhost"):
-        found += ["127.0.0.1", *(["::1"] if _has_ipv6_loopback() else [])]
+        found += ["127.0.0.1", *(["::1"] if has_ipv6_loopback() else [])]
     return list(dict.fromkeys(found))  # once each, in the resolver's order
 
 
