@@ -18,13 +18,15 @@ from collections.abc import Callable, Sequence
 import ml_collections
 
 from fp8rl_jax.errors import ConfigError  # defined there for the lower layers; still importable from here
+from fp8rl_jax.rl import advantages, importance, losses
 from fp8rl_jax.rl.microbatch import DEFAULT_MICROBATCH_TOKENS, longest_row_tokens
 
 PRECISION_MODES = ("bf16", "fp8_rollout", "fp8_e2e")
-ADVANTAGES = ("grpo", "drgrpo", "rloo")
-LOSS_AGGS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
-KL_ESTIMATORS = ("k1", "k3")
-IS_CORRECTIONS = ("none", "tis", "seq_tis", "mis", "icepop")
+# the allowed values of the RL keys, from the modules that own them
+ADVANTAGES = advantages.KINDS
+LOSS_AGGS = losses.AGGREGATIONS
+KL_ESTIMATORS = losses.KL_ESTIMATORS
+IS_CORRECTIONS = importance.KINDS
 SCHEDULES = ("constant", "cosine", "linear")
 
 

@@ -306,6 +306,7 @@ def _is_address(host: str) -> bool:
 
 
 def has_ipv6_loopback() -> bool:
+    """Whether this host can bind the IPv6 loopback, ::1 (what `localhost` also resolves to where it can)."""
     try:
         with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as probe:
             probe.bind(("::1", 0))
