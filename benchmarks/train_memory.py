@@ -30,7 +30,8 @@ from fp8rl_jax.fp8 import kv as kvq  # noqa: E402
 from fp8rl_jax.fp8.policy import from_config  # noqa: E402
 from fp8rl_jax.model import llama  # noqa: E402
 from fp8rl_jax.model.config import PRESETS  # noqa: E402
-from fp8rl_jax.rl.step import LossConfig, build_optimizer, make_calibrate, make_train_step  # noqa: E402
+from fp8rl_jax.plan import loss_config  # noqa: E402
+from fp8rl_jax.rl.step import build_optimizer, make_calibrate, make_train_step  # noqa: E402
 
 
 def _abstract(tree):
@@ -67,7 +68,7 @@ def main() -> None:
             b, t = map(int, shape.split("x"))
             t0 = time.perf_counter()
             if program == "train":
-                fn = make_train_step(model, precision, optimizer, LossConfig.from_config(c),
+                fn = make_train_step(model, precision, optimizer, loss_config(c),
                                      old_logp_from_forward=own, remat=c.model.remat)
                 f32 = jax.ShapeDtypeStruct((1, b, t), jnp.float32)
                 mb = {"tokens": jax.ShapeDtypeStruct((1, b, t), jnp.int32), "mask": f32, "rollout_logp": f32,

@@ -48,6 +48,7 @@ from fp8rl_jax.parallel import rules
 from fp8rl_jax.parallel.distributed import host_get, is_primary, place
 from fp8rl_jax.parallel.mesh import make_mesh, peak_memory_gib
 from fp8rl_jax.parallel.state import init_sharded
+from fp8rl_jax.plan import loss_config
 from fp8rl_jax.policy_io import ADDED_STATE, calibrate_state, initial_calibration, right_pad
 from fp8rl_jax.reporting import Reporter, compile_seconds, timed
 from fp8rl_jax.rl.advantages import group_advantages
@@ -55,7 +56,7 @@ from fp8rl_jax.rl.metrics import mismatch_metrics, step_record
 from fp8rl_jax.rl.microbatch import longest_row_tokens, microbatch_sequences
 from fp8rl_jax.rl.packing import PackingPlan
 from fp8rl_jax.rl.rewards import combined_rewards, reward_names
-from fp8rl_jax.rl.step import LossConfig, build_optimizer, make_calibrate, make_score, make_train_step
+from fp8rl_jax.rl.step import build_optimizer, make_calibrate, make_score, make_train_step
 from fp8rl_jax.rollout import exact
 from fp8rl_jax.rollout.sampler import Sampler
 from fp8rl_jax.rollout.sampling import SamplingParams
@@ -119,7 +120,7 @@ class Trainer:
         self.state_sharding = rules.state_shardings(self.state, self.mesh)
         self.state = place(self.state, self.state_sharding)  # the FP8 state, KV scales, key, counter: host values
         self.ref_params = jax.tree.map(jnp.copy, params) if c.rl.kl_coef > 0 else None
-        loss_cfg = LossConfig.from_config(c)
+        loss_cfg = loss_config(c)
         on_mesh = {"state_sharding": self.state_sharding}
         self._score = make_score(self.model, self.train_precision, loss_cfg.temperature, **on_mesh)
         # one minibatch per step: the old-policy logprobs are the loss's own forward (ratio exactly 1, no scoring)

@@ -113,7 +113,8 @@ def test_resume_never_refuses_a_workdir_holding_a_run_and_overwrite_clears_it(tm
 
 
 def test_overflowing_update_is_skipped_and_not_checkpointed(tmp_path):
-    from fp8rl_jax.rl.step import LossConfig, build_optimizer, make_train_step
+    from fp8rl_jax.plan import loss_config
+    from fp8rl_jax.rl.step import build_optimizer, make_train_step
 
     config = _config(tmp_path / "run", steps=1)
     trainer = Trainer(config)
@@ -122,7 +123,7 @@ def test_overflowing_update_is_skipped_and_not_checkpointed(tmp_path):
     optim.lr = math.inf
     optimizer, _ = build_optimizer(optim, 1)
     trainer._train_step = make_train_step(trainer.model, trainer.train_precision, optimizer,
-                                          LossConfig.from_config(config),
+                                          loss_config(config),
                                           old_logp_from_forward=trainer._own_old_logp)
     before = jax.device_get(trainer.state["params"])
     records = trainer.run()

@@ -48,14 +48,14 @@ from fp8rl_jax.xla_options import gpu_compiler_options
 
 @dataclasses.dataclass(frozen=True)
 class LossConfig:
-    """The static options of the loss (from ``config.rl``)."""
+    """The static options of the loss (built from ``config.rl`` by ``fp8rl_jax.plan.loss_config``)."""
 
     temperature: float = 1.0
     clip_low: float = 0.2
     clip_high: float = 0.2
     clip_ratio_c: float = 0.0  # dual-clip PPO's c (0 = off)
     loss_agg: str = "token_mean"
-    # seq_mean_token_sum_norm's constant (from_config: rl.loss_agg_norm, or rollout.max_new_tokens where that is 0);
+    # seq_mean_token_sum_norm's constant (plan.loss_config: rl.loss_agg_norm, or rollout.max_new_tokens where it is 0);
     # the train step refuses None with that aggregation (the fallback, the row width, differs between layouts)
     loss_agg_norm: float | None = None
     kl_coef: float = 0.0
@@ -64,15 +64,6 @@ class LossConfig:
     is_cap: float = 2.0
     mis_band: tuple[float, float] = MIS_BAND
     icepop_band: tuple[float, float] = ICEPOP_BAND
-
-    @classmethod
-    def from_config(cls, config) -> LossConfig:
-        rl = config.rl
-        return cls(temperature=config.rollout.temperature, clip_low=rl.clip_low, clip_high=rl.clip_high,
-                   clip_ratio_c=rl.clip_ratio_c, loss_agg=rl.loss_agg,
-                   loss_agg_norm=float(rl.loss_agg_norm or config.rollout.max_new_tokens), kl_coef=rl.kl_coef,
-                   kl_estimator=rl.kl_estimator, is_correction=rl.is_correction, is_cap=rl.is_cap,
-                   mis_band=(rl.mis_low, rl.mis_high), icepop_band=(rl.icepop_low, rl.icepop_high))
 
     @property
     def is_band(self) -> tuple[float, float]:
@@ -315,7 +306,7 @@ def make_train_step(model: LlamaConfig, precision: Precision, optimizer: optax.G
     packed = packed_sequences is not None
     if c.loss_agg == "seq_mean_token_sum_norm" and c.loss_agg_norm is None:
         raise ValueError("loss_agg='seq_mean_token_sum_norm' needs LossConfig.loss_agg_norm, the constant that divides "
-                         "each sequence's token sum (LossConfig.from_config sets rl.loss_agg_norm or "
+                         "each sequence's token sum (plan.loss_config sets rl.loss_agg_norm or "
                          "rollout.max_new_tokens)")
 
     def loss_fn(params, fp8_state, kv_scales, mb, num_tokens, num_sequences, hoisted):

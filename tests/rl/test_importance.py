@@ -118,8 +118,8 @@ def test_default_icepop_band_is_half_to_five():
 
 
 def test_config_bands_are_the_documented_defaults_and_reach_the_loss():
+    from fp8rl_jax.plan import loss_config
     from fp8rl_jax.rl.importance import ICEPOP_BAND, MIS_BAND
-    from fp8rl_jax.rl.step import LossConfig
 
     c = config.base_config()
     assert (c.rl.mis_low, c.rl.mis_high) == MIS_BAND == (0.999, 1.002)
@@ -127,9 +127,9 @@ def test_config_bands_are_the_documented_defaults_and_reach_the_loss():
     with c.unlocked():
         c.rl.mis_low, c.rl.mis_high, c.rl.icepop_low, c.rl.icepop_high = 0.99, 1.01, 0.25, 8.0
         c.rl.is_correction = "mis"
-        assert LossConfig.from_config(c).is_band == (0.99, 1.01)
+        assert loss_config(c).is_band == (0.99, 1.01)
         c.rl.is_correction = "icepop"
-        assert LossConfig.from_config(c).is_band == (0.25, 8.0)
+        assert loss_config(c).is_band == (0.25, 8.0)
 
 
 @pytest.mark.parametrize("key, value", [("top_p", 0.9), ("top_k", 50)])

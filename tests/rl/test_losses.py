@@ -62,15 +62,15 @@ def test_seq_mean_token_sum_norm_needs_a_positive_constant():
 
 
 def test_loss_agg_norm_reaches_the_loss_config():
-    from fp8rl_jax.rl.step import LossConfig
+    from fp8rl_jax.plan import loss_config
 
     c = config.base_config()
     c.rl.loss_agg = "seq_mean_token_sum_norm"
     config.validate(c)
-    assert c.rl.loss_agg_norm == 0 and LossConfig.from_config(c).loss_agg_norm == c.rollout.max_new_tokens
+    assert c.rl.loss_agg_norm == 0 and loss_config(c).loss_agg_norm == c.rollout.max_new_tokens
     c.rl.loss_agg_norm = 1024.0
     config.validate(c)
-    assert LossConfig.from_config(c).loss_agg_norm == 1024.0
+    assert loss_config(c).loss_agg_norm == 1024.0
     c.rl.loss_agg_norm = -1.0
     with pytest.raises(config.ConfigError, match=r"config\.rl\.loss_agg_norm=-1\.0"):
         config.validate(c)
@@ -337,13 +337,13 @@ def test_dual_clip_off_by_default_is_todays_loss_bit_for_bit():
 
 
 def test_clip_ratio_c_reaches_the_loss_config():
-    from fp8rl_jax.rl.step import LossConfig
+    from fp8rl_jax.plan import loss_config
 
     c = config.base_config()
-    assert c.rl.clip_ratio_c == 0.0 and LossConfig.from_config(c).clip_ratio_c == 0.0
+    assert c.rl.clip_ratio_c == 0.0 and loss_config(c).clip_ratio_c == 0.0
     c.rl.clip_ratio_c = 3.0
     config.validate(c)
-    assert LossConfig.from_config(c).clip_ratio_c == 3.0
+    assert loss_config(c).clip_ratio_c == 3.0
 
 
 @pytest.mark.parametrize("value", [1.0, 0.5, -3.0])

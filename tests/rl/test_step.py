@@ -117,7 +117,7 @@ def test_seq_mean_token_sum_norm_is_the_same_whatever_the_microbatches(params):
 
 def test_seq_mean_token_sum_norm_needs_its_constant_in_the_train_step():
     # without loss_agg_norm the constant would be the row width, which differs between the padded and the packed
-    # layouts (and includes the prompt): LossConfig.from_config sets it, a hand-built LossConfig must
+    # layouts (and includes the prompt): plan.loss_config sets it, a hand-built LossConfig must
     with pytest.raises(ValueError, match="loss_agg_norm"):
         make_train_step(CONFIG, F32, optax.sgd(0.0), LossConfig(loss_agg="seq_mean_token_sum_norm"))
 

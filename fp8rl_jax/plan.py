@@ -1,0 +1,21 @@
+"""The run's typed plan: the one place below ``main``/``trainer`` that reads the ``ConfigDict``.
+
+The lower layers (data, fp8, kernels, model, parallel, rl, rollout) take plain values or small frozen dataclasses
+(``LossConfig``, ``PackingPlan``, ``Precision``, ...); the functions here build those from a run's config, so a
+key's meaning is read in one place.
+"""
+
+from __future__ import annotations
+
+from fp8rl_jax.rl.step import LossConfig
+
+
+def loss_config(config) -> LossConfig:
+    """The static options of the loss, from ``config.rl`` (and ``rollout.temperature``; ``rl.loss_agg_norm`` 0
+    falls back to ``rollout.max_new_tokens``)."""
+    rl = config.rl
+    return LossConfig(temperature=config.rollout.temperature, clip_low=rl.clip_low, clip_high=rl.clip_high,
+                      clip_ratio_c=rl.clip_ratio_c, loss_agg=rl.loss_agg,
+                      loss_agg_norm=float(rl.loss_agg_norm or config.rollout.max_new_tokens), kl_coef=rl.kl_coef,
+                      kl_estimator=rl.kl_estimator, is_correction=rl.is_correction, is_cap=rl.is_cap,
+                      mis_band=(rl.mis_low, rl.mis_high), icepop_band=(rl.icepop_low, rl.icepop_high))
