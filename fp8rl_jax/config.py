@@ -430,7 +430,7 @@ def validate(c: ml_collections.ConfigDict, known_rewards: Callable[[], Sequence[
            f"0 (from rl.microbatch_tokens) or a divisor of the minibatch size {seqs // c.rl.minibatches}")
     _check(isinstance(c.rl.packing, bool), "rl.packing", c.rl.packing, "True or False")
     if c.rl.packing:
-        row = longest_row_tokens(c)  # one packed row's width
+        row = longest_row_tokens(c.data.max_prompt_tokens, c.rollout.max_new_tokens)  # one packed row's width
         _check(c.rl.microbatch_sequences > 0 or c.rl.microbatch_tokens == 0 or c.rl.microbatch_tokens >= row,
                "rl.microbatch_tokens", c.rl.microbatch_tokens,
                f">= {row} with rl.packing: one packed row holds data.max_prompt_tokens + rollout.max_new_tokens, "

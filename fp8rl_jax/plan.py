@@ -7,6 +7,7 @@ key's meaning is read in one place.
 
 from __future__ import annotations
 
+from fp8rl_jax.rl import microbatch
 from fp8rl_jax.rl.step import LossConfig
 
 
@@ -19,3 +20,20 @@ def loss_config(config) -> LossConfig:
                       loss_agg_norm=float(rl.loss_agg_norm or config.rollout.max_new_tokens), kl_coef=rl.kl_coef,
                       kl_estimator=rl.kl_estimator, is_correction=rl.is_correction, is_cap=rl.is_cap,
                       mis_band=(rl.mis_low, rl.mis_high), icepop_band=(rl.icepop_low, rl.icepop_high))
+
+
+def longest_row_tokens(config) -> int:
+    """``rl.microbatch.longest_row_tokens`` of ``data.max_prompt_tokens`` and ``rollout.max_new_tokens``."""
+    return microbatch.longest_row_tokens(config.data.max_prompt_tokens, config.rollout.max_new_tokens)
+
+
+def microbatch_sequences(config, minibatch: int, row_tokens: int) -> int:
+    """``rl.microbatch.microbatch_sequences`` with ``rl.microbatch_tokens`` and ``rl.microbatch_sequences``."""
+    return microbatch.microbatch_sequences(minibatch, row_tokens, budget_tokens=config.rl.microbatch_tokens,
+                                           sequences=config.rl.microbatch_sequences)
+
+
+def microbatch_source(config) -> str:
+    """Which key set the microbatch, for messages (``rl.microbatch.microbatch_source``)."""
+    return microbatch.microbatch_source(budget_tokens=config.rl.microbatch_tokens,
+                                        sequences=config.rl.microbatch_sequences)

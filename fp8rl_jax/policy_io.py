@@ -17,7 +17,8 @@ from fp8rl_jax.fp8.policy import Precision, from_config
 from fp8rl_jax.fp8.recipe import update_state
 from fp8rl_jax.model import llama
 from fp8rl_jax.model.loading import load_model
-from fp8rl_jax.rl.microbatch import ROW_MULTIPLE, bucket_width, microbatch_sequences, row_width
+from fp8rl_jax.plan import microbatch_sequences
+from fp8rl_jax.rl.microbatch import ROW_MULTIPLE, bucket_width, row_width
 from fp8rl_jax.rl.step import build_optimizer, make_calibrate
 
 # train state that checkpoints of earlier versions may lack (``Checkpointer.restore``'s ``absent_ok``): the LM head's

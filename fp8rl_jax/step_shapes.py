@@ -10,7 +10,7 @@ from typing import Any
 from fp8rl_jax.fp8.policy import Precision
 from fp8rl_jax.model import llama
 from fp8rl_jax.model.config import LlamaConfig
-from fp8rl_jax.rl.microbatch import microbatch_sequences, microbatch_source
+from fp8rl_jax.plan import microbatch_sequences, microbatch_source
 from fp8rl_jax.rl.packing import PackingPlan
 
 

@@ -48,12 +48,11 @@ from fp8rl_jax.parallel import rules
 from fp8rl_jax.parallel.distributed import host_get, is_primary, place
 from fp8rl_jax.parallel.mesh import make_mesh, peak_memory_gib
 from fp8rl_jax.parallel.state import init_sharded
-from fp8rl_jax.plan import loss_config
+from fp8rl_jax.plan import longest_row_tokens, loss_config, microbatch_sequences
 from fp8rl_jax.policy_io import ADDED_STATE, calibrate_state, initial_calibration, right_pad
 from fp8rl_jax.reporting import Reporter, compile_seconds, timed
 from fp8rl_jax.rl.advantages import group_advantages
 from fp8rl_jax.rl.metrics import mismatch_metrics, step_record
-from fp8rl_jax.rl.microbatch import longest_row_tokens, microbatch_sequences
 from fp8rl_jax.rl.packing import PackingPlan
 from fp8rl_jax.rl.rewards import combined_rewards, reward_names
 from fp8rl_jax.rl.step import build_optimizer, make_calibrate, make_score, make_train_step

@@ -89,10 +89,10 @@ def row_width_note(longest: int, multiple: int = ROW_MULTIPLE) -> str:
             f"time{'s' if len(widths) > 1 else ''}")
 
 
-def longest_row_tokens(config) -> int:
+def longest_row_tokens(max_prompt_tokens: int, max_new_tokens: int) -> int:
     """The widest [rows, T] row the trainer can score or train: the longest prompt kept (``data.max_prompt_tokens``;
     longer ones are dropped) plus ``rollout.max_new_tokens``, padded up to a multiple of ``ROW_MULTIPLE``."""
-    return row_width(config.data.max_prompt_tokens + config.rollout.max_new_tokens)
+    return row_width(max_prompt_tokens + max_new_tokens)
 
 
 def largest_divisor_at_most(n: int, limit: int) -> int:
@@ -100,26 +100,25 @@ def largest_divisor_at_most(n: int, limit: int) -> int:
     return max((d for d in range(1, min(n, max(limit, 1)) + 1) if n % d == 0), default=1)
 
 
-def microbatch_sequences(config, minibatch: int, row_tokens: int) -> int:
+def microbatch_sequences(minibatch: int, row_tokens: int, *, budget_tokens: int, sequences: int) -> int:
     """Sequences per microbatch of a batch of ``minibatch`` rows of (at most) ``row_tokens`` tokens each.
 
-    ``rl.microbatch_sequences`` > 0 wins (the largest divisor of ``minibatch`` up to it: itself when it divides, as
-    ``config.validate`` requires of the train minibatch); else the largest divisor of ``minibatch`` whose rows fit
-    ``rl.microbatch_tokens`` tokens, at least 1; a budget of 0 takes the whole batch.
+    ``sequences`` (``rl.microbatch_sequences``) > 0 wins (the largest divisor of ``minibatch`` up to it: itself when
+    it divides, as ``config.validate`` requires of the train minibatch); else the largest divisor of ``minibatch``
+    whose rows fit ``budget_tokens`` (``rl.microbatch_tokens``) tokens, at least 1; a budget of 0 takes the whole
+    batch.
     """
     if minibatch < 1 or row_tokens < 1:
         raise ValueError(f"microbatch_sequences: minibatch={minibatch} and row_tokens={row_tokens} must be positive")
-    explicit = config.rl.microbatch_sequences
-    if explicit:
-        return largest_divisor_at_most(minibatch, explicit)
-    budget = config.rl.microbatch_tokens
-    if not budget:
+    if sequences:
+        return largest_divisor_at_most(minibatch, sequences)
+    if not budget_tokens:
         return minibatch
-    return largest_divisor_at_most(minibatch, budget // row_tokens)
+    return largest_divisor_at_most(minibatch, budget_tokens // row_tokens)
 
 
-def microbatch_source(config) -> str:
+def microbatch_source(*, budget_tokens: int, sequences: int) -> str:
     """Which key set the microbatch: for messages (``rl.microbatch_sequences=32``, ``rl.microbatch_tokens=32768``)."""
-    if config.rl.microbatch_sequences:
-        return f"rl.microbatch_sequences={config.rl.microbatch_sequences}"
-    return f"rl.microbatch_tokens={config.rl.microbatch_tokens}"
+    if sequences:
+        return f"rl.microbatch_sequences={sequences}"
+    return f"rl.microbatch_tokens={budget_tokens}"

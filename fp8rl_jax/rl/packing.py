@@ -90,7 +90,8 @@ class PackingPlan:
         microbatches exactly. Short sequences pack into few rows, where fewer rows a microbatch waste less (14
         rows for 11 used, 4 rows for 12): each step takes the option that costs least (``choose_rows``)."""
         c = config
-        width = longest_row_tokens(c)  # the widest row a step can make, so every packed row is this wide
+        # the widest row a step can make, so every packed row is this wide
+        width = longest_row_tokens(c.data.max_prompt_tokens, c.rollout.max_new_tokens)
         budget = c.rl.microbatch_tokens
         sequences = c.rollout.prompts_per_step * c.rollout.samples_per_prompt // c.rl.minibatches
         if c.rl.microbatch_sequences > 0:

@@ -13,8 +13,8 @@ from fp8rl_jax.fp8 import kv as kvq
 from fp8rl_jax.fp8.policy import Precision
 from fp8rl_jax.model import llama
 from fp8rl_jax.model.config import preset
+from fp8rl_jax.plan import longest_row_tokens, microbatch_sequences
 from fp8rl_jax.rl import microbatch
-from fp8rl_jax.rl.microbatch import longest_row_tokens, microbatch_sequences
 from fp8rl_jax.rl.step import make_calibrate
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -42,6 +42,7 @@ def _config(tokens: int, sequences: int = 0):
 ])
 def test_microbatch_sequences_by_hand(tokens, sequences, minibatch, row, expected):
     assert microbatch_sequences(_config(tokens, sequences), minibatch, row) == expected
+    assert microbatch.microbatch_sequences(minibatch, row, budget_tokens=tokens, sequences=sequences) == expected
 
 
 @pytest.mark.parametrize("prompt, new, expected", [
@@ -50,6 +51,7 @@ def test_longest_row_is_prompt_plus_completion_padded_to_32(prompt, new, expecte
     c = base_config()
     c.data.max_prompt_tokens, c.rollout.max_new_tokens = prompt, new
     assert longest_row_tokens(c) == expected
+    assert microbatch.longest_row_tokens(prompt, new) == expected
 
 
 SCALED_DEMO = {"rollout.prompts_per_step": 32, "rollout.samples_per_prompt": 8, "rollout.max_new_tokens": 256,
