@@ -8,6 +8,7 @@ key's meaning is read in one place.
 from __future__ import annotations
 
 from fp8rl_jax.rl import microbatch
+from fp8rl_jax.rl.packing import PackingPlan
 from fp8rl_jax.rl.step import LossConfig
 
 
@@ -37,3 +38,13 @@ def microbatch_source(config) -> str:
     """Which key set the microbatch, for messages (``rl.microbatch.microbatch_source``)."""
     return microbatch.microbatch_source(budget_tokens=config.rl.microbatch_tokens,
                                         sequences=config.rl.microbatch_sequences)
+
+
+def packing_plan(config, batch_devices: int = 1) -> PackingPlan:
+    """The packed layout's plan (``PackingPlan.build``): every row the longest a step can make
+    (``longest_row_tokens``), a minibatch's sequences, ``rl.microbatch_tokens`` and ``rl.microbatch_sequences``."""
+    rollout = config.rollout
+    return PackingPlan.build(width=longest_row_tokens(config),
+                             sequences=rollout.prompts_per_step * rollout.samples_per_prompt // config.rl.minibatches,
+                             budget_tokens=config.rl.microbatch_tokens,
+                             microbatch_sequences=config.rl.microbatch_sequences, batch_devices=batch_devices)

@@ -48,12 +48,11 @@ from fp8rl_jax.parallel import rules
 from fp8rl_jax.parallel.distributed import host_get, is_primary, place
 from fp8rl_jax.parallel.mesh import make_mesh, peak_memory_gib
 from fp8rl_jax.parallel.state import init_sharded
-from fp8rl_jax.plan import longest_row_tokens, loss_config, microbatch_sequences
+from fp8rl_jax.plan import longest_row_tokens, loss_config, microbatch_sequences, packing_plan
 from fp8rl_jax.policy_io import ADDED_STATE, calibrate_state, initial_calibration, right_pad
 from fp8rl_jax.reporting import Reporter, compile_seconds, timed
 from fp8rl_jax.rl.advantages import group_advantages
 from fp8rl_jax.rl.metrics import mismatch_metrics, step_record
-from fp8rl_jax.rl.packing import PackingPlan
 from fp8rl_jax.rl.rewards import combined_rewards, reward_names
 from fp8rl_jax.rl.step import build_optimizer, make_calibrate, make_score, make_train_step
 from fp8rl_jax.rollout import exact
@@ -100,7 +99,7 @@ class Trainer:
         self._step_packed = c.rl.packing  # whether this step's rows are packed (StepBatches.packed may decline)
         if c.rl.packing:
             batch_devices = self.mesh.shape["data"] * self.mesh.shape["fsdp"]  # the devices the rows split over
-            self.packing = PackingPlan.from_config(c, batch_devices)
+            self.packing = packing_plan(c, batch_devices)
         self.batches = StepBatches(self.tokenizer.pad_id or 0, self.row_tokens, self.minibatch, c.rl.minibatches,
                                    c.precision.kv_calibration_sequences, self.packing)
         self.reward_fns = config_list(c.reward.fns)

@@ -34,7 +34,7 @@ import numpy as np
 
 from fp8rl_jax.errors import ConfigError
 from fp8rl_jax.model.llama import row_segments
-from fp8rl_jax.rl.microbatch import ROW_MULTIPLE, longest_row_tokens
+from fp8rl_jax.rl.microbatch import ROW_MULTIPLE
 
 # what ``PackingPlan.choose_rows`` counts a microbatch's own cost at, in rows: a rough figure from the H100's llama1b
 # step at fixed lengths (16-row packed microbatches of 1,280 tokens against 32-row unpacked ones: about 36 ms more per
@@ -75,10 +75,13 @@ class PackingPlan:
         return self.with_rows(min((self.rows, *self.row_options), key=cost))
 
     @classmethod
-    def from_config(cls, config, batch_devices: int = 1) -> PackingPlan:
-        """The plan of a run: width from the longest possible row; rows ``rl.microbatch_sequences`` where set (the
-        unpacked layout's microbatch at its widest: the same memory), else from the token budget
-        ``rl.microbatch_tokens`` (0: no budget), no more than a minibatch has sequences, rounded down to a multiple
+    def build(cls, *, width: int, sequences: int, budget_tokens: int, microbatch_sequences: int,
+              batch_devices: int = 1) -> PackingPlan:
+        """The plan of a run (``fp8rl_jax.plan.packing_plan`` passes a config's values): rows ``width`` tokens wide
+        (the longest possible row, ``rl.microbatch.longest_row_tokens``), for minibatches of ``sequences``
+        sequences; rows ``microbatch_sequences`` (``rl.microbatch_sequences``) where set (the unpacked layout's
+        microbatch at its widest: the same memory), else from the token budget ``budget_tokens``
+        (``rl.microbatch_tokens``; 0: no budget), no more than a minibatch has sequences, rounded down to a multiple
         of ``batch_devices`` (the mesh's data x fsdp devices that split the rows) where it holds as many;
         microbatches for the worst case of one sequence per row. ``row_options``: divisors of a minibatch's
         sequences (multiples of ``batch_devices``), the largest under ``rows`` where it is fewer, then the largest
@@ -89,13 +92,9 @@ class PackingPlan:
         step ran 25% slower than unpacked (benchmarks/RESULTS.md, "Sequence packing"); a divisor fills its
         microbatches exactly. Short sequences pack into few rows, where fewer rows a microbatch waste less (14
         rows for 11 used, 4 rows for 12): each step takes the option that costs least (``choose_rows``)."""
-        c = config
-        # the widest row a step can make, so every packed row is this wide
-        width = longest_row_tokens(c.data.max_prompt_tokens, c.rollout.max_new_tokens)
-        budget = c.rl.microbatch_tokens
-        sequences = c.rollout.prompts_per_step * c.rollout.samples_per_prompt // c.rl.minibatches
-        if c.rl.microbatch_sequences > 0:
-            rows = c.rl.microbatch_sequences
+        budget = budget_tokens
+        if microbatch_sequences > 0:
+            rows = microbatch_sequences
         elif budget == 0:
             rows = sequences
         elif budget < width:

@@ -27,6 +27,7 @@ from fp8rl_jax.fp8.policy import Precision
 from fp8rl_jax.fp8.recipe import update_state
 from fp8rl_jax.model import llama
 from fp8rl_jax.model.config import preset
+from fp8rl_jax.plan import packing_plan
 from fp8rl_jax.policy_io import right_pad
 from fp8rl_jax.rl import packing
 from fp8rl_jax.rl.packing import PackingPlan, first_fit_decreasing, pack, sequence_keys, unpack
@@ -92,10 +93,10 @@ def _config(max_prompt=16, max_new=12, budget=100, prompts=8, samples=8, minibat
 
 def test_plan_from_config():
     # a packed row is the widest row a step can make (rl.microbatch.longest_row_tokens): 16 + 12 up to 32
-    assert PackingPlan.from_config(_config(max_prompt=17, max_new=16)).width == 64
+    assert packing_plan(_config(max_prompt=17, max_new=16)).width == 64
     # 100 tokens hold 3 rows of 32; 64 sequences per minibatch need at most 64 rows: 22 microbatches; or 2 rows
     # (the largest divisor of 64 within 3), or 1 (within half of 2)
-    plan = PackingPlan.from_config(_config())
+    plan = packing_plan(_config())
     assert (plan.width, plan.rows, plan.microbatches, plan.max_segments, plan.sequences) == (32, 3, 22, 2, 64)
     assert plan.tokens == 96 and plan.row_options == (2, 1)
     assert plan.with_rows(2) == PackingPlan(32, 2, 32, 2, 64, (2, 1))
@@ -108,24 +109,24 @@ def test_plan_from_config():
     assert PackingPlan(1280, 25, 3, 8, 64, (16, 8)).choose_rows([64] * 4).rows == 16
     assert PackingPlan(2304, 14, 3, 8, 32, (8, 4, 2)).choose_rows([11, 12, 12, 13]).rows == 14
     # 7 rows of 32 in the budget: 7, 4, 2 or 1 (divisors of 64); 48 sequences (prompts=6): 7, 6, 3 or 1
-    assert PackingPlan.from_config(_config(budget=7 * 32)).row_options == (4, 2, 1)
-    assert PackingPlan.from_config(_config(budget=7 * 32, prompts=6)).row_options == (6, 3, 1)
-    plan = PackingPlan.from_config(_config(budget=7 * 32, prompts=6), batch_devices=4)
+    assert packing_plan(_config(budget=7 * 32)).row_options == (4, 2, 1)
+    assert packing_plan(_config(budget=7 * 32, prompts=6)).row_options == (6, 3, 1)
+    plan = packing_plan(_config(budget=7 * 32, prompts=6), batch_devices=4)
     assert (plan.rows, plan.row_options) == (4, ())  # 4 devices: no multiple of 4 within half of 4
     # rl.microbatch_sequences sets the rows (the budget is not asked); 0 tokens: no budget, a minibatch's rows
-    plan = PackingPlan.from_config(_config(budget=20, microbatch_sequences=32))
+    plan = packing_plan(_config(budget=20, microbatch_sequences=32))
     assert (plan.rows, plan.row_options) == (32, (16, 8, 4))
-    assert PackingPlan.from_config(_config(budget=0)).rows == 64
+    assert packing_plan(_config(budget=0)).rows == 64
     # rows split over 2 devices: 2 rows; 3 devices: no divisor of 64 is a multiple of 3, so 6 rows alone
-    plan = PackingPlan.from_config(_config(), batch_devices=2)
+    plan = packing_plan(_config(), batch_devices=2)
     assert (plan.rows, plan.row_options) == (2, ())
-    plan = PackingPlan.from_config(_config(budget=7 * 32), batch_devices=3)
+    plan = packing_plan(_config(budget=7 * 32), batch_devices=3)
     assert (plan.rows, plan.row_options) == (6, ())
     # never more rows than a minibatch has sequences (4 minibatches of 16)
-    plan = PackingPlan.from_config(_config(budget=1 << 20, minibatches=4))
+    plan = packing_plan(_config(budget=1 << 20, minibatches=4))
     assert (plan.rows, plan.microbatches) == (16, 1)
     with pytest.raises(ConfigError, match="rl.microbatch_tokens=20 is less than one packed row of 32 tokens"):
-        PackingPlan.from_config(_config(budget=20))
+        packing_plan(_config(budget=20))
 
 
 # ----------------------------------------------------------------------------------------------------------
