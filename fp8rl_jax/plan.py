@@ -10,6 +10,7 @@ from __future__ import annotations
 from fp8rl_jax.rl import microbatch
 from fp8rl_jax.rl.packing import PackingPlan
 from fp8rl_jax.rl.step import LossConfig
+from fp8rl_jax.rollout.sampler import SamplerSpec
 
 
 def loss_config(config) -> LossConfig:
@@ -48,3 +49,11 @@ def packing_plan(config, batch_devices: int = 1) -> PackingPlan:
                              sequences=rollout.prompts_per_step * rollout.samples_per_prompt // config.rl.minibatches,
                              budget_tokens=config.rl.microbatch_tokens,
                              microbatch_sequences=config.rl.microbatch_sequences, batch_devices=batch_devices)
+
+
+def sampler_spec(config) -> SamplerSpec:
+    """What a ``rollout.sampler.Sampler`` (and ``plan_decode_slots``) uses of ``config.rollout`` and ``config.data``."""
+    r = config.rollout
+    return SamplerSpec(decode_slots=r.decode_slots, tensor_parallel=r.tensor_parallel,
+                       max_prompt_tokens=config.data.max_prompt_tokens, max_new_tokens=r.max_new_tokens,
+                       decode_attention=r.decode_attention, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p)

@@ -48,7 +48,7 @@ from fp8rl_jax.parallel import rules
 from fp8rl_jax.parallel.distributed import host_get, is_primary, place
 from fp8rl_jax.parallel.mesh import make_mesh, peak_memory_gib
 from fp8rl_jax.parallel.state import init_sharded
-from fp8rl_jax.plan import longest_row_tokens, loss_config, microbatch_sequences, packing_plan
+from fp8rl_jax.plan import longest_row_tokens, loss_config, microbatch_sequences, packing_plan, sampler_spec
 from fp8rl_jax.policy_io import ADDED_STATE, calibrate_state, initial_calibration, right_pad
 from fp8rl_jax.reporting import Reporter, compile_seconds, timed
 from fp8rl_jax.rl.advantages import group_advantages
@@ -135,7 +135,7 @@ class Trainer:
                                          **on_mesh)
         # RL rollouts, sample() and evaluate() draw through one sampler: an engine per sampling setup
         held = {**self.state, "ref_params": self.ref_params}  # on the device while the rollout runs
-        self.sampler = Sampler(c, self.model, self.tokenizer, self.rollout_precision, self.mesh,
+        self.sampler = Sampler(sampler_spec(c), self.model, self.tokenizer, self.rollout_precision, self.mesh,
                                sequences=self.sequences, held=held)
         rl_sampling = SamplingParams(temperature=c.rollout.temperature, top_k=c.rollout.top_k, top_p=c.rollout.top_p)
         self.engine = self.sampler.engine(rl_sampling, c.rollout.max_new_tokens)

@@ -223,7 +223,7 @@ class _ScriptedSampler:
     """Stands in for ``rollout.sampler.Sampler``: each ``rollout`` returns the next scripted completions."""
 
     def __init__(self, *scripts: list[str]):
-        self.config = types.SimpleNamespace(rollout=types.SimpleNamespace(temperature=1.0, top_k=0, top_p=1.0))
+        self.spec = types.SimpleNamespace(temperature=1.0, top_k=0, top_p=1.0)
         self.scripts, self.calls = list(scripts), []
 
     def engine(self, sampling, max_new_tokens):

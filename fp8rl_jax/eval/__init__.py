@@ -73,7 +73,7 @@ def evaluate_policy(sampler, state: dict, records: Sequence, *, reward: str, max
         raise ValueError("no problems to evaluate")
     key = jax.random.PRNGKey(0) if key is None else key
     prompts = [r.prompt_ids for r in records]
-    rollout = sampler.config.rollout
+    rollout = sampler.spec  # the run's rollout.temperature, top_k, top_p
     # greedy decoding does not depend on the temperature: the config's keeps one engine for any --temperature
     greedy = sampler.rollout(sampler.engine(SamplingParams(temperature=rollout.temperature, greedy=True),
                                             max_new_tokens), state, prompts, 1, key)

@@ -232,6 +232,7 @@ def evaluate(config, values: dict, argv: list[str]) -> tuple[Path, dict]:
     from fp8rl_jax.model import llama
     from fp8rl_jax.model.sharded import load_model_sharded
     from fp8rl_jax.parallel.mesh import make_mesh
+    from fp8rl_jax.plan import sampler_spec
     from fp8rl_jax.policy_io import initial_calibration, right_pad
     from fp8rl_jax.rollout.sampler import Sampler
 
@@ -276,7 +277,7 @@ def evaluate(config, values: dict, argv: list[str]) -> tuple[Path, dict]:
     if prompts.dropped:
         print(f"{prompts.dropped} of {prompts.total} test prompts are longer than data.max_prompt_tokens="
               f"{c.data.max_prompt_tokens} and were dropped", flush=True)
-    sampler = Sampler(c, model, tokenizer, precision, mesh, sequences=len(prompts.records) * values["k"],
+    sampler = Sampler(sampler_spec(c), model, tokenizer, precision, mesh, sequences=len(prompts.records) * values["k"],
                       held=policy)
     seed = c.seed if values["seed"] is None else values["seed"]
     temperature = c.rollout.temperature if values["temperature"] is None else values["temperature"]

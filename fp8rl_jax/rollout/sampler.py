@@ -8,11 +8,13 @@ a trainer's sampler always samples its current policy.
 
 Its engines decode ``slot_plan.slots`` sequences at once (``rollout.slots``): ``rollout.decode_slots``, or with 0
 as many as the rollouts it is built for (``sequences``) that the device's memory holds beside ``held``, the state
-that stays on the device while it samples.
+that stays on the device while it samples. The config's values it uses come as a ``SamplerSpec``
+(``fp8rl_jax.plan.sampler_spec`` builds it).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -27,42 +29,55 @@ from fp8rl_jax.rollout.slots import SlotPlan, plan_slots, slot_bytes, tree_devic
 from fp8rl_jax.rollout.weights import rollout_params
 
 
-def plan_decode_slots(config, model: LlamaConfig, precision: Precision, mesh: jax.sharding.Mesh | None, *,
-                      sequences: int, held: dict) -> SlotPlan:
+@dataclasses.dataclass(frozen=True)
+class SamplerSpec:
+    """The run's settings a sampler uses (``fp8rl_jax.plan.sampler_spec`` reads them from the config)."""
+
+    decode_slots: int  # rollout.decode_slots (0: automatic, as many as the device memory holds)
+    tensor_parallel: int  # rollout.tensor_parallel
+    max_prompt_tokens: int  # data.max_prompt_tokens
+    max_new_tokens: int  # rollout.max_new_tokens
+    decode_attention: str  # rollout.decode_attention
+    temperature: float  # rollout.temperature
+    top_k: int  # rollout.top_k
+    top_p: float  # rollout.top_p
+
+
+def plan_decode_slots(spec: SamplerSpec, model: LlamaConfig, precision: Precision, mesh: jax.sharding.Mesh | None,
+                      *, sequences: int, held: dict) -> SlotPlan:
     """The decode slots of rollouts of ``sequences`` sequences (``rollout.slots.plan_slots``) for
-    ``config.rollout.decode_slots``, beside ``held`` (the policy state, ``params`` at least, that stays on the device)
-    and the rollout weights made from it."""
-    tp = config.rollout.tensor_parallel
+    ``spec.decode_slots``, beside ``held`` (the policy state, ``params`` at least, that stays on the device) and the
+    rollout weights made from it."""
+    tp = spec.tensor_parallel
     replicas = 1 if mesh is None else mesh.size // tp
     load = functools.partial(rollout_params, precision=precision, num_layers=model.num_layers)
     weights = jax.eval_shape(load, held["params"], held.get("fp8_state") if precision.fp8 else None)
     held_bytes = tree_device_bytes(held) + -(-tree_device_bytes(weights) // tp)
-    per_slot = slot_bytes(model, max_prompt_tokens=config.data.max_prompt_tokens,
-                          max_new_tokens=config.rollout.max_new_tokens, cache_dtype=llama.cache_dtype(precision),
-                          tensor_parallel=tp)
-    return plan_slots(config.rollout.decode_slots, sequences, slot_bytes=per_slot, held_bytes=held_bytes,
+    per_slot = slot_bytes(model, max_prompt_tokens=spec.max_prompt_tokens, max_new_tokens=spec.max_new_tokens,
+                          cache_dtype=llama.cache_dtype(precision), tensor_parallel=tp)
+    return plan_slots(spec.decode_slots, sequences, slot_bytes=per_slot, held_bytes=held_bytes,
                       replicas=replicas)
 
 
 class Sampler:
-    def __init__(self, config, model: LlamaConfig, tokenizer, precision: Precision,
+    def __init__(self, spec: SamplerSpec, model: LlamaConfig, tokenizer, precision: Precision,
                  mesh: jax.sharding.Mesh | None = None, *, sequences: int, held: dict):
         """``sequences``: how many sequences a rollout decodes (an RL step's prompts x samples); ``held``: the
         policy state that stays on the device while it samples (``params``, ``fp8_state``, ..., optimizer moments
         too), whose bytes and those of its rollout weights an automatic slot count leaves room for."""
-        self.config, self.model, self.tokenizer, self.precision, self.mesh = config, model, tokenizer, precision, mesh
+        self.spec, self.model, self.tokenizer, self.precision, self.mesh = spec, model, tokenizer, precision, mesh
         self._engines: dict[tuple[SamplingParams, int], Engine] = {}
-        self.slot_plan = plan_decode_slots(config, model, precision, mesh, sequences=sequences, held=held)
+        self.slot_plan = plan_decode_slots(spec, model, precision, mesh, sequences=sequences, held=held)
 
     def engine(self, sampling: SamplingParams, max_new_tokens: int) -> Engine:
         """The engine of one sampling setup, built once (each compiles its own steps at first use)."""
         key = (sampling, max_new_tokens)
         if key not in self._engines:
-            c = self.config
+            s = self.spec
             self._engines[key] = Engine(self.model, self.precision, EngineConfig(
-                max_concurrent_decodes=self.slot_plan.slots, max_prefill_length=c.data.max_prompt_tokens,
+                max_concurrent_decodes=self.slot_plan.slots, max_prefill_length=s.max_prompt_tokens,
                 max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=tuple(self.tokenizer.stop_ids),
-                decode_attention=c.rollout.decode_attention, tensor_parallel=c.rollout.tensor_parallel),
+                decode_attention=s.decode_attention, tensor_parallel=s.tensor_parallel),
                 mesh=self.mesh)
         return self._engines[key]
 

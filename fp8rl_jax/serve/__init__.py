@@ -154,6 +154,7 @@ def build_server(config, *, params: dict | None = None, fp8_state: dict | None =
     from fp8rl_jax.fp8.policy import from_config
     from fp8rl_jax.model import llama
     from fp8rl_jax.model.loading import load_model
+    from fp8rl_jax.plan import sampler_spec
     from fp8rl_jax.rollout.engine import Engine, EngineConfig
     from fp8rl_jax.rollout.sampler import plan_decode_slots
     from fp8rl_jax.rollout.sampling import SamplingParams
@@ -173,7 +174,7 @@ def build_server(config, *, params: dict | None = None, fp8_state: dict | None =
     r = config.rollout
     slots = max_concurrent_decodes or r.decode_slots
     if not slots:  # automatic: up to SERVE_SLOTS requests at once, as many as the device memory holds
-        slots = plan_decode_slots(config, model, precision, None, sequences=SERVE_SLOTS,
+        slots = plan_decode_slots(sampler_spec(config), model, precision, None, sequences=SERVE_SLOTS,
                                   held={"params": params, "fp8_state": fp8_state}).slots
         log.info("serving with %d decode slots (rollout.decode_slots=0: automatic, at most %d)", slots, SERVE_SLOTS)
     engine = Engine(model, precision, EngineConfig(
