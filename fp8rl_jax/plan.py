@@ -7,6 +7,7 @@ key's meaning is read in one place.
 
 from __future__ import annotations
 
+from fp8rl_jax.data.prompts import DataSpec
 from fp8rl_jax.rl import microbatch
 from fp8rl_jax.rl.packing import PackingPlan
 from fp8rl_jax.rl.step import LossConfig
@@ -57,3 +58,11 @@ def sampler_spec(config) -> SamplerSpec:
     return SamplerSpec(decode_slots=r.decode_slots, tensor_parallel=r.tensor_parallel,
                        max_prompt_tokens=config.data.max_prompt_tokens, max_new_tokens=r.max_new_tokens,
                        decode_attention=r.decode_attention, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p)
+
+
+def data_spec(config) -> DataSpec:
+    """What ``data.prompts`` uses of ``config.data`` (and ``config.seed``)."""
+    d = config.data
+    return DataSpec(dataset=d.dataset, max_prompt_tokens=d.max_prompt_tokens, prompt_format=d.prompt_format,
+                    system_prompt=d.system_prompt, train_path=d.train_path, eval_path=d.eval_path, digits=d.digits,
+                    seed=config.seed, shuffle=d.shuffle, num_eval=d.num_eval)

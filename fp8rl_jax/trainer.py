@@ -48,7 +48,7 @@ from fp8rl_jax.parallel import rules
 from fp8rl_jax.parallel.distributed import host_get, is_primary, place
 from fp8rl_jax.parallel.mesh import make_mesh, peak_memory_gib
 from fp8rl_jax.parallel.state import init_sharded
-from fp8rl_jax.plan import longest_row_tokens, loss_config, microbatch_sequences, packing_plan, sampler_spec
+from fp8rl_jax.plan import data_spec, longest_row_tokens, loss_config, microbatch_sequences, packing_plan, sampler_spec
 from fp8rl_jax.policy_io import ADDED_STATE, calibrate_state, initial_calibration, right_pad
 from fp8rl_jax.reporting import Reporter, compile_seconds, timed
 from fp8rl_jax.rl.advantages import group_advantages
@@ -87,7 +87,7 @@ class Trainer:
         self.model, params, self.tokenizer = load_model_sharded(c, self.mesh)
         check_fits_model(c, self.model.max_position_embeddings,
                          f"preset {c.model.preset!r}" if c.model.source == "preset" else c.model.source)
-        self.prompts = prompt_iterator(c, self.tokenizer, "train")
+        self.prompts = prompt_iterator(data_spec(c), self.tokenizer, "train")
         self.group = c.rollout.samples_per_prompt
         self.sequences = c.rollout.prompts_per_step * self.group
         self.minibatch = self.sequences // c.rl.minibatches
@@ -442,7 +442,7 @@ class Trainer:
         completions' mean reward; with ``k`` > 1 also ``eval_mean@k`` over ``k`` samples at
         ``rollout.temperature``."""
         c = self.config
-        records = load_prompts(c, self.tokenizer, "test", limit=num or c.data.num_eval or 100).records
+        records = load_prompts(data_spec(c), self.tokenizer, "test", limit=num or c.data.num_eval or 100).records
         shapes = (f"{len(records)} problems x {k} completion(s) through {self.sampler.slot_plan.slots} decode slots of "
                   f"{c.data.max_prompt_tokens} + {c.rollout.max_new_tokens} positions")
         with out_of_memory_report("eval", shapes, lambda: self._knobs("eval")):

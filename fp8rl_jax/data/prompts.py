@@ -31,6 +31,23 @@ _READ_OPTIONS = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
 
 
 @dataclasses.dataclass(frozen=True)
+class DataSpec:
+    """The run's settings the prompts come from (``fp8rl_jax.plan.data_spec`` reads them from ``config.data`` and
+    ``config.seed``)."""
+
+    dataset: str  # data.dataset: gsm8k | a synthetic task
+    max_prompt_tokens: int  # data.max_prompt_tokens: longer prompts are dropped
+    prompt_format: str  # data.prompt_format: chat | plain
+    system_prompt: str  # data.system_prompt
+    train_path: str  # data.train_path (gsm8k; empty: the default file)
+    eval_path: str  # data.eval_path
+    digits: int  # data.digits (arithmetic tasks)
+    seed: int  # config.seed: the synthetic problems' and the default shuffle's
+    shuffle: bool  # data.shuffle (train)
+    num_eval: int  # data.num_eval (test: the first this many; 0 = all)
+
+
+@dataclasses.dataclass(frozen=True)
 class PromptRecord:
     id: str
     prompt_ids: tuple[int, ...]
@@ -69,53 +86,53 @@ def build_prompt(tokenizer, question: str, *, prompt_format: str, system_prompt:
     raise ValueError(f"prompt_format {prompt_format!r} is invalid; allowed: {' | '.join(PROMPT_FORMATS)}")
 
 
-def load_problems(config, split: str) -> tuple[list[gsm8k.Problem], str]:
-    """(problems, plain template) of ``config.data.dataset`` for ``split`` (train | test)."""
-    name = config.data.dataset
+def load_problems(spec: DataSpec, split: str) -> tuple[list[gsm8k.Problem], str]:
+    """(problems, plain template) of ``spec.dataset`` (``data.dataset``) for ``split`` (train | test)."""
+    name = spec.dataset
     if split not in SPLITS:
         raise ValueError(f"split {split!r} is invalid; allowed: {' | '.join(SPLITS)}")
     if name == "gsm8k":
-        path = config.data.train_path if split == "train" else config.data.eval_path
+        path = spec.train_path if split == "train" else spec.eval_path
         return gsm8k.load_gsm8k(path or gsm8k.default_gsm8k_path(split)), GSM8K_PLAIN_TEMPLATE
     if name in synthetic.TASKS:
-        kw = {"digits": config.data.digits} if name.startswith("arithmetic") else {}
-        return synthetic.synthetic_problems(name, config.seed, SYNTHETIC_SIZES[split], split, **kw), "{question}"
+        kw = {"digits": spec.digits} if name.startswith("arithmetic") else {}
+        return synthetic.synthetic_problems(name, spec.seed, SYNTHETIC_SIZES[split], split, **kw), "{question}"
     raise ValueError(f"config.data.dataset={name!r} is invalid; allowed: {' | '.join(DATASETS)}")
 
 
-def load_prompts(config, tokenizer, split: str = "train", limit: int | None = None) -> PromptSet:
+def load_prompts(spec: DataSpec, tokenizer, split: str = "train", limit: int | None = None) -> PromptSet:
     """Every prompt of ``split`` (of its first ``limit`` problems), tokenized, those over ``data.max_prompt_tokens``
     dropped and counted."""
-    problems, template = load_problems(config, split)
+    problems, template = load_problems(spec, split)
     problems = problems[:limit]
     if not problems:  # nothing to filter: not a max_prompt_tokens problem
-        raise ValueError(f"config.data.dataset={config.data.dataset!r}: the {split} split holds no problems")
-    max_tokens = config.data.max_prompt_tokens
+        raise ValueError(f"config.data.dataset={spec.dataset!r}: the {split} split holds no problems")
+    max_tokens = spec.max_prompt_tokens
     records = []
     for p in problems:
-        text, ids = build_prompt(tokenizer, p.question, prompt_format=config.data.prompt_format,
-                                 system_prompt=config.data.system_prompt, plain_template=template)
+        text, ids = build_prompt(tokenizer, p.question, prompt_format=spec.prompt_format,
+                                 system_prompt=spec.system_prompt, plain_template=template)
         if len(ids) <= max_tokens:
-            records.append(PromptRecord(p.id, ids, text, p.answer, config.data.dataset, p.question))
+            records.append(PromptRecord(p.id, ids, text, p.answer, spec.dataset, p.question))
     if not records:
         raise ValueError(f"config.data.max_prompt_tokens={max_tokens} drops all {len(problems)} {split} prompts of "
-                         f"{config.data.dataset}; raise it")
+                         f"{spec.dataset}; raise it")
     return PromptSet(tuple(records), len(problems) - len(records), len(problems))
 
 
-def prompt_dataset(config, tokenizer, split: str = "train", seed: int | None = None,
+def prompt_dataset(spec: DataSpec, tokenizer, split: str = "train", seed: int | None = None,
                    prompts: PromptSet | None = None) -> grain.MapDataset:
-    """Train: shuffled per epoch (``seed``, default ``config.seed``) and endless. Test: file order, one pass,
+    """Train: shuffled per epoch (``seed``, default ``spec.seed``) and endless. Test: file order, one pass,
     the first ``data.num_eval`` records if that is set."""
-    prompts = prompts if prompts is not None else load_prompts(config, tokenizer, split)
+    prompts = prompts if prompts is not None else load_prompts(spec, tokenizer, split)
     ds = grain.MapDataset.source(prompts.records)
     if split == "train":
-        if config.data.shuffle:
+        if spec.shuffle:
             # grain reseeds each epoch (seed + epoch), so every pass is a new permutation
-            ds = ds.shuffle(seed=config.seed if seed is None else seed)
+            ds = ds.shuffle(seed=spec.seed if seed is None else seed)
         return ds.repeat(None)
-    if config.data.num_eval > 0:
-        ds = ds.slice(slice(0, config.data.num_eval))
+    if spec.num_eval > 0:
+        ds = ds.slice(slice(0, spec.num_eval))
     return ds
 
 
@@ -144,10 +161,10 @@ class PromptIterator:
         self._it.set_state(from_json_safe(state))
 
 
-def prompt_iterator(config, tokenizer, split: str = "train", seed: int | None = None) -> PromptIterator:
+def prompt_iterator(spec: DataSpec, tokenizer, split: str = "train", seed: int | None = None) -> PromptIterator:
     """The trainer's entry point: load, tokenize, filter, and iterate ``split``."""
-    prompts = load_prompts(config, tokenizer, split)
-    ds = prompt_dataset(config, tokenizer, split, seed, prompts)
+    prompts = load_prompts(spec, tokenizer, split)
+    ds = prompt_dataset(spec, tokenizer, split, seed, prompts)
     return PromptIterator(ds, dropped=prompts.dropped, total=prompts.total)
 
 

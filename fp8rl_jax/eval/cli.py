@@ -232,7 +232,7 @@ def evaluate(config, values: dict, argv: list[str]) -> tuple[Path, dict]:
     from fp8rl_jax.model import llama
     from fp8rl_jax.model.sharded import load_model_sharded
     from fp8rl_jax.parallel.mesh import make_mesh
-    from fp8rl_jax.plan import sampler_spec
+    from fp8rl_jax.plan import data_spec, sampler_spec
     from fp8rl_jax.policy_io import initial_calibration, right_pad
     from fp8rl_jax.rollout.sampler import Sampler
 
@@ -265,7 +265,7 @@ def evaluate(config, values: dict, argv: list[str]) -> tuple[Path, dict]:
     elif not (fp8_missing or kv_missing):
         scales = "from the checkpoint"
     else:
-        records = prompt_iterator(c, tokenizer, "train").take(c.rollout.prompts_per_step)
+        records = prompt_iterator(data_spec(c), tokenizer, "train").take(c.rollout.prompts_per_step)
         tokens = right_pad([r.prompt_ids for r in records], tokenizer.pad_id or 0)
         policy = initial_calibration(c, model, precision, policy, tokens, fp8=fp8_missing, kv=kv_missing)
         what = " and ".join(name for name, missing in (("FP8", fp8_missing), ("KV-cache", kv_missing)) if missing)
@@ -273,7 +273,7 @@ def evaluate(config, values: dict, argv: list[str]) -> tuple[Path, dict]:
         scales = f"{what} scales calibrated on the first {len(records)} training prompts ({source})"
     print(f"precision: {c.precision.mode}, FP8 backend {backend} ({reason}); scales: {scales}", flush=True)
 
-    prompts = load_prompts(c, tokenizer, "test", limit=values["num"])
+    prompts = load_prompts(data_spec(c), tokenizer, "test", limit=values["num"])
     if prompts.dropped:
         print(f"{prompts.dropped} of {prompts.total} test prompts are longer than data.max_prompt_tokens="
               f"{c.data.max_prompt_tokens} and were dropped", flush=True)

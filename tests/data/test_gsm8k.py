@@ -11,6 +11,7 @@ import pytest
 from fp8rl_jax.config import base_config
 from fp8rl_jax.data import gsm8k, prompts
 from fp8rl_jax.model.tokenizer import char_tokenizer
+from fp8rl_jax.plan import data_spec
 
 
 def _write(path, rows):
@@ -152,9 +153,9 @@ def test_empty_train_file_is_named_by_the_trainers_loader(tmp_path, monkeypatch)
     c.data.dataset, c.data.prompt_format, c.data.train_path = "gsm8k", "plain", str(tmp_path / "empty.jsonl")
     (tmp_path / "empty.jsonl").write_text("")
     with pytest.raises(ValueError, match=r"empty\.jsonl: holds no problems") as err:
-        prompts.load_prompts(c, char_tokenizer(), "train")
+        prompts.load_prompts(data_spec(c), char_tokenizer(), "train")
     assert "max_prompt_tokens" not in str(err.value)
     # a dataset that yields nothing by any route is reported as such
     monkeypatch.setattr(prompts, "load_problems", lambda config, split: ([], "{question}"))
     with pytest.raises(ValueError, match="config.data.dataset='gsm8k': the train split holds no problems"):
-        prompts.load_prompts(c, char_tokenizer(), "train")
+        prompts.load_prompts(data_spec(c), char_tokenizer(), "train")

@@ -7,6 +7,7 @@ import pytest
 from fp8rl_jax.config import base_config
 from fp8rl_jax.data import prompts
 from fp8rl_jax.model.tokenizer import char_tokenizer
+from fp8rl_jax.plan import data_spec
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +65,7 @@ def test_plain_prompts(char_tok, smollm2_tokenizer):
 
 def test_gsm8k_chat_prompts_of_the_real_file(smollm2_tokenizer):
     c = _config("gsm8k", prompt_format="chat", max_prompt_tokens=256, system_prompt="Put the answer after ####.")
-    ps = prompts.load_prompts(c, smollm2_tokenizer, "test")
+    ps = prompts.load_prompts(data_spec(c), smollm2_tokenizer, "test")
     assert ps.total == 1319 and len(ps.records) + ps.dropped == 1319
     r = ps.records[0]
     assert r.task == "gsm8k" and r.answer == "18" and "Janet" in r.prompt_text
@@ -78,44 +79,45 @@ def test_long_prompts_are_dropped_and_counted(tmp_path, smollm2_tokenizer):
     limit = max(lengths[0], lengths[2])
     assert limit < min(lengths[1], lengths[3])  # the test's premise: two short prompts, two long
     c = _config("gsm8k", train_path=_gsm8k_file(tmp_path, questions), max_prompt_tokens=limit)
-    ps = prompts.load_prompts(c, smollm2_tokenizer)
+    ps = prompts.load_prompts(data_spec(c), smollm2_tokenizer)
     assert [r.answer for r in ps.records] == ["0", "2"] and (ps.dropped, ps.total) == (2, 4)
     assert ps.records[0].prompt_text == "Question: two\nAnswer:"
-    it = prompts.prompt_iterator(c, smollm2_tokenizer)
+    it = prompts.prompt_iterator(data_spec(c), smollm2_tokenizer)
     assert (it.dropped, it.total) == (2, 4)
     c.data.max_prompt_tokens = min(lengths) - 1
     with pytest.raises(ValueError, match=f"max_prompt_tokens={min(lengths) - 1} drops all 4"):
-        prompts.load_prompts(c, smollm2_tokenizer)
+        prompts.load_prompts(data_spec(c), smollm2_tokenizer)
 
 
 def test_train_stream_is_a_new_permutation_each_epoch(tmp_path, smollm2_tokenizer):
     path = _gsm8k_file(tmp_path, [f"q{i}" for i in range(6)])
-    it = prompts.prompt_iterator(_config("gsm8k", train_path=path, max_prompt_tokens=64), smollm2_tokenizer, seed=7)
+    it = prompts.prompt_iterator(data_spec(_config("gsm8k", train_path=path, max_prompt_tokens=64)), smollm2_tokenizer,
+                                 seed=7)
     epochs = [[r.answer for r in it.take(6)] for _ in range(5)]
     assert all(sorted(e) == [str(i) for i in range(6)] for e in epochs)  # each epoch: every record once
     assert len({tuple(e) for e in epochs}) > 1  # reshuffled, not one order repeated
     c = _config("gsm8k", train_path=path, max_prompt_tokens=64, shuffle=False)
-    unshuffled = prompts.prompt_iterator(c, smollm2_tokenizer)
+    unshuffled = prompts.prompt_iterator(data_spec(c), smollm2_tokenizer)
     assert [r.answer for r in unshuffled.take(8)] == ["0", "1", "2", "3", "4", "5", "0", "1"]
 
 
 def test_eval_stream_is_one_pass_in_order(tmp_path, smollm2_tokenizer):
     path = _gsm8k_file(tmp_path, [f"q{i}" for i in range(5)])
     c = _config("gsm8k", eval_path=path, max_prompt_tokens=64)
-    records = prompts.prompt_iterator(c, smollm2_tokenizer, "test").take(10)
+    records = prompts.prompt_iterator(data_spec(c), smollm2_tokenizer, "test").take(10)
     assert [r.answer for r in records] == ["0", "1", "2", "3", "4"]
     c.data.num_eval = 2
-    assert [r.answer for r in prompts.prompt_iterator(c, smollm2_tokenizer, "test")] == ["0", "1"]
+    assert [r.answer for r in prompts.prompt_iterator(data_spec(c), smollm2_tokenizer, "test")] == ["0", "1"]
 
 
 @pytest.mark.parametrize("dataset", ["pattern", "arithmetic"])
 def test_checkpoint_restore(char_tok, dataset):
     c = _config(dataset)
-    first = prompts.prompt_iterator(c, char_tok)
+    first = prompts.prompt_iterator(data_spec(c), char_tok)
     head = first.take(5)
     state = json.loads(json.dumps(first.get_state()))  # what a checkpoint stores must survive JSON
     a = first.take(3)
-    second = prompts.prompt_iterator(c, char_tok)
+    second = prompts.prompt_iterator(data_spec(c), char_tok)
     second.set_state(state)
     b = second.take(3)
     assert a == b and a != head[:3]
@@ -125,11 +127,11 @@ def test_checkpoint_restore(char_tok, dataset):
 def test_checkpoint_restore_across_an_epoch(tmp_path, smollm2_tokenizer):
     path = _gsm8k_file(tmp_path, [f"q{i}" for i in range(4)])
     c = _config("gsm8k", train_path=path, max_prompt_tokens=64)
-    first = prompts.prompt_iterator(c, smollm2_tokenizer)
+    first = prompts.prompt_iterator(data_spec(c), smollm2_tokenizer)
     first.take(3)
     state = first.get_state()
     a = first.take(6)
-    second = prompts.prompt_iterator(c, smollm2_tokenizer)
+    second = prompts.prompt_iterator(data_spec(c), smollm2_tokenizer)
     second.set_state(state)
     assert second.take(6) == a
 
@@ -143,6 +145,6 @@ def test_json_safe_state_round_trip():
 
 def test_unknown_dataset_and_split(char_tok):
     with pytest.raises(ValueError, match="split 'dev'"):
-        prompts.load_prompts(_config(), char_tok, "dev")
+        prompts.load_prompts(data_spec(_config()), char_tok, "dev")
     with pytest.raises(ValueError, match="config.data.dataset='math'"):
-        prompts.load_prompts(_config("math"), char_tok)
+        prompts.load_prompts(data_spec(_config("math")), char_tok)
