@@ -1,8 +1,10 @@
-"""The run's typed plan: the one place below ``main``/``trainer`` that reads the ``ConfigDict``.
+"""The run's typed plan: where the upper layers (trainer, policy_io, eval, serve) turn the ``ConfigDict`` into
+what the lower layers take.
 
 The lower layers (data, fp8, kernels, model, parallel, rl, rollout) take plain values or small frozen dataclasses
-(``LossConfig``, ``PackingPlan``, ``Precision``, ...); the functions here build those from a run's config, so a
-key's meaning is read in one place.
+(``LossConfig``, ``PackingPlan``, ``SamplerSpec``, ``DataSpec``, ...); the functions here build those from a run's
+config, so a key's meaning is read in one place. Not moved here yet: ``fp8.policy.from_config`` (``Precision``),
+``model.loading.load_model`` / ``load_tokenizer`` and ``model.sharded.load_model_sharded`` still take the config.
 """
 
 from __future__ import annotations
