@@ -69,8 +69,9 @@ def export_run(config, out: str | os.PathLike, *, checkpoint: str | None = None,
         raise ValueError("--step needs --checkpoint (the trainer's <workdir>/checkpoints)")
     else:
         from fp8rl_jax.model.loading import load_model
+        from fp8rl_jax.plan import model_spec
 
-        model, params, tokenizer = load_model(config)
+        model, params, tokenizer = load_model(model_spec(config))
     return export_hf(out, params, model, tokenizer, dtype)
 
 

@@ -4,12 +4,13 @@ what the lower layers take.
 The lower layers (data, fp8, kernels, model, parallel, rl, rollout) take plain values or small frozen dataclasses
 (``LossConfig``, ``PackingPlan``, ``SamplerSpec``, ``DataSpec``, ...); the functions here build those from a run's
 config, so a key's meaning is read in one place. Not moved here yet: ``fp8.policy.from_config`` (``Precision``),
-``model.loading.load_model`` / ``load_tokenizer`` and ``model.sharded.load_model_sharded`` still take the config.
+nothing else below the trainer takes the config.
 """
 
 from __future__ import annotations
 
 from fp8rl_jax.data.prompts import DataSpec
+from fp8rl_jax.model.loading import ModelSpec
 from fp8rl_jax.rl import microbatch
 from fp8rl_jax.rl.packing import PackingPlan
 from fp8rl_jax.rl.step import LossConfig
@@ -68,3 +69,10 @@ def data_spec(config) -> DataSpec:
     return DataSpec(dataset=d.dataset, max_prompt_tokens=d.max_prompt_tokens, prompt_format=d.prompt_format,
                     system_prompt=d.system_prompt, train_path=d.train_path, eval_path=d.eval_path, digits=d.digits,
                     seed=config.seed, shuffle=d.shuffle, num_eval=d.num_eval)
+
+
+def model_spec(config) -> ModelSpec:
+    """What ``model.loading`` and ``model.sharded`` use of ``config.model`` (and ``config.seed``)."""
+    m = config.model
+    return ModelSpec(source=m.source, tokenizer=m.tokenizer, param_dtype=m.param_dtype, preset=m.preset,
+                     num_layers=m.num_layers, preset_vocab=m.preset_vocab, init_std=m.init_std, seed=config.seed)

@@ -17,7 +17,7 @@ from fp8rl_jax.fp8.policy import Precision, from_config
 from fp8rl_jax.fp8.recipe import update_state
 from fp8rl_jax.model import llama
 from fp8rl_jax.model.loading import load_model
-from fp8rl_jax.plan import microbatch_sequences
+from fp8rl_jax.plan import microbatch_sequences, model_spec
 from fp8rl_jax.rl.microbatch import ROW_MULTIPLE, bucket_width, row_width
 from fp8rl_jax.rl.step import build_optimizer, make_calibrate
 
@@ -36,7 +36,7 @@ def restore_policy(config, directory: str | Path | None = None, step: int | None
     state is restored whole against an abstract template (no second copy of the model is built first).
     """
     directory = Path(directory) if directory else Path(config.workdir) / "checkpoints"
-    model, params, tokenizer = load_model(config)
+    model, params, tokenizer = load_model(model_spec(config))
     optimizer, _ = build_optimizer(config.optim, max(config.steps * config.rl.minibatches, 1))
     rollout = from_config(config, "rollout")
     like = {

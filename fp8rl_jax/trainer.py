@@ -48,7 +48,15 @@ from fp8rl_jax.parallel import rules
 from fp8rl_jax.parallel.distributed import host_get, is_primary, place
 from fp8rl_jax.parallel.mesh import make_mesh, peak_memory_gib
 from fp8rl_jax.parallel.state import init_sharded
-from fp8rl_jax.plan import data_spec, longest_row_tokens, loss_config, microbatch_sequences, packing_plan, sampler_spec
+from fp8rl_jax.plan import (
+    data_spec,
+    longest_row_tokens,
+    loss_config,
+    microbatch_sequences,
+    model_spec,
+    packing_plan,
+    sampler_spec,
+)
 from fp8rl_jax.policy_io import ADDED_STATE, calibrate_state, initial_calibration, right_pad
 from fp8rl_jax.reporting import Reporter, compile_seconds, timed
 from fp8rl_jax.rl.advantages import group_advantages
@@ -84,7 +92,7 @@ class Trainer:
             self.mesh = make_mesh(c.mesh)
         except ValueError as e:  # a mesh these devices cannot hold: the config's fault, said in one line
             raise ConfigError(str(e)) from None
-        self.model, params, self.tokenizer = load_model_sharded(c, self.mesh)
+        self.model, params, self.tokenizer = load_model_sharded(model_spec(c), self.mesh)
         check_fits_model(c, self.model.max_position_embeddings,
                          f"preset {c.model.preset!r}" if c.model.source == "preset" else c.model.source)
         self.prompts = prompt_iterator(data_spec(c), self.tokenizer, "train")

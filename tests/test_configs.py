@@ -92,11 +92,12 @@ def test_num_layers_cuts_a_preset_and_is_refused_for_a_file_model():
     import jax
 
     from fp8rl_jax.model.loading import load_model
+    from fp8rl_jax.plan import model_spec
 
     config = load_config_file(os.path.join(REPO, "configs", "tiny.py"))
     config.model.num_layers = 1
     validate(config)
-    arch, params, _ = load_model(config)
+    arch, params, _ = load_model(model_spec(config))
     assert arch.num_layers == 1
     assert {leaf.shape[0] for leaf in jax.tree.leaves(params["blocks"])} == {1}  # [L, ...] stacked
     config.model.num_layers = -1

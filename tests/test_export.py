@@ -86,8 +86,9 @@ def test_qwen2_initial_weights_export(tmp_path):
     out = export_run(config, tmp_path / "hf")
     assert json.loads((out / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
     from fp8rl_jax.model.loading import load_model
+    from fp8rl_jax.plan import model_spec
 
-    model, params, tokenizer = load_model(config)
+    model, params, tokenizer = load_model(model_spec(config))
     tokens = np.random.RandomState(0).randint(0, model.vocab_size, (2, 20))
     ours = llama.forward(params, jnp.asarray(tokens), config=model, precision=F32)[0]
     assert _relative(ours, _logits(out, tokens)) < 1e-4

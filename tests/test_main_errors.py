@@ -147,10 +147,11 @@ def test_smollm2_tokenizer_for_random_weights():
     """``model.tokenizer=smollm2``: the embedded model's tokenizer (SmolLM2's 49,152 tokens) for a preset."""
     from fp8rl_jax.config import base_config
     from fp8rl_jax.model.loading import load_tokenizer
+    from fp8rl_jax.plan import model_spec
 
     config = base_config()
     config.model.source, config.model.preset, config.model.tokenizer = "preset", "llama3_8b", "smollm2"
-    tokenizer = load_tokenizer(config.model, config.model.source)
+    tokenizer = load_tokenizer(model_spec(config), config.model.source)
     assert tokenizer.vocab_size == 49152
     assert tokenizer.decode(tokenizer.encode("What is 2+3?")).endswith("What is 2+3?")
 

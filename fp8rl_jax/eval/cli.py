@@ -232,7 +232,7 @@ def evaluate(config, values: dict, argv: list[str]) -> tuple[Path, dict]:
     from fp8rl_jax.model import llama
     from fp8rl_jax.model.sharded import load_model_sharded
     from fp8rl_jax.parallel.mesh import make_mesh
-    from fp8rl_jax.plan import data_spec, sampler_spec
+    from fp8rl_jax.plan import data_spec, model_spec, sampler_spec
     from fp8rl_jax.policy_io import initial_calibration, right_pad
     from fp8rl_jax.rollout.sampler import Sampler
 
@@ -250,7 +250,7 @@ def evaluate(config, values: dict, argv: list[str]) -> tuple[Path, dict]:
         except (json.JSONDecodeError, AttributeError, TypeError):
             checkpoint_mode = None
     else:
-        model, params, tokenizer = load_model_sharded(c, mesh)
+        model, params, tokenizer = load_model_sharded(model_spec(c), mesh)
         policy = {"params": params,
                   "fp8_state": llama.init_fp8_state(model, precision.replace(lm_head_fp8=c.precision.lm_head_fp8)),
                   "kv_scales": kvq.init_kv_scales(model.num_layers)}

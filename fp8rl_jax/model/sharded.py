@@ -25,26 +25,26 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from fp8rl_jax.model import llama, weights
-from fp8rl_jax.model.loading import load_model, load_tokenizer
+from fp8rl_jax.model.loading import ModelSpec, load_model, load_tokenizer
 from fp8rl_jax.parallel import rules
 
 
-def load_model_sharded(config, mesh: Mesh):
+def load_model_sharded(spec: ModelSpec, mesh: Mesh):
     """``loading.load_model`` with the params placed by the rules on ``mesh``:
     ``(architecture, params, tokenizer)``."""
-    source = config.model.source
+    source = spec.source
     if source not in ("preset", "smollm2") and not source.endswith(".gguf") and os.path.isdir(source):
-        arch, params = load_hf_sharded(source, mesh, dtype=config.model.param_dtype)
-        return arch, params, load_tokenizer(config.model, source)
+        arch, params = load_hf_sharded(source, mesh, dtype=spec.param_dtype)
+        return arch, params, load_tokenizer(spec, source)
     if source != "preset":
-        arch, params, tokenizer = load_model(config)
+        arch, params, tokenizer = load_model(spec)
         return arch, jax.device_put(params, rules.state_shardings(params, mesh)), tokenizer
 
     found = {}
 
     def init():
         # the architecture and tokenizer come out on the side (not arrays); only the params are traced
-        arch, params, tokenizer = load_model(config)
+        arch, params, tokenizer = load_model(spec)
         found.update(arch=arch, tokenizer=tokenizer)
         return params
 

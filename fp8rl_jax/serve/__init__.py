@@ -154,7 +154,7 @@ def build_server(config, *, params: dict | None = None, fp8_state: dict | None =
     from fp8rl_jax.fp8.policy import from_config
     from fp8rl_jax.model import llama
     from fp8rl_jax.model.loading import load_model
-    from fp8rl_jax.plan import sampler_spec
+    from fp8rl_jax.plan import model_spec, sampler_spec
     from fp8rl_jax.rollout.engine import Engine, EngineConfig
     from fp8rl_jax.rollout.sampler import plan_decode_slots
     from fp8rl_jax.rollout.sampling import SamplingParams
@@ -166,7 +166,7 @@ def build_server(config, *, params: dict | None = None, fp8_state: dict | None =
 
         model, params, fp8_state, kv_scales, tokenizer = load_policy(config, checkpoint)
     if params is None or model is None or tokenizer is None:
-        loaded = load_model(config)
+        loaded = load_model(model_spec(config))
         model, params, tokenizer = model or loaded[0], loaded[1] if params is None else params, tokenizer or loaded[2]
     if precision.fp8 and fp8_state is None:
         log.warning("serving an uncalibrated FP8 state (all scales 1): expect poor FP8 numerics")

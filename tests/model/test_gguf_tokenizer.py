@@ -284,10 +284,11 @@ def test_run_path_needs_neither_torch_nor_transformers(smollm2_pair, tmp_path):
         import fp8rl_jax.main, fp8rl_jax.trainer  # the demo's imports
         from fp8rl_jax.config import load_config_file
         from fp8rl_jax.model.loading import load_model
+        from fp8rl_jax.plan import model_spec
 
         config = load_config_file({str(REPO / "configs" / "smollm2_gsm8k.py")!r})
         config.model.param_dtype = "bfloat16"
-        arch, params, tok = load_model(config)
+        arch, params, tok = load_model(model_spec(config))
         chats = [tok.encode_chat([{{"role": "user", "content": q}}]) for q in {questions!r}]
         print(json.dumps({{"chats": chats, "vocab": [arch.vocab_size, tok.vocab_size], "stop": tok.stop_ids,
                           "loaded": sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "transformers"))}}))

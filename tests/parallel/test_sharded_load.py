@@ -20,6 +20,7 @@ from fp8rl_jax.model.loading import load_model
 from fp8rl_jax.model.sharded import load_model_sharded
 from fp8rl_jax.parallel import rules
 from fp8rl_jax.parallel.mesh import make_mesh
+from fp8rl_jax.plan import model_spec
 
 pytestmark = pytest.mark.slow  # minutes on 2 cores: `make test-fast` leaves it out
 
@@ -99,7 +100,7 @@ def _assert_same(params, ref, mesh):
 def test_loads_onto_the_shards_by_slices(tmp_path, monkeypatch, files, mesh_name):
     tensors = _write_checkpoint(tmp_path / "hf", ARCH, files)
     config = _config(tmp_path / "hf")
-    ref_arch, ref, _ = load_model(config)
+    ref_arch, ref, _ = load_model(model_spec(config))
     mesh = _mesh(mesh_name)
 
     def whole(*args, **kwargs):
@@ -107,7 +108,7 @@ def test_loads_onto_the_shards_by_slices(tmp_path, monkeypatch, files, mesh_name
 
     reads = _record_reads(monkeypatch)
     monkeypatch.setattr(weights, "load_hf", whole)
-    arch, params, tokenizer = load_model_sharded(config, mesh)
+    arch, params, tokenizer = load_model_sharded(model_spec(config), mesh)
     assert arch == ref_arch and tokenizer.vocab_size > 0
     _assert_same(params, ref, mesh)
     if mesh_name == "fsdp4_tensor2":
@@ -133,9 +134,9 @@ def test_bf16_checkpoint_with_biases_and_tied_embeddings(tmp_path, monkeypatch):
     mesh = _mesh("fsdp4_tensor2")
     for param_dtype in ("bfloat16", "float32"):
         config = _config(tmp_path / "hf", param_dtype)
-        _, ref, _ = load_model(config)
+        _, ref, _ = load_model(model_spec(config))
         reads = _record_reads(monkeypatch)
-        arch_got, params, _ = load_model_sharded(config, mesh)
+        arch_got, params, _ = load_model_sharded(model_spec(config), mesh)
         assert arch_got.qkv_bias and arch_got.tie_embeddings and "lm_head" not in params
         assert params["blocks"]["bqkv"].dtype == jax.numpy.dtype(param_dtype)
         _assert_same(params, ref, mesh)
@@ -157,9 +158,9 @@ def test_missing_tensor_is_named(tmp_path):
     save_file(kept, str(file))
     (folder / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(KeyError) as sharded:
-        load_model_sharded(_config(folder), _mesh("fsdp8"))
+        load_model_sharded(model_spec(_config(folder)), _mesh("fsdp8"))
     with pytest.raises(KeyError) as whole:
-        load_model(_config(folder))
+        load_model(model_spec(_config(folder)))
     assert sharded.value.args[0] == whole.value.args[0] == (
         f"{folder}: tensor {missing!r} not found in the safetensors files")
 
@@ -170,7 +171,7 @@ def test_misshapen_tensor_is_named(tmp_path):
     tensors["model.layers.2.self_attn.k_proj.weight"] = tensors["model.layers.2.self_attn.k_proj.weight"][:16]
     save_file(tensors, str(folder / "model.safetensors"))
     with pytest.raises(ValueError) as err:
-        load_model_sharded(_config(folder), _mesh("fsdp8"))
+        load_model_sharded(model_spec(_config(folder)), _mesh("fsdp8"))
     assert str(err.value) == (f"{folder / 'model.safetensors'}: tensor 'model.layers.2.self_attn.k_proj.weight' "
                               "has shape [16, 96], config.json implies [32, 96]")
 
@@ -178,9 +179,9 @@ def test_misshapen_tensor_is_named(tmp_path):
 def test_f32_checkpoint_loaded_as_bfloat16_rounds_like_load_model(tmp_path):
     _write_checkpoint(tmp_path / "hf", ARCH)
     config = _config(tmp_path / "hf", "bfloat16")
-    _, ref, _ = load_model(config)
+    _, ref, _ = load_model(model_spec(config))
     mesh = _mesh("fsdp4_tensor2")
-    _assert_same(load_model_sharded(config, mesh)[1], ref, mesh)
+    _assert_same(load_model_sharded(model_spec(config), mesh)[1], ref, mesh)
 
 
 def test_trainer_trains_from_a_hugging_face_folder_on_the_mesh(tmp_path):
@@ -198,7 +199,7 @@ def test_trainer_trains_from_a_hugging_face_folder_on_the_mesh(tmp_path):
     trainer = Trainer(config)
     params = trainer.state["params"]
     assert params["blocks"]["wqkv"].sharding.spec == P(None, "fsdp", "tensor")
-    _, ref, _ = load_model(config)
+    _, ref, _ = load_model(model_spec(config))
     np.testing.assert_array_equal(np.asarray(params["lm_head"]), np.asarray(ref["lm_head"]))
     record = trainer.run(1)[0]
     assert np.isfinite(record["loss"])

@@ -13,6 +13,7 @@ from fp8rl_jax.model.sharded import load_model_sharded
 from fp8rl_jax.parallel import rules
 from fp8rl_jax.parallel.mesh import make_mesh
 from fp8rl_jax.parallel.state import init_sharded
+from fp8rl_jax.plan import model_spec
 from fp8rl_jax.rl.step import build_optimizer
 
 TINY = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs", "tiny.py")
@@ -21,12 +22,12 @@ TINY = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.absp
 def test_random_init_on_the_mesh_draws_the_unsharded_values():
     config = load_config_file(TINY)
     mesh = make_mesh(ml_collections.ConfigDict({"data": 1, "fsdp": 4, "tensor": 2}))
-    arch, params, tokenizer = load_model_sharded(config, mesh)
-    ref_arch, _, _ = load_model(config)
+    arch, params, tokenizer = load_model_sharded(model_spec(config), mesh)
+    ref_arch, _, _ = load_model(model_spec(config))
     assert arch == ref_arch and tokenizer.vocab_size == arch.vocab_size
     # the threefry RNG is partitionable: each device draws its own shard of the very same numbers as one device
     # running the same jitted init (eager init may differ in the last bit: XLA fuses the scaling differently)
-    ref_params = jax.jit(lambda: load_model(config)[1])()
+    ref_params = jax.jit(lambda: load_model(model_spec(config))[1])()
     for (path, got), want in zip(jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(ref_params),
                                  strict=True):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=jax.tree_util.keystr(path))
