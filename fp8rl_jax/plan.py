@@ -2,9 +2,9 @@
 what the lower layers take.
 
 The lower layers (data, fp8, kernels, model, parallel, rl, rollout) take plain values or small frozen dataclasses
-(``LossConfig``, ``PackingPlan``, ``SamplerSpec``, ``DataSpec``, ...); the functions here build those from a run's
-config, so a key's meaning is read in one place. Not moved here yet: ``fp8.policy.from_config`` (``Precision``),
-nothing else below the trainer takes the config.
+(``LossConfig``, ``PackingPlan``, ``SamplerSpec``, ``DataSpec``, ``ModelSpec``, ...); the functions here build
+those from a run's config, so a key's meaning is read in one place. Not moved here yet: ``fp8.policy.from_config``
+(``Precision``) still takes the config; nothing else below the trainer does.
 """
 
 from __future__ import annotations
