@@ -27,10 +27,12 @@ import numpy as np  # noqa: E402
 
 from fp8rl_jax.config import load_config_file  # noqa: E402
 from fp8rl_jax.fp8 import kv as kvq  # noqa: E402
-from fp8rl_jax.fp8.policy import from_config  # noqa: E402
 from fp8rl_jax.model import llama  # noqa: E402
 from fp8rl_jax.model.config import PRESETS  # noqa: E402
-from fp8rl_jax.plan import loss_config  # noqa: E402
+from fp8rl_jax.plan import (
+    loss_config,  # noqa: E402
+    run_precision,  # noqa: E402
+)
 from fp8rl_jax.rl.step import build_optimizer, make_calibrate, make_train_step  # noqa: E402
 
 
@@ -54,7 +56,7 @@ def main() -> None:
     model = PRESETS[args.preset]
     if c.model.num_layers:  # --set model.num_layers=N: the preset cut to its first N blocks, as the trainer does
         model = dataclasses.replace(model, num_layers=c.model.num_layers)
-    precision = from_config(c, "train")
+    precision = run_precision(c, "train")
     optimizer, _ = build_optimizer(c.optim, 10)
     dtype = jnp.dtype(c.model.param_dtype)
     params = jax.eval_shape(lambda: llama.init_params(model, jax.random.PRNGKey(0), dtype))

@@ -3,13 +3,16 @@ what the lower layers take.
 
 The lower layers (data, fp8, kernels, model, parallel, rl, rollout) take plain values or small frozen dataclasses
 (``LossConfig``, ``PackingPlan``, ``SamplerSpec``, ``DataSpec``, ``ModelSpec``, ...); the functions here build
-those from a run's config, so a key's meaning is read in one place. Not moved here yet: ``fp8.policy.from_config``
-(``Precision``) still takes the config; nothing else below the trainer does.
+those from a run's config (``run_precision``: the ``Precision`` of the train or rollout forward), so a key's meaning is
+read in one place; nothing below the trainer reads the config.
 """
 
 from __future__ import annotations
 
+from fp8rl_jax.config import config_list
 from fp8rl_jax.data.prompts import DataSpec
+from fp8rl_jax.fp8.policy import Precision, resolve_backend
+from fp8rl_jax.fp8.recipe import Fp8Recipe
 from fp8rl_jax.model.loading import ModelSpec
 from fp8rl_jax.rl import microbatch
 from fp8rl_jax.rl.packing import PackingPlan
@@ -76,3 +79,32 @@ def model_spec(config) -> ModelSpec:
     m = config.model
     return ModelSpec(source=m.source, tokenizer=m.tokenizer, param_dtype=m.param_dtype, preset=m.preset,
                      num_layers=m.num_layers, preset_vocab=m.preset_vocab, init_std=m.init_std, seed=config.seed)
+
+
+def run_precision(config, role: str) -> Precision:
+    """The precision of the ``train`` (scoring and gradient) or ``rollout`` (sampling) forward.
+
+    ``precision.mode``: ``bf16`` -> BF16 both; ``fp8_rollout`` -> BF16 train, FP8 rollout (the common practice,
+    kept for comparison); ``fp8_e2e`` -> the same FP8 linears and scales, and the same KV-cache format, in both.
+    """
+    if role not in ("train", "rollout"):
+        raise ValueError(f"role={role!r}; allowed: train | rollout")
+    p = config.precision
+    fp8 = p.mode == "fp8_e2e" or (p.mode == "fp8_rollout" and role == "rollout")
+    recipe = Fp8Recipe(margin=p.margin, amax_history_len=p.amax_history_len,
+                       amax_compute_algo=p.amax_compute_algo, fp8_format=p.fp8_format, scaling=p.scaling)
+    return Precision(
+        backend=resolve_backend(p.backend) if fp8 else "bf16",
+        recipe=recipe,
+        compute_dtype=p.compute_dtype,
+        bf16_first_layers=p.bf16_first_layers,
+        bf16_last_layers=p.bf16_last_layers,
+        bf16_layers=config_list(p.bf16_layers, int),
+        bf16_linears=config_list(p.bf16_linears, str),
+        lm_head_fp8=p.lm_head_fp8 and fp8,
+        lm_head_grad_fp8=p.lm_head_grad_fp8 and fp8,
+        lm_head_recompute_fp8=p.lm_head_recompute_fp8 and fp8,
+        kv_cache_dtype=p.kv_cache_dtype if fp8 else p.compute_dtype,
+        residual_in_gemm=p.residual_in_gemm,
+        attention=p.attention,
+    )

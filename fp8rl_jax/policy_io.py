@@ -13,11 +13,11 @@ import numpy as np
 
 from fp8rl_jax.checkpoint import Checkpointer
 from fp8rl_jax.fp8 import kv as kvq
-from fp8rl_jax.fp8.policy import Precision, from_config
+from fp8rl_jax.fp8.policy import Precision
 from fp8rl_jax.fp8.recipe import update_state
 from fp8rl_jax.model import llama
 from fp8rl_jax.model.loading import load_model
-from fp8rl_jax.plan import microbatch_sequences, model_spec
+from fp8rl_jax.plan import microbatch_sequences, model_spec, run_precision
 from fp8rl_jax.rl.microbatch import ROW_MULTIPLE, bucket_width, row_width
 from fp8rl_jax.rl.step import build_optimizer, make_calibrate
 
@@ -38,7 +38,7 @@ def restore_policy(config, directory: str | Path | None = None, step: int | None
     directory = Path(directory) if directory else Path(config.workdir) / "checkpoints"
     model, params, tokenizer = load_model(model_spec(config))
     optimizer, _ = build_optimizer(config.optim, max(config.steps * config.rl.minibatches, 1))
-    rollout = from_config(config, "rollout")
+    rollout = run_precision(config, "rollout")
     like = {
         "params": params,
         "opt_state": jax.eval_shape(optimizer.init, params),

@@ -33,13 +33,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fp8rl_jax import plan
 from fp8rl_jax.batches import StepBatches, score_packed, score_right_padded
 from fp8rl_jax.checkpoint import Checkpointer, latest_complete_step
 from fp8rl_jax.config import ConfigError, check_fits_model, config_list, validate
 from fp8rl_jax.data.prompts import build_prompt, load_prompts, prompt_iterator
 from fp8rl_jax.eval import evaluate_policy
 from fp8rl_jax.fp8 import kv as kvq
-from fp8rl_jax.fp8.policy import choose_backend, from_config
+from fp8rl_jax.fp8.policy import choose_backend
 from fp8rl_jax.memory import DeviceOutOfMemory as DeviceOutOfMemory  # raised by Trainer: one line, phase and knobs
 from fp8rl_jax.memory import out_of_memory_report
 from fp8rl_jax.model import llama
@@ -48,15 +49,6 @@ from fp8rl_jax.parallel import rules
 from fp8rl_jax.parallel.distributed import host_get, is_primary, place
 from fp8rl_jax.parallel.mesh import make_mesh, peak_memory_gib
 from fp8rl_jax.parallel.state import init_sharded
-from fp8rl_jax.plan import (
-    data_spec,
-    longest_row_tokens,
-    loss_config,
-    microbatch_sequences,
-    model_spec,
-    packing_plan,
-    sampler_spec,
-)
 from fp8rl_jax.policy_io import ADDED_STATE, calibrate_state, initial_calibration, right_pad
 from fp8rl_jax.reporting import Reporter, compile_seconds, timed
 from fp8rl_jax.rl.advantages import group_advantages
@@ -84,30 +76,30 @@ class Trainer:
 
     def _build(self, c, report: bool) -> None:
         prepare_workdir(self.workdir, c.checkpoint.resume)
-        self.train_precision = from_config(c, "train")  # precision.backend=te where it cannot run fails here
-        self.rollout_precision = from_config(c, "rollout")
+        self.train_precision = plan.run_precision(c, "train")  # precision.backend=te where it cannot run fails here
+        self.rollout_precision = plan.run_precision(c, "rollout")
         self.backend, self.backend_reason = (choose_backend(c.precision.backend) if self.rollout_precision.fp8
                                              else ("bf16", "precision.mode=bf16: no FP8"))
         try:
             self.mesh = make_mesh(c.mesh)
         except ValueError as e:  # a mesh these devices cannot hold: the config's fault, said in one line
             raise ConfigError(str(e)) from None
-        self.model, params, self.tokenizer = load_model_sharded(model_spec(c), self.mesh)
+        self.model, params, self.tokenizer = load_model_sharded(plan.model_spec(c), self.mesh)
         check_fits_model(c, self.model.max_position_embeddings,
                          f"preset {c.model.preset!r}" if c.model.source == "preset" else c.model.source)
-        self.prompts = prompt_iterator(data_spec(c), self.tokenizer, "train")
+        self.prompts = prompt_iterator(plan.data_spec(c), self.tokenizer, "train")
         self.group = c.rollout.samples_per_prompt
         self.sequences = c.rollout.prompts_per_step * self.group
         self.minibatch = self.sequences // c.rl.minibatches
         # fixed here for the longest row the run can make: one microbatch shape per row width, whatever a step draws
-        self.row_tokens = longest_row_tokens(c)
-        self.microbatch = microbatch_sequences(c, self.minibatch, self.row_tokens)
+        self.row_tokens = plan.longest_row_tokens(c)
+        self.microbatch = plan.microbatch_sequences(c, self.minibatch, self.row_tokens)
         self.calibration_rows = min(c.precision.kv_calibration_sequences, self.sequences)  # what step() recalibrates on
         self.packing = None  # rl.packing: the [microbatches, rows, width] shape of a packed minibatch
         self._step_packed = c.rl.packing  # whether this step's rows are packed (StepBatches.packed may decline)
         if c.rl.packing:
             batch_devices = self.mesh.shape["data"] * self.mesh.shape["fsdp"]  # the devices the rows split over
-            self.packing = packing_plan(c, batch_devices)
+            self.packing = plan.packing_plan(c, batch_devices)
         self.batches = StepBatches(self.tokenizer.pad_id or 0, self.row_tokens, self.minibatch, c.rl.minibatches,
                                    c.precision.kv_calibration_sequences, self.packing)
         self.reward_fns = config_list(c.reward.fns)
@@ -126,7 +118,7 @@ class Trainer:
         self.state_sharding = rules.state_shardings(self.state, self.mesh)
         self.state = place(self.state, self.state_sharding)  # the FP8 state, KV scales, key, counter: host values
         self.ref_params = jax.tree.map(jnp.copy, params) if c.rl.kl_coef > 0 else None
-        loss_cfg = loss_config(c)
+        loss_cfg = plan.loss_config(c)
         on_mesh = {"state_sharding": self.state_sharding}
         self._score = make_score(self.model, self.train_precision, loss_cfg.temperature, **on_mesh)
         # one minibatch per step: the old-policy logprobs are the loss's own forward (ratio exactly 1, no scoring)
@@ -137,13 +129,13 @@ class Trainer:
         if self.packing:  # a step whose packed rows would run no fewer tokens runs right-padded (StepBatches.packed)
             self._train_step_packed = train_step(packed_sequences=self.minibatch)
         # after an update: FP8 observations only where training does not make them (fp8_rollout), and K/V amaxes
+        calibration_microbatch = plan.microbatch_sequences(c, self.calibration_rows, self.row_tokens)
         self._calibrate = make_calibrate(self.model, self.rollout_precision, c.precision.kv_margin,
                                          observe_fp8=not self.train_precision.fp8, remat=c.model.remat,
-                                         microbatch=microbatch_sequences(c, self.calibration_rows, self.row_tokens),
-                                         **on_mesh)
+                                         microbatch=calibration_microbatch, **on_mesh)
         # RL rollouts, sample() and evaluate() draw through one sampler: an engine per sampling setup
         held = {**self.state, "ref_params": self.ref_params}  # on the device while the rollout runs
-        self.sampler = Sampler(sampler_spec(c), self.model, self.tokenizer, self.rollout_precision, self.mesh,
+        self.sampler = Sampler(plan.sampler_spec(c), self.model, self.tokenizer, self.rollout_precision, self.mesh,
                                sequences=self.sequences, held=held)
         rl_sampling = SamplingParams(temperature=c.rollout.temperature, top_k=c.rollout.top_k, top_p=c.rollout.top_p)
         self.engine = self.sampler.engine(rl_sampling, c.rollout.max_new_tokens)
@@ -393,7 +385,7 @@ class Trainer:
         records = self.prompts.take(self.config.rollout.prompts_per_step)
         self.prompts.set_state(position)
         tokens = right_pad([r.prompt_ids for r in records], self.tokenizer.pad_id or 0)
-        rows = microbatch_sequences(self.config, *tokens.shape)
+        rows = plan.microbatch_sequences(self.config, *tokens.shape)
         shapes = (f"{len(tokens)} prompts in microbatches of {rows} x {tokens.shape[1]} tokens"
                   + (", forward and backward" if self.train_precision.fp8 else ""))
         with out_of_memory_report("initial calibration", shapes, lambda: self._knobs("initial calibration")):
@@ -450,7 +442,7 @@ class Trainer:
         completions' mean reward; with ``k`` > 1 also ``eval_mean@k`` over ``k`` samples at
         ``rollout.temperature``."""
         c = self.config
-        records = load_prompts(data_spec(c), self.tokenizer, "test", limit=num or c.data.num_eval or 100).records
+        records = load_prompts(plan.data_spec(c), self.tokenizer, "test", limit=num or c.data.num_eval or 100).records
         shapes = (f"{len(records)} problems x {k} completion(s) through {self.sampler.slot_plan.slots} decode slots of "
                   f"{c.data.max_prompt_tokens} + {c.rollout.max_new_tokens} positions")
         with out_of_memory_report("eval", shapes, lambda: self._knobs("eval")):

@@ -228,17 +228,17 @@ def evaluate(config, values: dict, argv: list[str]) -> tuple[Path, dict]:
     from fp8rl_jax.data.prompts import load_prompts, prompt_iterator
     from fp8rl_jax.eval import evaluate_policy
     from fp8rl_jax.fp8 import kv as kvq
-    from fp8rl_jax.fp8.policy import choose_backend, from_config
+    from fp8rl_jax.fp8.policy import choose_backend
     from fp8rl_jax.model import llama
     from fp8rl_jax.model.sharded import load_model_sharded
     from fp8rl_jax.parallel.mesh import make_mesh
-    from fp8rl_jax.plan import data_spec, model_spec, sampler_spec
+    from fp8rl_jax.plan import data_spec, model_spec, run_precision, sampler_spec
     from fp8rl_jax.policy_io import initial_calibration, right_pad
     from fp8rl_jax.rollout.sampler import Sampler
 
     c, start = config, time.perf_counter()
     checkpoint, step = values["checkpoint"], values["step"]
-    precision = from_config(c, "rollout")
+    precision = run_precision(c, "rollout")
     backend, reason = choose_backend(c.precision.backend) if precision.fp8 else ("bf16", "precision.mode=bf16: no FP8")
     mesh = make_mesh(c.mesh)
     checkpoint_mode = None

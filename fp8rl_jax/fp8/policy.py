@@ -6,7 +6,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from fp8rl_jax.config import ConfigError, config_list
+from fp8rl_jax.errors import ConfigError
 from fp8rl_jax.fp8.recipe import Fp8Recipe
 
 BACKENDS = ("bf16", "xla", "te")
@@ -133,32 +133,3 @@ def choose_backend(name: str) -> tuple[str, str]:
 def resolve_backend(name: str) -> str:
     """The FP8 backend ``precision.backend=name`` runs on (see ``choose_backend``)."""
     return choose_backend(name)[0]
-
-
-def from_config(config, role: str) -> Precision:
-    """The precision of the ``train`` (scoring and gradient) or ``rollout`` (sampling) forward.
-
-    ``precision.mode``: ``bf16`` -> BF16 both; ``fp8_rollout`` -> BF16 train, FP8 rollout (the common practice,
-    kept for comparison); ``fp8_e2e`` -> the same FP8 linears and scales, and the same KV-cache format, in both.
-    """
-    if role not in ("train", "rollout"):
-        raise ValueError(f"role={role!r}; allowed: train | rollout")
-    p = config.precision
-    fp8 = p.mode == "fp8_e2e" or (p.mode == "fp8_rollout" and role == "rollout")
-    recipe = Fp8Recipe(margin=p.margin, amax_history_len=p.amax_history_len,
-                       amax_compute_algo=p.amax_compute_algo, fp8_format=p.fp8_format, scaling=p.scaling)
-    return Precision(
-        backend=resolve_backend(p.backend) if fp8 else "bf16",
-        recipe=recipe,
-        compute_dtype=p.compute_dtype,
-        bf16_first_layers=p.bf16_first_layers,
-        bf16_last_layers=p.bf16_last_layers,
-        bf16_layers=config_list(p.bf16_layers, int),
-        bf16_linears=config_list(p.bf16_linears, str),
-        lm_head_fp8=p.lm_head_fp8 and fp8,
-        lm_head_grad_fp8=p.lm_head_grad_fp8 and fp8,
-        lm_head_recompute_fp8=p.lm_head_recompute_fp8 and fp8,
-        kv_cache_dtype=p.kv_cache_dtype if fp8 else p.compute_dtype,
-        residual_in_gemm=p.residual_in_gemm,
-        attention=p.attention,
-    )

@@ -151,16 +151,15 @@ def build_server(config, *, params: dict | None = None, fp8_state: dict | None =
 
         checkpoint = existing_checkpoint_folder(checkpoint)
     install_jetstream_compat()
-    from fp8rl_jax.fp8.policy import from_config
     from fp8rl_jax.model import llama
     from fp8rl_jax.model.loading import load_model
-    from fp8rl_jax.plan import model_spec, sampler_spec
+    from fp8rl_jax.plan import model_spec, run_precision, sampler_spec
     from fp8rl_jax.rollout.engine import Engine, EngineConfig
     from fp8rl_jax.rollout.sampler import plan_decode_slots
     from fp8rl_jax.rollout.sampling import SamplingParams
     from fp8rl_jax.serve.server import ServeEngine, ServerHandle
 
-    precision = from_config(config, "rollout")
+    precision = run_precision(config, "rollout")
     if checkpoint is not None:  # a trainer checkpoint: its params, FP8 state and KV scales
         from fp8rl_jax.policy_io import load_policy
 
