@@ -24,8 +24,7 @@ distribution pi_T, exactly (up to the f32 rounding of the block sums), with Gumb
 entries a row. Not the same draws as a one-level Gumbel-max from the same key. Each block's max and exp-sum come
 from one read of the logits (``block_stats``). Both measured against the earlier forms (``jax.random.categorical``
 over the row; a max, then a sum of exps over the block again), which were then removed: ``benchmarks/RESULTS.md``,
-sessions 26 and 27 ("The sampler draws a vocabulary block, then a token in it"; "The sampler's block statistics in
-one read").
+"Rollout throughput".
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ a mesh it runs under ``jax.shard_map`` over batch and kv heads. How it is launch
 (``EngineConfig.decode_tuning``).
 
 The design, each choice with its measurement, is in ``docs/decode_attention.md``; the numbers in
-``benchmarks/RESULTS.md`` (sessions 8-27, "The changes, each measured") and ``benchmarks/NOTES.md``.
+``benchmarks/RESULTS.md`` ("Decode attention kernel", "Rollout throughput").
 
 Letters: B batch, K kv heads, G query heads per kv head, H head dim, S cache positions, L layers.
 """
