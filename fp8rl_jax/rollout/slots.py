@@ -4,8 +4,7 @@ A decode slot is one sequence's room in the decode batch: its KV cache for every
 (``data.max_prompt_tokens + rollout.max_new_tokens``) in every layer, the prompt's own cache while its prefill waits
 to be inserted, and the step's f32 logits and sampling temporaries. The decode step is bound by reading the weights
 once for the whole batch, so a rollout of N sequences through fewer than N slots runs ceil(N / slots) waves of
-the same weight reads: 256 sequences through 8 slots took 32 waves, 6.6k tokens/s against 100k in one (an H100,
-SmolLM2-135M, issue 41).
+the same weight reads (benchmarks/RESULTS.md, "The scaled demo").
 
 ``decode_slots = 0`` (automatic, the default) takes every sequence of the step into the batch, up to what the
 device's memory holds for slots beside what stays there during the rollout: the train state (params, optimizer
