@@ -32,6 +32,11 @@ def _put_microbatch(out: jax.Array, value: jax.Array, mb: jax.Array, i: jax.Arra
     return out.at[mb, i].set(value)
 
 
+def _masked(batch, i: int) -> bool:
+    """Whether row ``i`` of ``batch`` must not train (dynamic sampling's filler: ``RolloutBatch.masked``)."""
+    return batch.masked is not None and bool(batch.masked[i])
+
+
 @dataclasses.dataclass
 class StepBatches:
     """How a ``Trainer`` lays out a step's rollout batch (prompt + completion rows, their completion masks, rollout
@@ -61,7 +66,7 @@ class StepBatches:
         rollout_logp = np.zeros(tokens.shape, np.float32)
         for i, p in enumerate(batch.prompt_index):
             prompt, done = records[p].prompt_ids, int(batch.lengths[i])
-            mask[i, len(prompt) : len(prompt) + done] = 1.0
+            mask[i, len(prompt) : len(prompt) + done] = 0.0 if _masked(batch, i) else 1.0
             rollout_logp[i, len(prompt) : len(prompt) + done] = batch.logprobs[i, :done]
         arrays = jax.device_put({"tokens": tokens, "mask": mask, "rollout_logp": rollout_logp})
         return {**arrays, "advantages": advantages.astype(jnp.float32)}
@@ -79,7 +84,8 @@ class StepBatches:
         masks, rollout_logp = [], []
         for i, p in enumerate(batch.prompt_index):
             prompt, done = len(records[p].prompt_ids), int(batch.lengths[i])
-            masks.append(np.concatenate([np.zeros(prompt, np.float32), np.ones(done, np.float32)]))
+            masks.append(np.concatenate([np.zeros(prompt, np.float32),
+                                         np.full(done, 0.0 if _masked(batch, i) else 1.0, np.float32)]))
             rollout_logp.append(np.concatenate([np.zeros(prompt, np.float32), batch.logprobs[i, :done]]))
         advantages = np.asarray(host_get(advantages), np.float32)
         pad = self.pad_id

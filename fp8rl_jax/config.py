@@ -120,8 +120,16 @@ def base_config() -> ml_collections.ConfigDict:
     # microbatch per token), so the sampler's logprobs equal the scoring program's bit for bit (rollout/exact.py);
     # precision.mode bf16 or fp8_e2e, one device
     c.rollout.exact = False
+    # asynchronous GRPO (rollout/stream.py): the rollout samples the next steps' batches while the trainer trains,
+    # with every token at most this many updates old when trained on (0 = the synchronous step, bit for bit);
+    # in-flight weight updates at fixed points of the schedule, so a run stays reproducible from its seed
+    c.rollout.max_staleness = 0
 
     c.rl = ml_collections.ConfigDict()
+    # DAPO's dynamic sampling: drop prompt groups whose rewards are all equal (no advantage, no gradient) and sample
+    # more prompts until the batch is full, up to dynamic_sampling_max_rounds x rollout.prompts_per_step prompts
+    c.rl.dynamic_sampling = False
+    c.rl.dynamic_sampling_max_rounds = 4
     c.rl.advantage = "grpo"  # grpo (std-normalised) | drgrpo (mean only) | rloo
     c.rl.clip_low = 0.2
     c.rl.clip_high = 0.2  # > clip_low = DAPO's clip-higher
@@ -346,6 +354,21 @@ def validate(c: ml_collections.ConfigDict, known_rewards: Callable[[], Sequence[
     _one_of(c, "model.preset_vocab", ("tokenizer", "preset"))
     _one_of(c, "rollout.decode_attention", ("auto", "pallas", "xla"))
     _check(isinstance(c.rollout.exact, bool), "rollout.exact", c.rollout.exact, "True or False")
+    staleness = c.rollout.max_staleness
+    _check(isinstance(staleness, int) and not isinstance(staleness, bool) and staleness >= 0,
+           "rollout.max_staleness", staleness, "an int >= 0 (0: synchronous)")
+    _check(isinstance(c.rl.dynamic_sampling, bool), "rl.dynamic_sampling", c.rl.dynamic_sampling, "True or False")
+    rounds = c.rl.dynamic_sampling_max_rounds
+    _check(isinstance(rounds, int) and not isinstance(rounds, bool) and rounds >= 1,
+           "rl.dynamic_sampling_max_rounds", rounds, "an int >= 1")
+    if staleness or c.rl.dynamic_sampling:
+        key, value = (("rollout.max_staleness", staleness) if staleness
+                      else ("rl.dynamic_sampling", c.rl.dynamic_sampling))
+        _check(not c.rollout.exact, key, value, "off with rollout.exact=True (the exact sampler draws one step's "
+               "batch with the trainer's own forward)")
+        _check(not staleness or c.precision.kv_cache_dtype == "bfloat16", key, value,
+               "0 with precision.kv_cache_dtype=float8_e4m3fn: a weight update mid-sequence brings new KV scales, "
+               "which would read the cache written under the old ones")
     _check(isinstance(c.precision.residual_in_gemm, bool), "precision.residual_in_gemm", c.precision.residual_in_gemm,
            "True or False")
     _check(not c.rollout.exact or c.precision.mode in ("bf16", "fp8_e2e"), "rollout.exact", c.rollout.exact,

@@ -18,6 +18,7 @@ from fp8rl_jax.rl import microbatch
 from fp8rl_jax.rl.packing import PackingPlan
 from fp8rl_jax.rl.step import LossConfig
 from fp8rl_jax.rollout.sampler import SamplerSpec
+from fp8rl_jax.rollout.stream import StreamPlan
 
 
 def loss_config(config) -> LossConfig:
@@ -108,3 +109,18 @@ def run_precision(config, role: str) -> Precision:
         residual_in_gemm=p.residual_in_gemm,
         attention=p.attention,
     )
+
+
+def streaming(config) -> bool:
+    """Whether the RL batches come from a rollout stream (``rollout.stream``): asynchronous (``rollout.max_staleness``
+    > 0) or dynamically sampled (``rl.dynamic_sampling``) runs; otherwise the synchronous step."""
+    return config.rollout.max_staleness > 0 or config.rl.dynamic_sampling
+
+
+def stream_plan(config, first: int, end: int, barriers=()) -> StreamPlan:
+    """The ``StreamPlan`` of batches ``first`` .. ``end - 1`` with checkpoint ``barriers``."""
+    return StreamPlan(prompts=config.rollout.prompts_per_step, samples=config.rollout.samples_per_prompt,
+                      max_staleness=config.rollout.max_staleness, first=first, end=end,
+                      dynamic_sampling=config.rl.dynamic_sampling,
+                      max_rounds=config.rl.dynamic_sampling_max_rounds if config.rl.dynamic_sampling else 1,
+                      barriers=frozenset(barriers))

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fp8rl_jax import plan
+from fp8rl_jax import plan, streaming
 from fp8rl_jax.batches import StepBatches, score_packed, score_right_padded
 from fp8rl_jax.checkpoint import Checkpointer, latest_complete_step
 from fp8rl_jax.config import ConfigError, check_fits_model, config_list, validate
@@ -153,6 +153,7 @@ class Trainer:
             minibatch=self.minibatch, microbatch=self.microbatch, row_tokens=self.row_tokens,
             calibration_rows=self.calibration_rows, packing=self.packing)
         self.bad_steps = 0
+        self.stream, self._restored_groups = None, None  # rollout.stream: a run()'s, and a checkpoint's queue
 
         self.checkpointer = Checkpointer(self.workdir / "checkpoints", keep=c.checkpoint.keep,
                                          async_save=c.checkpoint.async_save, save_every=c.checkpoint.every)
@@ -213,29 +214,25 @@ class Trainer:
 
     def step(self) -> dict:
         """One RL step; returns its metrics record (also logged). Arrays stay on the device from scoring on."""
+        if self.stream is None and plan.streaming(self.config):  # a stream of this one step (run() keeps one)
+            with self._streaming(1):
+                return self.step()
         c, times, t_start = self.config, {}, time.perf_counter()
         step = self.step_count
-        records = self.prompts.take(c.rollout.prompts_per_step)
-        key = jax.random.fold_in(self.state["rng"], step)
-
-        prompts = [r.prompt_ids for r in records]
-        if self.exact_sampler is not None:  # the trainer's own forward, on its own weights
+        if self.stream is not None:  # sampled ahead and judged by the stream: the wait is the trainer's idle time
             with self._phase(times, "rollout"):
-                batch = self.exact_sampler.rollout(self.state, prompts, self.group, key)
+                batch = self.stream.take(step)
+            records, rewards, per_fn = streaming.batch_rewards(batch)
+            per_row, extra = [records[p] for p in batch.prompt_index], streaming.stream_metrics(batch, step)
         else:
-            with self._phase(times, "weights"):  # the sampler's copy of the policy: FP8 kernels quantized once
-                params = jax.block_until_ready(self.sampler.weights(self.engine, self.state))
-            with self._phase(times, "rollout"):
-                batch = self.sampler.rollout(self.engine, self.state, prompts, self.group, key, params=params)
-            del params
+            records, batch = self._rollout(step, times)
+            with self._phase(times, "reward"):
+                per_row, extra = [records[p] for p in batch.prompt_index], {}
+                rewards, per_fn = combined_rewards(self.reward_fns, self.reward_weights, per_row,
+                                                   self.sampler.texts(batch))
         memory = {"rollout": peak_memory_gib()}  # None on CPU (no allocator statistics)
-
-        with self._phase(times, "reward"):
-            texts = self.sampler.texts(batch)
-            per_row = [records[p] for p in batch.prompt_index]
-            rewards, per_fn = combined_rewards(self.reward_fns, self.reward_weights, per_row, texts)
-            # [prompts * group] -> [prompts, group] -> advantages [prompts * group]
-            advantages = group_advantages(jnp.asarray(rewards).reshape(-1, self.group), c.rl.advantage).reshape(-1)
+        # [prompts * group] -> [prompts, group] -> advantages [prompts * group]
+        advantages = group_advantages(jnp.asarray(rewards).reshape(-1, self.group), c.rl.advantage).reshape(-1)
 
         # the minibatches' sequences: row order[mb * minibatch + i] of the batch is row i of minibatch mb
         order = np.random.default_rng([c.seed, step]).permutation(self.sequences)
@@ -290,6 +287,10 @@ class Trainer:
         memory["calibrate"] = peak_memory_gib()
         # placed like the restored counter: an uncommitted scalar would make the next train step compile again
         self.state["step"] = place(np.int32(step + 1), self.state_sharding["step"])
+        if self.stream is not None:  # version step + 1 to the rollout: quantized here, moved as FP8 bytes
+            with self._phase(times, "weights"):
+                self.stream.publish(step + 1, jax.block_until_ready(self.sampler.weights(self.engine, self.state)))
+            self.stream.forget(step)
         times["step"] = time.perf_counter() - t_start
 
         record = step_record(step, batch, per_row, rewards, per_fn, train_metrics, mismatch, times,
@@ -298,6 +299,7 @@ class Trainer:
                              packing=self._packing_record if self.packing else {})
         # device memory high-water mark (max over local devices) by the end of each phase; absent on CPU
         record.update({f"memory/{k}_peak_gib": v for k, v in memory.items() if v is not None})
+        record.update(extra)
         skipped = int(record["skipped_updates"])
         self.bad_steps = self.bad_steps + 1 if skipped else 0
         if self._eval_due(step + 1):  # in the step's record, so metrics.jsonl and TensorBoard have it
@@ -316,6 +318,19 @@ class Trainer:
         if self.checkpointer.should_save(step + 1):
             self.save()
         return record
+
+    def _rollout(self, step: int, times: dict) -> tuple[list, object]:
+        """The synchronous step's rollout: the step's prompts, sampled by the current policy."""
+        records = self.prompts.take(self.config.rollout.prompts_per_step)
+        key = jax.random.fold_in(self.state["rng"], step)
+        prompts = [r.prompt_ids for r in records]
+        if self.exact_sampler is not None:  # the trainer's own forward, on its own weights
+            with self._phase(times, "rollout"):
+                return records, self.exact_sampler.rollout(self.state, prompts, self.group, key)
+        with self._phase(times, "weights"):  # the sampler's copy of the policy: FP8 kernels quantized once
+            params = jax.block_until_ready(self.sampler.weights(self.engine, self.state))
+        with self._phase(times, "rollout"):
+            return records, self.sampler.rollout(self.engine, self.state, prompts, self.group, key, params=params)
 
     def _eval_due(self, step: int) -> bool:
         """Periodic evaluation (``data.num_eval`` problems every ``data.eval_every`` steps) is due after ``step``
@@ -347,13 +362,31 @@ class Trainer:
             record = {"step": 0, **self.evaluate()}
             with self._writing():
                 self.reporter.log(record, advance=False)
-        out = [self.step() for _ in range(count)]
+        with self._streaming(count) if count and plan.streaming(self.config) else contextlib.nullcontext():
+            out = [self.step() for _ in range(count)]
         if self.config.checkpoint.save_final:
             self.save(force=True)
         if self.config.logging.plots:
             with self._writing():  # while the final save may still be writing, on the same disk
                 self.reporter.plot()
         return out
+
+    @contextlib.contextmanager
+    def _streaming(self, count: int) -> Iterator[None]:
+        """The rollout stream of the next ``count`` steps (``plan.streaming`` runs), with a barrier at each
+        checkpoint step and at the last; in a thread of its own where the rollout has devices of its own, else
+        driven by ``step``. Closed after them: a later ``run`` starts a new one from the policy it finds."""
+        restored, self._restored_groups = self._restored_groups, None
+        self.stream = streaming.open_stream(self.config, self.sampler, self.engine, self.state, self.prompts,
+                                            judge=streaming.make_judge(self.tokenizer, self.reward_fns,
+                                                                       self.reward_weights),
+                                            first=self.step_count, count=count,
+                                            should_save=self.checkpointer.should_save, restored=restored)
+        try:
+            yield
+        finally:
+            self.stream.close()
+            self.stream = None
 
     @contextlib.contextmanager
     def _writing(self) -> Iterator[None]:
@@ -458,7 +491,14 @@ class Trainer:
     # -- checkpoints ----------------------------------------------------------------------------------------
 
     def save(self, force: bool = True) -> bool:
-        meta = {"step": self.step_count, "data_state": json.dumps(self.prompts.get_state()),
+        data_state, queued = self.prompts.get_state(), {}
+        if self.stream is not None:  # at a barrier: the untrained batches and the stream's data position
+            if self.step_count not in self.stream.plan.barriers:
+                raise ValueError(f"step {self.step_count}: a streamed run saves at its checkpoint steps "
+                                 f"(checkpoint.every) and at the end of run(), where nothing is in flight")
+            groups, data_state = self.stream.snapshot(self.step_count)
+            queued = {"stream_groups": streaming.encode_groups(groups)}
+        meta = {"step": self.step_count, "data_state": json.dumps(data_state), **queued,
                 "config": self.config.to_json(), "bad_steps": self.bad_steps, "precision_backend": self.backend}
         return self.checkpointer.save(self.step_count, self.state, meta, force=force)
 
@@ -467,6 +507,8 @@ class Trainer:
         self.state, meta = self.checkpointer.restore(step, like=self.state, absent_ok=ADDED_STATE)
         self.state = place(self.state, self.state_sharding)  # (a no-op but for uncommitted scalars)
         self.prompts.set_state(json.loads(meta["data_state"]))
+        # a streamed run's untrained batches, which the next run()'s stream starts from
+        self._restored_groups = streaming.decode_groups(meta["stream_groups"]) if "stream_groups" in meta else None
         self.bad_steps = int(meta.get("bad_steps", 0))
         if meta.get("absent"):  # an earlier version's checkpoint: what it lacks starts fresh, scaled by calibration
             self._initial_calibration()
@@ -480,6 +522,8 @@ class Trainer:
         reporter and releases the workdir; idempotent. After a failed save, the reporter's own write failure at
         close (TensorBoard's last flush on the same full disk) is dropped: the save's failure is the error."""
         try:
+            if self.stream is not None:
+                self.stream.close()
             self.checkpointer.close()
         finally:
             try:

@@ -37,6 +37,11 @@ class RolloutBatch:
     stats: dict[str, float]
     # the [rows, T] width the trainer must score the rows at (an exact rollout, ``rollout.exact``); 0 = any
     width: int = 0
+    # a stream's batch (``rollout.stream``): the policy version that sampled each token ([N, max_new], -1 past
+    # the end), the rows that must not train (dynamic sampling's filler), and its groups
+    versions: np.ndarray | None = None
+    masked: np.ndarray | None = None
+    groups: list | None = None
 
     def completion(self, i: int) -> np.ndarray:
         return self.tokens[i, : self.lengths[i]]
@@ -123,7 +128,7 @@ def generate(
             slots, rows = zip(*pairs, strict=True)
             batch, i = prefixes[p]
             # padded to n: one compiled insert (and key derivation) for any number of a prompt's samples
-            keys = _row_keys(rng, rows, n)[: len(rows)]
+            keys = row_keys(rng, rows, n)[: len(rows)]
             state = engine.insert_samples(batch, state, slots, keys, row=i, size=n)
             remaining[p] -= len(pairs)
             if remaining[p] == 0:
@@ -189,7 +194,7 @@ def _prefill(engine: Engine, params: dict, prompts: list[list[int]], needed: lis
                 padded[i, : len(prompts[p])] = prompts[p]
                 lengths[i] = len(prompts[p])
             # g keys: the padding prompts draw with fold_in(rng, 0), which nothing reads
-            batch = engine.prefill_batch(params, padded, lengths, _row_keys(rng, [2**30 + p for p in group], g))
+            batch = engine.prefill_batch(params, padded, lengths, row_keys(rng, [2**30 + p for p in group], g))
             out.update({p: (batch, i) for i, p in enumerate(group)})
     return out
 
@@ -199,7 +204,7 @@ def _fold_in_rows(rng: jax.Array, rows: jax.Array) -> jax.Array:
     return jax.vmap(lambda r: jax.random.fold_in(rng, r))(rows)
 
 
-def _row_keys(rng: jax.Array, rows, size: int) -> jax.Array:
+def row_keys(rng: jax.Array, rows, size: int) -> jax.Array:
     """``fold_in(rng, row)`` for each row, then for row 0 up to ``size`` keys ([size, 2] uint32), in one dispatch:
     one compiled program serves every count up to ``size``."""
     padded = np.zeros((max(size, len(rows)),), np.int32)
