@@ -2,7 +2,7 @@
 # One GPU session on the lent H100 (or an H200 host): install Transformer Engine and the project's wheels once, then
 # the stages named on the command line. Results land in $OUT (or ./gpu_out).
 #   usage: bash benchmarks/gpu_session.sh [install] [tests] [demo_scaled] [decode] [llama1b:MODE] [rollout1k] [gemm] [train] [e2e] [e2e_xla] [profile] [cluster_nb] [study] [rollout_xla] [rollout_head] [rollout_flags]
-#          [rollout8b] [agreement] [exact] [packed_attention] [e2e8b] [profile8b] [head_step] [headgrad] [multiprocess] [transpose] [swiglu] [fp8gemm]...
+#          [async] [rollout8b] [agreement] [exact] [packed_attention] [e2e8b] [profile8b] [head_step] [headgrad] [multiprocess] [transpose] [swiglu] [fp8gemm]...
 # TE arrives in pieces (see ../shared/gpu/README.md): .gpu/te/wheels + .gpu/install_te.sh, the core wheel's five
 # parts already copied to /root/te by earlier calls; the other wheels in .gpu/wheels; a tokenizer in .gpu/smollm2_tok.
 set -uo pipefail
@@ -108,6 +108,13 @@ EOF
     cluster_nb) # the cluster notebook on this host's GPUs (smollm2_gsm8k, FSDP over all of them), outputs kept
       FP8RL_NOTEBOOK_WORKDIR=/tmp/cluster_nb timeout ${NB_TIMEOUT:-300} python3 benchmarks/run_notebook.py \
         notebooks/cluster.ipynb "$OUT/cluster_executed.ipynb" 2>&1 | grep -v "^W\|Warn" | tail -5 ;;
+    async) # bench async: synchronous on all GPUs against the rollout on ASYNC_SPLITS GPUs, llama1b shapes (random
+      # weights), lognormal lengths of mean 0.3 x max_new_tokens
+      timeout ${ASYNC_TIMEOUT:-560} python3 -m fp8rl_jax.bench async --config configs/llama1b.py --set model.source=preset \
+        --set model.tokenizer=.gpu/smollm2_tok --set model.preset_vocab=preset --splits ${ASYNC_SPLITS:-0,1} \
+        --lengths ${ASYNC_LENGTHS:-lognormal:0.3,1.0} --warmup ${ASYNC_WARMUP:-2} --steps ${ASYNC_STEPS:-6} \
+        --timeout ${ASYNC_VARIANT_TIMEOUT:-270} ${ASYNC_ARGS:-} --out "$OUT/async_gpu.json" 2>&1 | grep -v "^W\|Warn" \
+        | tee "$OUT/async.log" | tail -8 ;;
     study) # the fidelity study (configs/smollm2_arith.py): every precision mode at once on this GPU, then the table
       name=${STUDY_NAME:-study}
       timeout 590 python3 benchmarks/accuracy_study.py --seeds ${STUDY_SEEDS:-0} --timeout ${STUDY_TIMEOUT:-480} --workdir /tmp/$name \

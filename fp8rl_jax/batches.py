@@ -71,6 +71,29 @@ class StepBatches:
         arrays = jax.device_put({"tokens": tokens, "mask": mask, "rollout_logp": rollout_logp})
         return {**arrays, "advantages": advantages.astype(jnp.float32)}
 
+    def train(self, train_step, state: dict, arrays: dict, order: np.ndarray, *, packed: bool,
+              microbatch: int) -> tuple[dict, list[dict]]:
+        """The step's ``minibatches`` updates by ``train_step`` over ``arrays`` (``packed``: [minibatches, ...]
+        arrays as ``packed`` lays them out; else right-padded rows, minibatch mb the rows ``order[mb * minibatch:]
+        [:minibatch]`` in microbatches of ``microbatch``): the new state and each update's metrics (host values).
+        With one minibatch the loss's own forward gives ``arrays["old_logp"]`` (set here, in ``arrays``' layout)."""
+        train_metrics, own_old_logp = [], []
+        for mb in range(self.minibatches):
+            if packed:
+                part = {k: v[mb] for k, v in arrays.items()}
+            else:
+                rows = order[mb * self.minibatch : (mb + 1) * self.minibatch]
+                # [minibatch, ...] -> [microbatches, microbatch, ...]
+                part = {k: v[rows].reshape(-1, microbatch, *v.shape[1:]) for k, v in arrays.items()}
+            state, metrics, *own = train_step(state, part)
+            own_old_logp += own  # one minibatch: the loss's own forward, [microbatches, microbatch (rows), T]
+            train_metrics.append(metrics)
+        if own_old_logp and packed:  # the packed layout of `arrays` itself
+            arrays["old_logp"] = own_old_logp[0][None]
+        elif own_old_logp:  # back to the order of `arrays`: row order[i] of the batch is row i of the minibatch
+            arrays["old_logp"] = own_old_logp[0].reshape(len(order), -1)[np.argsort(order)]
+        return state, host_get(train_metrics)
+
     def packed(self, records, batch, advantages: jax.Array, order: np.ndarray) -> tuple[tuple | None, dict]:
         """``rl.packing``: each minibatch's prompt + completion rows packed (``rl.packing.pack``; minibatch mb holds
         rows ``order[mb * minibatch:][:minibatch]`` of the batch, as unpacked), stacked into [minibatches,

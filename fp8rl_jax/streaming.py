@@ -24,20 +24,22 @@ from fp8rl_jax.rl.rewards import combined_rewards
 from fp8rl_jax.rollout.stream import Group, Stream
 
 
-def open_stream(config, sampler, engine, state: dict, prompts, *, judge, first: int, count: int, should_save,
-                restored: list[Group] | None) -> Stream:
-    """The stream of steps ``first`` .. ``first + count - 1`` from the policy ``state`` (version ``first``), with
-    a barrier at each checkpoint step (``should_save``) and at the last; ``restored``: a checkpoint's queue. In a
-    thread of its own where the rollout has devices of its own, else driven by ``Stream.take``."""
+def open_stream(trainer, count: int) -> Stream:
+    """The stream of ``trainer``'s (a ``Trainer``'s) next ``count`` steps from its policy (version: its step), with
+    a barrier at each checkpoint step and at the last, and the queue of the checkpoint it restored. In a thread of
+    its own where the rollout has devices of its own, else driven by ``Stream.take``."""
+    first = trainer.step_count
     end = first + count
-    barriers = {v for v in range(first + 1, end) if should_save(v)} | {end}
-    rng = jax.device_get(state["rng"])
+    barriers = {v for v in range(first + 1, end) if trainer.checkpointer.should_save(v)} | {end}
+    rng = jax.device_get(trainer.state["rng"])
     batch_key = functools.lru_cache(maxsize=None)(lambda b: jax.device_get(jax.random.fold_in(rng, b)))
-    weights = jax.block_until_ready(sampler.weights(engine, state))
-    stream = Stream(engine, plan.stream_plan(config, first, end, barriers), next_prompt=lambda: next(prompts),
-                    prompt_state=prompts.get_state, batch_key=batch_key, judge=judge, weights=weights,
-                    version=first, restored=[g for g in restored or () if g.batch >= first])
-    return stream
+    weights = jax.block_until_ready(trainer.sampler.weights(trainer.engine, trainer.state))
+    prompts = trainer.prompts
+    return Stream(trainer.engine, plan.stream_plan(trainer.config, first, end, barriers),
+                  next_prompt=lambda: next(prompts), prompt_state=prompts.get_state, batch_key=batch_key,
+                  judge=make_judge(trainer.tokenizer, trainer.reward_fns, trainer.reward_weights), weights=weights,
+                  version=first, restored=[g for g in trainer._restored_groups or () if g.batch >= first],
+                  limits=trainer.length_limits)
 
 
 def make_judge(tokenizer, reward_fns, reward_weights):

@@ -58,6 +58,7 @@ from fp8rl_jax.rl.step import build_optimizer, make_calibrate, make_score, make_
 from fp8rl_jax.rollout import exact
 from fp8rl_jax.rollout.sampler import Sampler
 from fp8rl_jax.rollout.sampling import SamplingParams
+from fp8rl_jax.startup import startup_notes
 from fp8rl_jax.step_shapes import StepShapes
 from fp8rl_jax.workdir import lock_workdir, prepare_workdir, write_run_json
 
@@ -154,6 +155,7 @@ class Trainer:
             calibration_rows=self.calibration_rows, packing=self.packing)
         self.bad_steps = 0
         self.stream, self._restored_groups = None, None  # rollout.stream: a run()'s, and a checkpoint's queue
+        self.length_limits = None  # benchmarks (bench async): the stream's samples stop at these lengths
 
         self.checkpointer = Checkpointer(self.workdir / "checkpoints", keep=c.checkpoint.keep,
                                          async_save=c.checkpoint.async_save, save_every=c.checkpoint.every)
@@ -170,27 +172,8 @@ class Trainer:
                                  resume_step=self.step_count, write=primary)
         if primary:
             write_run_json(self.workdir, c, self.step_count, self.backend, self.backend_reason)
-        self.reporter.message(f"precision: {c.precision.mode}, FP8 backend {self.backend} ({self.backend_reason})")
-        if self.exact_sampler is None:
-            self.reporter.message(self.sampler.slot_plan.describe())
-            if waves := self.sampler.slot_plan.waves_message():
-                self.reporter.message(waves)
-        self.reporter.message(self.batches.row_widths())
-        if self.restore_note:
-            self.reporter.message(self.restore_note)
-        if note := self.step_shapes.microbatches():
+        for note in startup_notes(self, resumed):
             self.reporter.message(note)
-        if self.exact_sampler is not None:
-            self.reporter.message("rollout.exact: the rollouts are drawn by the trainer's own forward")
-        if note := exact.cpu_flag_note(self.exact_sampler is not None):  # the Python API (the CLI sets the flag)
-            self.reporter.message(note)
-        if self._workdir_lock is not None and self._workdir_lock.took_over:
-            self.reporter.message(self._workdir_lock.took_over_message())
-        if resumed:
-            self.reporter.message(f"resumed from {self.workdir / 'checkpoints'} at step {self.step_count}")
-        if self.prompts.dropped:
-            self.reporter.message(f"{self.prompts.dropped} of {self.prompts.total} prompts are longer than "
-                                  f"data.max_prompt_tokens={c.data.max_prompt_tokens} and were dropped")
 
     @classmethod
     def from_file(cls, path: str, arg: str | None = None, **overrides) -> Trainer:
@@ -260,24 +243,9 @@ class Trainer:
         memory["score"] = peak_memory_gib()
 
         with self._phase(times, "train"):
-            train_metrics = []
-            own_old_logp = []
-            for mb in range(c.rl.minibatches):
-                if packed:
-                    minibatch = {k: v[mb] for k, v in arrays.items()}
-                    self.state, metrics, *own = self._train_step_packed(self.state, minibatch)
-                else:
-                    rows = order[mb * self.minibatch : (mb + 1) * self.minibatch]
-                    # [minibatch, ...] -> [microbatches, microbatch, ...]
-                    minibatch = {k: v[rows].reshape(-1, self.microbatch, *v.shape[1:]) for k, v in arrays.items()}
-                    self.state, metrics, *own = self._train_step(self.state, minibatch)
-                own_old_logp += own  # one minibatch: the loss's own forward, [microbatches, microbatch (rows), T]
-                train_metrics.append(metrics)
-            if own_old_logp and packed:  # the packed layout of `arrays` itself
-                arrays["old_logp"] = own_old_logp[0][None]
-            elif own_old_logp:  # back to the order of `arrays`: row order[i] of the batch is row i of the minibatch
-                arrays["old_logp"] = own_old_logp[0].reshape(self.sequences, -1)[np.argsort(order)]
-            train_metrics = host_get(train_metrics)
+            step_fn = self._train_step_packed if packed else self._train_step
+            self.state, train_metrics = self.batches.train(step_fn, self.state, arrays, order, packed=bool(packed),
+                                                           microbatch=self.microbatch)
         memory["train"] = peak_memory_gib()
         mismatch = host_get(mismatch_metrics(arrays["rollout_logp"], arrays["old_logp"], arrays["mask"]))
 
@@ -376,12 +344,7 @@ class Trainer:
         """The rollout stream of the next ``count`` steps (``plan.streaming`` runs), with a barrier at each
         checkpoint step and at the last; in a thread of its own where the rollout has devices of its own, else
         driven by ``step``. Closed after them: a later ``run`` starts a new one from the policy it finds."""
-        restored, self._restored_groups = self._restored_groups, None
-        self.stream = streaming.open_stream(self.config, self.sampler, self.engine, self.state, self.prompts,
-                                            judge=streaming.make_judge(self.tokenizer, self.reward_fns,
-                                                                       self.reward_weights),
-                                            first=self.step_count, count=count,
-                                            should_save=self.checkpointer.should_save, restored=restored)
+        self.stream, self._restored_groups = streaming.open_stream(self, count), None
         try:
             yield
         finally:
@@ -493,9 +456,6 @@ class Trainer:
     def save(self, force: bool = True) -> bool:
         data_state, queued = self.prompts.get_state(), {}
         if self.stream is not None:  # at a barrier: the untrained batches and the stream's data position
-            if self.step_count not in self.stream.plan.barriers:
-                raise ValueError(f"step {self.step_count}: a streamed run saves at its checkpoint steps "
-                                 f"(checkpoint.every) and at the end of run(), where nothing is in flight")
             groups, data_state = self.stream.snapshot(self.step_count)
             queued = {"stream_groups": streaming.encode_groups(groups)}
         meta = {"step": self.step_count, "data_state": json.dumps(data_state), **queued,

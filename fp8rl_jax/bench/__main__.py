@@ -24,6 +24,8 @@ BENCHMARKS = {
                   "rollout-vs-scoring logprob agreement and error vs f32 (SmolLM2, GSM8K)"),
     "collectives": ("fp8rl_jax.bench.collectives",
                     "collectives of the compiled decode program on 8 forced CPU devices, per mesh (no GPU needed)"),
+    "async": ("fp8rl_jax.bench.asynchronous",
+              "synchronous GRPO on all devices against asynchronous on the same devices split (lognormal lengths)"),
     "e2e": ("fp8rl_jax.bench.e2e",
             "whole GRPO steps per phase: bf16, bf16_cublas, fp8_rollout, fp8_e2e (a process each)"),
 }

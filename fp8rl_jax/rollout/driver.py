@@ -56,8 +56,11 @@ def generate(
     *,
     steps_per_sync: int = 8,
     progress: bool = False,
+    limits: np.ndarray | None = None,
 ) -> RolloutBatch:
-    """Sample ``n`` completions for each prompt (token id lists) with continuous batching."""
+    """Sample ``n`` completions for each prompt (token id lists) with continuous batching. ``limits`` ([prompts *
+    n] ints, benchmarks): row i finishes ("stop") once it has ``limits[i]`` tokens, as if it had sampled a stop
+    token there (random weights never do); its slot is then refilled as any finished row's."""
     cfg = engine.config
     total = len(prompts) * n
     max_new = cfg.max_new_tokens
@@ -82,9 +85,9 @@ def generate(
     prefill_s = 0.0
     generated = 0
 
-    def finish(row: int) -> None:
+    def finish(row: int, reason: str | None = None) -> None:
         last = out_tokens[row, lengths[row] - 1]
-        reasons[row] = "stop" if last in stop_ids else "length"
+        reasons[row] = reason or ("stop" if last in stop_ids else "length")
         if bar is not None:
             bar.update(1)
 
@@ -95,13 +98,16 @@ def generate(
             if row < 0 or reasons[row]:  # an idle slot, or a row that finished in an earlier chunk
                 continue
             steps = np.flatnonzero(valid[:, slot])
+            cut = limits is not None and lengths[row] + len(steps) >= limits[row]
+            if cut:
+                steps = steps[: max(int(limits[row] - lengths[row]), 0)]
             end = lengths[row] + len(steps)
             out_tokens[row, lengths[row]:end] = tokens[steps, slot]
             out_logprobs[row, lengths[row]:end] = logprobs[steps, slot]
             lengths[row] = end
             count += len(steps)
-            if done[slot]:
-                finish(row)
+            if done[slot] or cut:
+                finish(row, "stop" if cut else None)
                 if slot_row[slot] == row:
                     slot_row[slot] = -1
         return count

@@ -88,11 +88,11 @@ class Sampler:
                                   state["kv_scales"] if self.precision.kv_fp8 else None)
 
     def rollout(self, engine: Engine, state: dict, prompts: list, n: int, key: jax.Array,
-                params: dict | None = None) -> driver.RolloutBatch:
+                params: dict | None = None, limits=None) -> driver.RolloutBatch:
         """``n`` completions of each prompt (token ids) from the policy ``state`` (or its ``weights`` already
-        made: ``params``)."""
+        made: ``params``); ``limits``: ``driver.generate``'s (benchmarks)."""
         params = self.weights(engine, state) if params is None else params
-        return driver.generate(engine, params, [list(p) for p in prompts], n, key)
+        return driver.generate(engine, params, [list(p) for p in prompts], n, key, limits=limits)
 
     def texts(self, batch: driver.RolloutBatch) -> list[str]:
         """The completions of ``batch`` as text (special tokens dropped), row by row."""

@@ -85,6 +85,7 @@ class Group:
     rewards: np.ndarray | None = None  # [n], by ``judge`` when the group finishes
     per_fn: dict | None = None  # reward fn -> [n]
     admitted_version: int = 0
+    limits: np.ndarray | None = None  # [n] lengths at which the samples stop (benchmarks: ``Stream(limits=)``)
 
     @property
     def finished(self) -> bool:
@@ -114,16 +115,20 @@ class Stream:
     def __init__(self, engine: Engine, plan: StreamPlan, *, next_prompt: Callable[[], object],
                  prompt_state: Callable[[], dict], batch_key: Callable[[int], np.ndarray],
                  judge: Callable[[object, list[np.ndarray]], tuple[np.ndarray, dict]], weights: dict,
-                 version: int, restored: list[Group] | None = None):
+                 version: int, restored: list[Group] | None = None,
+                 limits: Callable[[int, int], np.ndarray] | None = None):
         """``engine``: the rollout engine; ``next_prompt()`` the data iterator's next record (its ``prompt_ids``)
         and ``prompt_state()`` its position; ``batch_key(b)`` the raw key of batch b ([2] uint32, fold_in(rng, b));
         ``judge(record, completions)`` a finished group's rewards ([n]) and per-fn rewards; ``weights`` the
         engine's params of policy ``version`` (``Engine.load_params``), the version at ``plan.first``;
-        ``restored``: a checkpoint's finished groups of the batches from ``plan.first`` on (``snapshot``)."""
+        ``restored``: a checkpoint's finished groups of the batches from ``plan.first`` on (``snapshot``);
+        ``limits(b, j)`` (benchmarks): the j-th prompt of batch b's samples stop at these lengths, as with
+        ``driver.generate(limits=...)``."""
         self.engine, self.plan = engine, plan
         self._next_prompt, self._prompt_state, self._batch_key, self._judge = (next_prompt, prompt_state,
                                                                                batch_key, judge)
         self.version, self._params = version, weights
+        self._limits = limits
         self._batches: dict[int, _Batch] = collections.defaultdict(_Batch)
         self._complete: dict[int, RolloutBatch] = {}
         self._barrier_states: dict[int, tuple[list[Group], dict]] = {}
@@ -192,6 +197,9 @@ class Stream:
     def snapshot(self, version: int) -> tuple[list[Group], dict]:
         """At barrier ``version`` (``plan.barriers``): the finished groups of batches >= version and the data
         iterator's position, what a checkpoint at step ``version`` keeps. Waits for the stream to get there."""
+        if version not in self.plan.barriers:
+            raise ValueError(f"step {version}: a streamed run saves at its checkpoint steps (checkpoint.every) and "
+                             f"at the end of run(), where nothing is in flight")
         if self._thread is None:
             while version not in self._barrier_states:
                 if not self._advance(block=False) and version not in self._barrier_states:
@@ -313,6 +321,8 @@ class Stream:
         g = Group(b, s.admitted, record, np.zeros((n, max_new), np.int32), np.zeros((n, max_new), np.float32),
                   np.full((n, max_new), -1, np.int32), np.zeros(n, np.int64), [""] * n,
                   admitted_version=self.version)
+        if self._limits is not None:
+            g.limits = np.asarray(self._limits(b, g.index))
         s.admitted += 1
         s.live += 1
         self._queue.extend((g, i) for i in range(n))
@@ -385,6 +395,9 @@ class Stream:
                     continue
                 steps = np.flatnonzero(valid[:, slot])
                 start = int(g.lengths[i])
+                cut = g.limits is not None and start + len(steps) >= g.limits[i]
+                if cut:
+                    steps = steps[: max(int(g.limits[i]) - start, 0)]
                 end = start + len(steps)
                 g.tokens[i, start:end] = tokens[steps, slot]
                 g.logprobs[i, start:end] = logprobs[steps, slot]
@@ -392,8 +405,8 @@ class Stream:
                     g.versions[i, start:end] = chunk_version
                 g.lengths[i] = end
                 self._window_tokens += len(steps)
-                if done[slot]:
-                    g.reasons[i] = "stop" if g.tokens[i, end - 1] in stop_ids else "length"
+                if done[slot] or cut:
+                    g.reasons[i] = "stop" if cut or g.tokens[i, end - 1] in stop_ids else "length"
                     if self._slot_row[slot] is item:
                         self._slot_row[slot] = None
                     if g.finished:
