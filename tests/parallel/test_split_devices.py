@@ -27,6 +27,7 @@ from fp8rl_jax.parallel import rules
 from fp8rl_jax.parallel.mesh import make_mesh, split_devices
 from fp8rl_jax.rollout import driver
 from fp8rl_jax.rollout.engine import Engine, EngineConfig
+from fp8rl_jax.rollout.sampler import plan_decode_slots
 from fp8rl_jax.rollout.sampling import SamplingParams
 from fp8rl_jax.rollout.weights import interleave_fused, per_layer, rollout_params
 
@@ -120,6 +121,39 @@ def test_devices_that_cannot_hold_the_split_are_named(monkeypatch, overrides, pr
     monkeypatch.setattr(jax, "process_count", lambda: processes)
     with pytest.raises(ConfigError, match=message):
         plan.meshes(c)
+
+
+# -- decode slots ------------------------------------------------------------------------------------------------
+
+
+class _Device:
+    """A device whose allocator reports ``limit`` bytes."""
+
+    platform = "gpu"
+
+    def __init__(self, limit):
+        self.limit = limit
+
+    def memory_stats(self):
+        return {"bytes_limit": self.limit}
+
+
+def test_automatic_slots_size_to_the_rollout_devices_beside_the_rollout_weights_alone():
+    """With a split only the rollout weights stay on the rollout devices, whose memory is read: a train state larger
+    than any device leaves the colocated rollout its minimum (one slot a replica group), the split one every
+    sequence."""
+    spec = plan.sampler_spec(_config(**{"rollout.tensor_parallel": 2}))
+    params = jax.eval_shape(lambda: llama.init_params(CONFIG, jax.random.PRNGKey(0)))
+    held = {"params": params, "opt_state": jax.ShapeDtypeStruct((2**40,), np.float32)}  # 4 TiB of moments
+    mesh = _mesh(jax.devices()[2:])
+    colocated = plan_decode_slots(spec, CONFIG, REFIT["bf16"], mesh, sequences=64, held=held)
+    assert colocated.slots == 3  # 6 devices / tensor_parallel 2: one slot per replica group
+    devices = [_Device(2**30), _Device(2**31), _Device(2**31), _Device(2**31)]
+    split = plan_decode_slots(spec, CONFIG, REFIT["bf16"], mesh, sequences=64, held=held, rollout_devices=devices)
+    weights = 2 * (_kernel_weights(CONFIG) + 2 * CONFIG.vocab_size * CONFIG.hidden_size)  # BF16, f32 norms aside
+    assert split.slots == 64 and split.limit_bytes == 2**30  # the smallest rollout device's allocator limit
+    assert weights // 2 <= split.held_bytes < weights  # the rollout weights, halved over tensor_parallel=2
+    assert "of rollout weights" in split.describe() and "GPU allocator" in split.describe()
 
 
 # -- (b) what one refit moves ------------------------------------------------------------------------------------
@@ -238,6 +272,7 @@ def test_tiny_trainer_with_its_own_rollout_devices_runs(tmp_path):
     with config.unlocked():
         config.workdir = str(tmp_path / "run")
         config.steps, config.mesh.rollout_devices = 2, 2
+        config.rollout.prompts_per_step = 4  # of 8 samples each: 32 sequences a step
         config.logging.progress = config.logging.plots = False
     trainer = Trainer(config)
     try:
