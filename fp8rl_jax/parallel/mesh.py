@@ -8,6 +8,9 @@
 trace and run inside ``mesh_context`` (``jax.set_mesh``), so ``with_sharding_constraint`` inside the model sees the
 mesh; ``fp8.linear.mesh_context`` is that context for a precision's backend (with ``te`` it also names the axes for
 Transformer Engine's primitives).
+
+The rollout has a mesh of its own (``rollout_mesh``): over the trainer's devices, or with ``mesh.rollout_devices`` = k
+over the first k devices, the trainer's mesh then over the rest (``split_devices``).
 """
 
 from __future__ import annotations

@@ -50,8 +50,8 @@ def plan_decode_slots(spec: SamplerSpec, model: LlamaConfig, precision: Precisio
     rollout weights made from it. With ``rollout_devices`` (the rollout's own devices) only the rollout weights stay
     beside the slots, and the memory limit is those devices'."""
     tp = spec.tensor_parallel
-    devices = len(rollout_devices) if rollout_devices is not None else 1 if mesh is None else mesh.size
-    replicas = max(devices // tp, 1)
+    group = rollout_devices if rollout_devices is not None else None if mesh is None else list(mesh.devices.flat)
+    replicas = 1 if group is None else len(group) // tp
     load = functools.partial(rollout_params, precision=precision, num_layers=model.num_layers)
     weights = jax.eval_shape(load, held["params"], held.get("fp8_state") if precision.fp8 else None)
     held_bytes = -(-tree_device_bytes(weights) // tp)
