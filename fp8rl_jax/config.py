@@ -196,6 +196,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.mesh.data = 1  # params replicated, batch split
     c.mesh.fsdp = -1  # params and optimizer state sharded, batch split; -1: all remaining devices
     c.mesh.tensor = 1  # heads / MLP columns / vocabulary split (Megatron-style)
+    # the first k devices run the rollout alone and the mesh above is made over the rest; the weights cross as FP8
+    # bytes once per RL step (rollout/refit.py). 0: the rollout on the trainer's devices. One process only
+    c.mesh.rollout_devices = 0
     return c
 
 
@@ -474,6 +477,13 @@ def validate(c: ml_collections.ConfigDict, known_rewards: Callable[[], Sequence[
         _check(isinstance(value, int) and (value >= 1 or value == -1), key, value, "a positive int or -1")
     _check([c.mesh.data, c.mesh.fsdp, c.mesh.tensor].count(-1) <= 1, "mesh", c.mesh.to_dict(),
            "at most one of data / fsdp / tensor set to -1")
+    k = c.mesh.rollout_devices
+    _check(isinstance(k, int) and not isinstance(k, bool) and k >= 0, "mesh.rollout_devices", k,
+           "0 (the rollout on the trainer's devices) or a number of devices for the rollout alone")
+    _check(k % tp == 0, "mesh.rollout_devices", k,
+           f"a multiple of rollout.tensor_parallel={tp} (the rollout's devices form groups of that many)")
+    _check(not (k and c.rollout.exact), "mesh.rollout_devices", k,
+           "0 with rollout.exact=True: the exact sampler is the trainer's own forward, on the trainer's devices")
 
 
 def load_config_file(path: str, arg: str | None = None) -> ml_collections.ConfigDict:

@@ -9,16 +9,36 @@ read in one place; nothing below the trainer reads the config.
 
 from __future__ import annotations
 
+import jax
+
 from fp8rl_jax.config import config_list
 from fp8rl_jax.data.prompts import DataSpec
+from fp8rl_jax.errors import ConfigError
 from fp8rl_jax.fp8.policy import Precision, resolve_backend
 from fp8rl_jax.fp8.recipe import Fp8Recipe
 from fp8rl_jax.model.loading import ModelSpec
+from fp8rl_jax.parallel.mesh import make_mesh, split_devices
 from fp8rl_jax.rl import microbatch
 from fp8rl_jax.rl.packing import PackingPlan
 from fp8rl_jax.rl.step import LossConfig
 from fp8rl_jax.rollout.sampler import SamplerSpec
 from fp8rl_jax.rollout.stream import StreamPlan
+
+
+def meshes(config, devices: list[jax.Device] | None = None) -> tuple[jax.sharding.Mesh, list[jax.Device] | None]:
+    """``(train_mesh, rollout_devices)``: ``mesh.rollout_devices`` = k > 0 puts the rollout on the first k of
+    ``devices`` (default ``jax.devices()``) and the trainer's mesh (``mesh.data`` / ``fsdp`` / ``tensor``, -1 = the
+    rest) over the others; k = 0, the mesh over all and None (the rollout on the trainer's devices). Devices that
+    cannot hold it: one ``ConfigError`` line naming the key."""
+    try:
+        train, rollout = split_devices(config.mesh.rollout_devices, devices)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    try:
+        return make_mesh(config.mesh, train), rollout
+    except ValueError as e:
+        left = f" (mesh.rollout_devices={len(rollout)} leaves {len(train)} devices to train on)" if rollout else ""
+        raise ConfigError(f"{e}{left}") from None
 
 
 def loss_config(config) -> LossConfig:

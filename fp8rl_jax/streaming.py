@@ -35,11 +35,23 @@ def open_stream(trainer, count: int) -> Stream:
     batch_key = functools.lru_cache(maxsize=None)(lambda b: jax.device_get(jax.random.fold_in(rng, b)))
     weights = jax.block_until_ready(trainer.sampler.weights(trainer.engine, trainer.state))
     prompts = trainer.prompts
-    return Stream(trainer.engine, plan.stream_plan(trainer.config, first, end, barriers),
+    stream = Stream(trainer.engine, plan.stream_plan(trainer.config, first, end, barriers),
                   next_prompt=lambda: next(prompts), prompt_state=prompts.get_state, batch_key=batch_key,
                   judge=make_judge(trainer.tokenizer, trainer.reward_fns, trainer.reward_weights), weights=weights,
                   version=first, restored=[g for g in trainer._restored_groups or () if g.batch >= first],
                   limits=trainer.length_limits)
+    return stream.start() if trainer.rollout_devices is not None else stream
+
+
+def refit_metrics(engine) -> dict[str, float]:
+    """What the last weight update moved to the rollout's own devices (``Engine.last_refit``): its bytes, the bytes
+    a BF16 refit would move, and the transfer's seconds; nothing where the rollout shares the trainer's devices."""
+    last = engine.last_refit
+    if not last:
+        return {}
+    return {"async/weight_update_bytes": float(last["total_bytes"]),
+            "async/weight_update_bf16_bytes": float(last["bf16_equivalent_bytes"]),
+            "async/weight_transfer_s": float(last["seconds"])}
 
 
 def make_judge(tokenizer, reward_fns, reward_weights):

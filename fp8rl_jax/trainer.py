@@ -47,7 +47,7 @@ from fp8rl_jax.model import llama
 from fp8rl_jax.model.sharded import load_model_sharded
 from fp8rl_jax.parallel import rules
 from fp8rl_jax.parallel.distributed import host_get, is_primary, place
-from fp8rl_jax.parallel.mesh import make_mesh, peak_memory_gib
+from fp8rl_jax.parallel.mesh import peak_memory_gib
 from fp8rl_jax.parallel.state import init_sharded
 from fp8rl_jax.policy_io import ADDED_STATE, calibrate_state, initial_calibration, right_pad
 from fp8rl_jax.reporting import Reporter, compile_seconds, timed
@@ -81,10 +81,9 @@ class Trainer:
         self.rollout_precision = plan.run_precision(c, "rollout")
         self.backend, self.backend_reason = (choose_backend(c.precision.backend) if self.rollout_precision.fp8
                                              else ("bf16", "precision.mode=bf16: no FP8"))
-        try:
-            self.mesh = make_mesh(c.mesh)
-        except ValueError as e:  # a mesh these devices cannot hold: the config's fault, said in one line
-            raise ConfigError(str(e)) from None
+        # the trainer's mesh, and the rollout's own devices (mesh.rollout_devices; None: the trainer's); a mesh these
+        # devices cannot hold is the config's fault, said in one ConfigError line
+        self.mesh, self.rollout_devices = plan.meshes(c)
         self.model, params, self.tokenizer = load_model_sharded(plan.model_spec(c), self.mesh)
         check_fits_model(c, self.model.max_position_embeddings,
                          f"preset {c.model.preset!r}" if c.model.source == "preset" else c.model.source)
@@ -137,7 +136,7 @@ class Trainer:
         # RL rollouts, sample() and evaluate() draw through one sampler: an engine per sampling setup
         held = {**self.state, "ref_params": self.ref_params}  # on the device while the rollout runs
         self.sampler = Sampler(plan.sampler_spec(c), self.model, self.tokenizer, self.rollout_precision, self.mesh,
-                               sequences=self.sequences, held=held)
+                               sequences=self.sequences, held=held, rollout_devices=self.rollout_devices)
         rl_sampling = SamplingParams(temperature=c.rollout.temperature, top_k=c.rollout.top_k, top_p=c.rollout.top_p)
         self.engine = self.sampler.engine(rl_sampling, c.rollout.max_new_tokens)
         self.exact_sampler = None  # rollout.exact: the RL rollouts drawn by the train precision's scoring forward
@@ -213,7 +212,7 @@ class Trainer:
                 per_row, extra = [records[p] for p in batch.prompt_index], {}
                 rewards, per_fn = combined_rewards(self.reward_fns, self.reward_weights, per_row,
                                                    self.sampler.texts(batch))
-        memory = {"rollout": peak_memory_gib()}  # None on CPU (no allocator statistics)
+        memory = {"rollout": peak_memory_gib(self.rollout_devices)}  # None on CPU (no allocator statistics)
         # [prompts * group] -> [prompts, group] -> advantages [prompts * group]
         advantages = group_advantages(jnp.asarray(rewards).reshape(-1, self.group), c.rl.advantage).reshape(-1)
 
@@ -259,6 +258,7 @@ class Trainer:
             with self._phase(times, "weights"):
                 self.stream.publish(step + 1, jax.block_until_ready(self.sampler.weights(self.engine, self.state)))
             self.stream.forget(step)
+            extra.update(streaming.refit_metrics(self.engine))
         times["step"] = time.perf_counter() - t_start
 
         record = step_record(step, batch, per_row, rewards, per_fn, train_metrics, mismatch, times,

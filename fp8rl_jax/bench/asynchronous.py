@@ -60,7 +60,7 @@ def run(args) -> list[dict]:
                 code = subprocess.run(cmd, timeout=args.timeout).returncode
             except subprocess.TimeoutExpired:
                 code = "timeout"
-            row = json.loads(out.read_text())[0] if code == 0 and out.exists() else {
+            row = json.loads(out.read_text())["rows"][0] if code == 0 and out.exists() else {
                 "rollout_devices": split, "error": f"child exited {code}"}
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -118,6 +118,10 @@ def measure(args, split: int) -> dict:
             "step_seconds": seconds / len(timed), "tokens_per_s_per_gpu": tokens / seconds / devices,
             "staleness_mean": mean("async/staleness_mean") or 0.0, "weight_update_s": mean("time/weights"),
             "train_idle_s": mean("time/rollout"), "rollout_idle_s": mean("async/rollout_idle_s"),
+            "weight_transfer_s": mean("async/weight_transfer_s"),
+            "weight_update_bytes": mean("async/weight_update_bytes"),
+            "weight_update_bf16_bytes": mean("async/weight_update_bf16_bytes"),
+            "backend": timed[-1]["precision_backend"], "precision": c.precision.mode,
             **{f"time_{k}": mean(f"time/{k}") for k in ("rollout", "score", "train", "calibrate", "weights")}}
 
 

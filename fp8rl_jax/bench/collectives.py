@@ -109,7 +109,7 @@ def decode_section(args) -> list[dict]:
             decode_attention=args.decode_attention, layer_loop=args.layer_loop, tensor_parallel=tensor_parallel),
             mesh=mesh)
         weights = engine.load_params(*on_mesh)
-        reshard = engine._resharded.lower(*on_mesh).compile().as_text()
+        reshard = engine._refit.program.lower(*on_mesh).compile().as_text()
         state = engine.init_decode_state()
         with mesh_context(engine.mesh):
             loop = hlo.loop_collectives(engine._generate_steps.lower(weights, state, args.steps).compile().as_text())

@@ -8,6 +8,9 @@
 trace and run inside ``mesh_context`` (``jax.set_mesh``), so ``with_sharding_constraint`` inside the model sees the
 mesh; ``fp8.linear.mesh_context`` is that context for a precision's backend (with ``te`` it also names the axes for
 Transformer Engine's primitives).
+
+The rollout has a mesh of its own (``rollout_mesh``): over the trainer's devices, or with ``mesh.rollout_devices`` = k
+over the first k devices, the trainer's mesh then over the rest (``split_devices``).
 """
 
 from __future__ import annotations
@@ -65,9 +68,32 @@ def make_mesh(mesh_config, devices: Sequence[jax.Device] | None = None) -> Mesh:
     return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))
 
 
-def rollout_mesh(mesh: Mesh, tensor_parallel: int = 1) -> Mesh:
-    """The rollout's mesh over the devices of ``mesh`` (the trainer's): axes ``data``, ``fsdp``, ``tensor`` of sizes
-    (devices / ``tensor_parallel``, 1, ``tensor_parallel``), in ``mesh``'s device order.
+def split_devices(rollout_devices: int, devices: Sequence[jax.Device] | None = None
+                  ) -> tuple[list[jax.Device], list[jax.Device] | None]:
+    """``(train_devices, rollout_devices)`` of ``config.mesh.rollout_devices`` = k over ``devices`` (default
+    ``jax.devices()``): k = 0, the rollout on the trainer's devices (``(devices, None)``); k > 0, the first k devices
+    run the rollout alone and the rest train. One process only: the weights cross from one group to the other with
+    ``jax.device_put`` (``rollout.refit``), which multi-controller JAX does not do between disjoint device sets."""
+    devices = list(jax.devices() if devices is None else devices)
+    k = rollout_devices
+    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+        raise ValueError(f"config mesh.rollout_devices={k!r} must be an int >= 0 (0: the rollout on the trainer's "
+                         "devices)")
+    if k == 0:
+        return devices, None
+    if jax.process_count() > 1:
+        raise ValueError(f"config mesh.rollout_devices={k} needs one process; this run has {jax.process_count()} "
+                         "(0: the rollout on the trainer's devices)")
+    if k >= len(devices):
+        raise ValueError(f"config mesh.rollout_devices={k} leaves no device for training: {len(devices)} devices "
+                         "present")
+    return devices[k:], devices[:k]
+
+
+def rollout_mesh(mesh: Mesh | Sequence[jax.Device], tensor_parallel: int = 1) -> Mesh:
+    """The rollout's mesh over the devices of ``mesh`` (the trainer's, colocated) or over a list of devices of its
+    own (``mesh.rollout_devices``): axes ``data``, ``fsdp``, ``tensor`` of sizes (devices / ``tensor_parallel``, 1,
+    ``tensor_parallel``), in the given device order.
 
     Each ``data`` index is a replica group of ``tensor_parallel`` consecutive devices holding the whole rollout
     model, split only over its ``tensor`` axis; the decode batch and its KV cache split over ``data``. The
@@ -76,10 +102,11 @@ def rollout_mesh(mesh: Mesh, tensor_parallel: int = 1) -> Mesh:
     (flattened), which one jitted program with inputs on one mesh and outputs on the other needs, and which makes
     a rollout tensor group of the trainer's ``tensor`` size the trainer's own tensor group (the innermost axis).
     """
-    if not isinstance(tensor_parallel, int) or tensor_parallel < 1 or mesh.size % tensor_parallel:
+    devices = np.asarray(mesh.devices if isinstance(mesh, Mesh) else list(mesh), dtype=object).reshape(-1)
+    if not isinstance(tensor_parallel, int) or tensor_parallel < 1 or devices.size % tensor_parallel:
         raise ValueError(f"config rollout.tensor_parallel={tensor_parallel!r} must be a positive int dividing the "
-                         f"{mesh.size} devices of the mesh")
-    devices = np.asarray(mesh.devices).reshape(mesh.size // tensor_parallel, 1, tensor_parallel)
+                         f"{devices.size} devices of the {'mesh' if isinstance(mesh, Mesh) else 'rollout'}")
+    devices = devices.reshape(devices.size // tensor_parallel, 1, tensor_parallel)
     return Mesh(devices, AXES, axis_types=(AxisType.Auto,) * len(AXES))
 
 

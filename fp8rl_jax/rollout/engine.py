@@ -18,18 +18,18 @@ in the batch (it is one dense step) but emit invalid tokens and stop advancing, 
 Several samples of one prompt share one prefill: ``insert(prefix, state, slot, rng)`` re-draws the first token
 from the prefix's last-position logits with the sample's own key.
 
-On a mesh (``Engine(..., mesh=mesh)``, colocated with the trainer) the rollout has a layout of its own: the
-rollout mesh (``parallel.mesh.rollout_mesh``) over the same devices, replica groups of ``tensor_parallel`` devices
-(its ``data`` axis) that each hold the whole model, split only over the group (its ``tensor`` axis). Once per RL
-step ``load_params`` quantizes the FP8 kernels where the trainer's masters lie (a local operation) and reshards them
-to that layout in one jitted program (``rollout.weights``: the FP8 bytes are what crosses devices); new weights never
-leave the devices. The decode state (KV cache: slots over the replica groups, kv heads over tensor; every per-slot
-array over the groups) is created sharded and kept so by the out_shardings of insert / generate. A decode step then
-moves no weight: with ``tensor_parallel=1`` it has no collective at all, with more only tensor parallelism's
-all-reduces (after the row-parallel ``wo`` / ``w_down``, the vocab-parallel embedding and head; the fused q|k|v and
-gate|up columns are laid out per tensor shard, ``weights.interleave_fused``). The layers run unrolled and the Pallas
-decode kernel runs under a ``shard_map`` over batch and kv heads, as on one device. Every call traces and runs under
-the rollout mesh.
+On a mesh (``Engine(..., mesh=mesh)``: the trainer's) the rollout has a layout of its own: the rollout mesh
+(``parallel.mesh.rollout_mesh``), over the trainer's devices (colocated) or over ``rollout_devices`` of its own
+(``mesh.rollout_devices``), replica groups of ``tensor_parallel`` devices (its ``data`` axis) that each hold the
+whole model, split only over the group (its ``tensor`` axis). Once per RL step ``load_params`` quantizes the FP8
+kernels where the trainer's masters lie and moves them to that layout as FP8 bytes (``rollout.refit``: one program
+colocated; across the device groups one ``jax.device_put``, recorded in ``last_refit``). The decode state (KV
+cache: slots over the replica groups, kv heads over tensor; every per-slot array over the groups) is created sharded
+and kept so by the out_shardings of insert / generate. A decode step then moves no weight: with ``tensor_parallel=1``
+it has no collective at all, with more only tensor parallelism's all-reduces (after the row-parallel ``wo`` /
+``w_down``, the vocab-parallel embedding and head; the fused q|k|v and gate|up columns are laid out per tensor shard,
+``weights.interleave_fused``). The layers run unrolled and the Pallas decode kernel runs under a ``shard_map`` over
+batch and kv heads, as on one device. Every call traces and runs under the rollout mesh.
 """
 
 from __future__ import annotations
@@ -45,7 +45,6 @@ import numpy as np
 from fp8rl_jax.fp8 import kv as kvq
 from fp8rl_jax.fp8.linear import mesh_context
 from fp8rl_jax.fp8.policy import Precision
-from fp8rl_jax.fp8.recipe import with_input_scale_inv
 from fp8rl_jax.kernels.decode_attention import IMPLS as DECODE_ATTENTION_IMPLS
 from fp8rl_jax.kernels.decode_attention import DecodeTuning
 from fp8rl_jax.model import llama
@@ -53,8 +52,8 @@ from fp8rl_jax.model.config import LlamaConfig
 from fp8rl_jax.parallel import rules
 from fp8rl_jax.parallel.distributed import place
 from fp8rl_jax.parallel.mesh import rollout_mesh
+from fp8rl_jax.rollout.refit import Refit
 from fp8rl_jax.rollout.sampling import SamplingParams, sample
-from fp8rl_jax.rollout.weights import as_bits, from_bits, interleave_fused, per_layer, rollout_params
 from fp8rl_jax.xla_options import gpu_compiler_options
 
 PREFILL_BUCKETS = tuple(2**i for i in range(4, 16))  # 16 .. 32768, JetStream's convention
@@ -189,11 +188,17 @@ class Engine:
     """Prefill / insert / generate over the model forward, jitted, with the decode state donated."""
 
     def __init__(self, model: LlamaConfig, precision: Precision, config: EngineConfig, tokenizer: Any = None, *,
-                 mesh: jax.sharding.Mesh | None = None):
+                 mesh: jax.sharding.Mesh | None = None, rollout_devices: list[jax.Device] | None = None):
+        """``mesh``: the trainer's, where the weights come from; ``rollout_devices``: devices of the rollout's own
+        (``parallel.mesh.split_devices``), None = the trainer's."""
         self.model, self.precision, self.config = model, precision, config
         self.tokenizer = tokenizer
         self.train_mesh = mesh  # where the weights come from (the trainer's params)
-        self.mesh = None if mesh is None else rollout_mesh(mesh, config.tensor_parallel)  # where the rollout runs
+        if rollout_devices is not None and mesh is None:
+            raise ValueError("Engine(rollout_devices=...) needs the trainer's mesh (mesh=...) the weights come from")
+        same = rollout_devices is None or set(rollout_devices) == set(mesh.devices.flat)  # colocated: one program
+        group = mesh if same else rollout_devices
+        self.mesh = None if mesh is None else rollout_mesh(group, config.tensor_parallel)  # where the rollout runs
         _check_tensor_parallel(model, config.tensor_parallel, mesh)
         self.compiler_options = decode_compiler_options(config.compiler_options)
         # jit for the programs that decode: with the decode options (see DECODE_GPU_OPTIONS)
@@ -207,7 +212,6 @@ class Engine:
         self._insert_samples = jax.jit(self._insert_samples_impl, donate_argnums=(1,))
         self._generate = decode_jit(self._generate_impl, donate_argnums=(1,))
         self._generate_steps = decode_jit(self._generate_steps_impl, donate_argnums=(1,), static_argnums=(2,))
-        load = functools.partial(rollout_params, precision=precision, num_layers=model.num_layers)
         # unrolled layers (the default on one device): weights as one tree per layer, which the decode step reads
         # in place, and the cache as one array (of bits) per layer (llama.cache_layers), which it writes in place.
         # On a CPU a scan over stacked weights has XLA copy each layer's slice (as many bytes again as the GEMMs
@@ -215,25 +219,15 @@ class Engine:
         # fewer copies and kernels, and is faster in FP8 (benchmarks/RESULTS.md, "Rollout throughput"). On a mesh
         # too: the per-layer arrays are placed by the same rules as the stacked ones.
         self._per_layer = config.layer_loop != "scan"
-        self._load = jax.jit((lambda p, s: per_layer(load(p, s))) if self._per_layer else load)
-        # with per-layer weights the blocks' FP8 state and the KV scales come per layer too (llama.forward_hidden):
-        # the unrolled layers are then identical computations, compiled once. The input scales' inverses are made
-        # here, once per RL step: the GEMMs read them, where computed in the step they were a one-thread kernel
-        # before every GEMM of every decode step (65 a step at llama1b shapes)
-        def split(fp8_state, kv_scales):
-            if fp8_state and self._per_layer:
-                fp8_state = {**fp8_state, "blocks": llama.split_layers(fp8_state["blocks"])}
-            if kv_scales and self._per_layer:
-                kv_scales = {n: tuple(a[i] for i in range(a.shape[0])) for n, a in kv_scales.items()}
-            return fp8_state and with_input_scale_inv(fp8_state), kv_scales
-
-        self._split_layers = jax.jit(split)
+        # the rollout's copy of the weights, FP8 state and KV scales, once per RL step (colocated or not)
+        self._refit = Refit(model, precision, mesh, self.mesh, per_layer=self._per_layer,
+                            tensor_parallel=config.tensor_parallel)
         if self.mesh is not None:
             self._jit_on_mesh(self.mesh)
 
     def _jit_on_mesh(self, mesh: jax.sharding.Mesh) -> None:
         """The same functions on the rollout ``mesh``, with the decode state's shardings as out_shardings
-        (in_shardings follow the arguments, which come placed); the weights come through ``_reshard``."""
+        (in_shardings follow the arguments, which come placed); the weights come through ``_refit``."""
         state = rules.decode_state_shardings(jax.eval_shape(self._new_decode_state), mesh)
         rep = rules.replicated(mesh)  # what the host reads back each call: tokens, logprobs, flags
         self._init_state = jax.jit(self._new_decode_state, out_shardings=state)
@@ -243,38 +237,14 @@ class Engine:
         self._generate = decode_jit(self._generate_impl, donate_argnums=(1,), out_shardings=(state, rep))
         self._generate_steps = decode_jit(self._generate_steps_impl, donate_argnums=(1,), static_argnums=(2,),
                                           out_shardings=(state, rep, rep, rep))
-        self._resharded = None  # the weights' reshard, jitted at the first load_params (it needs the params' tree)
-
-    def _reshard(self, params, fp8_state, kv_scales):
-        """The rollout weights from the trainer's params, in the rollout's layout (the module docstring), with the
-        FP8 state and KV scales replicated on the rollout mesh: one jitted program, once per RL step."""
-        train, roll, precision, shards = self.train_mesh, self.mesh, self.precision, self.config.tensor_parallel
-        # no-ops for the trainer's params, FP8 state and KV scales, which live there already
-        params = place(params, rules.state_shardings(params, train))
-        fp8_state, kv_scales = place((fp8_state, kv_scales), rules.replicated(train))
-        if self._resharded is None:
-            load = functools.partial(rollout_params, precision=precision, num_layers=self.model.num_layers)
-            stacked = jax.eval_shape(load, params, fp8_state)
-            bits = jax.eval_shape(functools.partial(as_bits, precision=precision), stacked)
-            on_train, on_rollout = rules.state_shardings(bits, train), rules.state_shardings(bits, roll)
-
-            def reshard(params, fp8_state, kv_scales):
-                weights = load(params, fp8_state)
-                if train.size > 1:
-                    # quantized where the masters lie (each device its own shard), then moved as FP8 bytes: the
-                    # constraints pin the gather between them, so XLA neither gathers the masters nor widens the bytes
-                    moved = jax.lax.with_sharding_constraint(as_bits(weights, precision), on_train)
-                    moved = jax.lax.with_sharding_constraint(interleave_fused(moved, self.model, shards), on_rollout)
-                    weights = from_bits(moved, stacked, precision)
-                return per_layer(weights) if self._per_layer else weights, fp8_state, kv_scales
-
-            out = jax.eval_shape(reshard, params, fp8_state, kv_scales)[0]
-            rep = rules.replicated(roll)
-            self._resharded = jax.jit(reshard, out_shardings=(rules.state_shardings(out, roll), rep, rep))
-        with mesh_context(train, precision.backend):
-            return self._resharded(params, fp8_state, kv_scales)
 
     # -- sizes ----------------------------------------------------------------------------------------------
+
+    @property
+    def last_refit(self) -> dict | None:
+        """What the last ``load_params`` moved between the trainer's devices and the rollout's own (``Refit.last``:
+        bytes per dtype, their total, the same with BF16 kernels, the transfer's seconds); None colocated."""
+        return self._refit.last
 
     @property
     def max_concurrent_decodes(self) -> int:
@@ -300,13 +270,7 @@ class Engine:
             raise ValueError(f"precision backend {self.precision.backend!r} needs the FP8 state")
         if self.precision.kv_fp8 and kv_scales is None:
             kv_scales = kvq.init_kv_scales(self.model.num_layers)
-        if self.mesh is None:
-            weights = self._load(params, fp8_state)
-        else:  # the rollout's layout; FP8 state and KV scales replicated on the rollout mesh
-            weights, fp8_state, kv_scales = self._reshard(params, fp8_state, kv_scales)
-        with mesh_context(self.mesh, self.precision.backend):
-            fp8_state, kv_scales = self._split_layers(fp8_state, kv_scales)
-        return {"weights": weights, "fp8_state": fp8_state, "kv_scales": kv_scales}
+        return self._refit(params, fp8_state, kv_scales)
 
     def init_decode_state(self) -> DecodeState:
         with mesh_context(self.mesh, self.precision.backend):

@@ -25,7 +25,7 @@ from fp8rl_jax.model.config import LlamaConfig
 from fp8rl_jax.rollout import driver
 from fp8rl_jax.rollout.engine import Engine, EngineConfig
 from fp8rl_jax.rollout.sampling import SamplingParams
-from fp8rl_jax.rollout.slots import SlotPlan, plan_slots, slot_bytes, tree_device_bytes
+from fp8rl_jax.rollout.slots import SlotPlan, device_limit, plan_slots, slot_bytes, tree_device_bytes
 from fp8rl_jax.rollout.weights import rollout_params
 
 
@@ -44,30 +44,39 @@ class SamplerSpec:
 
 
 def plan_decode_slots(spec: SamplerSpec, model: LlamaConfig, precision: Precision, mesh: jax.sharding.Mesh | None,
-                      *, sequences: int, held: dict) -> SlotPlan:
+                      *, sequences: int, held: dict, rollout_devices: list[jax.Device] | None = None) -> SlotPlan:
     """The decode slots of rollouts of ``sequences`` sequences (``rollout.slots.plan_slots``) for
     ``spec.decode_slots``, beside ``held`` (the policy state, ``params`` at least, that stays on the device) and the
-    rollout weights made from it."""
+    rollout weights made from it. With ``rollout_devices`` (the rollout's own devices) only the rollout weights stay
+    beside the slots, and the memory limit is those devices'."""
     tp = spec.tensor_parallel
-    replicas = 1 if mesh is None else mesh.size // tp
+    group = rollout_devices if rollout_devices is not None else None if mesh is None else list(mesh.devices.flat)
+    replicas = 1 if group is None else len(group) // tp
     load = functools.partial(rollout_params, precision=precision, num_layers=model.num_layers)
     weights = jax.eval_shape(load, held["params"], held.get("fp8_state") if precision.fp8 else None)
-    held_bytes = tree_device_bytes(held) + -(-tree_device_bytes(weights) // tp)
+    held_bytes = -(-tree_device_bytes(weights) // tp)
+    if rollout_devices is None:
+        held_bytes += tree_device_bytes(held)
     per_slot = slot_bytes(model, max_prompt_tokens=spec.max_prompt_tokens, max_new_tokens=spec.max_new_tokens,
                           cache_dtype=llama.cache_dtype(precision), tensor_parallel=tp)
+    split = {} if rollout_devices is None else {"limit": device_limit(rollout_devices), "held_what": "rollout weights"}
     return plan_slots(spec.decode_slots, sequences, slot_bytes=per_slot, held_bytes=held_bytes,
-                      replicas=replicas)
+                      replicas=replicas, **split)
 
 
 class Sampler:
     def __init__(self, spec: SamplerSpec, model: LlamaConfig, tokenizer, precision: Precision,
-                 mesh: jax.sharding.Mesh | None = None, *, sequences: int, held: dict):
+                 mesh: jax.sharding.Mesh | None = None, *, sequences: int, held: dict,
+                 rollout_devices: list[jax.Device] | None = None):
         """``sequences``: how many sequences a rollout decodes (an RL step's prompts x samples); ``held``: the
         policy state that stays on the device while it samples (``params``, ``fp8_state``, ..., optimizer moments
-        too), whose bytes and those of its rollout weights an automatic slot count leaves room for."""
+        too), whose bytes and those of its rollout weights an automatic slot count leaves room for;
+        ``rollout_devices``: the rollout's own devices (``plan.meshes``), None = ``mesh``'s."""
         self.spec, self.model, self.tokenizer, self.precision, self.mesh = spec, model, tokenizer, precision, mesh
+        self.rollout_devices = rollout_devices
         self._engines: dict[tuple[SamplingParams, int], Engine] = {}
-        self.slot_plan = plan_decode_slots(spec, model, precision, mesh, sequences=sequences, held=held)
+        self.slot_plan = plan_decode_slots(spec, model, precision, mesh, sequences=sequences, held=held,
+                                           rollout_devices=rollout_devices)
 
     def engine(self, sampling: SamplingParams, max_new_tokens: int) -> Engine:
         """The engine of one sampling setup, built once (each compiles its own steps at first use)."""
@@ -78,7 +87,7 @@ class Sampler:
                 max_concurrent_decodes=self.slot_plan.slots, max_prefill_length=s.max_prompt_tokens,
                 max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=tuple(self.tokenizer.stop_ids),
                 decode_attention=s.decode_attention, tensor_parallel=s.tensor_parallel),
-                mesh=self.mesh)
+                mesh=self.mesh, rollout_devices=self.rollout_devices)
         return self._engines[key]
 
     def weights(self, engine: Engine, state: dict) -> dict:

@@ -14,6 +14,9 @@ a quarter of the host's physical memory (the host holds everything else of the r
 ``HEADROOM`` goes to slots: the rest covers the decode programs' own workspace and the allocator's fragmentation.
 ``decode_slots > 0`` is used as given.
 
+With ``mesh.rollout_devices`` the rollout runs on devices of its own: what stays there is the rollout's weights alone,
+and the limit is read on those devices.
+
 On a mesh the decode batch splits over the rollout's replica groups (``parallel.mesh.rollout_mesh``) and the KV
 heads and vocabulary over each group's ``rollout.tensor_parallel`` devices: the per-device cost of a slot is divided
 accordingly, and an automatic count is a multiple of the replica groups.
@@ -98,6 +101,7 @@ class SlotPlan:
     limit_bytes: int  # the device's memory limit
     held_bytes: int  # device bytes held during the rollout besides the slots (train state, rollout weights)
     limit_source: str = ""
+    held_what: str = "train state and rollout weights"  # what ``held_bytes`` counts, in words
 
     @property
     def waves(self) -> int:
@@ -111,7 +115,7 @@ class SlotPlan:
         return (f"decode slots: {self.slots} for {self.sequences} sequences a step, {how}; a slot "
                 f"{_size(self.slot_bytes)} of KV cache and logits, {gib(self.slots * self.slot_bytes)} "
                 f"in all, "
-                f"beside {gib(self.held_bytes)} of train state and rollout weights, of {gib(self.limit_bytes)} "
+                f"beside {gib(self.held_bytes)} of {self.held_what}, of {gib(self.limit_bytes)} "
                 f"({self.limit_source})")
 
     def waves_message(self) -> str | None:
@@ -129,11 +133,11 @@ class SlotPlan:
 
 
 def plan_slots(requested: int, sequences: int, *, slot_bytes: int, held_bytes: int, replicas: int = 1,
-               limit: tuple[int, str] | None = None) -> SlotPlan:
+               limit: tuple[int, str] | None = None, held_what: str = SlotPlan.held_what) -> SlotPlan:
     """The decode slots for rollouts of ``sequences`` sequences: ``requested`` where > 0, else automatic (the
     module docstring): all ``sequences``, rounded up to a multiple of ``replicas``, or the most that fit
-    ``HEADROOM`` of the device memory left beside ``held_bytes``, at least ``replicas``. ``limit``:
-    ``device_limit()`` unless given."""
+    ``HEADROOM`` of the device memory left beside ``held_bytes`` (``held_what``, in words), at least ``replicas``.
+    ``limit``: ``device_limit()`` unless given."""
     if requested < 0 or sequences < 1 or replicas < 1:
         raise ValueError(f"plan_slots: requested={requested} must be >= 0, sequences={sequences} and "
                          f"replicas={replicas} positive")
@@ -144,4 +148,4 @@ def plan_slots(requested: int, sequences: int, *, slot_bytes: int, held_bytes: i
         want = -(-sequences // replicas) * replicas
         slots = max(replicas, min(want, fits // replicas * replicas))
     return SlotPlan(slots=slots, sequences=sequences, automatic=not requested, slot_bytes=slot_bytes,
-                    limit_bytes=limit_bytes, held_bytes=held_bytes, limit_source=source)
+                    limit_bytes=limit_bytes, held_bytes=held_bytes, limit_source=source, held_what=held_what)

@@ -133,6 +133,7 @@ class Stream:
         self._complete: dict[int, RolloutBatch] = {}
         self._barrier_states: dict[int, tuple[list[Group], dict]] = {}
         self._barriers_passed: set[int] = set()
+        self._forget: list[int] = []  # trained batches whose bookkeeping the stream drops (``forget``)
         self._done_below = plan.first  # every batch below it is complete
         self._prefill_version: dict[int, int] = {}  # id(group) -> the version its prompt was prefilled under
         self._mailbox: dict[int, dict] = {}
@@ -190,9 +191,8 @@ class Stream:
 
     def forget(self, batch: int) -> None:
         """Drops the bookkeeping of ``batch`` once trained (a barrier after it no longer needs its groups)."""
-        with self._lock:
-            if batch < self._done_below:
-                self._batches.pop(batch, None)
+        with self._lock:  # dropped by the stream's own thread, which reads the bookkeeping unlocked
+            self._forget.append(batch)
 
     def snapshot(self, version: int) -> tuple[list[Group], dict]:
         """At barrier ``version`` (``plan.barriers``): the finished groups of batches >= version and the data
@@ -254,6 +254,11 @@ class Stream:
         one before. False once there is nothing left to do (or, with ``block`` False, when the next round needs
         a version not yet published)."""
         p = self.plan
+        with self._lock:
+            forget, self._forget = self._forget, []
+        for b in forget:
+            if b < self._done_below:
+                self._batches.pop(b, None)
         while (b := self._next_batch()) is not None:
             free = sum(r is None for r in self._slot_row) - len(self._queue)
             if free <= 0:

@@ -165,7 +165,7 @@ def test_resharded_weights_are_bit_identical(precision_name, tensor_parallel):
         assert g.dtype == w.dtype, jax.tree_util.keystr(path)
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=jax.tree_util.keystr(path))
 
-    text = engine._resharded.lower(*on_mesh).compile().as_text()
+    text = engine._refit.program.lower(*on_mesh).compile().as_text()
     gathers = [c for c in hlo.collectives(text) if c.kind == "all-gather"]
     assert gathers and {c.dtype for c in gathers} <= {"u8", "u16"}, gathers
     if precision.fp8:  # the FP8 kernels' bytes: one per weight
