@@ -20,7 +20,8 @@ def test_forms_are_the_knobs_they_name():
     assert table["tensor"][1] == BASE and not table["bf16"][1].fp8
     assert table["block"][1].recipe.scaling == "block" and table["block"][1].recipe.fp8_format == "e4m3"
     assert table["block_hybrid"][1].recipe.fp8_format == "hybrid"
-    assert table["fprop_only"][1].recipe.fp8_gemms == ("fprop",)
+    assert table["fprop_only"][1].recipe.fp8_gemms == ("fprop",) and not table["fprop_only"][1].lm_head_grad_fp8
+    assert table["head_only"][1].lm_head_grad_fp8 and len(table["head_only"][1].bf16_linears) == 4
     assert table["bf16_down"][1].bf16_linears == ("w_down",)
     assert not table["head_bf16"][1].lm_head_grad_fp8 and table["head_fp8"][1].lm_head_fp8
     assert all(p.backend in ("xla", "bf16") for _, p in table.values())
