@@ -331,7 +331,7 @@ def validate(c: ml_collections.ConfigDict, known_rewards: Callable[[], Sequence[
     _one_of(c, "precision.fp8_format", ("hybrid", "e4m3"))
     _one_of(c, "precision.scaling", ("tensor", "rowwise", "block"))
     _check(c.precision.scaling == "tensor" or c.precision.backend == "xla", "precision.scaling", c.precision.scaling,
-           "tensor, or rowwise / block with precision.backend=xla (Transformer Engine scales per tensor here)")
+           f"tensor, or {c.precision.scaling} with precision.backend=xla (Transformer Engine scales per tensor here)")
     _check(c.precision.scaling != "block" or c.rollout.tensor_parallel == 1, "rollout.tensor_parallel",
            c.rollout.tensor_parallel, "1 with precision.scaling=block (the rollout's kernel split keeps per-tensor and "
            "per-channel scales only)")
