@@ -49,8 +49,9 @@ def main() -> None:
         "acc_after": {k: float(v.mean()) for k, v in acc.items()},
         "acc_after_std": {k: float(v.std(ddof=1)) for k, v in acc.items()},
         "acc_before": {k: float(np.mean([per_seed[s][k]["acc_before"] for s in seeds])) for k in ("sync", "async")},
-        "diff_async_minus_sync": {"mean": float(diff.mean()), "se": float(diff.std(ddof=1) / np.sqrt(len(diff))),
-                                  "ci95_bootstrap": [float(np.percentile(boot, 2.5)), float(np.percentile(boot, 97.5))]},
+        "diff_async_minus_sync": {
+            "mean": float(diff.mean()), "se": float(diff.std(ddof=1) / np.sqrt(len(diff))),
+            "ci95_bootstrap": [float(np.percentile(boot, 2.5)), float(np.percentile(boot, 97.5))]},
         "staleness_mean": float(np.mean([per_seed[s]["async"]["staleness_mean"] for s in seeds])),
         "mismatch_kl": {k: float(np.mean([per_seed[s][k]["mismatch_kl"] for s in seeds])) for k in ("sync", "async")},
         "step_seconds": {k: float(np.mean([per_seed[s][k]["step_seconds"] for s in seeds])) for k in ("sync", "async")},

@@ -57,7 +57,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.precision.amax_history_len = 16
     c.precision.amax_compute_algo = "max"  # max | most_recent
     c.precision.fp8_format = "hybrid"  # hybrid (E4M3 fwd, E5M2 grads) | e4m3
-    # forward scaling: tensor (delayed, per tensor) | rowwise (per token x per output channel, current; xla backend)
+    # tensor (delayed, per tensor) | rowwise (the forward per token x per output channel, current; xla backend) |
+    # block (1 x 128 activation / gradient tiles, 128 x 128 weight blocks, current, all three GEMMs; xla backend, sizes
+    # padded to multiples of 128; DeepSeek-V3's recipe with fp8_format=e4m3: docs/accuracy.md, "Where FP8 loses")
     c.precision.scaling = "tensor"
     c.precision.bf16_first_layers = 0
     c.precision.bf16_last_layers = 0
@@ -338,9 +340,12 @@ def validate(c: ml_collections.ConfigDict, known_rewards: Callable[[], Sequence[
     _one_of(c, "precision.compute_dtype", ("bfloat16", "float32"))
     _one_of(c, "precision.amax_compute_algo", ("max", "most_recent"))
     _one_of(c, "precision.fp8_format", ("hybrid", "e4m3"))
-    _one_of(c, "precision.scaling", ("tensor", "rowwise"))
+    _one_of(c, "precision.scaling", ("tensor", "rowwise", "block"))
     _check(c.precision.scaling == "tensor" or c.precision.backend == "xla", "precision.scaling", c.precision.scaling,
-           "tensor, or rowwise with precision.backend=xla (Transformer Engine scales per tensor here)")
+           f"tensor, or {c.precision.scaling} with precision.backend=xla (Transformer Engine scales per tensor here)")
+    _check(c.precision.scaling != "block" or c.rollout.tensor_parallel == 1, "rollout.tensor_parallel",
+           c.rollout.tensor_parallel, "1 with precision.scaling=block (the rollout's kernel split keeps per-tensor and "
+           "per-channel scales only)")
     _one_of(c, "precision.kv_cache_dtype", ("bfloat16", "float8_e4m3fn"))
     _one_of(c, "precision.attention", ("auto", "cudnn", "pallas", "xla"))
     _positive(c, "precision.amax_history_len")

@@ -1,4 +1,4 @@
-"""``python -m fp8rl_jax.bench gemm|rollout|agreement|table ...``: one subcommand per benchmark module.
+"""``python -m fp8rl_jax.bench gemm|rollout|agreement|fidelity|table ...``: one subcommand per benchmark module.
 
 A benchmark module has ``add_arguments(parser)`` and ``run(args) -> rows`` (a list of dicts); its rows
 are written as JSON to ``--out`` (default ``<name>_<unix time>.json``), each with the device it ran on. A new
@@ -26,6 +26,8 @@ BENCHMARKS = {
                     "collectives of the compiled decode program on 8 forced CPU devices, per mesh (no GPU needed)"),
     "async": ("fp8rl_jax.bench.asynchronous",
               "synchronous GRPO on all devices against asynchronous on the same devices split (lognormal lengths)"),
+    "fidelity": ("fp8rl_jax.bench.fidelity",
+                 "each FP8 form's logprobs and policy gradient against f32: whole model, per GEMM role, per block"),
     "e2e": ("fp8rl_jax.bench.e2e",
             "whole GRPO steps per phase: bf16, bf16_cublas, fp8_rollout, fp8_e2e (a process each)"),
 }

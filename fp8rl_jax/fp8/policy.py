@@ -77,6 +77,8 @@ class Precision:
         if self.recipe.scaling != "tensor" and self.backend == "te":
             raise ValueError(f"FP8 scaling={self.recipe.scaling!r} is built in the xla backend only; the te backend "
                              "scales per tensor")
+        if not self.recipe.standard and self.recipe.scaling == "tensor" and self.backend == "te":
+            raise ValueError(f"FP8 GEMMs {self.recipe.fp8_gemms} (not all three) are built in the xla backend only")
 
     @property
     def fp8(self) -> bool:

@@ -34,8 +34,15 @@ rest is zero. ``jax.grad`` with respect to ``(params, fp8_state)`` therefore ret
 ``update_state`` rolls them in. Observations from several microbatches combine with ``max`` (they are
 non-negative), never with a sum.
 
-Left out: per-channel or block scaling (MXFP8), current (just-in-time) scaling, and FP8 for attention
-softmax; the KV cache has its own per-layer scales (``kv.py``).
+Other scalings (``Fp8Recipe.scaling``; the ``xla`` backend only, ``xla.py``): ``rowwise`` (the forward per token and
+per output channel, current), ``current`` (per tensor, each tensor's own amax in the call: TE's Float8CurrentScaling)
+and ``block`` (1 x 128 activation tiles and 128 x 128 weight blocks, forward and backward: ``block.py``). They
+still report the three amaxes per call, so the state keeps one layout. ``fp8_gemms`` names the GEMMs that run in
+FP8 (the forward ``fprop``, the input gradient ``dgrad``, the weight gradient ``wgrad``); the others run on the
+compute dtype's operands with f32 accumulation.
+
+Left out: MXFP8 / NVFP4 (Blackwell) and FP8 for attention softmax; the KV cache has its own per-layer scales
+(``kv.py``).
 """
 
 from __future__ import annotations
@@ -62,7 +69,10 @@ Fp8Meta = dict[str, jax.Array]  # {"scale": f32[], "amax_history": f32[H]}
 Fp8LinearState = dict[str, Fp8Meta]  # {"x": Fp8Meta, "kernel": Fp8Meta, "grad": Fp8Meta}
 
 
-SCALINGS = ("tensor", "rowwise")
+# "tensor": delayed, per tensor (the default); "rowwise": the forward per token x per output channel, current;
+# "current": per tensor, current; "block": 1 x 128 tiles / 128 x 128 blocks, current, forward and backward
+SCALINGS = ("tensor", "rowwise", "current", "block")
+GEMMS = ("fprop", "dgrad", "wgrad")  # y = x w, dx = g w^T, dw = x^T g
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,11 +85,19 @@ class Fp8Recipe:
     fp8_format: str = "hybrid"
     # forward GEMM scaling: "tensor" (one delayed scale per tensor) | "rowwise" (each token's activation row and each
     # output channel of the kernel scaled by its own current amax; the backward stays per tensor; xla backend only)
+    # | "current" (one scale per tensor from its own amax, all three GEMMs; xla only) | "block" (1 x 128 activation
+    # and gradient tiles, 128 x 128 weight blocks, each scaled by its current amax, all three GEMMs; xla only)
     scaling: str = "tensor"
+    # the GEMMs that run in FP8, the rest on compute-dtype operands (f32 accumulation): a subset of GEMMS, in order
+    fp8_gemms: tuple[str, ...] = GEMMS
 
     def __post_init__(self):
         if self.scaling not in SCALINGS:
             raise ValueError(f"scaling={self.scaling!r}; allowed: {SCALINGS}")
+        gemms = tuple(self.fp8_gemms)
+        if not gemms or any(g not in GEMMS for g in gemms) or len(set(gemms)) != len(gemms):
+            raise ValueError(f"fp8_gemms={self.fp8_gemms!r}; allowed: a non-empty subset of {GEMMS}")
+        object.__setattr__(self, "fp8_gemms", tuple(g for g in GEMMS if g in gemms))  # one spelling, one hash
         if self.fp8_format not in FORMATS:
             raise ValueError(f"fp8_format={self.fp8_format!r}; allowed: {FORMATS}")
         if self.amax_compute_algo not in AMAX_ALGOS:
@@ -88,6 +106,11 @@ class Fp8Recipe:
             raise ValueError(f"amax_history_len={self.amax_history_len}; must be >= 1")
         if self.margin < 0:
             raise ValueError(f"margin={self.margin}; must be >= 0")
+
+    @property
+    def standard(self) -> bool:
+        """All three GEMMs in FP8 with per-tensor delayed or rowwise scaling: the FP8 linears' original path."""
+        return self.fp8_gemms == GEMMS and self.scaling in ("tensor", "rowwise")
 
     @property
     def fwd_dtype(self):

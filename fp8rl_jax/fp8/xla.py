@@ -20,6 +20,14 @@ Backward: dx = (q(g) . q(w)^T)          / (s_g s_w)      q(g) = E5M2 (hybrid) or
           dw = (q(x)^T . q(g))          / (s_x s_g)
 The quantized x and w of the forward are the residuals, so the backward re-uses them (and keeps activations in
 one byte each).
+
+The other forms of an ``Fp8Recipe`` (``current`` and ``block`` scaling, or fewer GEMMs in FP8: ``fp8_gemms``) take
+``_general_matmul_fn``: every GEMM quantizes its two operands from their high-precision values as its form says
+(``_BACKWARD_KINDS``), and a GEMM outside ``fp8_gemms`` runs on compute-dtype operands with f32 accumulation. It
+keeps x and the master kernel as residuals (an emulation: the bytes are not the point). Under ``block`` scaling a
+GEMM is ``block.block_gemm``, f32 accumulation per 128-wide slice of its contraction axis; a pre-quantized kernel
+then carries [ceil(N/128), ceil(K/128)] scales. ``tensor`` and ``rowwise`` with all three GEMMs in FP8 keep the
+path above, unchanged.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from fp8rl_jax.fp8 import block
 from fp8rl_jax.fp8.recipe import (
     Fp8LinearState,
     Fp8Recipe,
@@ -40,6 +49,7 @@ from fp8rl_jax.fp8.recipe import (
     observations,
     quantize,
     quantize_input,
+    rounded,
     scale_from_amax,
 )
 from fp8rl_jax.parallel import fsdp
@@ -109,11 +119,19 @@ def quantize_kernel(kernel: jax.Array, kernel_meta, recipe: Fp8Recipe, form: str
                     gather: P | None = None) -> QuantizedKernel:
     """[K, N] kernel -> FP8 [N, K] with its delayed scale (``scale_inv`` a scalar), stored in ``form``'s dtype (see
     ``gemm_form``). With ``rowwise`` scaling each output channel n gets its own current scale
-    ``fp8_max / amax(kernel[:, n])`` (``scale_inv`` [N]).
+    ``fp8_max / amax(kernel[:, n])`` (``scale_inv`` [N]); with ``current`` one scale from the kernel's own amax
+    (a scalar); with ``block`` one per 128 x 128 block (``scale_inv`` [ceil(N/128), ceil(K/128)]).
 
     ``gather``: ``kernel`` is one layer's FSDP-sharded master with this ``PartitionSpec`` (``parallel.fsdp``): each
     shard is quantized where it is and the FP8 bits are all-gathered, the same bits as quantizing the whole kernel.
+    Under ``current`` and ``block`` scaling the f32 master is gathered first (an amax spans the shards).
     """
+    if "fprop" not in recipe.fp8_gemms:
+        raise ValueError(f"fp8_gemms={recipe.fp8_gemms}: the forward is not FP8, so there is no FP8 kernel to make")
+    if recipe.scaling in ("current", "block"):
+        nk = jnp.swapaxes(kernel if gather is None else fsdp.gather_bits(kernel, gather), -1, -2)  # [N, K]
+        data, scale_inv = _quantized(nk, recipe.fwd_dtype, "block" if recipe.scaling == "block" else "current")
+        return QuantizedKernel(gemm_operand(data, recipe.fwd_dtype, gemm_form(form)), scale_inv)
     if recipe.scaling == "rowwise":
         # [N, K], [N]: the per-channel amaxes of a sharded kernel are reduced over its shards (an all-reduce of [N])
         data, scale_inv = _rowwise_quantize(jnp.swapaxes(kernel, -1, -2), recipe.fwd_dtype)
@@ -155,9 +173,18 @@ def prequantized_matmul(
     """
     form = gemm_form(form)
     qw = gemm_operand(kernel.data, recipe.fwd_dtype, form)
-    if jnp.dtype(x.dtype).itemsize == 1 and recipe.scaling == "rowwise":
-        raise ValueError("a pre-quantized FP8 input has one scale; rowwise scaling quantizes each row itself")
-    if recipe.scaling == "rowwise":  # x_scale unused: each token's row has its own current scale
+    if jnp.dtype(x.dtype).itemsize == 1 and recipe.scaling != "tensor":
+        raise ValueError(f"a pre-quantized FP8 input has its delayed scale; {recipe.scaling} scaling quantizes the "
+                         "input itself")
+    if recipe.scaling == "block":  # x_scale unused: each 1 x 128 tile of x has its own current scale
+        qx, sx = block.tile_quantize(x, recipe.fwd_dtype)
+        n = kernel.data.shape[-2]
+        y = block.block_gemm(gemm_operand(qx, recipe.fwd_dtype, form), sx, qw, block.block_rows(kernel.scale_inv, n))
+    elif recipe.scaling == "current":  # x_scale unused: x's own amax
+        qx, sx = _quantized(x, recipe.fwd_dtype, "current")
+        # [M, K] . [N, K] -> [M, N]
+        y = _mm(gemm_operand(qx, recipe.fwd_dtype, form), qw, 1, 1) * (sx * kernel.scale_inv)
+    elif recipe.scaling == "rowwise":  # x_scale unused: each token's row has its own current scale
         qx, x_scale_inv = _rowwise_quantize(x, recipe.fwd_dtype)
         # [M, K] . [N, K] -> [M, N], scaled back per token and per output channel
         y = _mm(gemm_operand(qx, recipe.fwd_dtype, form), qw, 1, 1) * (x_scale_inv[:, None] * kernel.scale_inv)
@@ -205,6 +232,14 @@ def prequantized_matmul_into(
                      kernel.scale_inv)
 
 
+def _cotangents(dx, dw, gather, kernel_amax, observed):
+    """An FP8 matmul's backward outputs: under FSDP the devices' partial wgrads summed onto the master's shards (a
+    reduce-scatter); the kernel amax input gets a zero cotangent (not differentiated)."""
+    if gather is not None:
+        dw = fsdp.reduce_to(dw, gather)
+    return dx, dw, observed, None if kernel_amax is None else jnp.zeros_like(kernel_amax)
+
+
 @functools.cache
 def _fp8_matmul_fn(x_dtype, w_dtype, out_dtype, recipe: Fp8Recipe, form: str, gather: P | None = None):
     fwd_dtype, bwd_dtype = recipe.fwd_dtype, recipe.bwd_dtype
@@ -237,10 +272,109 @@ def _fp8_matmul_fn(x_dtype, w_dtype, out_dtype, recipe: Fp8Recipe, form: str, ga
         dx = _mm(qg, qw, 1, 0) * ((1.0 / s_g) * (1.0 / s_w))
         # dw [K, N] = x [M, K]^T . g [M, N]
         dw = (_mm(qx, qg, 0, 0) * ((1.0 / s_x) * (1.0 / s_g))).astype(w_dtype)
-        if gather is not None:  # the devices' partial wgrads summed onto the master's shards (a reduce-scatter)
-            dw = fsdp.reduce_to(dw, gather)
-        no_amax = None if kernel_amax is None else jnp.zeros_like(kernel_amax)  # not differentiated
-        return dx.astype(x_dtype), dw, observations(state, amax_x, amax_w, amax(g)), no_amax
+        return _cotangents(dx.astype(x_dtype), dw, gather, kernel_amax, observations(state, amax_x, amax_w, amax(g)))
+
+    f.defvjp(fwd, bwd)
+    return f
+
+
+# how the backward GEMMs of a non-standard recipe quantize their operands, dgrad (g [M, N], w [K, N]) and wgrad
+# (x [M, K], g [M, N]); the forward is ``prequantized_matmul``'s. "delayed": the role's state scale; "current":
+# the tensor's own amax; "tile": 1 x 128 tiles along the contraction axis (N for dgrad, the tokens for wgrad);
+# "block": 128 x 128. rowwise scales the forward only, as the standard path does.
+_BACKWARD_KINDS = {
+    "tensor": {"dgrad": ("delayed", "delayed"), "wgrad": ("delayed", "delayed")},
+    "rowwise": {"dgrad": ("delayed", "delayed"), "wgrad": ("delayed", "delayed")},
+    "current": {"dgrad": ("current", "current"), "wgrad": ("current", "current")},
+    "block": {"dgrad": ("tile", "block"), "wgrad": ("tile", "tile")},
+}
+
+
+def _quantized(t: jax.Array, dtype, kind: str, delayed_scale: jax.Array | None = None):
+    """``t`` [..., P, C] quantized as ``kind`` says (``_BACKWARD_KINDS``): (FP8 values, inverse scales) with the
+    scales [..., 1, 1] (per tensor), [..., P, Cb] (tiles) or [..., Pb, Cb] (blocks)."""
+    if kind == "tile":
+        return block.tile_quantize(t, dtype)
+    if kind == "block":
+        return block.block_quantize(t, dtype)
+    if kind == "current":
+        a = jnp.max(jnp.abs(t.astype(jnp.float32)), axis=(-2, -1), keepdims=True)
+        scale = scale_from_amax(a, 1.0, fp8_max(dtype))
+    else:
+        scale = jnp.reshape(delayed_scale.astype(jnp.float32), (1, 1))
+    return quantize(t, scale, dtype), 1.0 / scale
+
+
+def _dgrad(g: jax.Array, w: jax.Array, kinds, recipe: Fp8Recipe, form: str, s_g, s_w) -> jax.Array:
+    """dx [M, K] = g [M, N] . w [K, N]^T in FP8, the operands quantized as ``kinds`` says (``_BACKWARD_KINDS``)."""
+    fwd, bwd = recipe.fwd_dtype, recipe.bwd_dtype
+    if kinds[0] == "tile":  # g in 1 x 128 tiles along N, w in 128 x 128 blocks
+        qg, sg = block.tile_quantize(g, bwd)
+        qw, sw = block.block_quantize(w, fwd)
+        return block.block_gemm(gemm_operand(qg, bwd, form), sg, gemm_operand(qw, fwd, form),
+                                block.block_rows(sw, w.shape[0]))
+    qg, sg = _quantized(g, bwd, kinds[0], s_g)
+    qw, sw = _quantized(w, fwd, kinds[1], s_w)
+    # [M, N] . [N, K] -> [M, K], laid out as the standard path's (the same sums in the same order)
+    return _mm(gemm_operand(qg, bwd, form), gemm_operand(jnp.swapaxes(qw, 0, 1), fwd, form), 1, 0) * (sg * sw)
+
+
+def _wgrad(x: jax.Array, g: jax.Array, kinds, recipe: Fp8Recipe, form: str, s_x, s_g) -> jax.Array:
+    """dw [K, N] = x [M, K]^T . g [M, N] in FP8, the operands quantized as ``kinds`` says."""
+    fwd, bwd = recipe.fwd_dtype, recipe.bwd_dtype
+    if kinds[0] == "tile":  # x and g in 128 x 1 tiles: 1 x 128 tiles of their transposes, along the tokens
+        qx, sx = block.tile_quantize(jnp.swapaxes(x, 0, 1), fwd)
+        qg, sg = block.tile_quantize(jnp.swapaxes(g, 0, 1), bwd)
+        return block.block_gemm(gemm_operand(qx, fwd, form), sx, gemm_operand(qg, bwd, form), sg)
+    qx, sx = _quantized(x, fwd, kinds[0], s_x)
+    qg, sg = _quantized(g, bwd, kinds[1], s_g)
+    # [M, K]^T . [M, N] -> [K, N]
+    return _mm(gemm_operand(qx, fwd, form), gemm_operand(qg, bwd, form), 0, 0) * (sx * sg)
+
+
+def _wide_gemm(a: jax.Array, b: jax.Array, dtype, form: str) -> jax.Array:
+    """a [P, C] . b [Q, C]^T -> [P, Q] f32 on operands rounded to ``dtype`` (a GEMM left out of ``fp8_gemms``). In
+    the ``f32`` form the rounded values go through an f32 GEMM: a product of two BF16 values is exact in f32."""
+    if form == "f32":
+        return _mm(rounded(a, dtype), rounded(b, dtype), 1, 1)
+    return _mm(a.astype(dtype), b.astype(dtype), 1, 1)
+
+
+@functools.cache
+def _general_matmul_fn(x_dtype, w_dtype, out_dtype, recipe: Fp8Recipe, form: str, gather: P | None = None):
+    """``fp8_matmul`` for the recipes outside the standard path (``Fp8Recipe.standard``): the same contract (the
+    cotangent of the state carries the call's three amaxes), the forward ``prequantized_matmul``'s, the backward
+    GEMMs' operands quantized as ``_BACKWARD_KINDS`` says; a GEMM left out of ``fp8_gemms`` is ``_wide_gemm``."""
+    kinds = _BACKWARD_KINDS[recipe.scaling]
+
+    @jax.custom_vjp
+    def f(x, kernel, state, kernel_amax):
+        y, _ = fwd(x, kernel, state, kernel_amax)
+        return y
+
+    def fwd(x, kernel, state, kernel_amax):
+        w = kernel if gather is None else fsdp.gather_bits(kernel, gather)  # [K, N]: the whole master
+        if "fprop" in recipe.fp8_gemms:  # the rollout's arithmetic on the rollout's operands
+            y = prequantized_matmul(x, quantize_kernel(w, state["kernel"], recipe, form), state["x"]["scale"],
+                                    recipe, form)
+        else:
+            y = _wide_gemm(x, jnp.swapaxes(w, 0, 1), x_dtype, form)  # [M, K] . [N, K] -> [M, N]
+        amax_w = amax(kernel) if kernel_amax is None else kernel_amax
+        return y.astype(out_dtype), (x, w, state, amax(x), amax_w, kernel_amax)
+
+    def bwd(residuals, g):
+        x, w, state, amax_x, amax_w, kernel_amax = residuals
+        s_x, s_w, s_g = (state[r]["scale"] for r in ("x", "kernel", "grad"))
+        if "dgrad" in recipe.fp8_gemms:
+            dx = _dgrad(g, w, kinds["dgrad"], recipe, form, s_g, s_w)
+        else:  # dx [M, K] = g [M, N] . w [K, N]^T
+            dx = _wide_gemm(g, w, x_dtype, form)
+        if "wgrad" in recipe.fp8_gemms:
+            dw = _wgrad(x, g, kinds["wgrad"], recipe, form, s_x, s_g)
+        else:  # dw [K, N] = x^T [K, M] . g^T [N, M]^T
+            dw = _wide_gemm(jnp.swapaxes(x, 0, 1), jnp.swapaxes(g, 0, 1), x_dtype, form)
+        return _cotangents(dx.astype(x_dtype), dw.astype(w_dtype), gather, kernel_amax,
+                           observations(state, amax_x, amax_w, amax(g)))
 
     f.defvjp(fwd, bwd)
     return f
@@ -259,5 +393,6 @@ def fp8_matmul(
     already (observed as is; otherwise reduced here).
     """
     out_dtype = jnp.dtype(out_dtype or x.dtype)
-    fn = _fp8_matmul_fn(jnp.dtype(x.dtype), jnp.dtype(kernel.dtype), out_dtype, recipe, gemm_form(form), gather)
+    make = _fp8_matmul_fn if recipe.standard else _general_matmul_fn
+    fn = make(jnp.dtype(x.dtype), jnp.dtype(kernel.dtype), out_dtype, recipe, gemm_form(form), gather)
     return fn(x, kernel, state, kernel_amax)
