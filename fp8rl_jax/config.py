@@ -126,6 +126,9 @@ def base_config() -> ml_collections.ConfigDict:
     # with every token at most this many updates old when trained on (0 = the synchronous step, bit for bit);
     # in-flight weight updates at fixed points of the schedule, so a run stays reproducible from its seed
     c.rollout.max_staleness = 0
+    # load a new version between decode chunks while sequences are live (True), or only once none is (False: the
+    # live rows never wait for the trainer, a batch's tail is not filled by the next batch)
+    c.rollout.inflight_updates = True
 
     c.rl = ml_collections.ConfigDict()
     # DAPO's dynamic sampling: drop prompt groups whose rewards are all equal (no advantage, no gradient) and sample
@@ -366,6 +369,8 @@ def validate(c: ml_collections.ConfigDict, known_rewards: Callable[[], Sequence[
     _check(isinstance(staleness, int) and not isinstance(staleness, bool) and staleness >= 0,
            "rollout.max_staleness", staleness, "an int >= 0 (0: synchronous)")
     _check(isinstance(c.rl.dynamic_sampling, bool), "rl.dynamic_sampling", c.rl.dynamic_sampling, "True or False")
+    _check(isinstance(c.rollout.inflight_updates, bool), "rollout.inflight_updates", c.rollout.inflight_updates,
+           "True or False")
     rounds = c.rl.dynamic_sampling_max_rounds
     _check(isinstance(rounds, int) and not isinstance(rounds, bool) and rounds >= 1,
            "rl.dynamic_sampling_max_rounds", rounds, "an int >= 1")

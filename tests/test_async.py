@@ -171,6 +171,28 @@ def test_dynamic_sampling_trains_on_no_uniform_group_and_fills_the_batch(tmp_pat
     assert dropped > 0
 
 
+@pytest.mark.parametrize("inflight", [True, False])
+def test_staleness_is_bounded_and_inflight_updates_are_what_the_key_says(tmp_path, monkeypatch, inflight):
+    """Staleness 1: every token of step b's batch was sampled by version b - 1 or b; with in-flight updates some
+    sequences span two versions, without them none does."""
+    trainer = Trainer(_config(tmp_path / "run", steps=4, **{"rollout.max_staleness": 1,
+                                                            "rollout.inflight_updates": inflight,
+                                                            "rollout.decode_slots": 24}))
+    taken = []
+    take = Stream.take
+    monkeypatch.setattr(Stream, "take", lambda self, b: taken.append((b, take(self, b))) or taken[-1][1])
+    try:
+        trainer.run()
+    finally:
+        trainer.close()
+    spanning = 0
+    for b, batch in taken:
+        valid = batch.versions >= 0
+        assert set(np.unique(batch.versions[valid])) <= {max(b - 1, 0), b}
+        spanning += sum(len(set(row[row >= 0])) > 1 for row in batch.versions)
+    assert (spanning > 0) == inflight
+
+
 @pytest.mark.parametrize("overrides, key", [
     ({"rollout.max_staleness": -1}, "rollout.max_staleness"),
     ({"rollout.max_staleness": 1, "rollout.exact": True}, "rollout.max_staleness"),

@@ -21,6 +21,9 @@ version v = the policy after v updates (step b trains version b into b + 1):
   their KV cache and their tokens, and go on under v (an in-flight update): each token records the version that
   sampled it (``versions``) and its logprob under that version, which the trainer's IS correction and mismatch
   metrics read as the behaviour policy.
+- Without in-flight updates (``inflight_updates`` False) every load is drained as a barrier's is: the stream
+  waits for a version only when nothing is live, and no sequence sees two versions (veRL's one-step-off). The
+  tail of each batch is then not filled by the next one, but no live row ever waits for the trainer.
 - Barriers. Before loading a barrier version c (a checkpoint step), the stream drains: it admits nothing more
   until every admitted prompt has finished, so at the barrier batches c .. c + S - 1 are complete and nothing is
   in flight. A checkpoint at step c stores those batches and the data iterator's position there
@@ -63,6 +66,7 @@ class StreamPlan:
     dynamic_sampling: bool = False  # rl.dynamic_sampling
     max_rounds: int = 1  # rl.dynamic_sampling_max_rounds: admissions a batch may make, in units of P
     barriers: frozenset[int] = frozenset()  # versions before whose load the stream drains (checkpoint steps)
+    inflight_updates: bool = True  # rollout.inflight_updates: False = drain before every load (one-step-off)
     steps_per_sync: int = 8  # decode steps a chunk
 
     def __post_init__(self):
@@ -265,8 +269,8 @@ class Stream:
                 break
             if b - p.max_staleness > self.version:  # needs version + 1
                 v = self.version + 1
-                ready = self._batch_complete(v - 1) and (v not in p.barriers or
-                                                         (self._live() == 0 and self._pending is None))
+                drained = self._live() == 0 and self._pending is None
+                ready = self._batch_complete(v - 1) and (drained or (p.inflight_updates and v not in p.barriers))
                 if not ready:
                     break
                 if v in p.barriers and v not in self._barriers_passed:
