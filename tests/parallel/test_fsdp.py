@@ -105,16 +105,10 @@ def test_gathered_cast_and_its_gradient(name):
     assert {c.dtype for c in gathers} == {"u16"}, gathers
 
 
-@pytest.mark.parametrize("mesh_name", list(MESHES))
-def test_fp8_linear_on_shards_equals_the_whole_kernel(mesh_name):
-    """Value, input gradient, master gradient and the amax observations of the FP8 linear with a gathered
-    kernel against the same linear on one device."""
-    mesh = _mesh(mesh_name)
-    recipe = Fp8Recipe()
-    w = _kernel("w_gate_up")
-    rs = np.random.RandomState(2)
-    x = rs.randn(32, w.shape[0]).astype(np.float32)
-    g = rs.randn(32, w.shape[1]).astype(np.float32)
+def _pullback_on_shards(mesh, recipe, w, x, g):
+    """The FP8 linear's value and its cotangents for ``g`` (dx, dw, the FP8 state's observations) with ``w``
+    FSDP-sharded over ``mesh`` as ``w_gate_up`` and ``x`` split over the batch, and the same on one device: (got,
+    expected, the kernel's spec)."""
     state = init_linear_state(recipe)
     state["x"]["scale"], state["kernel"]["scale"], state["grad"]["scale"] = (jnp.float32(v) for v in (50, 900, 3e3))
 
@@ -129,6 +123,19 @@ def test_fp8_linear_on_shards_equals_the_whole_kernel(mesh_name):
         amax = fsdp.kernel_amaxes({"w_gate_up": sharded[None]}, ["w_gate_up"])["w_gate_up"][0]
         got = jax.jit(lambda x, w, st, a: pullback(x, w, st, gather=s, kernel_amax=a))(x_sharded, sharded, state,
                                                                                         amax)
+    return got, expected, s
+
+
+@pytest.mark.parametrize("mesh_name", list(MESHES))
+def test_fp8_linear_on_shards_equals_the_whole_kernel(mesh_name):
+    """Value, input gradient, master gradient and the amax observations of the FP8 linear with a gathered
+    kernel against the same linear on one device."""
+    mesh = _mesh(mesh_name)
+    w = _kernel("w_gate_up")
+    rs = np.random.RandomState(2)
+    x = rs.randn(32, w.shape[0]).astype(np.float32)
+    g = rs.randn(32, w.shape[1]).astype(np.float32)
+    got, expected, s = _pullback_on_shards(mesh, Fp8Recipe(), w, x, g)
     names = ("y", "dx", "dw")
     for n, a, b in zip(names, got[:3], expected[:3], strict=True):
         # y contracts over the whole (gathered) K on each device, but XLA:CPU may block a GEMM of N / tensor
@@ -140,6 +147,29 @@ def test_fp8_linear_on_shards_equals_the_whole_kernel(mesh_name):
                             strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(path))
     assert float(np.asarray(got[3]["kernel"]["amax_history"])[0]) == float(np.max(np.abs(w)))
+
+
+# the FP8 linear's other forms (block and current scaling, fewer FP8 GEMMs): their amaxes span the shards, so the f32
+# master is gathered first (``xla.quantize_kernel``); the master gradient must still come back on its shards
+FORMS = {"block": Fp8Recipe(scaling="block", fp8_format="e4m3"), "current": Fp8Recipe(scaling="current"),
+         "fprop_wgrad": Fp8Recipe(fp8_gemms=("fprop", "wgrad"))}
+
+
+@pytest.mark.parametrize("recipe", list(FORMS))
+def test_fp8_linear_forms_on_shards_equal_the_whole_kernel(recipe):
+    rs = np.random.RandomState(0)
+    w = (0.05 * rs.standard_t(3, (160, 192))).astype(np.float32)  # [K, N]: a partial block along each axis
+    x = rs.randn(256, 160).astype(np.float32)
+    g = rs.randn(256, 192).astype(np.float32)
+    mesh = make_mesh(types.SimpleNamespace(data=2, fsdp=4, tensor=1))
+    got, expected, s = _pullback_on_shards(mesh, FORMS[recipe], w, x, g)
+    assert fsdp.fsdp_dim(s) is not None
+    for n, a, b in zip(("y", "dx", "dw"), got[:3], expected[:3], strict=True):
+        # the same FP8 operands; the devices' partial sums of dw (and XLA:CPU's blocking) add in another order
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5, err_msg=n)
+    assert got[2].sharding.is_equivalent_to(NamedSharding(mesh, s), 2)  # the master gradient on its shards
+    for a, b in zip(jax.tree.leaves(got[3]), jax.tree.leaves(expected[3]), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_kernel_amaxes_are_one_all_reduce():
