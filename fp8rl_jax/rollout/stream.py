@@ -74,7 +74,7 @@ class StreamPlan:
             raise ValueError(f"StreamPlan: bad sizes {self}")
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # a group is itself: compared by identity, never field by field (arrays)
 class Group:
     """One prompt's ``n`` samples: the j-th prompt (``index``) admitted for batch ``batch``."""
 
@@ -107,7 +107,6 @@ class _Batch:
     live: int = 0  # admitted and not finished
     kept: list = dataclasses.field(default_factory=list)
     dropped: list = dataclasses.field(default_factory=list)
-    generated: int = 0  # tokens its groups sampled (dropped ones too)
     done: bool = False  # complete: handed to (or waiting for) the trainer
 
 
@@ -152,7 +151,6 @@ class Stream:
             b = self._batches[g.batch]
             b.admitted = max(b.admitted, g.index + 1)
             (b.dropped if plan.dynamic_sampling and g.uniform else b.kept).append(g)
-            b.generated += int(g.lengths.sum())
         for index in sorted(self._batches):
             self._maybe_complete(index)
         # the decode state and the host's view of it
@@ -162,7 +160,6 @@ class Stream:
         self._prefixes: dict[int, tuple[object, int]] = {}  # id(group) -> (prefill batch, row)
         self._to_insert: collections.Counter = collections.Counter()  # id(group) -> samples not yet inserted
         self._pending = None
-        self._finished = False
 
     # -- the trainer's side -------------------------------------------------------------------------------
 
@@ -180,18 +177,7 @@ class Stream:
 
     def take(self, batch: int) -> RolloutBatch:
         """Batch ``batch``, once complete (driving the stream inline when it has no thread)."""
-        if self._thread is None:
-            while batch not in self._complete:
-                if not self._advance(block=False):
-                    raise RuntimeError(f"rollout stream: batch {batch} cannot complete (version {self.version} "
-                                       f"loaded; the next needs a version not yet published)")
-            return self._complete.pop(batch)
-        with self._lock:
-            while batch not in self._complete and self._error is None:
-                self._lock.wait()
-            if batch not in self._complete:
-                raise StreamError(f"rollout stream failed: {self._error!r}") from self._error
-            return self._complete.pop(batch)
+        return self._wait_for(self._complete, batch, f"batch {batch}")
 
     def forget(self, batch: int) -> None:
         """Drops the bookkeeping of ``batch`` once trained (a barrier after it no longer needs its groups)."""
@@ -204,17 +190,23 @@ class Stream:
         if version not in self.plan.barriers:
             raise ValueError(f"step {version}: a streamed run saves at its checkpoint steps (checkpoint.every) and "
                              f"at the end of run(), where nothing is in flight")
+        return self._wait_for(self._barrier_states, version, f"barrier {version}")
+
+    def _wait_for(self, store: dict, key: int, what: str):
+        """``store[key]``, popped once the stream has put it there: with no thread, driving the stream inline until
+        then; else waiting for its thread, whose failure is raised here."""
         if self._thread is None:
-            while version not in self._barrier_states:
-                if not self._advance(block=False) and version not in self._barrier_states:
-                    raise RuntimeError(f"rollout stream: barrier {version} not reached")
-            return self._barrier_states.pop(version)
+            while key not in store:
+                if not self._advance(block=False) and key not in store:
+                    raise RuntimeError(f"rollout stream: {what} not reached (version {self.version} loaded; the "
+                                       "next needs a version not yet published)")
+            return store.pop(key)
         with self._lock:
-            while version not in self._barrier_states and self._error is None:
+            while key not in store and self._error is None:
                 self._lock.wait()
-            if version not in self._barrier_states:
+            if key not in store:
                 raise StreamError(f"rollout stream failed: {self._error!r}") from self._error
-            return self._barrier_states.pop(version)
+            return store.pop(key)
 
     def close(self) -> None:
         """Stops the thread (at its next chunk or wait); idempotent."""
@@ -297,7 +289,6 @@ class Stream:
             for v in sorted(p.barriers - self._barriers_passed):
                 self._barriers_passed.add(v)
                 self._barrier(v)
-            self._finished = True
             return False
         return True
 
@@ -432,7 +423,6 @@ class Stream:
         p, s = self.plan, self._batches[g.batch]
         g.rewards, g.per_fn = self._judge(g.record, [g.tokens[i, : g.lengths[i]] for i in range(p.samples)])
         s.live -= 1
-        s.generated += int(g.lengths.sum())
         (s.dropped if p.dynamic_sampling and g.uniform else s.kept).append(g)
         self._maybe_complete(g.batch)
 
@@ -468,8 +458,7 @@ def assemble(s: _Batch, plan: StreamPlan, b: int) -> RolloutBatch:
     batch = RolloutBatch(
         prompt_index=np.repeat(np.arange(len(groups)), n), tokens=cat("tokens"), logprobs=cat("logprobs"),
         lengths=cat("lengths"), finish_reasons=[r for g in groups for r in g.reasons], stats={},
-        versions=cat("versions"), masked=np.repeat(np.arange(len(groups)) >= len(kept), n))
-    batch.groups = groups
+        versions=cat("versions"), masked=np.repeat(np.arange(len(groups)) >= len(kept), n), groups=groups)
     admitted = s.admitted
     batch.stats.update({
         "dynamic/dropped_groups": float(len(s.dropped)),
