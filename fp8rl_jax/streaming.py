@@ -36,10 +36,10 @@ def open_stream(trainer, count: int) -> Stream:
     weights = jax.block_until_ready(trainer.sampler.weights(trainer.engine, trainer.state))
     prompts = trainer.prompts
     stream = Stream(trainer.engine, plan.stream_plan(trainer.config, first, end, barriers),
-                  next_prompt=lambda: next(prompts), prompt_state=prompts.get_state, batch_key=batch_key,
-                  judge=make_judge(trainer.tokenizer, trainer.reward_fns, trainer.reward_weights), weights=weights,
-                  version=first, restored=[g for g in trainer._restored_groups or () if g.batch >= first],
-                  limits=trainer.length_limits)
+                    next_prompt=lambda: next(prompts), prompt_state=prompts.get_state, batch_key=batch_key,
+                    judge=make_judge(trainer.tokenizer, trainer.reward_fns, trainer.reward_weights), weights=weights,
+                    version=first, restored=[g for g in trainer._restored_groups or () if g.batch >= first],
+                    limits=trainer.length_limits)
     return stream.start() if trainer.rollout_devices is not None else stream
 
 

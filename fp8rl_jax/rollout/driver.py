@@ -97,10 +97,7 @@ def generate(
         for slot, row in enumerate(rows):
             if row < 0 or reasons[row]:  # an idle slot, or a row that finished in an earlier chunk
                 continue
-            steps = np.flatnonzero(valid[:, slot])
-            cut = limits is not None and lengths[row] + len(steps) >= limits[row]
-            if cut:
-                steps = steps[: max(int(limits[row] - lengths[row]), 0)]
+            steps, cut = chunk_steps(valid[:, slot], lengths[row], None if limits is None else limits[row])
             end = lengths[row] + len(steps)
             out_tokens[row, lengths[row]:end] = tokens[steps, slot]
             out_logprobs[row, lengths[row]:end] = logprobs[steps, slot]
@@ -171,6 +168,15 @@ def generate(
 
 
 PREFILL_TOKENS = 1024  # positions per prefill call: 16 prompts of a 64-token bucket, 2 of a 512 one (at most 16)
+
+
+def chunk_steps(valid: np.ndarray, length: int, limit: int | None) -> tuple[np.ndarray, bool]:
+    """The steps of a chunk ([n] ``valid`` flags of one slot) that add a token to a row of ``length`` tokens, and
+    whether the row reaches its ``limit`` (``generate(limits=)``; None: none) with them: then only the steps up to
+    it, and the row stops there."""
+    steps = np.flatnonzero(valid)
+    cut = limit is not None and length + len(steps) >= limit
+    return (steps[: max(int(limit) - int(length), 0)] if cut else steps), cut
 
 
 def prefill_group(bucket: int, backend: str | None = None) -> int:

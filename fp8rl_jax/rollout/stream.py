@@ -50,7 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fp8rl_jax.parallel.distributed import host_get
-from fp8rl_jax.rollout.driver import RolloutBatch, prefill_group, row_keys
+from fp8rl_jax.rollout.driver import RolloutBatch, chunk_steps, prefill_group, row_keys
 from fp8rl_jax.rollout.engine import Engine, prefill_bucket
 
 
@@ -393,11 +393,8 @@ class Stream:
                 g, i = item
                 if g.reasons[i]:
                     continue
-                steps = np.flatnonzero(valid[:, slot])
                 start = int(g.lengths[i])
-                cut = g.limits is not None and start + len(steps) >= g.limits[i]
-                if cut:
-                    steps = steps[: max(int(g.limits[i]) - start, 0)]
+                steps, cut = chunk_steps(valid[:, slot], start, None if g.limits is None else g.limits[i])
                 end = start + len(steps)
                 g.tokens[i, start:end] = tokens[steps, slot]
                 g.logprobs[i, start:end] = logprobs[steps, slot]
