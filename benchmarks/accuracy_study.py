@@ -52,6 +52,13 @@ MODES = {
     # finer scaling: per token x per output channel in the forward (xla backend only)
     "fp8_e2e_rowwise_tis": {"precision.mode": "fp8_e2e", "precision.backend": "xla", "precision.scaling": "rowwise",
                             "rl.is_correction": "tis"},
+    # block scaling (DeepSeek-V3's recipe: 1x128 activation tiles, 128x128 weight blocks, E4M3 both ways; xla
+    # backend), alone and with the head's backward in BF16: the fidelity probe's two best FP8 end-to-end forms
+    "fp8_e2e_block": {"precision.mode": "fp8_e2e", "precision.backend": "xla", "precision.scaling": "block",
+                      "precision.fp8_format": "e4m3", "rl.is_correction": "none"},
+    "fp8_e2e_block_bf16_head_grad": {"precision.mode": "fp8_e2e", "precision.backend": "xla",
+                                     "precision.scaling": "block", "precision.fp8_format": "e4m3",
+                                     "precision.lm_head_grad_fp8": False, "rl.is_correction": "none"},
     # the BF16 head's backward GEMMs in BF16 too (precision.lm_head_grad_fp8 off: the earlier default,
     # whose study called the default fp8_e2e_headgrad)
     "fp8_e2e_bf16_head_grad": {"precision.mode": "fp8_e2e", "precision.lm_head_grad_fp8": False,
