@@ -46,6 +46,8 @@ MODES = {
     # asynchronous GRPO: every batch sampled up to one update ahead (rollout.max_staleness), TIS against the
     # sampling version's logprobs; fp8_e2e_tis is its synchronous pair
     "fp8_e2e_tis_stale1": {"precision.mode": "fp8_e2e", "rl.is_correction": "tis", "rollout.max_staleness": 1},
+    # four updates ahead: the bound at which the split rollout overlapped long-tailed completions (RESULTS.md)
+    "fp8_e2e_tis_stale4": {"precision.mode": "fp8_e2e", "rl.is_correction": "tis", "rollout.max_staleness": 4},
     # the FP8 KV cache on top (the fastest rollout), with TIS
     "fp8_e2e_kv_tis": {"precision.mode": "fp8_e2e", "precision.kv_cache_dtype": "float8_e4m3fn",
                        "rl.is_correction": "tis"},
