@@ -135,8 +135,8 @@ class Trainer:
                                          microbatch=calibration_microbatch, **on_mesh)
         # RL rollouts, sample() and evaluate() draw through one sampler: an engine per sampling setup
         held = {**self.state, "ref_params": self.ref_params}  # on the device while the rollout runs
-        self.sampler = Sampler(plan.sampler_spec(c), self.model, self.tokenizer, self.rollout_precision, self.mesh,
-                               sequences=self.sequences, held=held, rollout_devices=self.rollout_devices)
+        self.sampler = Sampler(plan.sampler_spec(c, rl=True), self.model, self.tokenizer, self.rollout_precision,
+                               self.mesh, sequences=self.sequences, held=held, rollout_devices=self.rollout_devices)
         rl_sampling = SamplingParams(temperature=c.rollout.temperature, top_k=c.rollout.top_k, top_p=c.rollout.top_p)
         self.engine = self.sampler.engine(rl_sampling, c.rollout.max_new_tokens)
         self.exact_sampler = None  # rollout.exact: the RL rollouts drawn by the train precision's scoring forward

@@ -41,6 +41,9 @@ class SamplerSpec:
     temperature: float  # rollout.temperature
     top_k: int  # rollout.top_k
     top_p: float  # rollout.top_p
+    # the rollout weights resident at once: 1, or in a rollout stream the loaded version and up to
+    # rollout.max_staleness versions published ahead of it (held for the loads the schedule fixes)
+    weight_versions: int = 1
 
 
 def plan_decode_slots(spec: SamplerSpec, model: LlamaConfig, precision: Precision, mesh: jax.sharding.Mesh | None,
@@ -54,12 +57,14 @@ def plan_decode_slots(spec: SamplerSpec, model: LlamaConfig, precision: Precisio
     replicas = 1 if group is None else len(group) // tp
     load = functools.partial(rollout_params, precision=precision, num_layers=model.num_layers)
     weights = jax.eval_shape(load, held["params"], held.get("fp8_state") if precision.fp8 else None)
-    held_bytes = -(-tree_device_bytes(weights) // tp)
+    held_bytes = -(-tree_device_bytes(weights) // tp) * spec.weight_versions
     if rollout_devices is None:
         held_bytes += tree_device_bytes(held)
     per_slot = slot_bytes(model, max_prompt_tokens=spec.max_prompt_tokens, max_new_tokens=spec.max_new_tokens,
                           cache_dtype=llama.cache_dtype(precision), tensor_parallel=tp)
-    split = {} if rollout_devices is None else {"limit": device_limit(rollout_devices), "held_what": "rollout weights"}
+    what = "rollout weights" if spec.weight_versions == 1 else f"{spec.weight_versions} versions of rollout weights"
+    split = {"held_what": f"train state and {what}"} if rollout_devices is None else {
+        "limit": device_limit(rollout_devices), "held_what": what}
     return plan_slots(spec.decode_slots, sequences, slot_bytes=per_slot, held_bytes=held_bytes,
                       replicas=replicas, **split)
 
