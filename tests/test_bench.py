@@ -403,3 +403,18 @@ def test_agreement_defaults_leave_out_transformer_engine():
     names = parser.parse_args([]).precisions.split(",")
     assert "fp8_kv" in names and all(agreement.PRECISIONS[n].backend != "te" for n in names)
     assert {"fp8_te", "fp8_kv_te"} <= set(agreement.PRECISIONS) - set(names)
+
+
+def test_bench_async_measures_the_split_and_keeps_each_steps_time(tmp_path):
+    """One variant of ``bench async`` (the rollout on 1 of the 8 forced devices, staleness 1): its row counts the
+    trained tokens over the timed steps, keeps each step's time and the trainer's wait, and the weight update moves
+    fewer bytes than a BF16 refit."""
+    main(["async", "--one", "1", "--config", "configs/tiny.py", "--set", "rollout.max_new_tokens=16", "--warmup", "1",
+          "--steps", "2", "--staleness", "1", "--out", str(tmp_path / "a.json")])
+    row = json.loads((tmp_path / "a.json").read_text())["rows"][0]
+    assert (row["rollout_devices"], row["max_staleness"], row["devices"]) == (1, 1, 8)
+    assert len(row["step_seconds_each"]) == len(row["train_idle_s_each"]) == 2
+    assert abs(sum(row["step_seconds_each"]) - row["seconds"]) < 0.01
+    expected = row["response_length_mean"] * row["sequences"] * 2 / row["seconds"] / 8
+    assert row["tokens_per_s_per_gpu"] == pytest.approx(expected)
+    assert 0 < row["staleness_mean"] <= 1 and row["weight_update_bytes"] < row["weight_update_bf16_bytes"]

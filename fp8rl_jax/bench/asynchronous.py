@@ -14,7 +14,11 @@ rollout waits for its longest sample as a real one does.
 
 Measured over the steps after ``--warmup``: completion tokens trained per second of the steps' wall time, per
 device (``tokens_per_s_per_gpu``), the tokens' mean staleness, and the weight update's seconds (the trainer's
-quantize-and-send of each version). Written: ``{"gpus", "tokens_per_s_per_gpu": {"sync", "async"}, "speedup",
+quantize-and-send of each version). The stream may enter that window up to S batches ahead of the trainer, which a
+short window counts as throughput: each step's time and the trainer's wait are kept (``step_seconds_each``,
+``train_idle_s_each``) to show whether the window reached the steady state.
+
+Written: ``{"gpus", "tokens_per_s_per_gpu": {"sync", "async"}, "speedup",
 "staleness_mean", "weight_update_s", "rows", ...}`` with the best split as ``async``.
 """
 
@@ -116,6 +120,10 @@ def measure(args, split: int) -> dict:
             "sequences": c.rollout.prompts_per_step * n, "max_new_tokens": max_new,
             "response_length_mean": mean("response_length_mean"), "seconds": seconds,
             "step_seconds": seconds / len(timed), "tokens_per_s_per_gpu": tokens / seconds / devices,
+            # each timed step's wall time and the trainer's wait for its batch: a window that starts with the
+            # stream ahead shows as waits that grow towards its end
+            "step_seconds_each": np.diff(ends[args.warmup - 1:]).round(3).tolist(),
+            "train_idle_s_each": [round(r.get("time/rollout", 0.0), 3) for r in timed],
             "staleness_mean": mean("async/staleness_mean") or 0.0, "weight_update_s": mean("time/weights"),
             "train_idle_s": mean("time/rollout"), "rollout_idle_s": mean("async/rollout_idle_s"),
             "weight_transfer_s": mean("async/weight_transfer_s"),
