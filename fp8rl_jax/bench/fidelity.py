@@ -82,8 +82,8 @@ def forms(base: Precision) -> dict[str, tuple[str, Precision]]:
         "bf16_ends": ("the first and the last block in BF16", base.replace(bf16_first_layers=1, bf16_last_layers=1)),
         "block_head_bf16": ("block, the LM head all BF16", base.replace(recipe=BLOCK_E4M3, **bf16_head)),
         # the floor (probe only): every block GEMM operand rounded to the format's mantissa with an unbounded
-        # exponent, what a perfect scaling of any granularity could at best make of it; the head's backward GEMMs
-        # stay per-tensor delayed, as under block scaling
+        # exponent, the best power-of-2 scales of any granularity can do (not a bound for f32 scales, which put each
+        # group's amax on 448 exactly); the head's backward GEMMs stay per-tensor delayed, as under block scaling
         "mantissa_e4m3": ("floor: the blocks' GEMM operands rounded to E4M3's 3 mantissa bits, unbounded exponent",
                           base.replace(recipe=dataclasses.replace(r, scaling="mantissa", fp8_format="e4m3"))),
         "mantissa_hybrid": ("floor with E5M2's 2 mantissa bits for the gradients (HYBRID)", recipe(scaling="mantissa")),
