@@ -20,6 +20,10 @@ def test_forms_are_the_knobs_they_name():
     assert table["tensor"][1] == BASE and not table["bf16"][1].fp8
     assert table["block"][1].recipe.scaling == "block" and table["block"][1].recipe.fp8_format == "e4m3"
     assert table["block_hybrid"][1].recipe.fp8_format == "hybrid"
+    assert table["mantissa_e4m3"][1].recipe == table["mantissa_e4m3_head_bf16"][1].recipe == fidelity.MANTISSA_E4M3
+    assert table["mantissa_hybrid"][1].recipe.scaling == "mantissa"
+    assert table["mantissa_hybrid"][1].recipe.fp8_format == "hybrid"
+    assert not table["mantissa_e4m3_head_bf16"][1].lm_head_grad_fp8 and table["mantissa_e4m3"][1].lm_head_grad_fp8
     assert table["fprop_only"][1].recipe.fp8_gemms == ("fprop",) and not table["fprop_only"][1].lm_head_grad_fp8
     assert table["head_only"][1].lm_head_grad_fp8 and len(table["head_only"][1].bf16_linears) == 4
     assert table["bf16_down"][1].bf16_linears == ("w_down",)

@@ -15,7 +15,9 @@ BF16 (the rollout engine, a fixed key), rewarded, and given GRPO advantages. For
 Delayed scales (``tensor``, and the backward of ``rowwise``) come from two passes of the same loss over another
 batch of the same size (the next prompts), in the ``tensor`` form: the first observes under scale 1, the second
 under the first's scales, and every form's state holds the second's amaxes (as a delayed scale is one step old),
-turned into scales for its own formats. Current and block scales need none.
+turned into scales for its own formats. Current and block scales need none, nor do the ``mantissa`` forms (the
+floor: no scale at all, every operand of the blocks' GEMMs rounded to the format's mantissa with an unbounded
+exponent, ``numerics.mantissa_rounded``; the head's backward GEMMs stay per-tensor delayed, as under block).
 Transformer Engine runs on a GPU only: ``tensor`` here is the ``xla`` backend's delayed scaling, the same recipe
 on the same quantized operands (the tests hold TE's operands to it bit for bit, ``tests/fp8/test_te_gpu.py``).
 """
@@ -44,6 +46,7 @@ from fp8rl_jax.rl.scoring import token_logprobs
 ROLES = {"qkv": ("wqkv", "bqkv"), "o": ("wo",), "gate_up": ("w_gate_up",), "down": ("w_down",)}
 LINEAR_OF = {"qkv": "wqkv", "o": "wo", "gate_up": "w_gate_up", "down": "w_down"}
 BLOCK_E4M3 = Fp8Recipe(scaling="block", fp8_format="e4m3")  # DeepSeek-V3's recipe
+MANTISSA_E4M3 = Fp8Recipe(scaling="mantissa", fp8_format="e4m3")  # the floor: E4M3's mantissa, no range limit
 
 
 def forms(base: Precision) -> dict[str, tuple[str, Precision]]:
@@ -78,6 +81,14 @@ def forms(base: Precision) -> dict[str, tuple[str, Precision]]:
         "head_fp8": ("the LM head in FP8 both ways (lm_head_fp8)", base.replace(lm_head_fp8=True)),
         "bf16_ends": ("the first and the last block in BF16", base.replace(bf16_first_layers=1, bf16_last_layers=1)),
         "block_head_bf16": ("block, the LM head all BF16", base.replace(recipe=BLOCK_E4M3, **bf16_head)),
+        # the floor (probe only): every block GEMM operand rounded to the format's mantissa with an unbounded
+        # exponent, the best power-of-2 scales of any granularity can do (not a bound for f32 scales, which put each
+        # group's amax on 448 exactly); the head's backward GEMMs stay per-tensor delayed, as under block scaling
+        "mantissa_e4m3": ("floor: the blocks' GEMM operands rounded to E4M3's 3 mantissa bits, unbounded exponent",
+                          base.replace(recipe=dataclasses.replace(r, scaling="mantissa", fp8_format="e4m3"))),
+        "mantissa_hybrid": ("floor with E5M2's 2 mantissa bits for the gradients (HYBRID)", recipe(scaling="mantissa")),
+        "mantissa_e4m3_head_bf16": ("mantissa_e4m3, the LM head all BF16",
+                                    base.replace(recipe=MANTISSA_E4M3, **bf16_head)),
     }
     for role, name in LINEAR_OF.items():
         out[f"bf16_{role}"] = (f"{name} in BF16 in every block", base.replace(bf16_linears=(name,)))

@@ -36,8 +36,12 @@ non-negative), never with a sum.
 
 Other scalings (``Fp8Recipe.scaling``; the ``xla`` backend only, ``xla.py``): ``rowwise`` (the forward per token and
 per output channel, current), ``current`` (per tensor, each tensor's own amax in the call: TE's Float8CurrentScaling)
-and ``block`` (1 x 128 activation tiles and 128 x 128 weight blocks, forward and backward: ``block.py``). They
-still report the three amaxes per call, so the state keeps one layout. ``fp8_gemms`` names the GEMMs that run in
+and ``block`` (1 x 128 activation tiles and 128 x 128 weight blocks, forward and backward: ``block.py``). The
+fidelity probe has one more, ``mantissa``, which no config accepts: no scale at all, every GEMM operand rounded to
+the format's mantissa with an unbounded exponent (``numerics.mantissa_rounded``), the error that E4M3's or E5M2's
+mantissa leaves under the best power-of-2 scaling of any granularity (scales that are not powers of 2 can do better:
+each group's amax lands on fp8_max exactly). They all still report the three amaxes per call, so the state keeps one
+layout. ``fp8_gemms`` names the GEMMs that run in
 FP8 (the forward ``fprop``, the input gradient ``dgrad``, the weight gradient ``wgrad``); the others run on the
 compute dtype's operands with f32 accumulation.
 
@@ -70,8 +74,10 @@ Fp8LinearState = dict[str, Fp8Meta]  # {"x": Fp8Meta, "kernel": Fp8Meta, "grad":
 
 
 # "tensor": delayed, per tensor (the default); "rowwise": the forward per token x per output channel, current;
-# "current": per tensor, current; "block": 1 x 128 tiles / 128 x 128 blocks, current, forward and backward
-SCALINGS = ("tensor", "rowwise", "current", "block")
+# "current": per tensor, current; "block": 1 x 128 tiles / 128 x 128 blocks, current, forward and backward;
+# "mantissa" (the fidelity probe's only, never a config value): no scale, every operand rounded to the format's
+# mantissa with an unbounded exponent (``numerics.mantissa_rounded``), what power-of-2 scales reach at best
+SCALINGS = ("tensor", "rowwise", "current", "block", "mantissa")
 GEMMS = ("fprop", "dgrad", "wgrad")  # y = x w, dx = g w^T, dw = x^T g
 
 
@@ -87,6 +93,8 @@ class Fp8Recipe:
     # output channel of the kernel scaled by its own current amax; the backward stays per tensor; xla backend only)
     # | "current" (one scale per tensor from its own amax, all three GEMMs; xla only) | "block" (1 x 128 activation
     # and gradient tiles, 128 x 128 weight blocks, each scaled by its current amax, all three GEMMs; xla only)
+    # | "mantissa" (probe only: each operand rounded to the format's 3 or 2 mantissa bits with f32's exponent range,
+    # kept in f32, inverse scale 1: the best any power-of-2 scaling can do; xla only, the f32 GEMM form always)
     scaling: str = "tensor"
     # the GEMMs that run in FP8, the rest on compute-dtype operands (f32 accumulation): a subset of GEMMS, in order
     fp8_gemms: tuple[str, ...] = GEMMS

@@ -28,6 +28,11 @@ keeps x and the master kernel as residuals (an emulation: the bytes are not the 
 GEMM is ``block.block_gemm``, f32 accumulation per 128-wide slice of its contraction axis; a pre-quantized kernel
 then carries [ceil(N/128), ceil(K/128)] scales. ``tensor`` and ``rowwise`` with all three GEMMs in FP8 keep the
 path above, unchanged.
+
+``mantissa`` scaling (the fidelity probe's only; no config accepts it) takes that path too, as ``current`` does, with
+no scale: each operand is ``numerics.mantissa_rounded`` (the format's 3 or 2 mantissa bits, f32's exponent range),
+held in f32 with inverse scale 1. Such values are not FP8 values, so its GEMMs always run in the ``f32`` form (exact
+products, f32 accumulation, on any platform).
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ from fp8rl_jax.fp8.recipe import (
     rounded,
     scale_from_amax,
 )
+from fp8rl_jax.numerics import mantissa_rounded
 from fp8rl_jax.parallel import fsdp
 
 GEMM_FORMS = ("f8", "f32")
@@ -64,6 +70,11 @@ def gemm_form(form: str | None = None) -> str:
     if form not in GEMM_FORMS:
         raise ValueError(f"FP8 GEMM form={form!r}; allowed: {GEMM_FORMS}")
     return form
+
+
+def _recipe_form(recipe: Fp8Recipe, form: str | None) -> str:
+    """``gemm_form(form)``, or ``f32`` under ``mantissa`` scaling: its operands are f32 values no FP8 dtype holds."""
+    return "f32" if recipe.scaling == "mantissa" else gemm_form(form)
 
 
 def gemm_operand(q: jax.Array, fp8_dtype, form: str) -> jax.Array:
@@ -120,18 +131,20 @@ def quantize_kernel(kernel: jax.Array, kernel_meta, recipe: Fp8Recipe, form: str
     """[K, N] kernel -> FP8 [N, K] with its delayed scale (``scale_inv`` a scalar), stored in ``form``'s dtype (see
     ``gemm_form``). With ``rowwise`` scaling each output channel n gets its own current scale
     ``fp8_max / amax(kernel[:, n])`` (``scale_inv`` [N]); with ``current`` one scale from the kernel's own amax
-    (a scalar); with ``block`` one per 128 x 128 block (``scale_inv`` [ceil(N/128), ceil(K/128)]).
+    (a scalar); with ``block`` one per 128 x 128 block (``scale_inv`` [ceil(N/128), ceil(K/128)]); with ``mantissa``
+    no scale (``scale_inv`` 1), the values ``numerics.mantissa_rounded``, always in the ``f32`` form.
 
     ``gather``: ``kernel`` is one layer's FSDP-sharded master with this ``PartitionSpec`` (``parallel.fsdp``): each
     shard is quantized where it is and the FP8 bits are all-gathered, the same bits as quantizing the whole kernel.
-    Under ``current`` and ``block`` scaling the f32 master is gathered first (an amax spans the shards).
+    Under ``current``, ``block`` and ``mantissa`` scaling the f32 master is gathered first (an amax spans the shards;
+    ``mantissa`` simply rounds the whole master).
     """
     if "fprop" not in recipe.fp8_gemms:
         raise ValueError(f"fp8_gemms={recipe.fp8_gemms}: the forward is not FP8, so there is no FP8 kernel to make")
-    if recipe.scaling in ("current", "block"):
+    if recipe.scaling in ("current", "block", "mantissa"):
         nk = jnp.swapaxes(kernel if gather is None else fsdp.gather_bits(kernel, gather), -1, -2)  # [N, K]
-        data, scale_inv = _quantized(nk, recipe.fwd_dtype, "block" if recipe.scaling == "block" else "current")
-        return QuantizedKernel(gemm_operand(data, recipe.fwd_dtype, gemm_form(form)), scale_inv)
+        data, scale_inv = _quantized(nk, recipe.fwd_dtype, recipe.scaling)
+        return QuantizedKernel(gemm_operand(data, recipe.fwd_dtype, _recipe_form(recipe, form)), scale_inv)
     if recipe.scaling == "rowwise":
         # [N, K], [N]: the per-channel amaxes of a sharded kernel are reduced over its shards (an all-reduce of [N])
         data, scale_inv = _rowwise_quantize(jnp.swapaxes(kernel, -1, -2), recipe.fwd_dtype)
@@ -171,7 +184,7 @@ def prequantized_matmul(
     beforehand (``recipe.with_input_scale_inv``), the same value. An FP8 ``x`` is already quantized with
     ``x_scale`` (per-tensor scaling only).
     """
-    form = gemm_form(form)
+    form = _recipe_form(recipe, form)
     qw = gemm_operand(kernel.data, recipe.fwd_dtype, form)
     if jnp.dtype(x.dtype).itemsize == 1 and recipe.scaling != "tensor":
         raise ValueError(f"a pre-quantized FP8 input has its delayed scale; {recipe.scaling} scaling quantizes the "
@@ -180,8 +193,8 @@ def prequantized_matmul(
         qx, sx = block.tile_quantize(x, recipe.fwd_dtype)
         n = kernel.data.shape[-2]
         y = block.block_gemm(gemm_operand(qx, recipe.fwd_dtype, form), sx, qw, block.block_rows(kernel.scale_inv, n))
-    elif recipe.scaling == "current":  # x_scale unused: x's own amax
-        qx, sx = _quantized(x, recipe.fwd_dtype, "current")
+    elif recipe.scaling in ("current", "mantissa"):  # x_scale unused: x's own amax, or no scale (sx 1)
+        qx, sx = _quantized(x, recipe.fwd_dtype, recipe.scaling)
         # [M, K] . [N, K] -> [M, N]
         y = _mm(gemm_operand(qx, recipe.fwd_dtype, form), qw, 1, 1) * (sx * kernel.scale_inv)
     elif recipe.scaling == "rowwise":  # x_scale unused: each token's row has its own current scale
@@ -281,18 +294,23 @@ def _fp8_matmul_fn(x_dtype, w_dtype, out_dtype, recipe: Fp8Recipe, form: str, ga
 # how the backward GEMMs of a non-standard recipe quantize their operands, dgrad (g [M, N], w [K, N]) and wgrad
 # (x [M, K], g [M, N]); the forward is ``prequantized_matmul``'s. "delayed": the role's state scale; "current":
 # the tensor's own amax; "tile": 1 x 128 tiles along the contraction axis (N for dgrad, the tokens for wgrad);
-# "block": 128 x 128. rowwise scales the forward only, as the standard path does.
+# "block": 128 x 128; "mantissa": no scale, the value rounded to the format's mantissa (the probe's floor). rowwise
+# scales the forward only, as the standard path does.
 _BACKWARD_KINDS = {
     "tensor": {"dgrad": ("delayed", "delayed"), "wgrad": ("delayed", "delayed")},
     "rowwise": {"dgrad": ("delayed", "delayed"), "wgrad": ("delayed", "delayed")},
     "current": {"dgrad": ("current", "current"), "wgrad": ("current", "current")},
     "block": {"dgrad": ("tile", "block"), "wgrad": ("tile", "tile")},
+    "mantissa": {"dgrad": ("mantissa", "mantissa"), "wgrad": ("mantissa", "mantissa")},
 }
 
 
 def _quantized(t: jax.Array, dtype, kind: str, delayed_scale: jax.Array | None = None):
     """``t`` [..., P, C] quantized as ``kind`` says (``_BACKWARD_KINDS``): (FP8 values, inverse scales) with the
-    scales [..., 1, 1] (per tensor), [..., P, Cb] (tiles) or [..., Pb, Cb] (blocks)."""
+    scales [..., 1, 1] (per tensor), [..., P, Cb] (tiles) or [..., Pb, Cb] (blocks). ``mantissa``: the values
+    ``mantissa_rounded`` (f32, not FP8) and inverse scales 1 [..., 1, 1]."""
+    if kind == "mantissa":
+        return mantissa_rounded(t, dtype), jnp.ones((*t.shape[:-2], 1, 1), jnp.float32)
     if kind == "tile":
         return block.tile_quantize(t, dtype)
     if kind == "block":
@@ -394,5 +412,5 @@ def fp8_matmul(
     """
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     make = _fp8_matmul_fn if recipe.standard else _general_matmul_fn
-    fn = make(jnp.dtype(x.dtype), jnp.dtype(kernel.dtype), out_dtype, recipe, gemm_form(form), gather)
+    fn = make(jnp.dtype(x.dtype), jnp.dtype(kernel.dtype), out_dtype, recipe, _recipe_form(recipe, form), gather)
     return fn(x, kernel, state, kernel_amax)

@@ -1,0 +1,113 @@
+"""Why block scaling beats the fidelity probe's mantissa floor (docs/accuracy.md, the block-scaling section).
+
+    python benchmarks/fidelity_floor.py [--out PATH]
+
+``bench fidelity``'s batch, reference and calibration (SmolLM2-135M-Instruct, its defaults), and variants of its forms
+that no config has, made by patching three functions of this process (nothing in the package changes):
+- ``block_pow2``: ``block``, each tile's and block's scale rounded down to a power of 2 (TE's Float8BlockScaling
+  default). Inside E4M3's normal range such a scale moves no significand: the floor's rounding, plus the underflow.
+- ``block_nosub`` / ``current_e4m3_nosub``: ``block`` / per-tensor current scaling (E4M3 both ways), each scaled value
+  rounded to E4M3's mantissa with an unbounded exponent instead of cast (``numerics.mantissa_rounded``): their scales,
+  no subnormals, no flush to zero.
+- ``current_e4m3``: per-tensor current scaling, E4M3 both ways, unpatched (the probe's ``current`` has E5M2 gradients).
+- ``mantissa_e4m3_c<c>``: the floor with every operand's rounding grid shifted by one factor c (x c rounded to 4
+  significant bits, then / c): the same rounding in distribution, another draw of it. Their spread is how far one
+  form's figures on one batch move with the luck of its roundings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fp8rl_jax import plan
+from fp8rl_jax.bench import fidelity
+from fp8rl_jax.config import load_config_file
+from fp8rl_jax.fp8 import block, xla
+from fp8rl_jax.fp8.policy import Precision
+from fp8rl_jax.fp8.recipe import scale_from_amax, update_state
+from fp8rl_jax.model import llama, loading
+from fp8rl_jax.numerics import fp8_max, mantissa_rounded
+
+MODE = {"patch": None, "c": 1.0}  # the variant being traced: None | "pow2" | "nosub"; the floor's grid factor
+_scales, _block_quantize, _xla_quantize = block._scales, block.quantize, xla.quantize
+
+
+def pow2_scales(a, dtype):
+    if MODE["patch"] != "pow2":
+        return _scales(a, dtype)
+    s = jnp.exp2(jnp.floor(jnp.log2(scale_from_amax(a, 1.0, fp8_max(dtype)))))
+    return s, 1.0 / s
+
+
+def nosub(quantize):
+    def q(x, scale, dtype):
+        if MODE["patch"] != "nosub":
+            return quantize(x, scale, dtype)
+        return mantissa_rounded(x.astype(jnp.float32) * scale.astype(jnp.float32), dtype)
+    return q
+
+
+def shifted(t, dtype):
+    return mantissa_rounded(t.astype(jnp.float32) * MODE["c"], dtype) / MODE["c"]
+
+
+block._scales, block.quantize, xla.quantize, xla.mantissa_rounded = (pow2_scales, nosub(_block_quantize),
+                                                                     nosub(_xla_quantize), shifted)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="/tmp/fidelity_floor.json")
+    args = parser.parse_args()
+    config = load_config_file("configs/smollm2_arith.py")
+    config.precision.mode, config.precision.backend = "fp8_e2e", "xla"
+    base = plan.run_precision(config, "train")
+    table = fidelity.forms(base)
+    current = base.replace(recipe=dataclasses.replace(base.recipe, scaling="current", fp8_format="e4m3"))
+    variants = [("block_pow2", table["block"][1], "pow2", 1.0), ("block_nosub", table["block"][1], "nosub", 1.0),
+                ("current_e4m3", current, None, 1.0), ("current_e4m3_nosub", current, "nosub", 1.0)]
+    variants += [(f"mantissa_e4m3_c{c}", table["mantissa_e4m3"][1], None, c) for c in (1.1, 1.3, 1.55, 1.8)]
+    variants += [("mantissa_e4m3_head_bf16_c1.3", table["mantissa_e4m3_head_bf16"][1], None, 1.3)]
+
+    batch_args = argparse.Namespace(pool=32, prompts=4, samples=4, seed=0)  # bench fidelity's defaults
+    spec = plan.model_spec(config)
+    model, params, tokenizer = loading.load_model(dataclasses.replace(spec, source="smollm2", tokenizer="",
+                                                                      num_layers=0))
+    probe, calib = fidelity.sample_batches(config, model, params, tokenizer, batch_args)
+    loss_cfg = plan.loss_config(config)
+    ref_logp, ref_grad = fidelity.run_form(fidelity._loss_and_grad(model, Precision(compute_dtype="float32"),
+                                                                   loss_cfg), params, probe, None)
+    observed = fidelity.calibration(fidelity._loss_and_grad(model, base, loss_cfg), model, params, base, calib)
+    rows = []
+    for name, precision, patch, c in variants:
+        MODE["patch"], MODE["c"] = patch, c
+        t = time.perf_counter()
+        state = update_state(llama.init_fp8_state(model, precision), observed, precision.recipe)
+        logp, grad = fidelity.run_form(fidelity._loss_and_grad(model, precision, loss_cfg), params, probe, state)
+        row = {"form": name, "logp_err_vs_f32": float(np.abs(logp - ref_logp)[probe["mask"]].mean()),
+               **fidelity.grad_metrics(grad, ref_grad, model), "seconds": round(time.perf_counter() - t, 1),
+               "device": jax.devices()[0].platform}
+        print(json.dumps({k: v for k, v in row.items() if k not in ("per_layer", "per_role")}), flush=True)
+        rows.append(row)
+        jax.clear_caches()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    out = {"device": rows[0]["device"], "commit": commit, "command": "python benchmarks/fidelity_floor.py "
+           + " ".join(sys.argv[1:]), "model": "SmolLM2-135M-Instruct (the embedded GGUF, dequantized to f32)",
+           "config": "configs/smollm2_arith.py", "batch": probe["info"], "what": __doc__.split("\n\n", 2)[2].strip(),
+           "rows": rows}
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=1)
+    print(f"wrote {len(rows)} rows to {args.out}")
+
+
+if __name__ == "__main__":
+    main()
