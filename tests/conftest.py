@@ -38,27 +38,9 @@ if os.environ["JAX_PLATFORMS"] != "cpu" and not os.environ.get("FP8RL_TEST_NO_TE
     te.preload()
 
 
-# The test files that take longest on 2 cores (CI's --durations), first: `make test`'s workers take whole files in
-# collection order, so the long ones start early and the two workers end together instead of one finishing the
-# last long file alone
-LONGEST_FIRST = (
-    "test_trainer.py", "parallel/test_multiprocess.py", "test_reliability.py", "test_bench.py",
-    "test_workdir_lock.py", "test_async.py", "test_notebooks.py", "parallel/test_sharded_trainer.py",
-    "test_packing_layouts.py", "parallel/test_split_devices.py", "test_serve.py", "test_eval.py",
-)
-
-
-def _file_rank(item) -> int:
-    path = item.nodeid.split("::")[0].removeprefix("tests/")
-    return LONGEST_FIRST.index(path) if path in LONGEST_FIRST else len(LONGEST_FIRST)
-
-
 def pytest_collection_modifyitems(config, items):
-    """GPU-marked tests run only where a GPU backend exists (the GPU host), never in CPU CI; the longest files
-    first (``LONGEST_FIRST``), the rest in their order."""
+    """GPU-marked tests run only where a GPU backend exists (the GPU host), never in CPU CI."""
     import jax
-
-    items.sort(key=_file_rank)  # stable: each file's tests keep their order
 
     on_gpu = any(d.platform == "gpu" for d in jax.devices()) if os.environ.get("JAX_PLATFORMS") != "cpu" else False
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run with JAX_PLATFORMS=cuda on the GPU host)")
