@@ -112,7 +112,7 @@ EOF
       # weights), lognormal lengths of mean 0.3 x max_new_tokens
       timeout ${ASYNC_TIMEOUT:-560} python3 -m fp8rl_jax.bench async --config configs/llama1b.py --set model.source=preset \
         --set model.tokenizer=.gpu/smollm2_tok --set model.preset_vocab=preset --splits ${ASYNC_SPLITS:-0,1} \
-        --lengths ${ASYNC_LENGTHS:-lognormal:0.3,1.0} --warmup ${ASYNC_WARMUP:-2} --steps ${ASYNC_STEPS:-6} \
+        --lengths ${ASYNC_LENGTHS:-lognormal:0.3,1.0} --warmup ${ASYNC_WARMUP:-2} --steps ${ASYNC_STEPS:-8} \
         --timeout ${ASYNC_VARIANT_TIMEOUT:-270} ${ASYNC_ARGS:-} --out "$OUT/async_gpu.json" 2>&1 | grep -v "^W\|Warn" \
         | tee "$OUT/async.log" | tail -8 ;;
     study) # the fidelity study (configs/smollm2_arith.py): every precision mode at once on this GPU, then the table

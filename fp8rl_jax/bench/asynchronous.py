@@ -45,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--splits", default="0,1", help="rollout devices of each variant; 0 = synchronous")
     parser.add_argument("--staleness", type=int, default=1)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=8, help="timed steps: a short window flatters the stream")
     parser.add_argument("--timeout", type=int, default=400, help="seconds per variant")
     parser.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)
 
