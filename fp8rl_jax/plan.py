@@ -81,13 +81,13 @@ def packing_plan(config, batch_devices: int = 1) -> PackingPlan:
 
 def sampler_spec(config, *, rl: bool = False) -> SamplerSpec:
     """What a ``rollout.sampler.Sampler`` (and ``plan_decode_slots``) uses of ``config.rollout`` and ``config.data``;
-    ``rl``: the trainer's RL sampler, whose stream (``streaming``) holds ``rollout.max_staleness`` weight versions
-    beyond the loaded one."""
+    ``rl``: the trainer's RL sampler, whose stream (``streaming``) may hold ``rollout.max_staleness`` + 2 weight
+    versions at once (``SamplerSpec.weight_versions``)."""
     r = config.rollout
     return SamplerSpec(decode_slots=r.decode_slots, tensor_parallel=r.tensor_parallel,
                        max_prompt_tokens=config.data.max_prompt_tokens, max_new_tokens=r.max_new_tokens,
                        decode_attention=r.decode_attention, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
-                       weight_versions=1 + r.max_staleness if rl and streaming(config) else 1)
+                       weight_versions=2 + r.max_staleness if rl and streaming(config) else 1)
 
 
 def data_spec(config) -> DataSpec:

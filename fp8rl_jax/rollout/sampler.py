@@ -41,8 +41,9 @@ class SamplerSpec:
     temperature: float  # rollout.temperature
     top_k: int  # rollout.top_k
     top_p: float  # rollout.top_p
-    # the rollout weights resident at once: 1, or in a rollout stream the loaded version and up to
-    # rollout.max_staleness versions published ahead of it (held for the loads the schedule fixes)
+    # the rollout weights resident at once: 1, or in a rollout stream (rollout.max_staleness = S) S + 2: the loaded
+    # version, up to S published ahead of it (held for the loads the schedule fixes) and the next one while the
+    # trainer makes it, before the stream's next round loads one and drops the oldest
     weight_versions: int = 1
 
 

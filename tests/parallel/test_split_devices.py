@@ -157,9 +157,9 @@ def test_automatic_slots_size_to_the_rollout_devices_beside_the_rollout_weights_
 
 
 def test_a_streams_slots_leave_room_for_the_weight_versions_it_holds_ahead():
-    """An asynchronous run's RL sampler holds the loaded rollout weights and up to rollout.max_staleness versions
-    published ahead of them: the automatic slot count is planned beside all of them; eval and serve's samplers
-    (``rl`` False) and synchronous runs beside one."""
+    """An asynchronous run's RL sampler may hold the loaded rollout weights, up to rollout.max_staleness versions
+    published ahead of them and the one the trainer is making: the automatic slot count is planned beside all of
+    them; eval and serve's samplers (``rl`` False) and synchronous runs beside one."""
     params = jax.eval_shape(lambda: llama.init_params(CONFIG, jax.random.PRNGKey(0)))
     devices = [_Device(2**31)] * 2
     mesh = _mesh(jax.devices()[2:])
@@ -169,8 +169,8 @@ def test_a_streams_slots_leave_room_for_the_weight_versions_it_holds_ahead():
         return plan_decode_slots(spec, CONFIG, REFIT["bf16"], mesh, sequences=64, held={"params": params},
                                  rollout_devices=devices)
 
-    one, three = held(), held(**{"rollout.max_staleness": 2})
-    assert three.held_bytes == 3 * one.held_bytes and "3 versions of rollout weights" in three.describe()
+    one, four = held(), held(**{"rollout.max_staleness": 2})
+    assert four.held_bytes == 4 * one.held_bytes and "4 versions of rollout weights" in four.describe()
     assert plan.sampler_spec(_config(**{"rollout.max_staleness": 2})).weight_versions == 1
 
 
