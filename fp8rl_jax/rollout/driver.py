@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -188,27 +189,36 @@ def prefill_group(bucket: int, backend: str | None = None) -> int:
     return max(1, min(16, PREFILL_TOKENS // bucket))
 
 
-def _prefill(engine: Engine, params: dict, prompts: list[list[int]], needed: list[int], rng: jax.Array) -> dict:
-    """Prefill the ``needed`` prompts in groups of ``prefill_group(bucket)`` per call: {prompt: (Prefix batch, row)}.
-    Prompt p's first token is drawn with ``fold_in(rng, 2**30 + p)``."""
-    cfg = engine.config
+def prefill_prompts(engine: Engine, params: dict, prompts: Sequence[Sequence[int]],
+                    keys: Callable[[list[int], int], object]) -> dict[int, tuple]:
+    """Prefill ``prompts`` in groups of ``prefill_group(bucket)`` per call, in their order within each bucket:
+    {index: (Prefix batch, row)}. ``keys(indices, g)``: the first-token keys of a call's prompts (``indices`` into
+    ``prompts``), [g, 2] uint32; the rows past them are the padding prompts (one token 0 each), whose draws nothing
+    reads. ``driver.generate`` and the rollout stream prefill through it."""
     by_bucket: dict[int, list[int]] = {}
-    for p in needed:
-        by_bucket.setdefault(prefill_bucket(len(prompts[p]), cfg.max_prefill_length), []).append(p)
+    for i, prompt in enumerate(prompts):
+        by_bucket.setdefault(prefill_bucket(len(prompt), engine.config.max_prefill_length), []).append(i)
     out = {}
-    for bucket, ps in by_bucket.items():
+    for bucket, indices in by_bucket.items():
         g = prefill_group(bucket)
-        for start in range(0, len(ps), g):
-            group = ps[start:start + g]
+        for start in range(0, len(indices), g):
+            group = indices[start:start + g]
             padded = np.zeros((g, bucket), np.int32)
-            lengths = np.ones((g,), np.int32)  # the padding prompts: one token 0 each
-            for i, p in enumerate(group):
-                padded[i, : len(prompts[p])] = prompts[p]
-                lengths[i] = len(prompts[p])
-            # g keys: the padding prompts draw with fold_in(rng, 0), which nothing reads
-            batch = engine.prefill_batch(params, padded, lengths, row_keys(rng, [2**30 + p for p in group], g))
-            out.update({p: (batch, i) for i, p in enumerate(group)})
+            lengths = np.ones((g,), np.int32)
+            for row, i in enumerate(group):
+                padded[row, : len(prompts[i])] = prompts[i]
+                lengths[row] = len(prompts[i])
+            batch = engine.prefill_batch(params, padded, lengths, keys(group, g))
+            out.update({i: (batch, row) for row, i in enumerate(group)})
     return out
+
+
+def _prefill(engine: Engine, params: dict, prompts: list[list[int]], needed: list[int], rng: jax.Array) -> dict:
+    """Prefill the ``needed`` prompts (``prefill_prompts``): {prompt: (Prefix batch, row)}. Prompt p's first token
+    is drawn with ``fold_in(rng, 2**30 + p)`` (the padding prompts' with ``fold_in(rng, 0)``)."""
+    keys = lambda group, g: row_keys(rng, [2**30 + needed[i] for i in group], g)  # noqa: E731
+    out = prefill_prompts(engine, params, [prompts[p] for p in needed], keys)
+    return {needed[i]: prefix for i, prefix in out.items()}
 
 
 @jax.jit

@@ -50,8 +50,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from fp8rl_jax.parallel.distributed import host_get
-from fp8rl_jax.rollout.driver import RolloutBatch, chunk_steps, prefill_group, row_keys
-from fp8rl_jax.rollout.engine import Engine, prefill_bucket
+from fp8rl_jax.rollout.driver import RolloutBatch, chunk_steps, prefill_prompts, row_keys
+from fp8rl_jax.rollout.engine import Engine
 
 
 @dataclasses.dataclass(frozen=True)
@@ -360,25 +360,17 @@ class Stream:
     def _prefill(self, groups: list[Group]) -> None:
         """Prefill ``groups``' prompts, a fixed number per call per bucket (``driver.prefill_group``); prompt j of
         batch b draws its first token with fold_in(fold_in(rng, b), 2**30 + j), as ``driver.generate``."""
-        cfg = self.engine.config
-        by_bucket: dict[int, list[Group]] = {}
-        for g in groups:
-            by_bucket.setdefault(prefill_bucket(len(g.record.prompt_ids), cfg.max_prefill_length), []).append(g)
-        for bucket, gs in by_bucket.items():
-            size = prefill_group(bucket)
-            for start in range(0, len(gs), size):
-                part = gs[start:start + size]
-                padded = np.zeros((size, bucket), np.int32)
-                lengths = np.ones((size,), np.int32)
-                keys = np.zeros((size, 2), np.uint32)
-                for i, g in enumerate(part):
-                    padded[i, : len(g.record.prompt_ids)] = g.record.prompt_ids
-                    lengths[i] = len(g.record.prompt_ids)
-                    keys[i] = np.asarray(row_keys(self._batch_key(g.batch), [2**30 + g.index], 1)[0])
-                batch = self.engine.prefill_batch(self._params, padded, lengths, keys)
-                for i, g in enumerate(part):
-                    self._prefixes[id(g)] = (batch, i)
-                    self._prefill_version[id(g)] = self.version
+        def keys(indices: list[int], size: int) -> np.ndarray:  # each prompt's from its own batch's key
+            out = np.zeros((size, 2), np.uint32)
+            for row, i in enumerate(indices):
+                g = groups[i]
+                out[row] = np.asarray(row_keys(self._batch_key(g.batch), [2**30 + g.index], 1)[0])
+            return out
+
+        prefixes = prefill_prompts(self.engine, self._params, [g.record.prompt_ids for g in groups], keys)
+        for i, prefix in prefixes.items():
+            self._prefixes[id(groups[i])] = prefix
+            self._prefill_version[id(groups[i])] = self.version
 
     def _read(self, dispatched) -> None:
         """A dispatched chunk on the host: its rows' tokens, logprobs and versions; the rows, groups and batches
