@@ -35,17 +35,12 @@ import numpy as np
 from fp8rl_jax.fp8.linear import mesh_context
 from fp8rl_jax.fp8.policy import Precision
 from fp8rl_jax.fp8.recipe import with_input_scale_inv
-from fp8rl_jax.fp8.xla import QuantizedKernel
 from fp8rl_jax.model import llama
 from fp8rl_jax.model.config import LlamaConfig
 from fp8rl_jax.parallel import rules
 from fp8rl_jax.parallel.distributed import place
 from fp8rl_jax.parallel.mesh import rollout_mesh
-from fp8rl_jax.rollout.weights import as_bits, from_bits, interleave_fused, per_layer, rollout_params
-
-
-def _is_kernel(x) -> bool:
-    return isinstance(x, QuantizedKernel)
+from fp8rl_jax.rollout.weights import as_bits, from_bits, interleave_fused, is_kernel, per_layer, rollout_params
 
 
 def _nbytes(x) -> int:
@@ -64,10 +59,10 @@ def moved_bytes(bits, stacked, precision: Precision, extra=()) -> dict:
     def add(name: str, n: int) -> None:
         counts[name] = counts.get(name, 0) + n
 
-    leaves = zip(jax.tree.leaves(bits, is_leaf=_is_kernel), jax.tree.leaves(stacked, is_leaf=_is_kernel),
+    leaves = zip(jax.tree.leaves(bits, is_leaf=is_kernel), jax.tree.leaves(stacked, is_leaf=is_kernel),
                  strict=True)
     for b, like in leaves:
-        if _is_kernel(b):
+        if is_kernel(b):
             add(np.dtype(precision.recipe.fwd_dtype).name, _nbytes(b.data))
             add(np.dtype(b.scale_inv.dtype).name, _nbytes(b.scale_inv))
             kernel_weights += int(np.prod(b.data.shape))

@@ -72,7 +72,8 @@ def per_layer(weights: dict) -> dict:
     return out
 
 
-def _is_kernel(x) -> bool:
+def is_kernel(x) -> bool:
+    """A pre-quantized FP8 kernel (a tree leaf of the rollout weights)."""
     return isinstance(x, QuantizedKernel)
 
 
@@ -87,11 +88,11 @@ def as_bits(weights: dict, precision: Precision) -> dict:
     fp8 = precision.recipe.fwd_dtype
 
     def one(x):
-        if _is_kernel(x):
+        if is_kernel(x):
             return QuantizedKernel(_bits(x.data.astype(fp8)), x.scale_inv)
         return _bits(x) if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize < 4 else x
 
-    return jax.tree.map(one, weights, is_leaf=_is_kernel)
+    return jax.tree.map(one, weights, is_leaf=is_kernel)
 
 
 def from_bits(bits: dict, like: dict, precision: Precision) -> dict:
@@ -101,12 +102,12 @@ def from_bits(bits: dict, like: dict, precision: Precision) -> dict:
     fp8 = precision.recipe.fwd_dtype
 
     def one(b, x):
-        if _is_kernel(x):
+        if is_kernel(x):
             q = jax.lax.bitcast_convert_type(b.data, fp8)
             return QuantizedKernel(gemm_operand(q, fp8, "f8" if x.data.dtype == fp8 else "f32"), b.scale_inv)
         return b if b.dtype == x.dtype else jax.lax.bitcast_convert_type(b, x.dtype)
 
-    return jax.tree.map(one, bits, like, is_leaf=_is_kernel)
+    return jax.tree.map(one, bits, like, is_leaf=is_kernel)
 
 
 def fused_sizes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
@@ -140,7 +141,7 @@ def interleave_fused(weights: dict, config: LlamaConfig, shards: int) -> dict:
     def one(name, x):
         if name not in sizes:
             return x
-        if _is_kernel(x):  # data [..., N, K]; scale_inv [..., N] (row-wise) or per tensor
+        if is_kernel(x):  # data [..., N, K]; scale_inv [..., N] (row-wise) or per tensor
             rowwise = x.scale_inv.ndim == x.data.ndim - 1
             return QuantizedKernel(interleave(x.data, -2, sizes[name], shards),
                                    interleave(x.scale_inv, -1, sizes[name], shards) if rowwise else x.scale_inv)
