@@ -129,6 +129,9 @@ def base_config() -> ml_collections.ConfigDict:
     # load a new version between decode chunks while sequences are live (True), or only once none is (False: the
     # live rows never wait for the trainer, a batch's tail is not filled by the next batch)
     c.rollout.inflight_updates = True
+    # an in-flight load of version v waits this many decode chunks after batch v - 1 completes, the live rows
+    # decoding on meanwhile; about the trainer's step time over a chunk's keeps them from waiting at the load
+    c.rollout.load_delay_chunks = 0
 
     c.rl = ml_collections.ConfigDict()
     # DAPO's dynamic sampling: drop prompt groups whose rewards are all equal (no advantage, no gradient) and sample
@@ -371,6 +374,11 @@ def validate(c: ml_collections.ConfigDict, known_rewards: Callable[[], Sequence[
     _check(isinstance(c.rl.dynamic_sampling, bool), "rl.dynamic_sampling", c.rl.dynamic_sampling, "True or False")
     _check(isinstance(c.rollout.inflight_updates, bool), "rollout.inflight_updates", c.rollout.inflight_updates,
            "True or False")
+    delay = c.rollout.load_delay_chunks
+    _check(isinstance(delay, int) and not isinstance(delay, bool) and delay >= 0, "rollout.load_delay_chunks",
+           delay, "an int >= 0")
+    _check(not delay or c.rollout.inflight_updates, "rollout.load_delay_chunks", delay,
+           "0 with rollout.inflight_updates=False (drained loads wait for no chunk count)")
     rounds = c.rl.dynamic_sampling_max_rounds
     _check(isinstance(rounds, int) and not isinstance(rounds, bool) and rounds >= 1,
            "rl.dynamic_sampling_max_rounds", rounds, "an int >= 1")

@@ -146,4 +146,5 @@ def stream_plan(config, first: int, end: int, barriers=()) -> StreamPlan:
                       max_staleness=config.rollout.max_staleness, first=first, end=end,
                       dynamic_sampling=config.rl.dynamic_sampling,
                       max_rounds=config.rl.dynamic_sampling_max_rounds if config.rl.dynamic_sampling else 1,
-                      barriers=frozenset(barriers), inflight_updates=config.rollout.inflight_updates)
+                      barriers=frozenset(barriers), inflight_updates=config.rollout.inflight_updates,
+                      load_delay=config.rollout.load_delay_chunks)

@@ -41,7 +41,7 @@ def _config(workdir, **overrides):
 def _varying(record: dict) -> dict:
     """A record without what depends on the clock."""
     return {k: v for k, v in record.items()
-            if not k.startswith(("time/", "memory/", "async/rollout_idle", "async/weight"))
+            if not k.startswith(("time/", "memory/", "async/rollout_", "async/weight"))
             and not k.endswith("_per_s")}
 
 
@@ -100,13 +100,15 @@ def _main(workdir, *args):
     return subprocess.Popen(
         [sys.executable, "-m", "fp8rl_jax.main", f"--config={TINY}", f"--config.workdir={workdir}", "--steps=6",
          "--config.rollout.max_staleness=1", "--config.rl.dynamic_sampling=True", "--config.checkpoint.every=2",
-         "--config.checkpoint.async_save=False", *(f"--config.{k}={v}" for k, v in QUIET.items()), *args],
+         "--config.rollout.load_delay_chunks=1", "--config.checkpoint.async_save=False",
+         *(f"--config.{k}={v}" for k, v in QUIET.items()), *args],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def _final(workdir):
     metrics = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
-    trainer = Trainer(_config(workdir, steps=6, **{"rollout.max_staleness": 1, "rl.dynamic_sampling": True}))
+    trainer = Trainer(_config(workdir, steps=6, **{"rollout.max_staleness": 1, "rl.dynamic_sampling": True,
+                                                   "rollout.load_delay_chunks": 1}))
     try:  # the finished run, restored from its last checkpoint
         assert trainer.step_count == 6
         return [_varying(r) for r in metrics], jax.device_get(trainer.state["params"])
@@ -115,9 +117,9 @@ def _final(workdir):
 
 
 def test_sigkill_then_rerun_equals_an_uninterrupted_run(tmp_path):
-    """Staleness 1 and dynamic sampling, checkpoints every 2 steps: killed after its first checkpoint (while the stream
-    has the next batches in flight), the rerun resumes from step 2's checkpoint, whose queue holds batch 2
-    as sampled before, and ends as the uninterrupted run did."""
+    """Staleness 1, dynamic sampling and a load delay of one chunk, checkpoints every 2 steps: killed after its first
+    checkpoint (while the stream has the next batches in flight), the rerun resumes from step 2's checkpoint, whose
+    queue holds batch 2 as sampled before, and ends as the uninterrupted run did (the delay's count included)."""
     whole, killed = tmp_path / "whole", tmp_path / "killed"
     child = _main(killed)
     deadline = time.time() + 600
@@ -171,16 +173,25 @@ def test_dynamic_sampling_trains_on_no_uniform_group_and_fills_the_batch(tmp_pat
     assert dropped > 0
 
 
-@pytest.mark.parametrize("inflight", [True, False])
-def test_staleness_is_bounded_and_inflight_updates_are_what_the_key_says(tmp_path, monkeypatch, inflight):
+@pytest.mark.parametrize("inflight, delay", [(True, 0), (False, 0), (True, 1)])
+def test_staleness_is_bounded_and_inflight_updates_are_what_the_keys_say(tmp_path, monkeypatch, inflight, delay):
     """Staleness 1: every token of step b's batch was sampled by version b - 1 or b; with in-flight updates some
-    sequences span two versions, without them none does."""
+    sequences span two versions, without them none does; with ``rollout.load_delay_chunks`` D every load with rows
+    live comes D chunks or more after its batch completed, the first exactly D (with 96 slots the next batch has
+    free slots when a batch completes: the load is due with rows live, and D = 0 would load at once)."""
     trainer = Trainer(_config(tmp_path / "run", steps=4, **{"rollout.max_staleness": 1,
                                                             "rollout.inflight_updates": inflight,
-                                                            "rollout.decode_slots": 24}))
-    taken = []
-    take = Stream.take
+                                                            "rollout.load_delay_chunks": delay,
+                                                            "rollout.decode_slots": 96 if delay else 24}))
+    taken, loads = [], []
+    take, load = Stream.take, Stream._load
     monkeypatch.setattr(Stream, "take", lambda self, b: taken.append((b, take(self, b))) or taken[-1][1])
+
+    def counted(self, version, block):  # chunks since batch version - 1 completed, rows live, at each load
+        loads.append((self._chunks - self._completed_at[version - 1], self._live()))
+        return load(self, version, block)
+
+    monkeypatch.setattr(Stream, "_load", counted)
     try:
         trainer.run()
     finally:
@@ -191,6 +202,10 @@ def test_staleness_is_bounded_and_inflight_updates_are_what_the_key_says(tmp_pat
         assert set(np.unique(batch.versions[valid])) <= {max(b - 1, 0), b}
         spanning += sum(len(set(row[row >= 0])) > 1 for row in batch.versions)
     assert (spanning > 0) == inflight
+    live_loads = [chunks for chunks, live in loads if live]
+    assert bool(live_loads) == inflight and all(chunks >= delay for chunks in live_loads)
+    if delay:
+        assert min(live_loads) == delay  # not later than due either
 
 
 @pytest.mark.parametrize("overrides, key", [
@@ -198,6 +213,8 @@ def test_staleness_is_bounded_and_inflight_updates_are_what_the_key_says(tmp_pat
     ({"rollout.max_staleness": 1, "rollout.exact": True}, "rollout.max_staleness"),
     ({"rollout.max_staleness": 1, "precision.kv_cache_dtype": "float8_e4m3fn"}, "rollout.max_staleness"),
     ({"rl.dynamic_sampling_max_rounds": 0}, "rl.dynamic_sampling_max_rounds"),
+    ({"rollout.load_delay_chunks": -1}, "rollout.load_delay_chunks"),
+    ({"rollout.load_delay_chunks": 2, "rollout.inflight_updates": False}, "rollout.load_delay_chunks"),
 ])
 def test_bad_async_keys_are_refused_by_name(tmp_path, overrides, key):
     config = _config(tmp_path, **overrides)

@@ -406,13 +406,15 @@ def test_agreement_defaults_leave_out_transformer_engine():
 
 
 def test_bench_async_measures_the_split_and_keeps_each_steps_time(tmp_path):
-    """One variant of ``bench async`` (the rollout on 1 of the 8 forced devices, staleness 1): its row counts the
+    """One variant of ``bench async`` (the rollout on 1 of the 8 forced devices, staleness 1, a load delay of one
+    chunk): its row counts the
     trained tokens over the timed steps, keeps each step's time and the trainer's wait, and the weight update moves
     fewer bytes than a BF16 refit."""
     main(["async", "--one", "1", "--config", "configs/tiny.py", "--set", "rollout.max_new_tokens=16", "--warmup", "1",
-          "--steps", "2", "--staleness", "1", "--out", str(tmp_path / "a.json")])
+          "--steps", "2", "--staleness", "1", "--load-delays", "1", "--out", str(tmp_path / "a.json")])
     row = json.loads((tmp_path / "a.json").read_text())["rows"][0]
-    assert (row["rollout_devices"], row["max_staleness"], row["devices"]) == (1, 1, 8)
+    assert (row["rollout_devices"], row["max_staleness"], row["devices"], row["load_delay_chunks"]) == (1, 1, 8, 1)
+    assert row["decode_chunks"] >= 2 and row["chunk_s"] > 0  # 16 new tokens: 2 chunks of 8 steps at least
     assert len(row["step_seconds_each"]) == len(row["train_idle_s_each"]) == 2
     assert abs(sum(row["step_seconds_each"]) - row["seconds"]) < 0.01
     expected = row["response_length_mean"] * row["sequences"] * 2 / row["seconds"] / 8

@@ -371,8 +371,9 @@ def test_compare_refuses_a_results_json_that_does_not_say_its_run(hand_made_pair
     (["--temperature=0"], "--temperature=0.0 is invalid; allowed: > 0 (the temperature of the k samples; greedy "
                           "decoding needs none)"),
     (["--config.rollout.tempreature=0.5"], "--config.rollout.tempreature: unknown key 'tempreature' in "
-     "config.rollout; known: decode_attention, decode_slots, exact, inflight_updates, max_new_tokens, max_staleness, "
-     "prompts_per_step, samples_per_prompt, temperature, tensor_parallel, top_k, top_p"),
+     "config.rollout; known: decode_attention, decode_slots, exact, inflight_updates, load_delay_chunks, "
+     "max_new_tokens, max_staleness, prompts_per_step, samples_per_prompt, temperature, tensor_parallel, top_k, "
+     "top_p"),
     (["--config.precision.mode=fp4"], "config.precision.mode='fp4' is invalid; allowed: bf16 | fp8_rollout | fp8_e2e"),
     (["--compare={tmp}"], "{tmp} is not an eval results folder: it has no results.json (python -m fp8rl_jax.eval "
                           "--out=FOLDER writes one)"),

@@ -43,8 +43,8 @@ def _one_error_line(result, status=2) -> str:
     return result.stderr.rstrip("\n")
 
 
-ROLLOUT_KEYS = ("decode_attention, decode_slots, exact, inflight_updates, max_new_tokens, max_staleness, "
-                "prompts_per_step, samples_per_prompt, temperature, tensor_parallel, top_k, top_p")
+ROLLOUT_KEYS = ("decode_attention, decode_slots, exact, inflight_updates, load_delay_chunks, max_new_tokens, "
+                "max_staleness, prompts_per_step, samples_per_prompt, temperature, tensor_parallel, top_k, top_p")
 # a flag that does not parse, and the start of the one line it gives (all exited with status 1 before, most in two)
 BAD_FLAGS = [
     ("--config.rollout.foo=1", f"--config.rollout.foo: unknown key 'foo' in config.rollout; known: {ROLLOUT_KEYS}"),

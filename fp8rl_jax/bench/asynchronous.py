@@ -6,7 +6,8 @@ into a rollout group and a training group (``mesh.rollout_devices``, ``rollout.m
 
 Each variant runs in a process of its own: ``--splits`` lists the rollout group's sizes, 0 being the synchronous
 step over every device (``rollout.max_staleness=0``) and k > 0 the stream on the first k devices with the trainer on
-the rest (``rollout.max_staleness`` = ``--staleness``). Completion lengths (``--lengths``, as ``bench e2e``'s):
+the rest (``rollout.max_staleness`` = ``--staleness``), once for each ``--load-delays`` value
+(``rollout.load_delay_chunks``). Completion lengths (``--lengths``, as ``bench e2e``'s):
 random weights never sample a stop token, so each sample stops at a length drawn for it (the same draws in every
 variant: seeded by the run's seed, the step and the sample), through ``driver.generate(limits=)`` and
 ``Stream(limits=)``: a slot whose sample stops is refilled as a real stop would refill it, and the synchronous
@@ -44,6 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lengths", default="lognormal:0.3,1.0", type=parse_lengths, help=LENGTHS_HELP)
     parser.add_argument("--splits", default="0,1", help="rollout devices of each variant; 0 = synchronous")
     parser.add_argument("--staleness", type=int, default=1)
+    parser.add_argument("--load-delays", default="0",
+                        help="rollout.load_delay_chunks of the asynchronous variants, a comma list: each split runs "
+                             "once per value")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=8, help="timed steps: a short window flatters the stream")
     parser.add_argument("--timeout", type=int, default=400, help="seconds per variant")
@@ -54,18 +58,22 @@ def run(args) -> list[dict]:
     if args.one is not None:
         return [measure(args, args.one)]
     rows = []
-    for split in (int(s) for s in args.splits.split(",")):
+    delays = [int(d) for d in args.load_delays.split(",")]
+    variants = [(split, delay) for split in (int(s) for s in args.splits.split(","))
+                for delay in (delays if split else [0])]
+    for split, delay in variants:
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "row.json"
             cmd = [sys.executable, "-m", "fp8rl_jax.bench", "async", "--one", str(split), "--config", args.config,
                    f"--lengths={args.lengths.spec}", "--staleness", str(args.staleness), "--warmup",
-                   str(args.warmup), "--steps", str(args.steps), "--out", str(out), *[f"--set={s}" for s in args.set]]
+                   str(args.warmup), "--steps", str(args.steps), "--load-delays", str(delay), "--out", str(out),
+                   *[f"--set={s}" for s in args.set]]
             try:
                 code = subprocess.run(cmd, timeout=args.timeout).returncode
             except subprocess.TimeoutExpired:
                 code = "timeout"
             row = json.loads(out.read_text())["rows"][0] if code == 0 and out.exists() else {
-                "rollout_devices": split, "error": f"child exited {code}"}
+                "rollout_devices": split, "load_delay_chunks": delay, "error": f"child exited {code}"}
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
@@ -84,6 +92,7 @@ def measure(args, split: int) -> dict:
                           "checkpoint.save_final": False, "logging.progress": False, "logging.tensorboard": False,
                           "logging.plots": False, "data.num_eval": 0, "mesh.rollout_devices": split,
                           "rollout.max_staleness": staleness,
+                          "rollout.load_delay_chunks": int(args.load_delays) if staleness else 0,
                           # in-flight updates bring new KV scales mid-sequence (config.py): a BF16 cache in both
                           "precision.kv_cache_dtype": "bfloat16"})
         trainer = Trainer.from_file(path, arg or None, **overrides)
@@ -115,7 +124,9 @@ def measure(args, split: int) -> dict:
     tokens = sum(r["response_length_mean"] * c.rollout.prompts_per_step * n for r in timed)
     seconds = ends[-1] - ends[args.warmup - 1]
     mean = lambda key: float(np.mean([r[key] for r in timed])) if key in timed[0] else None  # noqa: E731
-    return {"rollout_devices": split, "max_staleness": staleness, "devices": devices, "lengths": args.lengths.spec,
+    chunks = mean("async/decode_chunks")
+    return {"rollout_devices": split, "max_staleness": staleness,
+            "load_delay_chunks": c.rollout.load_delay_chunks, "devices": devices, "lengths": args.lengths.spec,
             "config": args.config, "overrides": args.set, "warmup": args.warmup, "steps": args.steps,
             "sequences": c.rollout.prompts_per_step * n, "max_new_tokens": max_new,
             "response_length_mean": mean("response_length_mean"), "seconds": seconds,
@@ -127,6 +138,11 @@ def measure(args, split: int) -> dict:
             "staleness_mean": mean("async/staleness_mean") or 0.0, "weight_update_s": mean("time/weights"),
             "train_idle_s": mean("time/rollout"), "rollout_idle_s": mean("async/rollout_idle_s"),
             "weight_transfer_s": mean("async/weight_transfer_s"),
+            # decode chunks a batch, and a chunk's seconds (the rollout's time not waiting for a version, over its
+            # chunks: prefill and bookkeeping included): what
+            # rollout.load_delay_chunks counts (about the trainer's step over a chunk lets live rows decode on)
+            "decode_chunks": chunks,
+            "chunk_s": mean("async/rollout_busy_s") / chunks if chunks else None,
             "weight_update_bytes": mean("async/weight_update_bytes"),
             "weight_update_bf16_bytes": mean("async/weight_update_bf16_bytes"),
             "backend": timed[-1]["precision_backend"], "precision": c.precision.mode,
@@ -144,6 +160,7 @@ def output(rows: list[dict], args) -> dict:
         out.update({"tokens_per_s_per_gpu": {"sync": sync["tokens_per_s_per_gpu"],
                                              "async": split["tokens_per_s_per_gpu"]},
                     "speedup": split["tokens_per_s_per_gpu"] / sync["tokens_per_s_per_gpu"],
-                    "best_split": split["rollout_devices"], "staleness_mean": split["staleness_mean"],
+                    "best_split": split["rollout_devices"], "load_delay_chunks": split["load_delay_chunks"],
+                    "staleness_mean": split["staleness_mean"],
                     "weight_update_s": split["weight_update_s"]})
     return out

@@ -16,11 +16,14 @@ version v = the policy after v updates (step b trains version b into b + 1):
   batch b is sampled by a version in [b - S, b] and is at most S updates old when step b trains on it: nothing is
   ever too stale to train on, and nothing is dropped or re-scored for staleness.
 - Weight loads. When the next admission needs version v, the stream loads v once batch v - 1 is complete (step
-  v - 1, which makes v, trains on it); until then it decodes on with its free slots idle. At the load it waits
-  for the trainer's ``publish(v)`` (the only wait that depends on time). The live sequences keep their slots,
-  their KV cache and their tokens, and go on under v (an in-flight update): each token records the version that
-  sampled it (``versions``) and its logprob under that version, which the trainer's IS correction and mismatch
-  metrics read as the behaviour policy.
+  v - 1, which makes v, trains on it) and, with ``load_delay`` D (``rollout.load_delay_chunks``), D more decode
+  chunks have been dispatched since then (counted from the last barrier); until then it decodes on with its free
+  slots idle. At the load it waits for the trainer's ``publish(v)`` (the only wait that depends on time), the live
+  rows with it: D sized to the trainer's step lets them decode under v - 1 while v is trained instead of waiting
+  at the load. The live sequences keep their slots, their KV cache and their tokens, and go on under v (an
+  in-flight update): each token records the version that sampled it (``versions``) and its logprob under that
+  version, which the trainer's IS correction and mismatch metrics read as the behaviour policy. A stream with
+  nothing live loads at once (there is nothing to count).
 - Without in-flight updates (``inflight_updates`` False) every load is drained as a barrier's is: the stream
   waits for a version only when nothing is live, and no sequence sees two versions (veRL's one-step-off). The
   tail of each batch is then not filled by the next one, but no live row ever waits for the trainer.
@@ -67,10 +70,12 @@ class StreamPlan:
     max_rounds: int = 1  # rl.dynamic_sampling_max_rounds: admissions a batch may make, in units of P
     barriers: frozenset[int] = frozenset()  # versions before whose load the stream drains (checkpoint steps)
     inflight_updates: bool = True  # rollout.inflight_updates: False = drain before every load (one-step-off)
+    load_delay: int = 0  # rollout.load_delay_chunks: an in-flight load waits this many chunks after it is due
     steps_per_sync: int = 8  # decode steps a chunk
 
     def __post_init__(self):
-        if self.max_staleness < 0 or self.prompts < 1 or self.samples < 1 or self.max_rounds < 1:
+        if (self.max_staleness < 0 or self.prompts < 1 or self.samples < 1 or self.max_rounds < 1
+                or self.load_delay < 0):
             raise ValueError(f"StreamPlan: bad sizes {self}")
 
 
@@ -138,6 +143,8 @@ class Stream:
         self._barriers_passed: set[int] = set()
         self._forget: list[int] = []  # trained batches whose bookkeeping the stream drops (``forget``)
         self._done_below = plan.first  # every batch below it is complete
+        self._chunks = 0  # decode chunks dispatched since the start or the last barrier
+        self._completed_at: dict[int, int] = {}  # batch -> ``_chunks`` when it completed (0: before the count)
         self._prefill_version: dict[int, int] = {}  # id(group) -> the version its prompt was prefilled under
         self._mailbox: dict[int, dict] = {}
         self._lock = threading.Condition()
@@ -147,6 +154,7 @@ class Stream:
         self.idle_seconds = 0.0  # waiting for a version (the rollout group's idle time), since the last ``take``
         self._window_start = time.perf_counter()
         self._window_tokens = 0
+        self._window_chunks = 0
         for g in restored or ():  # a checkpoint's finished groups, in their batches' order
             b = self._batches[g.batch]
             b.admitted = max(b.admitted, g.index + 1)
@@ -262,8 +270,9 @@ class Stream:
             if b - p.max_staleness > self.version:  # needs version + 1
                 v = self.version + 1
                 drained = self._live() == 0 and self._pending is None
-                ready = self._batch_complete(v - 1) and (drained or (p.inflight_updates and v not in p.barriers))
-                if not ready:
+                inflight = (p.inflight_updates and v not in p.barriers
+                            and self._chunks - self._completed_at.get(v - 1, 0) >= p.load_delay)
+                if not (self._batch_complete(v - 1) and (drained or inflight)):
                     break
                 if v in p.barriers and v not in self._barriers_passed:
                     self._barriers_passed.add(v)
@@ -279,6 +288,8 @@ class Stream:
                 if inserted else None
             self._state, tokens, logprobs, valid = self.engine.generate_steps(self._params, self._state,
                                                                               p.steps_per_sync)
+            self._chunks += 1
+            self._window_chunks += 1
             dispatched = (list(self._slot_row), inserted, first, (tokens, logprobs, valid, jnp.copy(self._state.done)),
                           self.version)
         if self._pending is not None:
@@ -296,6 +307,8 @@ class Stream:
         """Drained before loading ``version``: keep what a checkpoint at step ``version`` needs."""
         groups = sorted((g for b, s in self._batches.items() if b >= version for g in (*s.kept, *s.dropped)),
                         key=lambda g: (g.batch, g.index))
+        # a stream restored here starts its count at 0 with these batches complete: so does this one
+        self._chunks, self._completed_at = 0, {b: 0 for b in self._completed_at}
         with self._lock:
             self._barrier_states[version] = (groups, self._prompt_state())
             self._lock.notify_all()
@@ -312,6 +325,8 @@ class Stream:
                 del self._mailbox[old]
         self.idle_seconds += time.perf_counter() - t
         self._params, self.version = weights, version  # the live sequences go on under it
+        for b in [b for b in self._completed_at if b < version - 1]:  # no later load reads them
+            del self._completed_at[b]
         return True
 
     def _admit(self, b: int) -> None:
@@ -422,6 +437,7 @@ class Stream:
         if len(s.kept) < p.prompts and s.admitted < p.prompts * p.max_rounds:
             return  # more prompts to admit
         s.done = True
+        self._completed_at[b] = self._chunks
         while self._done_below in self._batches and self._batches[self._done_below].done:
             self._done_below += 1
         batch = assemble(s, p, b)
@@ -429,8 +445,10 @@ class Stream:
         window = now - self._window_start
         batch.stats.update({"rollout_seconds": window, "generated_tokens": float(self._window_tokens),
                             "tokens_per_second": self._window_tokens / max(window, 1e-9),
-                            "rollout_idle_seconds": self.idle_seconds})
-        self._window_start, self._window_tokens, self.idle_seconds = now, 0, 0.0
+                            "rollout_idle_seconds": self.idle_seconds,
+                            "async/decode_chunks": float(self._window_chunks),
+                            "async/rollout_busy_s": max(window - self.idle_seconds, 0.0)})
+        self._window_start, self._window_tokens, self._window_chunks, self.idle_seconds = now, 0, 0, 0.0
         with self._lock:
             self._complete[b] = batch
             self._lock.notify_all()
