@@ -46,6 +46,10 @@ MODES = {
     # asynchronous GRPO: every batch sampled up to one update ahead (rollout.max_staleness), TIS against the
     # sampling version's logprobs; fp8_e2e_tis is its synchronous pair
     "fp8_e2e_tis_stale1": {"precision.mode": "fp8_e2e", "rl.is_correction": "tis", "rollout.max_staleness": 1},
+    # two updates ahead, every load drained (rollout.inflight_updates off): every token exactly 2 updates old, the
+    # most staleness 2 can cost (an in-flight load, delayed or not, samples some tokens fresher)
+    "fp8_e2e_tis_stale2_drained": {"precision.mode": "fp8_e2e", "rl.is_correction": "tis", "rollout.max_staleness": 2,
+                                   "rollout.inflight_updates": False},
     # four updates ahead: the bound at which the split rollout overlapped long-tailed completions (RESULTS.md)
     "fp8_e2e_tis_stale4": {"precision.mode": "fp8_e2e", "rl.is_correction": "tis", "rollout.max_staleness": 4},
     # the FP8 KV cache on top (the fastest rollout), with TIS
