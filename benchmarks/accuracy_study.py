@@ -19,7 +19,8 @@ Written: ``--out`` (``benchmarks/results/accuracy.json``)::
 Per seed, ``mismatch_kl`` and ``token_mult_prob_error`` are means over the run's steps of the trainer's own
 records (``mismatch_kl_k3``: the sampler's logprobs against the trainer's, per completion token); also the
 reward at the start and the end (mean of the first and the last 5 steps), the IS-weight statistics and the step
-time. A mode's top-level values are the means over its seeds (``seeds_run`` of them). And ``--docs``
+time. A mode's top-level values are the means over its seeds that ran every step (``seeds_run`` of them; a run
+cut short, by a time limit, is listed in ``incomplete`` and counts for nothing). And ``--docs``
 (``docs/``): ``accuracy.md`` (the table, how it was made) and the plots ``accuracy_*.png`` (means over seeds).
 """
 
@@ -300,7 +301,9 @@ def markdown(result: dict, plots: list[str]) -> str:
     lines += ["", "Final accuracy per seed:", "", "| mode | " + " | ".join(f"seed {s}" for s in seeds) + " |",
               "|---|" + "---|" * len(seeds)]
     for mode, r in result["modes"].items():
-        cells = [_fmt(r["per_seed"][str(s)]["acc_after"], True) if str(s) in r["per_seed"] else "–" for s in seeds]
+        cells = [("–" if str(s) not in r["per_seed"] else _fmt(r["per_seed"][str(s)]["acc_after"], True)
+                  if r["per_seed"][str(s)].get("complete", True)
+                  else f"stopped at step {r['per_seed'][str(s)]['acc_after_step']}") for s in seeds]
         lines.append(f"| {mode} | " + " | ".join(cells) + " |")
     lines += ["", "Accuracy: greedy pass@1 on the first test problems (`data.num_eval`) with the mode's own sampler, "
               "before the first step and after the last (with `--eval_bf16`, also the FP8 runs' final weights through "
@@ -314,10 +317,13 @@ MEAN_KEYS = ("acc_before", "acc_after", "mismatch_kl", "token_mult_prob_error", 
              "is_weight_mean", "is_clipped_fraction", "step_seconds")
 
 
-def aggregate(per_seed: dict[int, dict]) -> dict:
-    """A mode's row: means over its seeds (``MEAN_KEYS``), the spread of the final accuracy, the largest IS weight,
-    and every seed's own row."""
-    rows = list(per_seed.values())
+def aggregate(per_seed: dict[int, dict], steps: int) -> dict:
+    """A mode's row: means over its seeds that ran all ``steps`` (``MEAN_KEYS``), the spread of the final accuracy,
+    the largest IS weight, and every seed's own row. A run stopped earlier (a time limit) is no seed's result: it
+    is left out of the means and listed in ``incomplete`` (seed -> the step of its last evaluation)."""
+    for row in per_seed.values():
+        row["complete"] = row["acc_after_step"] == steps and row["steps"] == steps
+    rows = [r for r in per_seed.values() if r["complete"]]
     out = {}
     for key in MEAN_KEYS:
         values = [r[key] for r in rows if r[key] is not None]
@@ -330,6 +336,7 @@ def aggregate(per_seed: dict[int, dict]) -> dict:
         out["acc_after_bf16"] = _mean(bf16_evals)
     out["is_weight_max"] = max((r["is_weight_max"] for r in rows if r["is_weight_max"] is not None), default=None)
     out["seeds_run"] = len(rows)
+    out["incomplete"] = {str(seed): row["acc_after_step"] for seed, row in per_seed.items() if not row["complete"]}
     out["per_seed"] = {str(seed): row for seed, row in per_seed.items()}
     return out
 
@@ -350,16 +357,22 @@ def collect(args, modes: list[str], seconds: float, command: str) -> dict:
     made = {k: previous.get(k, v) for k, v in made.items()}
     per_seed = {m: {seed: summarize(records, Path(args.workdir) / f"seed{seed}" / m / EVAL_BF16)
                     for seed, records in by_seed.items()} for m, by_seed in curves.items()}
+    steps = args.steps or config.steps
+    modes_out = {m: {**aggregate(rows, steps), "overrides": MODES[m]} for m, rows in per_seed.items()}
+    for m, row in modes_out.items():
+        if row["incomplete"]:
+            print(f"{m}: {len(row['incomplete'])} run(s) stopped before step {steps} (seed: last evaluated step "
+                  f"{row['incomplete']}), left out of the means", flush=True)
     result = {
         "model": {"smollm2": "SmolLM2-135M-Instruct", "preset": config.model.preset}.get(config.model.source,
                                                                                           config.model.source),
         "task": f"{config.data.dataset}" + (f" (digits={config.data.digits})"
                                             if config.data.dataset.startswith("arithmetic") else ""),
-        "steps": max(row["steps"] for rows in per_seed.values() for row in rows.values()),
+        "steps": steps,
         "seeds": sorted({seed for by_seed in curves.values() for seed in by_seed}),
         "config": args.config, "overrides": list(args.set),
         **made,
-        "modes": {m: {**aggregate(rows), "overrides": MODES[m]} for m, rows in per_seed.items()},
+        "modes": modes_out,
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -232,6 +232,14 @@ def test_accuracy_study_runs_a_mode_and_writes_table_and_plots(tmp_path):
     page.write_text(page.read_text() + f"\n{study.FINDINGS}\nwhat it means\n")
     assert study.main([*args, "--collect"]) == 0
     assert page.read_text().endswith(f"{study.FINDINGS}\nwhat it means\n") and "| fp8_e2e_tis (1) |" in page.read_text()
+    # a run cut short (a time limit) is no result: out of the means, listed as incomplete
+    metrics = tmp_path / "runs" / "seed0" / "fp8_e2e_tis" / "metrics.jsonl"
+    metrics.write_text("".join(line + "\n" for line in metrics.read_text().splitlines()
+                               if json.loads(line).get("step") != 2))
+    assert study.main([*args, "--collect"]) == 0
+    row = json.loads((tmp_path / "accuracy.json").read_text())["modes"]["fp8_e2e_tis"]
+    assert row["seeds_run"] == 0 and row["acc_after"] is None and row["incomplete"] == {"0": 0}
+    assert "stopped at step 0" in page.read_text()
 
 
 def test_every_accuracy_study_mode_is_a_valid_config():
