@@ -16,7 +16,8 @@ changes):
   form's figures on one batch move with the luck of its roundings.
 - ``block_g<g>`` (g = 128, 64, 32, 16): ``block`` with ``block.BLOCK`` = g while it is traced: 1 x g activation and
   gradient tiles, g x g weight blocks, f32 scales, the GEMM's f32 promotion every g steps of the contraction axis.
-  ``block_g128`` is ``block`` itself, run here beside the others.
+  ``block_g128`` is ``block`` itself, run here beside the others. ``block_head_bf16_g<g>``: the same with the LM head
+  all BF16 (the probe's ``block_head_bf16``), the blocks' GEMMs without the head's per-tensor FP8 backward.
 """
 
 from __future__ import annotations
@@ -98,6 +99,7 @@ def main() -> None:
     variants |= {f"mantissa_e4m3_c{c}": (table["mantissa_e4m3"][1], None, c, WIDTH) for c in (1.1, 1.3, 1.55, 1.8)}
     variants["mantissa_e4m3_head_bf16_c1.3"] = (table["mantissa_e4m3_head_bf16"][1], None, 1.3, WIDTH)
     variants |= {f"block_g{g}": (table["block"][1], None, 1.0, g) for g in (128, 64, 32, 16)}
+    variants |= {f"block_head_bf16_g{g}": (table["block_head_bf16"][1], None, 1.0, g) for g in (128, 64, 32, 16)}
     names = list(variants) if args.variants == "all" else args.variants.split(",")
     unknown = [n for n in names if n not in variants]
     if unknown:
