@@ -1,9 +1,10 @@
 """Why block scaling beats the fidelity probe's mantissa floor (docs/accuracy.md, the block-scaling section).
 
-    python benchmarks/fidelity_floor.py [--out PATH]
+    python benchmarks/fidelity_floor.py [--variants NAME,NAME,...] [--out PATH]
 
 ``bench fidelity``'s batch, reference and calibration (SmolLM2-135M-Instruct, its defaults), and variants of its forms
-that no config has, made by patching three functions of this process (nothing in the package changes):
+that no config has, made by patching three functions and one constant of this process (nothing in the package
+changes):
 - ``block_pow2``: ``block``, each tile's and block's scale rounded down to a power of 2 (TE's Float8BlockScaling
   default). Inside E4M3's normal range such a scale moves no significand: the floor's rounding, plus the underflow.
 - ``block_nosub`` / ``current_e4m3_nosub``: ``block`` / per-tensor current scaling (E4M3 both ways), each scaled value
@@ -13,6 +14,10 @@ that no config has, made by patching three functions of this process (nothing in
 - ``mantissa_e4m3_c<c>``: the floor with every operand's rounding grid shifted by one factor c (x c rounded to 4
   significant bits, then / c): the same rounding in distribution, another draw of it. Their spread is how far one
   form's figures on one batch move with the luck of its roundings.
+- ``block_g<g>`` (g = 128, 64, 32, 16): ``block`` with ``block.BLOCK`` = g while it is traced: 1 x g activation and
+  gradient tiles, g x g weight blocks, f32 scales, the GEMM's f32 promotion every g steps of the contraction axis.
+  ``block_g128`` is ``block`` itself, run here beside the others. ``block_head_bf16_g<g>``: the same with the LM head
+  all BF16 (the probe's ``block_head_bf16``), the blocks' GEMMs without the head's per-tensor FP8 backward.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from fp8rl_jax.numerics import fp8_max, mantissa_rounded
 
 MODE = {"patch": None, "c": 1.0}  # the variant being traced: None | "pow2" | "nosub"; the floor's grid factor
 _scales, _block_quantize, _xla_quantize = block._scales, block.quantize, xla.quantize
+WIDTH = block.BLOCK  # 128: block's group width as shipped; a block_g<g> variant sets block.BLOCK = g while traced
 
 
 def pow2_scales(a, dtype):
@@ -64,8 +70,21 @@ block._scales, block.quantize, xla.quantize, xla.mantissa_rounded = (pow2_scales
                                                                      nosub(_xla_quantize), shifted)
 
 
+def check_width(g: int) -> None:
+    """``block``'s quantizers traced now have g-wide groups: one scale per 1 x g tile and per g x g block, each
+    group's amax on E4M3's max (tests/fp8/test_block_scaling.py checks them against a reference at 128 and 32)."""
+    x = np.random.default_rng(0).normal(size=(3, 576)).astype(np.float32)
+    q, inv = jax.jit(lambda a: block.tile_quantize(a, jnp.float8_e4m3fn))(x)
+    assert inv.shape == (3, -(-576 // g)), inv.shape
+    top = np.abs(np.pad(np.asarray(q, np.float32), [(0, 0), (0, -576 % g)])).reshape(3, -1, g).max(-1)
+    assert (top == fp8_max(jnp.float8_e4m3fn)).all(), top
+    _, inv = jax.jit(lambda a: block.block_quantize(a, jnp.float8_e4m3fn))(x.reshape(36, 48))
+    assert inv.shape == (-(-36 // g), -(-48 // g)), inv.shape
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--variants", default="all", help="comma-separated names (the docstring's), or all")
     parser.add_argument("--out", default="/tmp/fidelity_floor.json")
     args = parser.parse_args()
     config = load_config_file("configs/smollm2_arith.py")
@@ -73,10 +92,18 @@ def main() -> None:
     base = plan.run_precision(config, "train")
     table = fidelity.forms(base)
     current = base.replace(recipe=dataclasses.replace(base.recipe, scaling="current", fp8_format="e4m3"))
-    variants = [("block_pow2", table["block"][1], "pow2", 1.0), ("block_nosub", table["block"][1], "nosub", 1.0),
-                ("current_e4m3", current, None, 1.0), ("current_e4m3_nosub", current, "nosub", 1.0)]
-    variants += [(f"mantissa_e4m3_c{c}", table["mantissa_e4m3"][1], None, c) for c in (1.1, 1.3, 1.55, 1.8)]
-    variants += [("mantissa_e4m3_head_bf16_c1.3", table["mantissa_e4m3_head_bf16"][1], None, 1.3)]
+    # name -> (precision, MODE's patch, MODE's c, block.BLOCK)
+    variants = {"block_pow2": (table["block"][1], "pow2", 1.0, WIDTH),
+                "block_nosub": (table["block"][1], "nosub", 1.0, WIDTH),
+                "current_e4m3": (current, None, 1.0, WIDTH), "current_e4m3_nosub": (current, "nosub", 1.0, WIDTH)}
+    variants |= {f"mantissa_e4m3_c{c}": (table["mantissa_e4m3"][1], None, c, WIDTH) for c in (1.1, 1.3, 1.55, 1.8)}
+    variants["mantissa_e4m3_head_bf16_c1.3"] = (table["mantissa_e4m3_head_bf16"][1], None, 1.3, WIDTH)
+    variants |= {f"block_g{g}": (table["block"][1], None, 1.0, g) for g in (128, 64, 32, 16)}
+    variants |= {f"block_head_bf16_g{g}": (table["block_head_bf16"][1], None, 1.0, g) for g in (128, 64, 32, 16)}
+    names = list(variants) if args.variants == "all" else args.variants.split(",")
+    unknown = [n for n in names if n not in variants]
+    if unknown:
+        parser.error(f"unknown variants {unknown}; known: {', '.join(variants)}")
 
     batch_args = argparse.Namespace(pool=32, prompts=4, samples=4, seed=0)  # bench fidelity's defaults
     spec = plan.model_spec(config)
@@ -88,11 +115,18 @@ def main() -> None:
                                                                    loss_cfg), params, probe, None)
     observed = fidelity.calibration(fidelity._loss_and_grad(model, base, loss_cfg), model, params, base, calib)
     rows = []
-    for name, precision, patch, c in variants:
+    for name in names:
+        precision, patch, c, width = variants[name]
         MODE["patch"], MODE["c"] = patch, c
+        block.BLOCK = width  # read by block's functions when they are traced (run_form's jit), not when defined
+        if patch is None:
+            check_width(width)
         t = time.perf_counter()
-        state = update_state(llama.init_fp8_state(model, precision), observed, precision.recipe)
-        logp, grad = fidelity.run_form(fidelity._loss_and_grad(model, precision, loss_cfg), params, probe, state)
+        try:
+            state = update_state(llama.init_fp8_state(model, precision), observed, precision.recipe)
+            logp, grad = fidelity.run_form(fidelity._loss_and_grad(model, precision, loss_cfg), params, probe, state)
+        finally:
+            block.BLOCK = WIDTH
         row = {"form": name, "logp_err_vs_f32": float(np.abs(logp - ref_logp)[probe["mask"]].mean()),
                **fidelity.grad_metrics(grad, ref_grad, model), "seconds": round(time.perf_counter() - t, 1),
                "device": jax.devices()[0].platform}

@@ -6,6 +6,9 @@ bits between 2**-18 and 2**18 (E4M3; E5M2 x E4M3 stays inside 53 bits too), and 
 53. The quantized values and scales must match bit for bit. The emulated GEMM (f32 sums inside each 128-wide slice
 of the contraction axis, in the dot's own order, then across slices in order) must be within the rounding bound of
 f32 summation: |y - y_exact| <= (128 + slices + 3) * 2**-24 * sum over slices of |qa| . |qb| * |scale_a scale_b|.
+
+The tile width is ``block.BLOCK`` (128), read at call time; the quantizers and the linear are checked at 32 too
+(``width``), the finer groups ``benchmarks/fidelity_floor.py`` makes by patching it.
 """
 
 import jax
@@ -44,8 +47,8 @@ def ref_quantize(values: np.ndarray, scale: np.float32, dtype) -> np.ndarray:
     return np.clip(values.astype(np.float32) * scale, -limit, limit).astype(dtype)
 
 
-def ref_tiles(a: np.ndarray, dtype):
-    """1 x 128 tiles along the last axis of a [P, C]: (q [P, C], scale_inv [P, ceil(C/128)])."""
+def ref_tiles(a: np.ndarray, dtype, T=T):
+    """1 x T tiles along the last axis of a [P, C]: (q [P, C], scale_inv [P, ceil(C/T)])."""
     p, c = a.shape
     q, inv = np.zeros((p, c), dtype), np.zeros((p, -(-c // T)), np.float32)
     for i in range(p):
@@ -57,8 +60,8 @@ def ref_tiles(a: np.ndarray, dtype):
     return q, inv
 
 
-def ref_blocks(w: np.ndarray, dtype):
-    """128 x 128 blocks of w [R, C]: (q [R, C], scale_inv [ceil(R/128), ceil(C/128)])."""
+def ref_blocks(w: np.ndarray, dtype, T=T):
+    """T x T blocks of w [R, C]: (q [R, C], scale_inv [ceil(R/T), ceil(C/T)])."""
     r, c = w.shape
     q, inv = np.zeros((r, c), dtype), np.zeros((-(-r // T), -(-c // T)), np.float32)
     for i in range(inv.shape[0]):
@@ -70,7 +73,7 @@ def ref_blocks(w: np.ndarray, dtype):
     return q, inv
 
 
-def ref_gemm(qa, sa, qb, sb):
+def ref_gemm(qa, sa, qb, sb, T=T):
     """sum_j (qa [P, C] . qb [Q, C]^T over slice j) * sa[:, j] sb[:, j], in float64 (exact sums), and the bound
     of f32 summation on it. sa [P, Cb], sb [Q, Cb] (a weight's block scales repeated per row)."""
     a, b = qa.astype(np.float64), qb.astype(np.float64)
@@ -82,7 +85,7 @@ def ref_gemm(qa, sa, qb, sb):
     return y, (T + sa.shape[1] + 3) * U * mag
 
 
-def rows(block_inv: np.ndarray, n: int) -> np.ndarray:
+def rows(block_inv: np.ndarray, n: int, T=T) -> np.ndarray:
     return np.repeat(block_inv, T, axis=0)[:n]
 
 
@@ -100,26 +103,51 @@ def _data(seed: int, shape, outliers: bool = True) -> np.ndarray:
     return a
 
 
+WIDTHS = [128, 32]
+
+
+@pytest.fixture
+def width(request, monkeypatch):
+    """The tile width (indirect parameter): ``block.BLOCK`` as shipped, or patched to 32 (read at trace time; the
+    caches are cleared so that no trace made under another width is reused)."""
+    monkeypatch.setattr(xla.block, "BLOCK", request.param)
+    jax.clear_caches()
+    yield request.param
+    jax.clear_caches()
+
+
+def tile_amax(q: np.ndarray, t: int) -> np.ndarray:
+    """max |q| of each 1 x t tile along the last axis (the last one partial)."""
+    q = q.astype(np.float32)
+    q = np.pad(q, [(0, 0), (0, -q.shape[1] % t)])
+    return np.abs(q).reshape(q.shape[0], -1, t).max(-1)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # the quantizers
 
 
+@pytest.mark.parametrize("width", WIDTHS, indirect=True)
 @pytest.mark.parametrize("dtype", [E4M3, E5M2])
-def test_tile_quantize_matches_reference(dtype):
-    a = _data(0, (37, 300))  # 300 = 2 tiles + a partial one
+def test_tile_quantize_matches_reference(dtype, width):
+    a = _data(0, (37, 300))  # 300 = 2 tiles + a partial one (9 + a partial one at 32)
     q, inv = jax.jit(lambda x: xla.block.tile_quantize(x, jnp.dtype(dtype)))(a)
-    rq, rinv = ref_tiles(a, dtype)
+    rq, rinv = ref_tiles(a, dtype, width)
     np.testing.assert_array_equal(bits(q), bits(rq))
     np.testing.assert_array_equal(np.asarray(inv), rinv)
-    assert inv.shape == (37, 3) and float(inv[0, 0]) == 1.0  # the all-zero tile keeps scale 1
+    assert inv.shape == (37, -(-300 // width)) and float(inv[0, 0]) == 1.0  # the all-zero tile keeps scale 1
+    top = tile_amax(np.asarray(q), width)  # each tile's amax lands on the format's max exactly
+    assert (top[1:] == float(ml_dtypes.finfo(dtype).max)).all() and (top[0, : 128 // width] == 0).all()
 
 
-def test_block_quantize_matches_reference_and_its_transpose():
+@pytest.mark.parametrize("width", WIDTHS, indirect=True)
+def test_block_quantize_matches_reference_and_its_transpose(width):
     w = _data(1, (200, 300))
     q, inv = jax.jit(lambda x: xla.block.block_quantize(x, jnp.float8_e4m3fn))(w)
-    rq, rinv = ref_blocks(w, E4M3)
+    rq, rinv = ref_blocks(w, E4M3, width)
     np.testing.assert_array_equal(bits(q), bits(rq))
     np.testing.assert_array_equal(np.asarray(inv), rinv)
+    assert inv.shape == (-(-200 // width), -(-300 // width))
     qt, invt = xla.block.block_quantize(jnp.asarray(w.T), jnp.float8_e4m3fn)  # a block is a block transposed
     np.testing.assert_array_equal(bits(qt), bits(rq.T))
     np.testing.assert_array_equal(np.asarray(invt), rinv.T)
@@ -147,12 +175,13 @@ def _call(recipe, x, w, g):
     return (y, *vjp(jnp.asarray(g)))
 
 
-def test_forward_matches_reference(operands):
+@pytest.mark.parametrize("width", WIDTHS, indirect=True)
+def test_forward_matches_reference(operands, width):
     x, w, g = operands
     y = np.asarray(jax.jit(lambda x, w: _call(BLOCK, x, w, g)[0])(x, w))
-    qx, sx = ref_tiles(x, E4M3)
-    qw, sw = ref_blocks(w.T, E4M3)  # [N, K], scales [Nb, Kb]
-    ref, bound = ref_gemm(qx, sx, qw, rows(sw, N))
+    qx, sx = ref_tiles(x, E4M3, width)
+    qw, sw = ref_blocks(w.T, E4M3, width)  # [N, K], scales [Nb, Kb]
+    ref, bound = ref_gemm(qx, sx, qw, rows(sw, N, width), width)
     err = np.abs(y - ref)
     assert (err <= bound).all(), float((err / bound).max())
 
@@ -190,20 +219,21 @@ def test_rollout_kernel_is_the_training_forward(operands):
     np.testing.assert_array_equal(np.asarray(rollout), np.asarray(train))
 
 
-@pytest.mark.parametrize("recipe", [BLOCK, Fp8Recipe(scaling="block")], ids=["e4m3", "hybrid"])
-def test_backward_matches_reference(operands, recipe):
+@pytest.mark.parametrize(("recipe", "width"), [(BLOCK, 128), (Fp8Recipe(scaling="block"), 128), (BLOCK, 32)],
+                         ids=["e4m3-128", "hybrid-128", "e4m3-32"], indirect=["width"])
+def test_backward_matches_reference(operands, recipe, width):
     x, w, g = operands
     gdt = E4M3 if recipe.fp8_format == "e4m3" else E5M2
     _, dx, dw, obs = jax.jit(lambda x, w, g: _call(recipe, x, w, g))(x, w, g)
     # dgrad: g in 1 x 128 tiles along N, w in the forward's 128 x 128 blocks (laid [K, N])
-    qg, sg = ref_tiles(g, gdt)
-    qw, sw = ref_blocks(w, E4M3)
-    ref, bound = ref_gemm(qg, sg, qw, rows(sw, K))
+    qg, sg = ref_tiles(g, gdt, width)
+    qw, sw = ref_blocks(w, E4M3, width)
+    ref, bound = ref_gemm(qg, sg, qw, rows(sw, K, width), width)
     assert (np.abs(np.asarray(dx) - ref) <= bound).all()
     # wgrad: x and g quantized again along the tokens (128 x 1 tiles), from their high-precision values
-    qxt, sxt = ref_tiles(x.T, E4M3)
-    qgt, sgt = ref_tiles(g.T, gdt)
-    ref, bound = ref_gemm(qxt, sxt, qgt, sgt)
+    qxt, sxt = ref_tiles(x.T, E4M3, width)
+    qgt, sgt = ref_tiles(g.T, gdt, width)
+    ref, bound = ref_gemm(qxt, sxt, qgt, sgt, width)
     assert (np.abs(np.asarray(dw) - ref) <= bound).all()
     # the state's cotangent: the call's three amaxes, as every FP8 linear reports them
     seen = [float(obs[r]["amax_history"][0]) for r in ("x", "kernel", "grad")]
