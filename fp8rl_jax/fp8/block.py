@@ -39,6 +39,9 @@ from fp8rl_jax.fp8.recipe import scale_from_amax
 from fp8rl_jax.numerics import fp8_max, quantize
 
 BLOCK = 128
+# ``block_gemm``'s slice products made by one batched dot (f32 bytes at most; 0: one slice a step): a loop of one
+# 128-deep dot a slice is launch-bound on a GPU (a train step's wgrad alone loops over every 128 tokens)
+GROUP_BYTES = 256 * 2**20
 
 
 def num_blocks(n: int) -> int:
@@ -99,16 +102,23 @@ def block_gemm(qa: jax.Array, a_scale_inv: jax.Array, qb: jax.Array, b_scale_inv
     p, c = qa.shape
     q = qb.shape[0]
     cb = num_blocks(c)
-    # [P, C] -> [Cb, P, 128] and [Q, C] -> [Cb, Q, 128]: one slice of the contraction axis per step
-    a = _padded(qa, -1).reshape(p, cb, BLOCK).transpose(1, 0, 2)
-    b = _padded(qb, -1).reshape(q, cb, BLOCK).transpose(1, 0, 2)
+    # g slices a step (their products [g, P, Q] f32 within GROUP_BYTES): one batched dot, then added in order
+    groups = -(-cb // max(1, min(cb, GROUP_BYTES // (4 * p * q))))
+    g = -(-cb // groups)
+    width = groups * g * BLOCK  # zero slices past C (zero scales too): each adds +0
+    # [P, C] -> [groups, g, P, 128] and [Q, C] -> [groups, g, Q, 128]: the slices of the contraction axis in order
+    a = jnp.pad(qa, ((0, 0), (0, width - c))).reshape(p, groups, g, BLOCK).transpose(1, 2, 0, 3)
+    b = jnp.pad(qb, ((0, 0), (0, width - c))).reshape(q, groups, g, BLOCK).transpose(1, 2, 0, 3)
+    # scales [P, Cb] -> [groups, g, P]
+    sa = jnp.pad(a_scale_inv.T.astype(jnp.float32), ((0, groups * g - cb), (0, 0))).reshape(groups, g, p)
+    sb = jnp.pad(b_scale_inv.T.astype(jnp.float32), ((0, groups * g - cb), (0, 0))).reshape(groups, g, q)
 
-    def step(acc, slice_c):
-        a_c, b_c, sa, sb = slice_c
-        part = lax.dot_general(a_c, b_c, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)  # [P, Q]
-        return acc + part * (sa[:, None] * sb[None, :]), None
+    def step(acc, group):
+        a_g, b_g, sa_g, sb_g = group
+        parts = lax.dot_general(a_g, b_g, (((2,), (2,)), ((0,), (0,))), preferred_element_type=jnp.float32)
+        for i in range(g):  # [P, Q] each
+            acc = acc + parts[i] * (sa_g[i][:, None] * sb_g[i][None, :])
+        return acc, None
 
-    # scales [P, Cb] -> [Cb, P]
-    y, _ = lax.scan(step, jnp.zeros((p, q), jnp.float32),
-                    (a, b, a_scale_inv.T.astype(jnp.float32), b_scale_inv.T.astype(jnp.float32)))
+    y, _ = lax.scan(step, jnp.zeros((p, q), jnp.float32), (a, b, sa, sb))
     return y
