@@ -413,6 +413,13 @@ def test_agreement_defaults_leave_out_transformer_engine():
     assert {"fp8_te", "fp8_kv_te"} <= set(agreement.PRECISIONS) - set(names)
 
 
+def test_bench_async_auto_delay_is_the_trainers_working_time_in_chunks():
+    from fp8rl_jax.bench.asynchronous import auto_delay
+
+    assert auto_delay({"step_seconds": 8.0, "train_idle_s": 2.0, "chunk_s": 0.03}) == 200
+    assert auto_delay({"rollout_devices": 2, "error": "child exited timeout"}) == 0
+
+
 def test_bench_async_measures_the_split_and_keeps_each_steps_time(tmp_path):
     """One variant of ``bench async`` (the rollout on 1 of the 8 forced devices, staleness 1, a load delay of one
     chunk): its row counts the

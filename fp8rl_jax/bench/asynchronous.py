@@ -47,7 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--staleness", type=int, default=1)
     parser.add_argument("--load-delays", default="0",
                         help="rollout.load_delay_chunks of the asynchronous variants, a comma list: each split runs "
-                             "once per value")
+                             "once per value; 'auto' = the trainer's working seconds a step over a decode chunk's, "
+                             "both from the split's variant before it")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=8, help="timed steps: a short window flatters the stream")
     parser.add_argument("--timeout", type=int, default=400, help="seconds per variant")
@@ -58,10 +59,14 @@ def run(args) -> list[dict]:
     if args.one is not None:
         return [measure(args, args.one)]
     rows = []
-    delays = [int(d) for d in args.load_delays.split(",")]
+    delays = [d if d == "auto" else int(d) for d in args.load_delays.split(",")]
+    if delays[0] == "auto":
+        raise SystemExit("--load-delays: 'auto' reads the variant before it: give a number first (e.g. 0,auto)")
     variants = [(split, delay) for split in (int(s) for s in args.splits.split(","))
                 for delay in (delays if split else [0])]
     for split, delay in variants:
+        if delay == "auto":
+            delay = auto_delay(rows[-1])
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "row.json"
             cmd = [sys.executable, "-m", "fp8rl_jax.bench", "async", "--one", str(split), "--config", args.config,
@@ -77,6 +82,15 @@ def run(args) -> list[dict]:
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
+
+
+def auto_delay(row: dict) -> int:
+    """``rollout.load_delay_chunks`` from an asynchronous variant's row: the decode chunks the rollout makes while the
+    trainer works a step (its step time less its wait for the batch), so that a version is loaded about when it is
+    published. 0 where the row has no chunk time (a failed variant)."""
+    if row.get("error") or not row.get("chunk_s"):
+        return 0
+    return max(0, round((row["step_seconds"] - row["train_idle_s"]) / row["chunk_s"]))
 
 
 def measure(args, split: int) -> dict:
