@@ -152,9 +152,8 @@ def measure(args, split: int) -> dict:
             "staleness_mean": mean("async/staleness_mean") or 0.0, "weight_update_s": mean("time/weights"),
             "train_idle_s": mean("time/rollout"), "rollout_idle_s": mean("async/rollout_idle_s"),
             "weight_transfer_s": mean("async/weight_transfer_s"),
-            # decode chunks a batch, and a chunk's seconds (the rollout's time not waiting for a version, over its
-            # chunks: prefill and bookkeeping included): what
-            # rollout.load_delay_chunks counts (about the trainer's step over a chunk lets live rows decode on)
+            # decode chunks a batch and a chunk's seconds (the rollout's time not waiting for a version over its
+            # chunks, prefill and bookkeeping included): the unit of rollout.load_delay_chunks (``auto_delay``)
             "decode_chunks": chunks,
             "chunk_s": mean("async/rollout_busy_s") / chunks if chunks else None,
             "weight_update_bytes": mean("async/weight_update_bytes"),
