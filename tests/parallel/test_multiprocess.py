@@ -189,7 +189,7 @@ def test_launcher_times_out_with_124(tmp_path):
     (tmp_path / "sleeps.py").write_text("import time\ntime.sleep(600)\n")
     env = _env()
     env["PYTHONPATH"] += os.pathsep + str(tmp_path)
-    result, seconds = _launch(launcher=["--module=sleeps"], timeout=3, env=env)
+    result, seconds = _launch(launcher=["--module=sleeps"], timeout=1, env=env)  # the job would sleep 600 s
     assert result.returncode == 124, _failed(result)
     assert seconds < 30
 
