@@ -54,6 +54,14 @@ def server():
     handle.stop()
 
 
+def _cli_env() -> dict:
+    """The server process's environment: conftest's XLA flags (XLA:CPU's code generation at -O0, as for every
+    test's programs) less its 8 devices: one device, as a user's shell has it."""
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+             if not f.startswith("--xla_force_host_platform_device_count")]
+    return {**os.environ, "XLA_FLAGS": " ".join(flags)}
+
+
 def _text(text, max_tokens=MAX_NEW):
     return jetstream_pb2.DecodeRequest(max_tokens=max_tokens,
                                        text_content=jetstream_pb2.DecodeRequest.TextContent(text=text))
@@ -260,7 +268,7 @@ def test_cli_rejects_unknown_key():
 
 def test_cli_serves_and_exits_on_sigterm():
     port = portpicker.pick_unused_port()
-    env = {**os.environ, "XLA_FLAGS": ""}
+    env = _cli_env()
     process = subprocess.Popen([sys.executable, "-m", "fp8rl_jax.serve", "--config=configs/tiny.py:bf16",
                                 f"--port={port}", "--max_concurrent_decodes=2", "--max_new_tokens=4", "--greedy"],
                                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
@@ -341,7 +349,7 @@ def test_cli_refuses_a_host_name_one_of_whose_addresses_is_held():
         held.bind(("127.0.0.1", 0))
         held.listen()
         port = held.getsockname()[1]
-        env = {**os.environ, "XLA_FLAGS": ""}
+        env = _cli_env()
         process = subprocess.Popen([sys.executable, "-m", "fp8rl_jax.serve", "--config=configs/tiny.py:bf16",
                                     "--host=localhost", f"--port={port}", "--max_concurrent_decodes=2",
                                     "--max_new_tokens=4"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,

@@ -29,9 +29,14 @@ SMALL = [
 JOB_TIMEOUT = 400  # seconds; the launcher kills its processes after this (a hang fails the test, never stalls it)
 
 
-def _env(**extra) -> dict:
+def _env(devices: int | None = None, **extra) -> dict:
+    """The processes' environment: conftest's XLA flags (XLA:CPU's code generation at -O0, as for every test's
+    programs) less its 8 devices; each process gets its own count from the launcher, or ``devices`` here."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", **extra)
-    env.pop("XLA_FLAGS", None)  # conftest's 8 devices: each process gets its own count from the launcher or here
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
+    if devices is not None:
+        flags.append(f"--xla_force_host_platform_device_count={devices}")
+    env["XLA_FLAGS"] = " ".join(flags)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p)
     return env
 
@@ -101,7 +106,7 @@ def _compared(record: dict) -> dict:
 def test_two_processes_match_one_process_on_as_many_devices(two_step_run, tmp_path):
     _, _, records = two_step_run
     workdir = str(tmp_path / "single")
-    env = _env(XLA_FLAGS=f"--xla_force_host_platform_device_count={PROCESSES * DEVICES_PER_PROCESS}")
+    env = _env(devices=PROCESSES * DEVICES_PER_PROCESS)
     result = subprocess.run([sys.executable, "-m", "fp8rl_jax.main", *SMALL, "--steps=2",
                              f"--config.workdir={workdir}"], cwd=REPO, env=env, capture_output=True, text=True,
                             timeout=JOB_TIMEOUT)
@@ -184,7 +189,7 @@ def test_launcher_times_out_with_124(tmp_path):
     (tmp_path / "sleeps.py").write_text("import time\ntime.sleep(600)\n")
     env = _env()
     env["PYTHONPATH"] += os.pathsep + str(tmp_path)
-    result, seconds = _launch(launcher=["--module=sleeps"], timeout=3, env=env)
+    result, seconds = _launch(launcher=["--module=sleeps"], timeout=1, env=env)  # the job would sleep 600 s
     assert result.returncode == 124, _failed(result)
     assert seconds < 30
 
