@@ -39,7 +39,7 @@ def _config(workdir, **overrides):
 
 
 def _varying(record: dict) -> dict:
-    """A record without what depends on the clock."""
+    """A record without what depends on the clock or the process (the rollout window's ``async/rollout_*``)."""
     return {k: v for k, v in record.items()
             if not k.startswith(("time/", "memory/", "async/rollout_", "async/weight"))
             and not k.endswith("_per_s")}

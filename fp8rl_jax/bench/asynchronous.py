@@ -138,7 +138,7 @@ def measure(args, split: int) -> dict:
     tokens = sum(r["response_length_mean"] * c.rollout.prompts_per_step * n for r in timed)
     seconds = ends[-1] - ends[args.warmup - 1]
     mean = lambda key: float(np.mean([r[key] for r in timed])) if key in timed[0] else None  # noqa: E731
-    chunks = mean("async/decode_chunks")
+    chunks = mean("async/rollout_chunks")
     return {"rollout_devices": split, "max_staleness": staleness,
             "load_delay_chunks": c.rollout.load_delay_chunks, "devices": devices, "lengths": args.lengths.spec,
             "config": args.config, "overrides": args.set, "warmup": args.warmup, "steps": args.steps,

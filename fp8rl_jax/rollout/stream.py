@@ -307,8 +307,8 @@ class Stream:
         """Drained before loading ``version``: keep what a checkpoint at step ``version`` needs."""
         groups = sorted((g for b, s in self._batches.items() if b >= version for g in (*s.kept, *s.dropped)),
                         key=lambda g: (g.batch, g.index))
-        # a stream restored here starts its count at 0 with these batches complete: so does this one
-        self._chunks, self._completed_at = 0, {b: 0 for b in self._completed_at}
+        # a stream restored here starts its counts at 0 with these batches complete: so does this one
+        self._chunks, self._window_chunks, self._completed_at = 0, 0, {b: 0 for b in self._completed_at}
         with self._lock:
             self._barrier_states[version] = (groups, self._prompt_state())
             self._lock.notify_all()
@@ -446,7 +446,7 @@ class Stream:
         batch.stats.update({"rollout_seconds": window, "generated_tokens": float(self._window_tokens),
                             "tokens_per_second": self._window_tokens / max(window, 1e-9),
                             "rollout_idle_seconds": self.idle_seconds,
-                            "async/decode_chunks": float(self._window_chunks),
+                            "async/rollout_chunks": float(self._window_chunks),
                             "async/rollout_busy_s": max(window - self.idle_seconds, 0.0)})
         self._window_start, self._window_tokens, self._window_chunks, self.idle_seconds = now, 0, 0, 0.0
         with self._lock:
