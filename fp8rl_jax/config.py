@@ -18,15 +18,14 @@ from collections.abc import Callable, Sequence
 import ml_collections
 
 from fp8rl_jax.errors import ConfigError  # defined there for the lower layers; still importable from here
-from fp8rl_jax.rl import advantages, importance, losses
+from fp8rl_jax.rl import names  # the allowed values of the RL keys, without JAX (the CLI starts sooner)
 from fp8rl_jax.rl.microbatch import DEFAULT_MICROBATCH_TOKENS, longest_row_tokens
 
 PRECISION_MODES = ("bf16", "fp8_rollout", "fp8_e2e")
-# the allowed values of the RL keys, from the modules that own them
-ADVANTAGES = advantages.KINDS
-LOSS_AGGS = losses.AGGREGATIONS
-KL_ESTIMATORS = losses.KL_ESTIMATORS
-IS_CORRECTIONS = importance.KINDS
+ADVANTAGES = names.ADVANTAGE_KINDS
+LOSS_AGGS = names.LOSS_AGGREGATIONS
+KL_ESTIMATORS = names.KL_ESTIMATORS
+IS_CORRECTIONS = names.IS_CORRECTIONS
 SCHEDULES = ("constant", "cosine", "linear")
 
 

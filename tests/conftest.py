@@ -3,21 +3,29 @@
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+_DEVICE_COUNT = "--xla_force_host_platform_device_count"
+_codegen = []  # the tests' code generation flags for XLA:CPU
 if os.environ["JAX_PLATFORMS"] == "cpu":
     # YNNPACK's reduce fusions sum a softmax normaliser in an order that differs between two XLA:CPU programs of
     # one function (1 ulp), which the exact sampler's tests would see (exact.CPU_XLA_FLAG, fp8rl_jax/rollout/exact.py)
-    os.environ["XLA_FLAGS"] += " --xla_cpu_experimental_ynn_fusion_type=-reduce"
+    _codegen.append("--xla_cpu_experimental_ynn_fusion_type=-reduce")
     if os.environ.get("FP8RL_TEST_XLA_OPT") != "default":
         # LLVM at -O0 for the tests' tiny programs, whose time is mostly compiling: the suite ran in 653 s against
         # 815 s on 2 cores (benchmarks/RESULTS.md, "CPU test suite time"). `make test` runs the exact sampler's
         # bit-for-bit tests in a pass of their own at XLA's default optimization (FP8RL_TEST_XLA_OPT=default), as the
         # product runs on CPU
-        os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
+        _codegen.append("--xla_backend_optimization_level=0")
         # and without XLA:CPU's fusion emitters (its default code generation for fusions; off, its older IR
         # emitter): the tests' programs compile in about half the time (tests/rl/test_packing.py alone: 95 CPU-s ->
         # 45 on 2 cores). A choice of code generation, as -O0 is; the exact sampler's pass runs XLA's defaults
-        os.environ["XLA_FLAGS"] += " --xla_cpu_use_fusion_emitters=false"
+        _codegen.append("--xla_cpu_use_fusion_emitters=false")
+# a test's subprocess (the CLI, the launcher's processes) gets FP8RL_TEST_CHILD_XLA_FLAGS: the user's XLA_FLAGS less
+# any device count, and the code generation flags, i.e. one device as a user's shell has it (or a count of its own)
+_user = os.environ.get("XLA_FLAGS", "")
+os.environ["FP8RL_TEST_CHILD_XLA_FLAGS"] = " ".join(
+    [*(f for f in _user.split() if not f.startswith(_DEVICE_COUNT)), *_codegen])
+# this process: 8 virtual CPU devices for the sharding tests
+os.environ["XLA_FLAGS"] = " ".join([_user, f"{_DEVICE_COUNT}=8", *_codegen]).strip()
 
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     # JAX's persistent compilation cache for the run, in a folder of its own that the run deletes: tests that

@@ -55,11 +55,9 @@ def server():
 
 
 def _cli_env() -> dict:
-    """The server process's environment: conftest's XLA flags (XLA:CPU's code generation at -O0, as for every
-    test's programs) less its 8 devices: one device, as a user's shell has it."""
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
-             if not f.startswith("--xla_force_host_platform_device_count")]
-    return {**os.environ, "XLA_FLAGS": " ".join(flags)}
+    """The server process's environment: conftest's XLA flags for a subprocess (XLA:CPU's code generation at -O0,
+    as for every test's programs; not its 8 devices): one device, as a user's shell has it."""
+    return {**os.environ, "XLA_FLAGS": os.environ["FP8RL_TEST_CHILD_XLA_FLAGS"]}
 
 
 def _text(text, max_tokens=MAX_NEW):

@@ -22,11 +22,9 @@ HOST = socket.gethostname()
 
 
 def _env() -> dict:
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    # conftest's XLA flags (XLA:CPU's code generation at -O0, as for every test's programs) less its 8 devices: the
-    # tiny config runs on one device
-    env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
-                                if not f.startswith("--xla_force_host_platform_device_count"))
+    # conftest's XLA flags for a subprocess (XLA:CPU's code generation at -O0, as for every test's programs; not its
+    # 8 devices): the tiny config runs on one device
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=os.environ["FP8RL_TEST_CHILD_XLA_FLAGS"])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p)
     return env
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-KINDS = ("grpo", "drgrpo", "rloo")
+from fp8rl_jax.rl.names import ADVANTAGE_KINDS as KINDS
 
 
 def group_advantages(rewards: jax.Array, kind: str, eps: float = 1e-6) -> jax.Array:

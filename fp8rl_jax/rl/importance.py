@@ -42,8 +42,8 @@ import jax
 import jax.numpy as jnp
 
 from fp8rl_jax.rl.metrics import masked_max, masked_mean, segment_sums
+from fp8rl_jax.rl.names import IS_CORRECTIONS as KINDS
 
-KINDS = ("none", "tis", "seq_tis", "mis", "icepop")
 MIS_BAND = (0.999, 1.002)  # geometric-mean ratio kept by ``mis`` (see above)
 ICEPOP_BAND = (0.5, 5.0)  # per-token ratio kept by ``icepop``
 

@@ -32,9 +32,9 @@ import jax
 import jax.numpy as jnp
 
 from fp8rl_jax.rl.metrics import k3, masked_max, masked_mean, masked_min, segment_sums
+from fp8rl_jax.rl.names import KL_ESTIMATORS
+from fp8rl_jax.rl.names import LOSS_AGGREGATIONS as AGGREGATIONS
 
-AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
-KL_ESTIMATORS = ("k1", "k3")
 KL_VALUE_BOUND = 10.0  # the k3 KL term per token is clamped to [-10, 10] (``kl_penalty``)
 
 

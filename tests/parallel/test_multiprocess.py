@@ -30,13 +30,13 @@ JOB_TIMEOUT = 400  # seconds; the launcher kills its processes after this (a han
 
 
 def _env(devices: int | None = None, **extra) -> dict:
-    """The processes' environment: conftest's XLA flags (XLA:CPU's code generation at -O0, as for every test's
-    programs) less its 8 devices; each process gets its own count from the launcher, or ``devices`` here."""
+    """The processes' environment: conftest's XLA flags for a subprocess (XLA:CPU's code generation at -O0, as for
+    every test's programs; not its 8 devices); each process gets its own count from the launcher, or ``devices``
+    here."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", **extra)
-    flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
+    env["XLA_FLAGS"] = os.environ["FP8RL_TEST_CHILD_XLA_FLAGS"]
     if devices is not None:
-        flags.append(f"--xla_force_host_platform_device_count={devices}")
-    env["XLA_FLAGS"] = " ".join(flags)
+        env["XLA_FLAGS"] = f"{env['XLA_FLAGS']} --xla_force_host_platform_device_count={devices}".strip()
     env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p)
     return env
 
