@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from accuracy_merge import paired_diff  # noqa: E402
 
 SYNC, ASYNC = "fp8_e2e_tis", "fp8_e2e_tis_stale1"
 
@@ -39,9 +43,7 @@ def main() -> None:
         per_seed[s]["async"]["staleness_mean"] = float(np.mean([r["async/staleness_mean"] for r in stale]))
         per_seed[s]["async"]["staleness_max"] = float(max(r["async/staleness_max"] for r in stale))
     acc = {k: np.array([per_seed[s][k]["acc_after"] for s in seeds]) for k in ("sync", "async")}
-    diff = acc["async"] - acc["sync"]
-    rng = np.random.default_rng(0)
-    boot = [rng.choice(diff, len(diff)).mean() for _ in range(10000)]
+    diff = paired_diff(acc["async"], acc["sync"])
     out = {
         "seeds": seeds, "task": "configs/smollm2_arith.py (SmolLM2-135M-Instruct, one-digit sums, 40 steps)",
         "modes": {"sync": f"{SYNC}: precision.mode=fp8_e2e, rl.is_correction=tis",
@@ -49,9 +51,7 @@ def main() -> None:
         "acc_after": {k: float(v.mean()) for k, v in acc.items()},
         "acc_after_std": {k: float(v.std(ddof=1)) for k, v in acc.items()},
         "acc_before": {k: float(np.mean([per_seed[s][k]["acc_before"] for s in seeds])) for k in ("sync", "async")},
-        "diff_async_minus_sync": {
-            "mean": float(diff.mean()), "se": float(diff.std(ddof=1) / np.sqrt(len(diff))),
-            "ci95_bootstrap": [float(np.percentile(boot, 2.5)), float(np.percentile(boot, 97.5))]},
+        "diff_async_minus_sync": {"mean": diff["mean"], "se": diff["se"], "ci95_bootstrap": diff["ci95"]},
         "staleness_mean": float(np.mean([per_seed[s]["async"]["staleness_mean"] for s in seeds])),
         "mismatch_kl": {k: float(np.mean([per_seed[s][k]["mismatch_kl"] for s in seeds])) for k in ("sync", "async")},
         "step_seconds": {k: float(np.mean([per_seed[s][k]["step_seconds"] for s in seeds])) for k in ("sync", "async")},

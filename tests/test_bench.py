@@ -242,6 +242,37 @@ def test_accuracy_study_runs_a_mode_and_writes_table_and_plots(tmp_path):
     assert "stopped at step 0" in page.read_text()
 
 
+def _study(mode_rows: dict[str, dict[int, float]], commit: str) -> dict:
+    """An accuracy_study.py output of 40-step runs with the given final accuracies (mode -> seed -> accuracy)."""
+    row = lambda acc: {"acc_before": 0.3, "acc_after": acc, "acc_after_step": 40, "steps": 40,  # noqa: E731
+                       **{k: 0.0 for k in ("mismatch_kl", "token_mult_prob_error", "reward_start", "reward_end",
+                                           "is_weight_mean", "is_clipped_fraction", "step_seconds")},
+                       "is_weight_max": 1.0}
+    return {"model": "m", "task": "t", "steps": 40, "config": "c", "device": "GPU", "commit": commit, "command": "x",
+            "modes": {m: {"per_seed": {str(s): row(a) for s, a in seeds.items()}, "overrides": {}}
+                      for m, seeds in mode_rows.items()}}
+
+
+def test_accuracy_merge_pairs_modes_by_seed_across_studies(tmp_path):
+    merge = _script("accuracy_merge")
+    a = _study({"bf16": {0: 0.80, 1: 0.70}, "fp8_e2e_block": {0: 0.82}}, "c1")
+    b = _study({"bf16": {2: 0.90}, "fp8_e2e_block": {1: 0.75, 2: 0.89, 3: 0.5}}, "c2")
+    b["modes"]["fp8_e2e_block"]["per_seed"]["3"]["acc_after_step"] = 30  # cut short: not a result
+    out = merge.merge([a, b])
+    block = out["modes"]["fp8_e2e_block"]
+    assert out["seeds"] == [0, 1, 2, 3] and out["modes"]["bf16"]["seeds_run"] == 3
+    assert block["seeds_run"] == 3 and block["incomplete"] == {"3": 30}
+    assert [r["seeds"] for r in block["runs"]] == [[0], [1, 2, 3]] and block["runs"][1]["commit"] == "c2"
+    diff = block["diff_vs_bf16"]  # seeds 0, 1, 2: +0.02, +0.05, -0.01
+    assert diff["pairs"] == 3 and abs(diff["mean"] - 0.02) < 1e-12 and abs(diff["se"] - 0.03 / 3 ** 0.5) < 1e-12
+    assert -0.01 - 1e-9 <= diff["ci95"][0] <= diff["mean"] <= diff["ci95"][1] <= 0.05 + 1e-9
+    assert "diff_vs_bf16" not in out["modes"]["bf16"]
+    assert merge.merge([out]) == out  # a merged file merges again unchanged
+    # the same seed of a mode run twice, differently: which is the result?
+    with pytest.raises(SystemExit, match="fp8_e2e_block, seed 0"):
+        merge.merge([a, _study({"fp8_e2e_block": {0: 0.5}}, "c3")])
+
+
 def test_every_accuracy_study_mode_is_a_valid_config():
     from fp8rl_jax.config import load_config_file, validate
 
