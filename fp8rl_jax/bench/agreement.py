@@ -55,6 +55,8 @@ PRECISIONS = {
     "fp8_head": Precision(backend="xla", lm_head_fp8=True),
     # per-token x per-output-channel current scales in the forward (precision.scaling=rowwise)
     "fp8_rowwise": Precision(backend="xla", recipe=Fp8Recipe(scaling="rowwise")),
+    # 1 x 128 activation tiles and 128 x 128 weight blocks, E4M3 both ways (precision.scaling=block)
+    "fp8_block": Precision(backend="xla", recipe=Fp8Recipe(scaling="block", fp8_format="e4m3")),
 }
 MAX_PREFILL = 1024  # prompts longer than this are an error
 EXACT = "_exact"  # a variant's suffix: the rollout is the exact sampler's
