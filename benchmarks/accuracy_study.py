@@ -92,6 +92,9 @@ TAIL = 5  # steps averaged for the reward at the start and at the end
 
 
 def _commit() -> str:
+    """FP8RL_COMMIT where the caller names the tree (a device's copy of a working tree has no such HEAD), else git's."""
+    if os.environ.get("FP8RL_COMMIT"):
+        return os.environ["FP8RL_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
                               check=True).stdout.strip()
@@ -100,8 +103,10 @@ def _commit() -> str:
 
 
 def _device() -> str:
+    """The GPUs the runs see (``CUDA_VISIBLE_DEVICES`` where set), e.g. ``1 x NVIDIA H200``; ``cpu`` without any."""
+    only = ["-i", os.environ["CUDA_VISIBLE_DEVICES"]] if os.environ.get("CUDA_VISIBLE_DEVICES") else []
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader", *only], capture_output=True,
                              text=True, timeout=30).stdout.strip().splitlines()
         return f"{len(out)} x {out[0]}" if out else "cpu"
     except (OSError, subprocess.TimeoutExpired):

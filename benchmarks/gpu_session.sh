@@ -115,12 +115,22 @@ EOF
         --lengths ${ASYNC_LENGTHS:-lognormal:0.3,1.0} --warmup ${ASYNC_WARMUP:-2} --steps ${ASYNC_STEPS:-8} \
         --timeout ${ASYNC_VARIANT_TIMEOUT:-270} ${ASYNC_ARGS:-} --out "$OUT/async_gpu.json" 2>&1 | grep -v "^W\|Warn" \
         | tee "$OUT/async.log" | tail -8 ;;
-    study) # the fidelity study (configs/smollm2_arith.py): every precision mode at once on this GPU, then the table
+    study) # the fidelity study (configs/smollm2_arith.py): STUDY_SEEDS split over the host's GPUs in order (a study
+      # process a GPU, STUDY_ARGS' --parallel runs at once on each), merged into $OUT/$name.json, every mode paired
+      # with BF16 by seed where both ran (benchmarks/accuracy_merge.py); the runs in one file, $OUT/${name}_runs.tgz
       name=${STUDY_NAME:-study}
-      timeout 590 python3 benchmarks/accuracy_study.py --seeds ${STUDY_SEEDS:-0} --timeout ${STUDY_TIMEOUT:-480} --workdir /tmp/$name \
-        --out "$OUT/$name.json" --docs "$OUT/${name}_docs" ${STUDY_ARGS:-} 2>&1 | grep -v "^W\|Warn\|legend" | tail -14
-      # the runs in one file (the device tool brings back only a few files per call)
-      tar czf "$OUT/${name}_runs.tgz" -C /tmp/$name . && rm -rf "$OUT/${name}_docs" ;;
+      IFS=, read -ra seeds <<< "${STUDY_SEEDS:-0}"
+      gpus=$(nvidia-smi -L | wc -l); [ "$gpus" -gt "${#seeds[@]}" ] && gpus=${#seeds[@]}
+      for ((g = 0; g < gpus; g++)); do
+        part=$(IFS=,; echo "${seeds[*]:$((g * ${#seeds[@]} / gpus)):$(((g + 1) * ${#seeds[@]} / gpus - g * ${#seeds[@]} / gpus))}")
+        CUDA_VISIBLE_DEVICES=$g timeout 590 python3 benchmarks/accuracy_study.py --seeds "$part" \
+          --timeout ${STUDY_TIMEOUT:-480} --workdir /tmp/$name --out /tmp/${name}_gpu$g.json --docs /tmp/${name}_docs$g \
+          ${STUDY_ARGS:-} > /tmp/${name}_gpu$g.log 2>&1 &
+      done
+      wait
+      for ((g = 0; g < gpus; g++)); do grep -v "^W\|Warn\|legend" /tmp/${name}_gpu$g.log | grep "^| \|left out\|failed"; done
+      python3 benchmarks/accuracy_merge.py --into "$OUT/$name.json" /tmp/${name}_gpu*.json | tail -12
+      tar czf "$OUT/${name}_runs.tgz" -C /tmp/$name . ;;  # the device tool brings back only a few files per call
     rollout_flags) # bench rollout (R1K_MODES, R1K_ARGS) once per set of XLA flags in R1K_FLAG_SETS (';'-separated; an
       # empty set is the defaults), each set on top of --xla_gpu_enable_triton_gemm=false, each in its own process;
       # R1K_DUMP=1 also keeps each set's optimized decode program (gzipped HLO) under $OUT/hlo_flags<i>
