@@ -348,9 +348,6 @@ def validate(c: ml_collections.ConfigDict, known_rewards: Callable[[], Sequence[
     _one_of(c, "precision.scaling", ("tensor", "rowwise", "block"))
     _check(c.precision.scaling == "tensor" or c.precision.backend == "xla", "precision.scaling", c.precision.scaling,
            f"tensor, or {c.precision.scaling} with precision.backend=xla (Transformer Engine scales per tensor here)")
-    _check(c.precision.scaling != "block" or c.rollout.tensor_parallel == 1, "rollout.tensor_parallel",
-           c.rollout.tensor_parallel, "1 with precision.scaling=block (the rollout's kernel split keeps per-tensor and "
-           "per-channel scales only)")
     _one_of(c, "precision.kv_cache_dtype", ("bfloat16", "float8_e4m3fn"))
     _one_of(c, "precision.attention", ("auto", "cudnn", "pallas", "xla"))
     _positive(c, "precision.amax_history_len")

@@ -91,8 +91,12 @@ def block_quantize(w: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
 
 
 def block_rows(scale_inv: jax.Array, rows: int) -> jax.Array:
-    """A weight's block scales [Rb, Cb] as one row of scales per weight row [R, Cb] (``block_gemm``'s form)."""
-    return jnp.repeat(scale_inv, BLOCK, axis=0)[:rows]
+    """A weight's block scales [..., Rb, Cb] as one row of scales per weight row [..., R, Cb] (``block_gemm``'s
+    form). Scales already in that form (``R`` rows: a rollout kernel whose rows were reordered for tensor
+    parallelism, ``rollout.weights.interleave_fused``) come back as they are."""
+    if scale_inv.shape[-2] == rows:
+        return scale_inv
+    return jnp.repeat(scale_inv, BLOCK, axis=-2)[..., :rows, :]
 
 
 def block_gemm(qa: jax.Array, a_scale_inv: jax.Array, qb: jax.Array, b_scale_inv: jax.Array) -> jax.Array:

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fp8rl_jax.fp8 import block
 from fp8rl_jax.fp8.linear import quantize_kernel
 from fp8rl_jax.fp8.policy import Precision
 from fp8rl_jax.fp8.xla import QuantizedKernel, gemm_operand
@@ -141,7 +142,12 @@ def interleave_fused(weights: dict, config: LlamaConfig, shards: int) -> dict:
     def one(name, x):
         if name not in sizes:
             return x
-        if is_kernel(x):  # data [..., N, K]; scale_inv [..., N] (row-wise) or per tensor
+        if is_kernel(x):  # data [..., N, K]; scale_inv [..., N] (row-wise), [..., Nb, Kb] (blocks) or per tensor
+            n = x.data.shape[-2]
+            if x.scale_inv.ndim == x.data.ndim:  # 128 x 128 blocks: a shard's rows cut across them, so each row
+                # takes its block's scales ([..., N, Kb], which the block GEMM reads as they are) and moves with them
+                return QuantizedKernel(interleave(x.data, -2, sizes[name], shards),
+                                       interleave(block.block_rows(x.scale_inv, n), -2, sizes[name], shards))
             rowwise = x.scale_inv.ndim == x.data.ndim - 1
             return QuantizedKernel(interleave(x.data, -2, sizes[name], shards),
                                    interleave(x.scale_inv, -1, sizes[name], shards) if rowwise else x.scale_inv)

@@ -275,10 +275,6 @@ def test_block_scaling_is_validated():
     c.precision.scaling = "block"
     c.precision.backend = "xla"
     config_lib.validate(c, training=False)
-    c.rollout.tensor_parallel = 2
-    with pytest.raises(ConfigError, match="rollout.tensor_parallel"):
-        config_lib.validate(c, training=False)
-    c.rollout.tensor_parallel = 1
     c.precision.backend = "auto"
     with pytest.raises(ConfigError, match="precision.scaling"):
         config_lib.validate(c, training=False)

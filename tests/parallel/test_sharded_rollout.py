@@ -8,6 +8,7 @@ softmax): FP8 (f32 compute, xla backend, FP8 KV cache) and BF16 (bf16 compute, B
 whole weights on every device (bound 5e-6).
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -19,6 +20,7 @@ import pytest
 from fp8rl_jax.fp8 import kv as kvq
 from fp8rl_jax.fp8 import xla
 from fp8rl_jax.fp8.policy import Precision
+from fp8rl_jax.fp8.recipe import Fp8Recipe
 from fp8rl_jax.kernels import decode_attention as da
 from fp8rl_jax.model import llama
 from fp8rl_jax.model.config import preset
@@ -143,6 +145,35 @@ def test_sharded_rollout_with_pallas_kernel_equals_single_device(tensor_parallel
     batch = driver.generate(engine, weights, PROMPTS, 2, jax.random.PRNGKey(1), steps_per_sync=4)
     _check_equal(batch, _single_device("fp8", False), LOGPROB_ATOL,
                  f"pallas tp={tensor_parallel} {layer_loop}")
+
+
+def test_block_scaled_rollout_split_over_tensor_equals_single_device():
+    """Block scaling (128 x 128 weight blocks) with the fused columns split over a tensor axis of 2: k's and v's
+    halves (64 rows) and gate's and up's (160) cut across blocks, so each row carries its block's scales through
+    the interleave. The same tokens as one device, logprobs to the row-parallel GEMMs' reduction order."""
+    config = dataclasses.replace(CONFIG, hidden_size=256, intermediate_size=320, head_dim=64)  # wqkv 256|128|128
+    precision = Precision(backend="xla", compute_dtype="float32", recipe=Fp8Recipe(scaling="block", fp8_format="e4m3"))
+    params = llama.init_params(config, jax.random.PRNGKey(0), std=0.1)
+    fp8_state = llama.init_fp8_state(config, precision)
+    engine_config = EngineConfig(max_concurrent_decodes=8, max_prefill_length=16, max_new_tokens=10,
+                                 sampling=SamplingParams(greedy=False))
+    one = Engine(config, precision, engine_config)
+    reference = driver.generate(one, one.load_params(params, fp8_state, None), PROMPTS, 2, jax.random.PRNGKey(1),
+                                steps_per_sync=4)
+    mesh = _mesh("fsdp4_tensor2")
+    split = Engine(config, precision, dataclasses.replace(engine_config, tensor_parallel=2), mesh=mesh)
+    on_mesh = jax.device_put(params, rules.state_shardings(params, mesh))
+    weights = split.load_params(on_mesh, jax.device_put(fp8_state, rules.replicated(mesh)), None)
+    wqkv = weights["weights"]["blocks"][0][0]["wqkv"]
+    assert wqkv.scale_inv.shape == (512, 2)  # a row of block scales per (interleaved) row
+    batch = driver.generate(split, weights, PROMPTS, 2, jax.random.PRNGKey(1), steps_per_sync=4)
+    _check_equal(batch, reference, LOGPROB_ATOL, "block tp=2")
+    # the decode loop moves activations only (e.g. the emulated GEMM's row-parallel input, [2, 384] f32): each
+    # collective smaller than one 128-row block of a kernel in FP8 bytes
+    with mesh_context(split.mesh):
+        text = split._generate_steps.lower(weights, split.init_decode_state(), 4).compile().as_text()
+    inside = hlo.loop_collectives(text)
+    assert inside and max(c.bytes for c in inside) < 128 * config.hidden_size, hlo.summary(inside)
 
 
 @pytest.mark.parametrize("precision_name", list(RESHARD_PRECISIONS))
