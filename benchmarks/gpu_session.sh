@@ -115,12 +115,13 @@ EOF
         --lengths ${ASYNC_LENGTHS:-lognormal:0.3,1.0} --warmup ${ASYNC_WARMUP:-2} --steps ${ASYNC_STEPS:-8} \
         --timeout ${ASYNC_VARIANT_TIMEOUT:-270} ${ASYNC_ARGS:-} --out "$OUT/async_gpu.json" 2>&1 | grep -v "^W\|Warn" \
         | tee "$OUT/async.log" | tail -8 ;;
-    study) # the fidelity study (configs/smollm2_arith.py): STUDY_SEEDS split over the host's GPUs in order (a study
+    study) # the fidelity study (configs/smollm2_arith.py): STUDY_SEEDS split over the host's GPUs (or the first
+      # STUDY_GPUS) in order (a study
       # process a GPU, STUDY_ARGS' --parallel runs at once on each), merged into $OUT/$name.json, every mode paired
       # with BF16 by seed where both ran (benchmarks/accuracy_merge.py); the runs in one file, $OUT/${name}_runs.tgz
       name=${STUDY_NAME:-study}
       IFS=, read -ra seeds <<< "${STUDY_SEEDS:-0}"
-      gpus=$(nvidia-smi -L | wc -l); [ "$gpus" -gt "${#seeds[@]}" ] && gpus=${#seeds[@]}
+      gpus=${STUDY_GPUS:-$(nvidia-smi -L | wc -l)}; [ "$gpus" -gt "${#seeds[@]}" ] && gpus=${#seeds[@]}
       for ((g = 0; g < gpus; g++)); do
         part=$(IFS=,; echo "${seeds[*]:$((g * ${#seeds[@]} / gpus)):$(((g + 1) * ${#seeds[@]} / gpus - g * ${#seeds[@]} / gpus))}")
         CUDA_VISIBLE_DEVICES=$g timeout 590 python3 benchmarks/accuracy_study.py --seeds "$part" \
