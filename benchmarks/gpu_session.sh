@@ -115,10 +115,10 @@ EOF
         --lengths ${ASYNC_LENGTHS:-lognormal:0.3,1.0} --warmup ${ASYNC_WARMUP:-2} --steps ${ASYNC_STEPS:-8} \
         --timeout ${ASYNC_VARIANT_TIMEOUT:-270} ${ASYNC_ARGS:-} --out "$OUT/async_gpu.json" 2>&1 | grep -v "^W\|Warn" \
         | tee "$OUT/async.log" | tail -8 ;;
-    study) # the fidelity study (configs/smollm2_arith.py): STUDY_SEEDS split over the host's GPUs (or the first
-      # STUDY_GPUS) in order (a study
-      # process a GPU, STUDY_ARGS' --parallel runs at once on each), merged into $OUT/$name.json, every mode paired
-      # with BF16 by seed where both ran (benchmarks/accuracy_merge.py); the runs in one file, $OUT/${name}_runs.tgz
+    study) # the fidelity study (configs/smollm2_arith.py): STUDY_SEEDS split in order over the host's GPUs (or the
+      # first STUDY_GPUS), a study process a GPU with STUDY_ARGS' --parallel runs at once on each; merged into
+      # $OUT/$name.json, every mode paired with BF16 by seed where both ran (benchmarks/accuracy_merge.py); the runs
+      # in one file, $OUT/${name}_runs.tgz
       name=${STUDY_NAME:-study}
       IFS=, read -ra seeds <<< "${STUDY_SEEDS:-0}"
       gpus=${STUDY_GPUS:-$(nvidia-smi -L | wc -l)}; [ "$gpus" -gt "${#seeds[@]}" ] && gpus=${#seeds[@]}
