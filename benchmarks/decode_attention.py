@@ -6,7 +6,7 @@
 Each timed call is one jit holding a ``lax.scan`` over the layers, as in the model's decode step: per layer, the
 new token's K/V are scattered into the carried cache [L, B, K, S, H] at position length-1 (the same for both
 paths), then attention of one query token per sequence over that layer. ``xla`` is the model's path (the layer
-sliced out of the cache, FP8 dequantized to BF16, ``llama.attention`` over all S positions, masked);
+sliced out of the cache, FP8 dequantized to BF16, ``attention.attention`` over all S positions, masked);
 ``pallas`` is ``fp8rl_jax.kernels.decode_attention`` (positions 0..length-1 only, FP8 read in place);
 ``scatter_only`` is the cache write alone (the floor both share).
 
@@ -44,7 +44,7 @@ import numpy as np  # noqa: E402
 
 from fp8rl_jax.fp8 import kv as kvq  # noqa: E402
 from fp8rl_jax.kernels import decode_attention as da  # noqa: E402
-from fp8rl_jax.model import llama  # noqa: E402
+from fp8rl_jax.model import attention  # noqa: E402
 
 MODELS = {  # name: (kv heads K, query heads per kv head G, head dim H, layers L)
     "1b": (8, 4, 64, 16),  # Llama-3.2-1B
@@ -97,7 +97,8 @@ def _attention_fn(impl: str, tuning: da.DecodeTuning, interpret: bool):
         q_pos = (lengths - 1)[:, None]
         k_pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32)[None], (b, s))
         # [B, K, G, H] -> [B, 1, K*G, H]
-        out = llama.attention(q.reshape(b, 1, kh * g, h), keys.astype(q.dtype), values.astype(q.dtype), q_pos, k_pos)
+        out = attention.attention(q.reshape(b, 1, kh * g, h), keys.astype(q.dtype), values.astype(q.dtype), q_pos,
+                                  k_pos)
         # [B, 1, N, H] -> [B, K, G, H]
         return out.reshape(b, kh, g, h)
 

@@ -24,7 +24,7 @@ import numpy as np  # noqa: E402
 from fp8rl_jax.fp8 import kv as kvq  # noqa: E402
 from fp8rl_jax.fp8.policy import Precision  # noqa: E402
 from fp8rl_jax.fp8.recipe import update_state  # noqa: E402
-from fp8rl_jax.model import assets, llama, weights  # noqa: E402
+from fp8rl_jax.model import assets, attention, llama, rope, weights  # noqa: E402
 from fp8rl_jax.rl.step import make_calibrate  # noqa: E402
 
 T = 128
@@ -76,9 +76,9 @@ def main(batch: int) -> None:
     scale = jnp.full(model.hidden_size, 1.1)
     ops = {
         "rms_norm": (lambda x: llama.rms_norm(x, scale, 1e-5, jnp.bfloat16), x),
-        "attention": (lambda q, k, v: llama.attention(q, k, v, pos, pos), q, keys, values),
+        "attention": (lambda q, k, v: attention.attention(q, k, v, pos, pos), q, keys, values),
         "softmax": (lambda s: jax.nn.softmax(s, axis=-1), normal(7, (batch, k, n // k, T, T)).astype(jnp.float32)),
-        "rope": (lambda q: llama.apply_rope(q, pos, llama.rope_inv_freq(model)), q),
+        "rope": (lambda q: rope.apply_rope(q, pos, rope.rope_inv_freq(model)), q),
     }
     for name, (fn, *args) in ops.items():
         print(f"op {name}: alone vs in a gradient program: {fwd_vs_grad(fn, *args)}", flush=True)

@@ -1,5 +1,5 @@
 """Device memory and time of cuDNN's packed (segment) attention, forward + backward, against the number of segments
-its static table holds (``llama.row_segments``): jax's cuDNN call sizes its softmax statistics (and cuDNN its
+its static table holds (``attention.row_segments``): jax's cuDNN call sizes its softmax statistics (and cuDNN its
 workspace) by rows x segments, so the cap on sequences per packed row sets the train step's memory.
 
     python benchmarks/packed_attention_memory.py --rows 14 --width 2304 --segments 2,4,8,16,32,144 --out x.json
@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fp8rl_jax.bench import timeit
-from fp8rl_jax.model import llama
+from fp8rl_jax.model import attention
 
 
 def segment_ids(rows: int, width: int, per_row: int, rng: np.random.Generator) -> np.ndarray:
@@ -44,11 +44,11 @@ def measure(rows, width, heads, kv_heads, head_dim, max_segments, per_row, reps=
 
     def loss(q, k, v, seg):
         if seg is None:
-            out = llama.flash_attention(q, k, v, "cudnn")
+            out = attention.flash_attention(q, k, v, "cudnn")
         else:
             from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
 
-            lengths, starts = llama.segment_table(seg, max_segments + 1)
+            lengths, starts = attention.segment_table(seg, max_segments + 1)
             out = cudnn_attention.dot_product_attention(
                 q, k, v, q_seqlen=lengths, kv_seqlen=lengths, q_offsets=starts, kv_offsets=starts,
                 scale=head_dim ** -0.5, mask_type=cudnn_attention.MaskType.PADDING_CAUSAL)

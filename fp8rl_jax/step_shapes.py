@@ -8,7 +8,7 @@ import dataclasses
 from typing import Any
 
 from fp8rl_jax.fp8.policy import Precision
-from fp8rl_jax.model import llama
+from fp8rl_jax.model import kv_cache
 from fp8rl_jax.model.config import LlamaConfig
 from fp8rl_jax.plan import microbatch_sequences, microbatch_source
 from fp8rl_jax.rl.packing import PackingPlan
@@ -59,7 +59,7 @@ class StepShapes:
             return (f"{c.rollout.prompts_per_step} prompts x {self.group} samples = {self.sequences} sequences "
                     f"through {slots} decode slots, a KV cache of {slots} x "
                     f"({c.data.max_prompt_tokens} + {c.rollout.max_new_tokens}) positions x "
-                    f"{self.model.num_layers} layers in {llama.cache_dtype(self.rollout_precision).name}")
+                    f"{self.model.num_layers} layers in {kv_cache.cache_dtype(self.rollout_precision).name}")
         if phase in ("rollout", "score"):  # the exact sampler runs the scoring forward too
             return f"{self.sequences} sequences {micro}"
         if phase == "train":

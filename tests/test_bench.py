@@ -136,7 +136,7 @@ def test_e2e_measures_a_mode_and_summarizes_against_the_best_bf16():
     import jax.numpy as jnp
 
     from fp8rl_jax.bench import e2e
-    from fp8rl_jax.model import llama
+    from fp8rl_jax.model import attention
 
     # fp8_e2e_head: fp8_e2e with the LM head in FP8 (its own chunked VJP in the train step)
     row = e2e.measure("configs/tiny.py", "fp8_e2e_head", ["rollout.max_new_tokens=6"], warmup=1, steps=1)
@@ -146,7 +146,7 @@ def test_e2e_measures_a_mode_and_summarizes_against_the_best_bf16():
     assert row["lm_head_recompute_fp8"] is True  # the default (read only with lm_head_grad_fp8)
     assert e2e.MODES["fp8_e2e_bf16_head_grad"] == ("fp8_e2e", "", {"precision.lm_head_grad_fp8": False})
     assert e2e.MODES["fp8_e2e_bf16_recompute"] == ("fp8_e2e", "", {"precision.lm_head_recompute_fp8": False})
-    assert row["attention"] == llama.resolve_attention("auto", jnp.bfloat16, 16)  # the tiny config's head dim
+    assert row["attention"] == attention.resolve_attention("auto", jnp.bfloat16, 16)  # the tiny config's head dim
     assert all(row[f"time_{p}"] > 0 for p in ("weights", "rollout", "train", "step"))
     assert row["train_tflops"] > 0 and row["rollout_tokens_per_s"] > 0
 

@@ -140,7 +140,7 @@ def measure(config_path: str, mode: str, sets: list[str], warmup: int, steps: in
 
     from fp8rl_jax.bench import device_name
     from fp8rl_jax.bench.rollout import _weight_bytes, copy_bandwidth
-    from fp8rl_jax.model import llama
+    from fp8rl_jax.model.attention import resolve_attention
     from fp8rl_jax.trainer import Trainer
 
     path, _, arg = config_path.partition(":")
@@ -168,7 +168,7 @@ def measure(config_path: str, mode: str, sets: list[str], warmup: int, steps: in
            "max_new_tokens": c.rollout.max_new_tokens, "decode_slots": slots,
            "device": device_name(), "devices": jax.device_count(), "num_layers": model.num_layers,
            "hidden_size": model.hidden_size, "params_billion": model.num_params() / 1e9,
-           "attention": llama.resolve_attention(precision.attention, precision.dtype, model.head_dim),
+           "attention": resolve_attention(precision.attention, precision.dtype, model.head_dim),
            "lm_head_fp8": precision.lm_head_fp8, "lm_head_grad_fp8": train_precision.lm_head_grad_fp8,
            "lm_head_recompute_fp8": train_precision.lm_head_recompute_fp8,
            **{f"time_{p}": mean(f"time/{p}") for p in PHASES if f"time/{p}" in timed[0]},

@@ -46,7 +46,7 @@ class Precision:
     attention: the full-sequence (no-cache) attention of scoring and training: ``xla`` (the masked einsum, the
       [T, S] scores in memory), ``cudnn`` (cuDNN's fused flash attention through ``jax.nn.dot_product_attention``,
       GPU, BF16), ``pallas`` (JAX's Pallas Triton flash attention, GPU) or ``auto`` (a GPU: cudnn, or pallas
-      beside a Transformer Engine on another cuDNN; else xla: ``fp8rl_jax.model.llama.resolve_attention``).
+      beside a Transformer Engine on another cuDNN; else xla: ``fp8rl_jax.model.attention.resolve_attention``).
     """
 
     backend: str = "bf16"

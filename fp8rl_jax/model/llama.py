@@ -28,13 +28,11 @@ G = N / K, H head dim, F mlp hidden, V vocab, L layers.
 from __future__ import annotations
 
 import math
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import PartitionSpec as P
 
 from fp8rl_jax.fp8 import kv as kvq
 from fp8rl_jax.fp8.linear import linear
@@ -43,19 +41,20 @@ from fp8rl_jax.fp8.recipe import init_linear_state
 from fp8rl_jax.fp8.xla import QuantizedKernel, TrainKernel
 from fp8rl_jax.kernels import decode_attention as decode_kernel
 from fp8rl_jax.kernels.decode_attention import DEFAULT_TUNING, DecodeTuning
+from fp8rl_jax.model.attention import attention, flash_attention, resolve_attention
 from fp8rl_jax.model.config import LlamaConfig
-from fp8rl_jax.parallel import fsdp, rules
+from fp8rl_jax.model.kv_cache import Cache, _as_bits, _cache_write, _kv_stored
+from fp8rl_jax.model.rope import apply_rope, rope_cos_sin, rope_inv_freq
+from fp8rl_jax.parallel import fsdp
 from fp8rl_jax.parallel.rules import RESIDUAL_AXES, constrain
 
 LINEARS = ("wqkv", "wo", "w_gate_up", "w_down")
-NEG_INF = -1e30
 # what the backward pass of a block keeps from its forward (``jax.checkpoint`` policies, ``config.model.remat``):
 # none = everything the autodiff saves; full = only the block's inputs (the forward runs twice); the
 # ``*_saveable`` ones keep the matmul outputs and recompute the elementwise work
 REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
 
 Params = dict
-Cache = dict  # {"k": [L, B, K, S, H], "v": [L, B, K, S, H]}: (B, K) lead, as the attention dots batch them
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -98,17 +97,6 @@ def init_fp8_state(config: LlamaConfig, precision: Precision) -> dict:
             "lm_head": init_linear_state(precision.recipe)}
 
 
-def init_cache(config: LlamaConfig, batch: int, max_len: int, dtype) -> Cache:
-    """Zeroed K/V cache [L, B, K, S, H]: per (sequence, kv head) a contiguous [S, H] matrix, so the decode
-    step's attention dots read it in place (no transpose of the cache inside the loop)."""
-    shape = (config.num_layers, batch, config.num_kv_heads, max_len, config.head_dim)
-    return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
-
-
-def cache_dtype(precision: Precision):
-    return jnp.dtype(precision.kv_cache_dtype if precision.kv_fp8 else precision.compute_dtype)
-
-
 # ----------------------------------------------------------------------------------------------------------
 # pieces
 
@@ -118,192 +106,6 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float, dtype=None) -> jax.Arr
     x32 = x.astype(jnp.float32)
     y = x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     return (weight.astype(jnp.float32) * y).astype(dtype or x.dtype)
-
-
-def rope_inv_freq(config: LlamaConfig) -> np.ndarray:
-    """Inverse frequencies [H/2], with Llama-3.1 scaling when the config has it (computed once, in numpy)."""
-    h = config.head_dim
-    inv = 1.0 / (config.rope_theta ** (np.arange(0, h, 2, dtype=np.float64) / h))
-    s = config.rope_scaling
-    if s is None:
-        return inv.astype(np.float32)
-    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
-    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
-    wavelen = 2 * math.pi / inv
-    scaled = np.where(wavelen > low_wavelen, inv / s.factor, inv)
-    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
-        s.high_freq_factor - s.low_freq_factor
-    )
-    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
-    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-    return np.where(medium, smoothed, scaled).astype(np.float32)
-
-
-def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
-    """RoPE's cos and sin at ``positions`` [...]: [..., H/2] f32 each (``apply_rope``'s, and the decode kernel's)."""
-    freqs = positions[..., None].astype(jnp.float32) * jnp.asarray(inv_freq)
-    return jnp.cos(freqs), jnp.sin(freqs)
-
-
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-    """Rotate-half RoPE (the Hugging Face layout). x [B, T, heads, H], positions [B, T]."""
-    # [B, T, H/2] -> [B, T, 1, H/2]
-    cos, sin = (a[:, :, None, :] for a in rope_cos_sin(positions, inv_freq))
-    x32 = x.astype(jnp.float32)
-    x1, x2 = jnp.split(x32, 2, axis=-1)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
-
-
-def attention(q, k, v, q_pos, k_pos, q_segments=None, k_segments=None) -> jax.Array:
-    """Causal GQA attention, softmax in f32. Key s is visible to query t iff 0 <= k_pos[s] <= q_pos[t] and, with
-    segment ids (packed rows, ``forward_hidden``), q_segments[t] == k_segments[s].
-
-    q [B, T, N, H]; k, v [B, K, S, H]; q_pos, q_segments [B, T]; k_pos, k_segments [B, S]  ->  [B, T, N, H]
-    """
-    b, t, n, h = q.shape
-    kh = k.shape[1]
-    # [B, T, N, H] -> [B, T, K, G, H]
-    q = q.reshape(b, t, kh, n // kh, h)
-    # [B, K, G, T, S]
-    scores = jnp.einsum("btkgh,bksh->bkgts", q, k, preferred_element_type=jnp.float32) / math.sqrt(h)
-    # [B, T, S]
-    visible = (k_pos[:, None, :] <= q_pos[:, :, None]) & (k_pos[:, None, :] >= 0)
-    if q_segments is not None:  # a packed row: positions restart per segment, so the segment decides too
-        visible = visible & (q_segments[:, :, None] == k_segments[:, None, :])
-    scores = jnp.where(visible[:, None, None], scores, NEG_INF)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    # [B, K, G, T, S] x [B, K, S, H] -> [B, T, K, G, H]; accumulated in f32, rounded once to the compute dtype
-    # (an f32 output here would be rounded right after anyway, and XLA:CPU has no bf16 x bf16 -> f32 form of it)
-    out = jnp.einsum("bkgts,bksh->btkgh", probs, v, preferred_element_type=v.dtype)
-    return out.reshape(b, t, n, h).astype(q.dtype)
-
-
-ATTENTION_BLOCK = 64  # the Pallas flash attention's tile along T (T is padded up to a multiple of it)
-
-
-def resolve_attention(impl: str, dtype, head_dim: int, backend: str | None = None,
-                      cudnn_clash: bool | None = None, mesh_devices: int | None = None) -> str:
-    """The full-sequence attention ``Precision.attention=impl`` runs. ``auto`` on a GPU backend, for a BF16 / F16
-    compute dtype and a head dim of at most 128 (a multiple of 8; a power of two >= 16 for Pallas): ``cudnn``;
-    ``pallas`` where Transformer Engine loaded another cuDNN than JAX's (``cudnn_clash``, default: TE imported
-    without ``fp8.te.shares_jax_cudnn()``), except under a mesh of several devices (``mesh_devices``, default: the
-    mesh active at trace time), where the Pallas kernel would run unpartitioned (XLA gathers its operands): ``xla``
-    there. ``xla`` elsewhere. The others as asked.
-
-    Why not cuDNN beside a TE on another cuDNN: JAX's cuDNN front then runs on the other's sub-libraries. On the
-    H100 image (TE built on the system's cuDNN 9.14, JAX's wheel 9.19) the flash attention's forward ran and its
-    backward failed to load ("cudaErrorInvalidValue ... before calling cuModuleGetFunction", which poisons the
-    process). ``fp8.te`` loads JAX's cuDNN before TE to avoid it (``benchmarks/cudnn_te_check.py``).
-    """
-    if impl != "auto":
-        return impl
-    if cudnn_clash is None:
-        te = sys.modules.get("fp8rl_jax.fp8.te")
-        cudnn_clash = "transformer_engine" in sys.modules and not (te is not None and te.shares_jax_cudnn())
-    if (backend or jax.default_backend()) != "gpu" or jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
-        return "xla"
-    if not cudnn_clash:  # cuDNN's call carries partitioning rules (batch and heads)
-        return "cudnn" if head_dim % 8 == 0 and head_dim <= 128 else "xla"
-    if mesh_devices is None:
-        mesh = jax.sharding.get_abstract_mesh()
-        mesh_devices = 1 if mesh.empty else mesh.size
-    if mesh_devices > 1:  # a shard_map over batch and heads would partition it: not built yet
-        return "xla"
-    return "pallas" if 16 <= head_dim <= 128 and not head_dim & (head_dim - 1) else "xla"
-
-
-# the most sequences a packed row of T tokens may hold is T // SEGMENT_TOKENS, at least 1 and at most
-# MAX_ROW_SEGMENTS: cuDNN's packed layout takes the segments of a row as a static [B, M] table, M = row_segments(T) + 1
-# (the row's padding tail is one more), and sizes its buffers by B x M. Measured on the H100 (JAX 0.11.2, llama1b's
-# heads, 14 rows of 2,304 tokens, benchmarks/RESULTS.md, "Sequence packing"): one layer's forward + backward
-# takes 0.75 GiB of temp memory unpacked and about 0.75 + 0.5 (M - 1) GiB packed (16.7 GiB at M = 33, out of memory at
-# 145), about 8 bytes x tokens x N x H per segment, while its time barely moves (3 ms at M <= 8, 4 ms at 32).
-SEGMENT_TOKENS = 16
-MAX_ROW_SEGMENTS = 8
-# jax's cuDNN packed layout scaled the key offsets by the *query* heads' stride, wrong under GQA (jax-ml/jax#39521;
-# 0.10.2's source has it). JAX 0.11.2 gave the segment-masked einsum's numbers with GQA kv heads as they are on the
-# H100 (a standalone probe, 2026-11-24); before it the kv heads are repeated to the query heads.
-CUDNN_PACKED_GQA = jax.__version_info__ >= (0, 11, 2)
-
-
-def row_segments(width: int) -> int:
-    """The most sequences (segments) a packed row of ``width`` tokens may hold (``fp8rl_jax.rl.packing``)."""
-    return max(1, min(width // SEGMENT_TOKENS, MAX_ROW_SEGMENTS))
-
-
-def segment_table(segment_ids: jax.Array, max_segments: int) -> tuple[jax.Array, jax.Array]:
-    """The runs of equal ids in each row of ``segment_ids`` [B, T] as cuDNN's packed layout wants them: ``(lengths
-    [B, M], starts [B, M + 1])``, int32, -1 past a row's last run (M = ``max_segments``; a row with more runs than
-    M is cut short, so the packer never makes one: ``row_segments``). A packed row's padding tail is one run of its
-    own: every position is in some run, so the kernel leaves no output undefined."""
-    b, t = segment_ids.shape
-    # [B, T]: True where a run begins
-    begins = jnp.concatenate([jnp.ones((b, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
-    # [B, M]: the first M run starts of each row in order, T where the row has fewer runs
-    starts = jax.vmap(lambda row: jnp.nonzero(row, size=max_segments, fill_value=t)[0])(begins).astype(jnp.int32)
-    ends = jnp.concatenate([starts[:, 1:], jnp.full((b, 1), t, jnp.int32)], axis=1)
-    present = starts < t
-    lengths = jnp.where(present, ends - starts, -1)
-    starts = jnp.concatenate([jnp.where(present, starts, -1), jnp.full((b, 1), -1, jnp.int32)], axis=1)
-    return lengths, starts
-
-
-def flash_attention(q, k, v, implementation: str = "cudnn", segment_ids: jax.Array | None = None) -> jax.Array:
-    """Causal GQA self-attention of sequences at positions 0..T-1 without the [T, S] scores in memory (softmax in
-    f32 inside the kernel). Right padding needs no mask: a padding position attends only to what precedes it, and
-    nothing reads its output.
-
-    ``segment_ids`` [B, T] int (packed rows, ``forward_hidden``): a query sees only the keys of its own segment,
-    causally by index. A row's segments are contiguous runs of one id (its padding tail one more run).
-
-    ``cudnn``: cuDNN's fused flash attention (``jax.nn.dot_product_attention``; GPU). With segments its packed
-    (THD) layout, which ``jax.nn.dot_product_attention`` does not expose in JAX 0.10 / 0.11: jax's own cuDNN call
-    with per-row run starts and lengths (``segment_table``) and a padding-causal mask (Hopper or newer, cuDNN >=
-    9.6); before JAX 0.11.2 the kv heads are repeated to the query heads first (``CUDNN_PACKED_GQA``). Measured on
-    the H100 (JAX 0.11.2, cuDNN 9.19; rows of 256 with 1-3 sequences and padding tails, GQA 8/2, head dim 64): the
-    BF16 output and gradients within BF16 rounding of the f32 segment-masked einsum, as Pallas'. ``pallas``: JAX's
-    Pallas (Triton) flash
-    attention with its Triton backward (``jax.experimental.pallas.ops.gpu.attention``; GPU; takes segment ids): the
-    kv heads repeated to the query heads, T padded to a multiple of ``ATTENTION_BLOCK``. ``xla`` and
-    ``pallas_interpret``: the same two calls on any backend, as references (tests); ``xla`` with segments passes
-    the segment mask to ``jax.nn.dot_product_attention``.
-
-    q [B, T, N, H]; k, v [B, T, K, H] (q's dtype)  ->  [B, T, N, H]
-    """
-    b, t, n, h = q.shape
-    groups = n // k.shape[2]
-    if implementation == "xla" or (implementation == "cudnn" and segment_ids is None):
-        mask = None
-        if segment_ids is not None:
-            # [B, 1, T, S]: same segment (the causal part is is_causal's)
-            mask = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
-        return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=implementation)
-    if implementation == "cudnn":
-        from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
-
-        lengths, starts = segment_table(segment_ids, row_segments(t) + 1)
-        if groups > 1 and not CUDNN_PACKED_GQA:  # [B, T, K, H] -> [B, T, N, H]: query head i reads kv head i // G
-            k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
-        return cudnn_attention.dot_product_attention(
-            q, k, v, q_seqlen=lengths, kv_seqlen=lengths, q_offsets=starts, kv_offsets=starts,
-            scale=1.0 / math.sqrt(h), mask_type=cudnn_attention.MaskType.PADDING_CAUSAL)
-    if implementation not in ("pallas", "pallas_interpret"):
-        raise ValueError(f"flash attention implementation={implementation!r}; allowed: cudnn | xla | pallas | "
-                         "pallas_interpret")
-    from jax.experimental.pallas.ops.gpu import attention as pallas_attention
-
-    # [B, T, K, H] -> [B, T, N, H]: query head i reads kv head i // G (the kernel takes one kv head per query head)
-    k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
-    pad = -t % ATTENTION_BLOCK
-    if pad:  # zero positions at the end: causal, so only the (discarded) padding queries see them
-        q, k, v = (jnp.pad(a, ((0, 0), (0, pad), (0, 0), (0, 0))) for a in (q, k, v))
-        if segment_ids is not None:
-            segment_ids = jnp.pad(segment_ids, ((0, 0), (0, pad)), constant_values=-1)
-    blocks = pallas_attention.BlockSizes(block_q=ATTENTION_BLOCK, block_k=ATTENTION_BLOCK, block_q_dkv=32,
-                                         block_kv_dkv=32, block_q_dq=32, block_kv_dq=32)
-    out = pallas_attention.mha(q, k, v, segment_ids, sm_scale=1.0 / math.sqrt(h), causal=True, block_sizes=blocks,
-                               interpret=implementation == "pallas_interpret")
-    return out[:, :t]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -348,94 +150,6 @@ def update_kernels(params: Params, fp8_state: dict | None, config: LlamaConfig, 
                                    precision.recipe)
         out[name] = {"kn": q.kn, "nk": q.nk, "amax": q.amax}
     return out
-
-
-def _as_bits(a: jax.Array) -> jax.Array:
-    """The same bits as unsigned integers of the same width (bf16 -> uint16, f8 -> uint8)."""
-    return lax.bitcast_convert_type(a, jnp.dtype(f"uint{8 * a.dtype.itemsize}"))
-
-
-def _cache_write(cache_bits: jax.Array, idx, rows: jax.Array, positions: jax.Array, update: jax.Array):
-    """``update`` [B, T, K, H] written into layer ``idx`` of the cache [L, B, K, S, H] (held as its bits, see
-    ``forward_hidden``) at (row, :, position); positions outside the cache are dropped. Returns the cache bits and
-    its layer ``idx`` [B, K, S, H] in ``update``'s dtype. A cache of one array per layer (a tuple, ``cache_layers``;
-    ``idx`` static) is written by ``_layer_write``.
-
-    On CPU a decode step (T = 1) writes with a select over the layer's slice; otherwise a scatter.
-    """
-    if isinstance(cache_bits, tuple):
-        layers = list(cache_bits)
-        layers[idx], layer = _row_local(lambda c, i, r, p, u: _layer_write(c, r, p, u), layers[idx], 0, rows,
-                                        positions, update)
-        return tuple(layers), layer
-    as_bits = cache_bits.dtype != update.dtype  # the CPU form (see forward_hidden)
-    update_bits = _as_bits(update) if as_bits else update
-    if update.shape[1] == 1 and as_bits:
-        # CPU: a select over the layer's slice beats XLA:CPU's scatter; on GPU it would read and write the whole
-        # layer every step, so the GPU keeps the scatter below (one [K, H] row per sequence)
-        # [B, S]: the one position each row writes
-        hit = jnp.arange(cache_bits.shape[3], dtype=positions.dtype)[None, :] == positions
-        # [B, 1, K, H] -> [B, K, 1, H], broadcast along S
-        layer = jnp.where(hit[:, None, :, None], update_bits.transpose(0, 2, 1, 3), cache_bits[idx])
-        cache_bits = lax.dynamic_update_index_in_dim(cache_bits, layer, idx, 0)
-        # read back from the updated cache: nothing reads the old cache after the in-place update (XLA would
-        # otherwise copy the whole cache to keep the old value for the attention's reads)
-        layer = cache_bits[idx]
-    else:
-        def scatter(cache_bits, idx, rows, positions, update_bits):
-            # the index arrays are split by a slice, so (numpy rules) the indexed view is [B, T, K, H], update's layout
-            cache_bits = cache_bits.at[idx, rows, :, positions].set(update_bits, mode="drop")
-            return cache_bits, cache_bits[idx]
-
-        cache_bits, layer = _row_local(scatter, cache_bits, idx, rows, positions, update_bits)
-    return cache_bits, layer if layer.dtype == update.dtype else lax.bitcast_convert_type(layer, update.dtype)
-
-
-def _row_local(write, cache, idx, rows, positions, update):
-    """``write(cache, idx, rows, positions, update) -> (cache, layer)``, a scatter of each sequence's rows into its
-    own part of the cache. Under a mesh of several devices (``rules.active_mesh``) it runs under ``jax.shard_map``
-    over the sequences and kv heads, split as the cache is (``rules.cache_local_specs``), each device writing its
-    own sequences with local row indices: XLA's partitioner cannot tell that a scatter by row stays in its row, and
-    would gather the indices and updates onto every device (in every layer of every decode step)."""
-    mesh = rules.active_mesh()
-    if mesh is None:
-        return write(cache, idx, rows, positions, update)
-    cache_spec, heads_spec, rows_spec = rules.cache_local_specs(mesh, cache.shape)
-
-    def local(cache, idx, positions, update):
-        rows = jnp.broadcast_to(jnp.arange(cache.shape[-4])[:, None], positions.shape)  # [B_local, T]
-        return write(cache, idx, rows, positions, update)
-
-    # update [B, T, K, H] split as the cache's B and K; the layer returned [B, K, S, H] as well
-    update_spec = P(heads_spec[0], None, heads_spec[1])
-    return jax.shard_map(local, mesh=mesh, in_specs=(cache_spec, P(), rows_spec, update_spec),
-                         out_specs=(cache_spec, heads_spec), check_vma=False)(
-        cache, jnp.asarray(idx, jnp.int32), positions, update)
-
-
-def _layer_write(layer_bits: jax.Array, rows, positions, update: jax.Array):
-    """``_cache_write`` into one layer's own array [B, K, S, H] (held as its bits where its dtype differs from
-    ``update``'s): a scatter, in place. Returns the new layer and the layer in ``update``'s dtype."""
-    as_bits = layer_bits.dtype != update.dtype
-    # the index arrays are split by a slice, so (numpy rules) the indexed view is [B, T, K, H], update's layout
-    layer_bits = layer_bits.at[rows, :, positions].set(_as_bits(update) if as_bits else update, mode="drop")
-    return layer_bits, lax.bitcast_convert_type(layer_bits, update.dtype) if as_bits else layer_bits
-
-
-def cache_layers(cache: Cache, as_bits: bool) -> Cache:
-    """[L, B, K, S, H] -> one [B, K, S, H] array per layer (a tuple), as its bits with ``as_bits`` (see
-    ``forward_hidden``). Convert once around a loop of decode steps, not in every step."""
-    # the bits of the whole stack, then its layers: XLA:CPU slices a bf16 array through f32, element by element
-    cache = {name: _as_bits(a) if as_bits else a for name, a in cache.items()}
-    return {name: tuple(a[i] for i in range(a.shape[0])) for name, a in cache.items()}
-
-
-def cache_stack(layers: Cache, dtype) -> Cache:
-    """``cache_layers``' inverse: the per-layer arrays (or their bits) stacked into [L, B, K, S, H] ``dtype``."""
-    def stack(arrays):
-        a = jnp.stack(arrays)
-        return a if a.dtype == dtype else lax.bitcast_convert_type(a, dtype)
-    return {name: stack(arrays) for name, arrays in layers.items()}
 
 
 def split_layers(blocks) -> tuple:
@@ -530,13 +244,6 @@ def _block(x, layer, fp8, idx, positions, cache, kv_scales, config: LlamaConfig,
                             (c.intermediate_size,) * 2, fused_shards)
     x = linear(jax.nn.silu(gate) * up, layer["w_down"], fp8.get("w_down"), precision, residual=x)
     return x, cache, kv_amax
-
-
-def _kv_stored(k, v, k_scale, v_scale, precision: Precision):
-    """K and V as the cache stores them: quantized with their layer's scales for an FP8 cache, else as they are."""
-    if precision.kv_fp8:
-        return kvq.quantize_kv(k, k_scale), kvq.quantize_kv(v, v_scale)
-    return k, v
 
 
 def _decode_attention(qkv, q, k, v, layer, fp8, idx, positions, cache, kv_scales, k_scale, v_scale,

@@ -2,7 +2,7 @@
 training, so that neither spends FLOPs or memory on the padding of a batch right-padded to its longest row.
 
 A minibatch's sequences are placed into rows of ``width`` tokens by first-fit decreasing (longest first, each into
-the first row with room, at most ``llama.row_segments(width)`` per row); the rows are grouped into microbatches of
+the first row with room, at most ``attention.row_segments(width)`` per row); the rows are grouped into microbatches of
 ``rows`` rows, the token budget ``rl.microbatch_tokens`` >= rows x width. Each sequence is a *segment* of its row:
 segment ids count 1, 2, ... from the row's start and the padding tail is segment 0; positions restart at 0 in each
 segment (RoPE), attention stays inside it (``llama.forward_hidden(segment_ids=...)``), and every per-sequence
@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fp8rl_jax.errors import ConfigError
-from fp8rl_jax.model.llama import row_segments
+from fp8rl_jax.model.attention import row_segments
 from fp8rl_jax.rl.microbatch import ROW_MULTIPLE
 
 # what ``PackingPlan.choose_rows`` counts a microbatch's own cost at, in rows: a rough figure from the H100's llama1b

@@ -47,7 +47,7 @@ from fp8rl_jax.fp8.linear import mesh_context
 from fp8rl_jax.fp8.policy import Precision
 from fp8rl_jax.kernels.decode_attention import IMPLS as DECODE_ATTENTION_IMPLS
 from fp8rl_jax.kernels.decode_attention import DecodeTuning
-from fp8rl_jax.model import llama
+from fp8rl_jax.model import kv_cache, llama
 from fp8rl_jax.model.config import LlamaConfig
 from fp8rl_jax.parallel import rules
 from fp8rl_jax.parallel.distributed import place
@@ -213,7 +213,7 @@ class Engine:
         self._generate = decode_jit(self._generate_impl, donate_argnums=(1,))
         self._generate_steps = decode_jit(self._generate_steps_impl, donate_argnums=(1,), static_argnums=(2,))
         # unrolled layers (the default on one device): weights as one tree per layer, which the decode step reads
-        # in place, and the cache as one array (of bits) per layer (llama.cache_layers), which it writes in place.
+        # in place, and the cache as one array (of bits) per layer (kv_cache.cache_layers), which it writes in place.
         # On a CPU a scan over stacked weights has XLA copy each layer's slice (as many bytes again as the GEMMs
         # read) and convert the whole cache to its bits and back in every step; on the H100 the unrolled step has
         # fewer copies and kernels, and is faster in FP8 (benchmarks/RESULTS.md, "Rollout throughput"). On a mesh
@@ -260,7 +260,7 @@ class Engine:
 
     @property
     def cache_dtype(self):
-        return llama.cache_dtype(self.precision)
+        return kv_cache.cache_dtype(self.precision)
 
     # -- params and state -----------------------------------------------------------------------------------
 
@@ -278,9 +278,9 @@ class Engine:
 
     def _new_decode_state(self) -> DecodeState:
         b = self.config.max_concurrent_decodes
-        cache = llama.init_cache(self.model, b, self.config.max_cache_length, self.cache_dtype)
+        cache = kv_cache.init_cache(self.model, b, self.config.max_cache_length, self.cache_dtype)
         return DecodeState(
-            cache=llama.cache_layers(cache, as_bits=True) if self._per_layer else cache,
+            cache=kv_cache.cache_layers(cache, as_bits=True) if self._per_layer else cache,
             tokens=jnp.zeros((b,), jnp.int32),
             logprobs=jnp.zeros((b,), jnp.float32),
             positions=jnp.zeros((b,), jnp.int32),
@@ -382,13 +382,13 @@ class Engine:
 
     def _prefill_batch_impl(self, params, padded_tokens, true_lengths, rngs):
         n, p = padded_tokens.shape
-        cache = llama.init_cache(self.model, n, p, self.cache_dtype)
+        cache = kv_cache.init_cache(self.model, n, p, self.cache_dtype)
         if self._per_layer:  # one array of bits per layer, as in the decode state (see __init__)
-            cache = llama.cache_layers(cache, as_bits=True)
+            cache = kv_cache.cache_layers(cache, as_bits=True)
         positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32)[None], (n, p))
         hidden, cache, _ = self._forward(params, padded_tokens, positions, cache)
         if self._per_layer:
-            cache = llama.cache_stack(cache, self.cache_dtype)
+            cache = kv_cache.cache_stack(cache, self.cache_dtype)
         # [N, P, D] -> [N, D]: only each prompt's last real position needs logits
         last = jnp.take_along_axis(hidden, (true_lengths - 1)[:, None, None], axis=1)[:, 0]
         logits = self._logits(params, last)  # [N, V]
@@ -406,7 +406,8 @@ class Engine:
             t, lp, k = self._draw(prefix.logits[None], rng[None])
             token, logprob, key = t[0], lp[0], k[0]
         if isinstance(state.cache["k"], tuple):  # one array of bits per layer (CPU)
-            parts = llama.cache_layers({n: a.astype(self.cache_dtype) for n, a in prefix.cache.items()}, as_bits=True)
+            parts = kv_cache.cache_layers({n: a.astype(self.cache_dtype) for n, a in prefix.cache.items()},
+                                          as_bits=True)
             cache = {name: tuple(jax.lax.dynamic_update_slice(layer, part, (slot, 0, 0, 0))
                                  for layer, part in zip(state.cache[name], parts[name], strict=True))
                      for name in ("k", "v")}
@@ -436,7 +437,8 @@ class Engine:
         m, p = slots.shape[0], prefix.cache["k"].shape[3]
         # the prompt's [K, P, H] per layer, written at (slot, :, 0:P, :) of every slot; out-of-range slots dropped
         if isinstance(state.cache["k"], tuple):  # one array of bits per layer (see __init__)
-            parts = llama.cache_layers({n: a.astype(self.cache_dtype) for n, a in prefix.cache.items()}, as_bits=True)
+            parts = kv_cache.cache_layers({n: a.astype(self.cache_dtype) for n, a in prefix.cache.items()},
+                                          as_bits=True)
             # [1, K, P, H] -> [M, K, P, H] per layer
             cache = {name: tuple(layer.at[slots, :, :p, :].set(jnp.broadcast_to(part, (m, *part.shape[1:])),
                                                                mode="drop")

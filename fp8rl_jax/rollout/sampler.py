@@ -20,7 +20,7 @@ import functools
 import jax
 
 from fp8rl_jax.fp8.policy import Precision
-from fp8rl_jax.model import llama
+from fp8rl_jax.model import kv_cache
 from fp8rl_jax.model.config import LlamaConfig
 from fp8rl_jax.rollout import driver
 from fp8rl_jax.rollout.engine import Engine, EngineConfig
@@ -62,7 +62,7 @@ def plan_decode_slots(spec: SamplerSpec, model: LlamaConfig, precision: Precisio
     if rollout_devices is None:
         held_bytes += tree_device_bytes(held)
     per_slot = slot_bytes(model, max_prompt_tokens=spec.max_prompt_tokens, max_new_tokens=spec.max_new_tokens,
-                          cache_dtype=llama.cache_dtype(precision), tensor_parallel=tp)
+                          cache_dtype=kv_cache.cache_dtype(precision), tensor_parallel=tp)
     what = "rollout weights" if spec.weight_versions == 1 else f"{spec.weight_versions} versions of rollout weights"
     split = {"held_what": f"train state and {what}"} if rollout_devices is None else {
         "limit": device_limit(rollout_devices), "held_what": what}

@@ -22,7 +22,7 @@ from fp8rl_jax.errors import ConfigError
 from fp8rl_jax.fp8 import xla
 from fp8rl_jax.fp8.policy import Precision
 from fp8rl_jax.fp8.recipe import Fp8Recipe, init_linear_state
-from fp8rl_jax.model import llama
+from fp8rl_jax.model import kv_cache, llama
 from fp8rl_jax.model.config import preset
 from fp8rl_jax.rollout.weights import rollout_params
 
@@ -260,7 +260,7 @@ def test_tiny_model_block_rollout_weights_reproduce_the_training_forward():
     rp = jax.jit(lambda p, s: rollout_params(p, s, block, CONFIG.num_layers))(params, state)
     scales = [k.scale_inv.shape for seg in rp["blocks"] for k in seg.values() if isinstance(k, xla.QuantizedKernel)]
     assert sorted(scales) == [(2, 1, 1), (2, 1, 1), (2, 1, 2), (2, 3, 1)]  # [L, Nb, Kb]: wqkv, wo, w_down, w_gate_up
-    cache = llama.init_cache(CONFIG, 2, 16, llama.cache_dtype(block))
+    cache = kv_cache.init_cache(CONFIG, 2, 16, kv_cache.cache_dtype(block))
     roll = jax.jit(lambda p, s, c: llama.forward(p, TOKENS, config=CONFIG, precision=block, fp8_state=s,
                                                  cache=c)[0])(rp, state, cache)
     np.testing.assert_array_equal(np.asarray(roll), np.asarray(train))

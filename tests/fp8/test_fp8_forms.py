@@ -15,7 +15,7 @@ import pytest
 from fp8rl_jax.fp8 import xla
 from fp8rl_jax.fp8.policy import Precision
 from fp8rl_jax.fp8.recipe import Fp8Recipe, init_linear_state
-from fp8rl_jax.model import llama
+from fp8rl_jax.model import kv_cache, llama
 from fp8rl_jax.model.config import preset
 from fp8rl_jax.rollout.weights import rollout_params
 
@@ -150,5 +150,5 @@ def test_current_scaling_rollout_weights_reproduce_the_training_forward():
                                                  cache=cache)[0]
     train = jax.jit(fwd)(params, state)
     rp = jax.jit(lambda p, s: rollout_params(p, s, precision, config.num_layers))(params, state)
-    cache = llama.init_cache(config, 2, 16, llama.cache_dtype(precision))
+    cache = kv_cache.init_cache(config, 2, 16, kv_cache.cache_dtype(precision))
     np.testing.assert_array_equal(np.asarray(jax.jit(fwd)(rp, state, cache)), np.asarray(train))

@@ -10,7 +10,7 @@ from fp8rl_jax.fp8 import xla
 from fp8rl_jax.fp8.policy import Precision
 from fp8rl_jax.fp8.recipe import Fp8Recipe, update_state
 from fp8rl_jax.fp8.xla import QuantizedKernel
-from fp8rl_jax.model import llama
+from fp8rl_jax.model import kv_cache, llama
 from fp8rl_jax.model.config import preset
 from fp8rl_jax.rollout.weights import rollout_params
 
@@ -61,7 +61,7 @@ def test_rollout_weights_reproduce_training_forward_exactly(params, name):
         for k in kernels:
             as_e4m3 = np.asarray(k.data.astype(jnp.float8_e4m3fn).astype(jnp.float32))
             np.testing.assert_array_equal(as_e4m3, np.asarray(k.data, np.float32))
-    cache = llama.init_cache(CONFIG, 3, 32, llama.cache_dtype(precision))
+    cache = kv_cache.init_cache(CONFIG, 3, 32, kv_cache.cache_dtype(precision))
     roll = jax.jit(lambda p, s, c: llama.forward(p, TOKENS, config=CONFIG, precision=precision, fp8_state=s,
                                                  kv_scales=kv_scales, cache=c)[0])(rp, state, cache)
     np.testing.assert_array_equal(np.asarray(roll), np.asarray(train))
@@ -107,7 +107,7 @@ def test_fp8_kv_cache_decode_close_to_bf16_kv_and_equal_to_scoring(params):
     np.testing.assert_allclose(scales["k"], 448.0 / np.asarray(kv_amax["k"]), rtol=1e-6)
 
     def decode(precision, kv_scales, prompt=8):
-        cache = llama.init_cache(CONFIG, 3, 32, llama.cache_dtype(precision))
+        cache = kv_cache.init_cache(CONFIG, 3, 32, kv_cache.cache_dtype(precision))
         step = jax.jit(lambda t, pos, c: llama.forward(params, t, pos, config=CONFIG, precision=precision,
                                                        cache=c, kv_scales=kv_scales)[:2])
         logits, cache = step(TOKENS[:, :prompt], jnp.broadcast_to(jnp.arange(prompt), (3, prompt)), cache)
@@ -115,7 +115,7 @@ def test_fp8_kv_cache_decode_close_to_bf16_kv_and_equal_to_scoring(params):
         for i in range(prompt, TOKENS.shape[1]):
             logits, cache = step(TOKENS[:, i : i + 1], jnp.full((3, 1), i), cache)
             out.append(logits)
-        assert cache["k"].dtype == llama.cache_dtype(precision)
+        assert cache["k"].dtype == kv_cache.cache_dtype(precision)
         return jax.nn.log_softmax(jnp.concatenate(out, 1), -1)
 
     bf16_kv, fp8_kv = decode(f32, None), decode(f8kv, scales)

@@ -302,13 +302,13 @@ def _check_new_token(impl, kind, g, heads_per_program, block_k, k_splits):
 @pytest.mark.parametrize("kind,g,heads_per_program,k_splits", [("fp8", 4, 1, 1), ("fp8", 2, 2, 3), ("bf16", 4, 1, 2)])
 def test_fused_projection_is_split_then_attended(kind, g, heads_per_program, k_splits):
     """``decode_attention_qkv``: the kernel reading and rotating its queries and new K/V from the fused projection
-    gives, bit for bit, what ``split_qkv`` (XLA's rotation, ``llama.apply_rope``'s) then ``new_kv`` give: the output
+    gives, bit for bit, what ``split_qkv`` (XLA's rotation, ``rope.apply_rope``'s) then ``new_kv`` give: the output
     and the written caches; and the XLA impl writes the same caches."""
     _check_fused("pallas_interpret", kind, g, heads_per_program, k_splits)
 
 
 def _check_fused(impl, kind, g, heads_per_program, k_splits):
-    from fp8rl_jax.model import llama
+    from fp8rl_jax.model.rope import apply_rope
 
     b, kv_heads = len(NEW_LENGTHS), 4
     _, k, v, k_scale, v_scale, *_ = _inputs(kind, g, seed=4, layers=2, kv_heads=kv_heads)
@@ -326,7 +326,7 @@ def _check_fused(impl, kind, g, heads_per_program, k_splits):
     q, new_kv = da.split_qkv(qkv, kv_heads, rope)
     # split_qkv rotates as the model does
     positions = jnp.asarray(NEW_LENGTHS - 1)[:, None]
-    rotated = llama.apply_rope(qkv[:, None, : kv_heads * g], positions, inv_freq)[:, 0]
+    rotated = apply_rope(qkv[:, None, : kv_heads * g], positions, inv_freq)[:, 0]
     np.testing.assert_array_equal(np.asarray(q, np.float32).reshape(rotated.shape), np.asarray(rotated, np.float32))
     split = jax.jit(functools.partial(da.decode_attention, layer=jnp.int32(1), impl=impl, tuning=tuning, **scales))
     want = split(q, *args[:2], args[2], new_kv=new_kv)
@@ -577,14 +577,14 @@ def test_engine_carries_its_decode_tuning():
 def _decode_logprobs(config, params, precision, seqs, prompt_len, impl, kv_scales=None):
     """Prefill ``prompt_len`` tokens, then decode the rest of ``seqs`` one token a step (teacher forced):
     log-softmax of the logits that predict tokens prompt_len..T-1, [B, T - prompt_len, V]."""
-    from fp8rl_jax.model import llama
+    from fp8rl_jax.model import kv_cache, llama
 
     b, t = seqs.shape
     kw = dict(config=config, precision=precision, kv_scales=kv_scales, decode_attention=impl)
 
     @jax.jit
     def run(seqs):
-        cache = llama.init_cache(config, b, t, llama.cache_dtype(precision))
+        cache = kv_cache.init_cache(config, b, t, kv_cache.cache_dtype(precision))
         positions = jnp.broadcast_to(jnp.arange(prompt_len, dtype=jnp.int32), (b, prompt_len))
         logits, cache, _ = llama.forward(params, seqs[:, :prompt_len], positions, cache=cache, **kw)
         steps = [logits[:, -1]]

@@ -11,7 +11,7 @@ import torch
 import transformers
 
 from fp8rl_jax.fp8.policy import Precision
-from fp8rl_jax.model import llama, weights
+from fp8rl_jax.model import attention, kv_cache, llama, weights
 from fp8rl_jax.model.config import RopeScaling, preset
 from fp8rl_jax.parallel.mesh import make_mesh, mesh_context
 
@@ -109,7 +109,7 @@ def test_kv_cache_decode_equals_full_forward(name):
     full, _, _ = llama.forward(params, tokens, config=config, precision=F32)
 
     step = jax.jit(lambda p, t, pos, c: llama.forward(p, t, pos, config=config, precision=F32, cache=c)[:2])
-    cache = llama.init_cache(config, batch, 32, jnp.float32)
+    cache = kv_cache.init_cache(config, batch, 32, jnp.float32)
     logits, cache = step(params, tokens[:, :prompt], jnp.broadcast_to(jnp.arange(prompt), (batch, prompt)), cache)
     pieces = [logits]
     for i in range(prompt, total):
@@ -125,7 +125,7 @@ def test_decode_with_ragged_positions():
     params = llama.init_params(config, jax.random.PRNGKey(1), std=0.1)
     rng = np.random.RandomState(5)
     seqs = [rng.randint(0, config.vocab_size, n) for n in (5, 9, 12)]
-    cache = llama.init_cache(config, 3, 16, jnp.float32)
+    cache = kv_cache.init_cache(config, 3, 16, jnp.float32)
     for row, seq in enumerate(seqs):  # prefill each row alone, up to its last token
         toks = np.zeros((3, len(seq) - 1), np.int32)
         toks[row] = seq[:-1]
@@ -145,7 +145,7 @@ def test_gguf_smollm2_greedy_answer(smollm2):
     config, params, tok = smollm2
     assert (config.num_layers, config.hidden_size, config.vocab_size) == (30, 576, 49152)
     prompt = tok.encode_chat([{"role": "user", "content": "What is 2+3?"}])
-    cache = llama.init_cache(config, 1, len(prompt) + 24, jnp.float32)
+    cache = kv_cache.init_cache(config, 1, len(prompt) + 24, jnp.float32)
     step = jax.jit(lambda p, t, pos, c: llama.forward(p, t, pos, config=config, precision=F32, cache=c)[:2])
     logits, cache = step(params, jnp.asarray([prompt]), jnp.arange(len(prompt))[None], cache)
     out = []
@@ -178,8 +178,8 @@ def test_flash_attention_call_equals_masked_einsum(impl, dtype, tol):
     reference of the cuDNN call and Pallas' interpreter."""
     q, k, v = _qkv(dtype, n=4)
     pos = jnp.broadcast_to(jnp.arange(q.shape[1]), q.shape[:2])
-    einsum = lambda q, k, v: llama.attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), pos, pos)
-    flash = lambda q, k, v: llama.flash_attention(q, k, v, impl)
+    einsum = lambda q, k, v: attention.attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), pos, pos)
+    flash = lambda q, k, v: attention.flash_attention(q, k, v, impl)
     out, ref = flash(q, k, v), einsum(q, k, v)
     assert out.shape == q.shape and out.dtype == q.dtype
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), rtol=tol, atol=tol)
@@ -193,25 +193,25 @@ def test_flash_attention_call_equals_masked_einsum(impl, dtype, tol):
 
 def test_resolve_attention():
     gpu = {"backend": "gpu", "cudnn_clash": False}
-    assert llama.resolve_attention("auto", jnp.bfloat16, 64, **gpu) == "cudnn"
-    assert llama.resolve_attention("auto", jnp.bfloat16, 128, **gpu) == "cudnn"
-    assert llama.resolve_attention("auto", jnp.float32, 64, **gpu) == "xla"  # cuDNN's is BF16 / F16
-    assert llama.resolve_attention("auto", jnp.bfloat16, 256, **gpu) == "xla"
+    assert attention.resolve_attention("auto", jnp.bfloat16, 64, **gpu) == "cudnn"
+    assert attention.resolve_attention("auto", jnp.bfloat16, 128, **gpu) == "cudnn"
+    assert attention.resolve_attention("auto", jnp.float32, 64, **gpu) == "xla"  # cuDNN's is BF16 / F16
+    assert attention.resolve_attention("auto", jnp.bfloat16, 256, **gpu) == "xla"
     # Transformer Engine on another cuDNN than JAX's: the cuDNN flash backward failed on the H100 image; Pallas' then
     te = {"backend": "gpu", "cudnn_clash": True}
-    assert llama.resolve_attention("auto", jnp.bfloat16, 64, **te) == "pallas"
-    assert llama.resolve_attention("auto", jnp.bfloat16, 96, **te) == "xla"  # Triton tiles: powers of two
-    assert llama.resolve_attention("auto", jnp.float32, 64, **te) == "xla"
+    assert attention.resolve_attention("auto", jnp.bfloat16, 64, **te) == "pallas"
+    assert attention.resolve_attention("auto", jnp.bfloat16, 96, **te) == "xla"  # Triton tiles: powers of two
+    assert attention.resolve_attention("auto", jnp.float32, 64, **te) == "xla"
     # the Pallas kernel is not partitioned: under a mesh of several devices the einsum (cuDNN's call is)
-    assert llama.resolve_attention("auto", jnp.bfloat16, 64, mesh_devices=8, **te) == "xla"
-    assert llama.resolve_attention("auto", jnp.bfloat16, 64, mesh_devices=8, **gpu) == "cudnn"
+    assert attention.resolve_attention("auto", jnp.bfloat16, 64, mesh_devices=8, **te) == "xla"
+    assert attention.resolve_attention("auto", jnp.bfloat16, 64, mesh_devices=8, **gpu) == "cudnn"
     with mesh_context(make_mesh(ml_collections.ConfigDict({"data": 1, "fsdp": -1, "tensor": 1}))):
         assert jax.sharding.get_abstract_mesh().size == jax.device_count()
         expected = "xla" if jax.device_count() > 1 else "pallas"
-        assert llama.resolve_attention("auto", jnp.bfloat16, 64, **te) == expected
-    assert llama.resolve_attention("auto", jnp.bfloat16, 64, backend="cpu") == "xla"
-    assert llama.resolve_attention("xla", jnp.bfloat16, 64, backend="gpu") == "xla"
-    assert llama.resolve_attention("cudnn", jnp.bfloat16, 64, backend="cpu") == "cudnn"
+        assert attention.resolve_attention("auto", jnp.bfloat16, 64, **te) == expected
+    assert attention.resolve_attention("auto", jnp.bfloat16, 64, backend="cpu") == "xla"
+    assert attention.resolve_attention("xla", jnp.bfloat16, 64, backend="gpu") == "xla"
+    assert attention.resolve_attention("cudnn", jnp.bfloat16, 64, backend="cpu") == "cudnn"
     assert Precision().attention == "auto"
     with pytest.raises(ValueError, match="attention='flash'"):
         Precision(attention="flash")
@@ -230,7 +230,7 @@ def test_forward_through_the_flash_branch(monkeypatch, kv_dtype):
     tokens = jnp.asarray(np.random.RandomState(1).randint(0, config.vocab_size, (3, 21)))
     ref, _, _ = llama.forward(params, tokens, **kw)
     seen = []
-    flash = llama.flash_attention
+    flash = attention.flash_attention
 
     def reference_flash(q, k, v, implementation, segment_ids=None):
         seen.append(implementation)
@@ -252,7 +252,7 @@ def test_forward_through_the_flash_branch(monkeypatch, kv_dtype):
 def test_gpu_flash_attention_matches_the_einsum(impl):
     """Flash attention in the BF16 forward and its gradient: as close to the f32 reference as the einsum path
     (Llama-like head dim 64, GQA, a length that is no multiple of a tile)."""
-    if impl == "cudnn" and llama.resolve_attention("auto", jnp.bfloat16, 64) != "cudnn":
+    if impl == "cudnn" and attention.resolve_attention("auto", jnp.bfloat16, 64) != "cudnn":
         pytest.skip("Transformer Engine loaded another cuDNN than JAX's (fp8.te.shares_jax_cudnn() is False): the "
                     "cuDNN flash backward fails beside it; run with FP8RL_TEST_NO_TE=1")
     config = preset("tiny").replace(head_dim=64, num_heads=8, num_kv_heads=2)
@@ -307,14 +307,14 @@ def _attention_per_sequence(q, k, v, segments):
         for start, end in _runs(row):
             pos = jnp.arange(end - start)[None]
             # [1, n, heads, H]; K/V as [1, K, n, H]
-            one = llama.attention(q[b : b + 1, start:end], k[b : b + 1, start:end].transpose(0, 2, 1, 3),
+            one = attention.attention(q[b : b + 1, start:end], k[b : b + 1, start:end].transpose(0, 2, 1, 3),
                                   v[b : b + 1, start:end].transpose(0, 2, 1, 3), pos, pos)
             out[b, start:end] = np.asarray(one[0], np.float32)
     return out
 
 
 def test_segment_table_by_hand():
-    lengths, starts = llama.segment_table(jnp.asarray(SEGMENTS), 4)
+    lengths, starts = attention.segment_table(jnp.asarray(SEGMENTS), 4)
     np.testing.assert_array_equal(lengths, [[7, 5, 4, 3], [10, 9, -1, -1]])
     np.testing.assert_array_equal(starts, [[0, 7, 12, 16, -1], [0, 10, -1, -1, -1]])
     # cuDNN's reading of the table (each run a sequence of its own, causal inside it) is the segment mask
@@ -325,19 +325,19 @@ def test_segment_table_by_hand():
                 owner[s : s + n] = j
         assert (owner >= 0).all()  # every position in a run: no output left undefined
         np.testing.assert_array_equal(owner[:, None] == owner[None, :], row[:, None] == row[None, :])
-    assert llama.row_segments(19) == 1 and llama.row_segments(64) == 4  # one run more for the padding tail
+    assert attention.row_segments(19) == 1 and attention.row_segments(64) == 4  # one run more for the padding tail
     # capped: cuDNN's packed attention sizes its buffers by rows x segments (0.5 GiB a segment at llama1b's 14 x 2304)
-    assert llama.row_segments(2304) == llama.MAX_ROW_SEGMENTS == 8
+    assert attention.row_segments(2304) == attention.MAX_ROW_SEGMENTS == 8
 
 
 def test_segment_masked_einsum_equals_each_sequence_alone():
     q, k, v = _qkv(jnp.float32, n=4)
     pos = _segment_positions(SEGMENTS)
     seg = jnp.asarray(SEGMENTS)
-    out = llama.attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), pos, pos, seg, seg)
+    out = attention.attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), pos, pos, seg, seg)
     np.testing.assert_allclose(np.asarray(out), _attention_per_sequence(q, k, v, SEGMENTS), rtol=1e-5, atol=1e-6)
     # without the segments the second sequence of row 0 would read the first: the mask is doing the work
-    plain = llama.attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), pos, pos)
+    plain = attention.attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), pos, pos)
     assert float(jnp.max(jnp.abs(plain - out))) > 1e-2
 
 
@@ -349,9 +349,9 @@ def test_flash_attention_with_segments_equals_the_segment_masked_einsum(impl, dt
     q, k, v = _qkv(dtype, n=4)
     pos = _segment_positions(SEGMENTS)
     seg = jnp.asarray(SEGMENTS)
-    einsum = lambda q, k, v: llama.attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), pos, pos, seg,
+    einsum = lambda q, k, v: attention.attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), pos, pos, seg,
                                              seg)
-    flash = lambda q, k, v: llama.flash_attention(q, k, v, impl, segment_ids=seg)
+    flash = lambda q, k, v: attention.flash_attention(q, k, v, impl, segment_ids=seg)
     out, ref = flash(q, k, v), einsum(q, k, v)
     assert out.shape == q.shape and out.dtype == q.dtype
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), rtol=tol, atol=tol)
@@ -376,15 +376,15 @@ def test_packed_forward_through_the_flash_branch(monkeypatch):
             alone, _, _ = llama.forward_hidden(params, tokens[b : b + 1, start:end],
                                                jnp.arange(end - start)[None], **kw)
             np.testing.assert_allclose(np.asarray(ref[b, start:end]), np.asarray(alone[0]), rtol=1e-5, atol=1e-5)
-    flash = llama.flash_attention
+    flash = attention.flash_attention
     monkeypatch.setattr(llama, "resolve_attention", lambda *a, **k: "cudnn")
     monkeypatch.setattr(llama, "flash_attention", lambda q, k, v, impl, segment_ids=None: flash(
         q, k, v, "xla", segment_ids=segment_ids))
     out, _, _ = llama.forward_hidden(params, tokens, pos, segment_ids=seg, **kw)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="segment_ids .* without a cache"):
-        llama.forward_hidden(params, tokens, pos, segment_ids=seg, cache=llama.init_cache(config, 2, 19, jnp.float32),
-                             **kw)
+        llama.forward_hidden(params, tokens, pos, segment_ids=seg,
+                             cache=kv_cache.init_cache(config, 2, 19, jnp.float32), **kw)
 
 
 @pytest.mark.gpu
@@ -393,7 +393,7 @@ def test_gpu_packed_flash_attention_matches_the_einsum(impl):
     """Packed rows on the GPU: cuDNN's packed (THD) layout and Pallas' segment ids against the f32 segment-masked
     einsum, BF16, forward and gradient; as close as the BF16 einsum (Llama-like head dim 64, GQA 8/2, rows of 256
     with 1-5 sequences and padding tails)."""
-    if impl == "cudnn" and llama.resolve_attention("auto", jnp.bfloat16, 64) != "cudnn":
+    if impl == "cudnn" and attention.resolve_attention("auto", jnp.bfloat16, 64) != "cudnn":
         pytest.skip("Transformer Engine loaded another cuDNN than JAX's; run with FP8RL_TEST_NO_TE=1")
     rng = np.random.RandomState(0)
     t = 256
@@ -413,11 +413,11 @@ def test_gpu_packed_flash_attention_matches_the_einsum(impl):
         (_, out), grads = jax.jit(jax.value_and_grad(loss, (0, 1, 2), has_aux=True))(q, k, v)
         return np.asarray(out, np.float32), np.concatenate([np.ravel(g) for g in grads])
 
-    einsum = lambda q, k, v: llama.attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), pos, pos, seg,
+    einsum = lambda q, k, v: attention.attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), pos, pos, seg,
                                              seg)
     ref_out, ref_grads = run(einsum, jnp.float32)
     errors = {}
-    for name, f in (("xla", einsum), (impl, lambda q, k, v: llama.flash_attention(q, k, v, impl, segment_ids=seg))):
+    for name, f in (("xla", einsum), (impl, lambda q, k, v: attention.flash_attention(q, k, v, impl, segment_ids=seg))):
         out, grads = run(f, jnp.bfloat16)
         errors[name] = (np.abs(out - ref_out).max(), np.linalg.norm(grads - ref_grads) / np.linalg.norm(ref_grads))
     print(errors)

@@ -7,7 +7,7 @@ import pytest
 
 from fp8rl_jax.fp8 import kv as kvq
 from fp8rl_jax.fp8.policy import Precision
-from fp8rl_jax.model import llama
+from fp8rl_jax.model import kv_cache, llama
 from fp8rl_jax.model.config import preset
 from fp8rl_jax.rollout.weights import per_layer, rollout_params
 
@@ -37,13 +37,13 @@ def test_per_layer_forward_is_bit_identical(name):
     stacked = rollout_params(params, fp8_state, precision, CONFIG.num_layers)
     layers = per_layer(stacked)
     layer_kv = kv_scales and {n: tuple(a) for n, a in kv_scales.items()}
-    dtype = llama.cache_dtype(precision)
+    dtype = kv_cache.cache_dtype(precision)
     tokens = jnp.asarray(np.random.RandomState(1).randint(0, CONFIG.vocab_size, (B, P + 3)))
     kw = dict(config=CONFIG, precision=precision)
 
     def run(weights, fp8, kv, cache, to_layers):
         if to_layers:
-            cache = llama.cache_layers(cache, as_bits=jax.default_backend() == "cpu")
+            cache = kv_cache.cache_layers(cache, as_bits=jax.default_backend() == "cpu")
         outs = []
         fwd = jax.jit(lambda w, f, k, c, t, p: llama.forward_hidden(w, t, p, fp8_state=f, kv_scales=k, cache=c,
                                                                     cache_dtype=dtype, **kw))
@@ -55,10 +55,10 @@ def test_per_layer_forward_is_bit_identical(name):
             hidden, cache, _ = fwd(weights, fp8, kv, cache, tokens[:, t : t + 1], jnp.full((B, 1), t, jnp.int32))
             outs.append(hidden)
         if to_layers:
-            cache = llama.cache_stack(cache, dtype)
+            cache = kv_cache.cache_stack(cache, dtype)
         return outs + [cache["k"].astype(jnp.float32), cache["v"].astype(jnp.float32)]
 
-    cache = llama.init_cache(CONFIG, B, S, dtype)
+    cache = kv_cache.init_cache(CONFIG, B, S, dtype)
     want = run(stacked, fp8_state, kv_scales, cache, False)
     got = run(layers, _split(fp8_state), layer_kv, cache, True)
     for g, w in zip(got, want, strict=True):

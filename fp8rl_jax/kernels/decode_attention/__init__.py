@@ -106,7 +106,7 @@ def decode_attention_qkv(qkv: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
 
     qkv [B, N+2K, H]: each sequence's N query heads, then its K keys, then its K values (the fused q|k|v GEMM's
     output, a free reshape); rope = (cos, sin) [B, H/2] f32 at each sequence's new position ``lengths - 1``. The
-    queries and keys are rotated as ``llama.apply_rope`` rotates them (f32, rounded to qkv's dtype), the new K/V
+    queries and keys are rotated as ``model.rope.apply_rope`` rotates them (f32, rounded to qkv's dtype), the new K/V
     written into the caches and attended to, as ``decode_attention`` with ``new_kv`` does; returns (out [B, K, G,
     H], k_cache, v_cache). The kernel does all of it: it reads its query rows and its new K/V from ``qkv`` itself, so
     no XLA kernel slices, rotates or converts them (three kernels a layer and step). ``split_qkv`` is the same in

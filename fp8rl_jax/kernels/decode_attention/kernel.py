@@ -68,7 +68,8 @@ def _kernel(layer_ref, lengths_ref, k_scale_ref, v_scale_ref, out_scale_ref, q_r
     ``fused_rows`` (the fused form, ``rope``): q_ref is the projection [B*(N+2K), H] before RoPE, ``fused_rows`` =
     N+2K rows a sequence (its N query heads, K keys, K values); two more inputs, cos and sin [B, H/2] f32 at each
     sequence's new position. The program takes its query rows and its heads' new K and V from it and rotates the
-    queries and keys as ``llama.apply_rope`` does (f32, rounded to ``q_dtype``): no XLA kernel splits or rotates them.
+    queries and keys as ``model.rope.apply_rope`` does (f32, rounded to ``q_dtype``): no XLA kernel splits or rotates
+    them.
     """
     if fused_rows is not None:
         cos_ref, sin_ref, *out_refs, k_out_ref, v_out_ref = refs

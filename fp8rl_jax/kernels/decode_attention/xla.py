@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from fp8rl_jax.numerics import quantize, rounded
 
-NEG_INF = -1e30  # the XLA path's mask value (as in ``llama.attention``)
+NEG_INF = -1e30  # the XLA path's mask value (as in ``model.attention.attention``)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -91,9 +91,9 @@ def _output(out: jax.Array, q_dtype, out_dtype, out_scale) -> jax.Array:
 
 
 def _rotate_half(x, cos, sin):
-    """``llama.apply_rope``'s arithmetic on [..., H] f32 values: halves (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin),
-    cos and sin broadcasting against [..., H/2]. Written with the equal split, the two-way stack and the transpose
-    Pallas' Triton lowering has (no concatenation); ``split_qkv`` uses it too."""
+    """``model.rope.apply_rope``'s arithmetic on [..., H] f32 values: halves (x1, x2) -> (x1 cos - x2 sin,
+    x2 cos + x1 sin), cos and sin broadcasting against [..., H/2]. Written with the equal split, the two-way stack
+    and the transpose Pallas' Triton lowering has (no concatenation); ``split_qkv`` uses it too."""
     x1, x2 = jnp.split(x, 2, axis=-1)
     # [..., H/2, 2] -> [..., 2, H/2] -> [..., H]
     pair = jnp.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
@@ -168,7 +168,7 @@ def write_new(cache: jax.Array, layer, lengths: jax.Array, new: jax.Array, scale
 
 def split_qkv(qkv, kv_heads: int, rope):
     """The fused projection [B, N+2K, H] as (q [B, K, G, H], (k, v) [B, K, H]), q and k rotated as ``rope``
-    (cos, sin) [B, H/2] says (``llama.apply_rope``'s arithmetic): what the kernel makes of it, in XLA ops."""
+    (cos, sin) [B, H/2] says (``model.rope.apply_rope``'s arithmetic): what the kernel makes of it, in XLA ops."""
     q_view = _fused_query(qkv, kv_heads, None, rope)
     b, _, g, h = q_view.shape
     n = kv_heads * g
