@@ -29,11 +29,11 @@ def main(argv) -> int:
     if len(argv) > 1:
         return cli.input_error(f"unexpected arguments: {argv[1:]}")
     logging.set_verbosity(logging.WARNING)  # Orbax logs every file it writes at INFO
-    from fp8rl_jax.rollout import exact
+    from fp8rl_jax.xla_options import use_cpu_xla_flag
 
     # before the first JAX computation: on XLA:CPU the sampler's, packed and unpacked programs then round alike, so the
     # mismatch metrics and IS weights do not depend on the layout (the user's XLA_FLAGS wins)
-    exact.use_cpu_xla_flag()
+    use_cpu_xla_flag()
     from fp8rl_jax.rl.rewards import reward_names
 
     config = cli.validated_config(known_rewards=reward_names)

@@ -7,7 +7,7 @@ _DEVICE_COUNT = "--xla_force_host_platform_device_count"
 _codegen = []  # the tests' code generation flags for XLA:CPU
 if os.environ["JAX_PLATFORMS"] == "cpu":
     # YNNPACK's reduce fusions sum a softmax normaliser in an order that differs between two XLA:CPU programs of
-    # one function (1 ulp), which the exact sampler's tests would see (exact.CPU_XLA_FLAG, fp8rl_jax/rollout/exact.py)
+    # one function (1 ulp), which the exact sampler's tests would see (fp8rl_jax/xla_options.py, CPU_XLA_FLAG)
     _codegen.append("--xla_cpu_experimental_ynn_fusion_type=-reduce")
     if os.environ.get("FP8RL_TEST_XLA_OPT") != "default":
         # LLVM at -O0 for the tests' tiny programs, whose time is mostly compiling: the suite ran in 653 s against

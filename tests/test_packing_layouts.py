@@ -7,7 +7,7 @@ Why they differed: XLA:CPU's YNNPACK reduce fusions take another form from 1,024
 normaliser into one YNNPACK fusion and rounded apart from the smaller programs (1 BF16 ulp on 38% of the attention
 outputs), which FP8 amplifies to 4.8e-3 in a logprob. The packed step's microbatches (8 rows x 32) and the
 sampler's programs stay below, so they agreed with each other to an f32 ulp; unpacked microbatches of 8 rows did
-too. Without those fusions (``exact.CPU_XLA_FLAG``, which ``python -m fp8rl_jax.main`` sets on XLA:CPU since this
+too. Without those fusions (``xla_options.CPU_XLA_FLAG``, which ``python -m fp8rl_jax.main`` sets on XLA:CPU since this
 test, as conftest does for the tests) the layouts' logprobs are equal bit for bit, 1 f32 ulp at most from the
 sampler's.
 
@@ -30,8 +30,8 @@ from fp8rl_jax.batches import score_packed, score_right_padded
 from fp8rl_jax.config import load_config_file
 from fp8rl_jax.rl.metrics import mismatch_metrics
 from fp8rl_jax.rl.packing import first_fit_decreasing, pack, unpack
-from fp8rl_jax.rollout.exact import CPU_XLA_FLAG, use_cpu_xla_flag
 from fp8rl_jax.trainer import Trainer
+from fp8rl_jax.xla_options import CPU_XLA_FLAG, use_cpu_xla_flag
 
 pytestmark = pytest.mark.slow  # minutes on 2 cores: `make test-fast` leaves it out
 
