@@ -8,12 +8,14 @@ script. A mode's seed that two inputs both ran is an error (which one is the res
 Each mode keeps where its seeds ran (``runs``: seeds, device, commit, command of each input); the means are
 ``accuracy_study.aggregate``'s over the seeds that ran every step. ``diff_vs_<ref>``: the mean of the per-seed
 differences over the seeds both completed, its standard error and a bootstrap 95% interval (10,000 resamples of
-the seed pairs, seeded, so a rebuild gives the same numbers).
+the seed pairs, seeded, so a rebuild gives the same numbers); ``diff_vs_bf16_bf16_sampler`` the same for the mode's
+final weights evaluated through the BF16 sampler (``accuracy_study.py --eval_bf16``), where every pair has it.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
 from pathlib import Path
@@ -44,6 +46,7 @@ def _runs_of(study: dict, mode: str, row: dict) -> list[dict]:
 
 
 def merge(studies: list[dict]) -> dict:
+    studies = copy.deepcopy(studies)  # the rows are marked (``complete``) and kept: none of the caller's
     steps = {s["steps"] for s in studies}
     if len(steps) > 1:
         raise SystemExit(f"the studies ran different step counts ({sorted(steps)}): not one study")
@@ -75,6 +78,11 @@ def merge(studies: list[dict]) -> dict:
                                                        [theirs[s]["acc_after"] for s in seeds]),
                                          "ref_acc_after_same_seeds": float(np.mean([theirs[s]["acc_after"]
                                                                                     for s in seeds]))}
+            if seeds and ref == "bf16" and all(mine[s].get("acc_after_bf16") is not None for s in seeds):
+                # the mode's final weights through the BF16 sampler (--eval_bf16): what it learned, apart from its
+                # own sampler's answers at test time
+                out["diff_vs_bf16_bf16_sampler"] = paired_diff([mine[s]["acc_after_bf16"] for s in seeds],
+                                                               [theirs[s]["acc_after"] for s in seeds])
     first = studies[0]
     return {
         **{k: first[k] for k in ("model", "task", "steps", "config") if k in first},

@@ -266,8 +266,15 @@ def test_accuracy_merge_pairs_modes_by_seed_across_studies(tmp_path):
     diff = block["diff_vs_bf16"]  # seeds 0, 1, 2: +0.02, +0.05, -0.01
     assert diff["pairs"] == 3 and abs(diff["mean"] - 0.02) < 1e-12 and abs(diff["se"] - 0.03 / 3 ** 0.5) < 1e-12
     assert -0.01 - 1e-9 <= diff["ci95"][0] <= diff["mean"] <= diff["ci95"][1] <= 0.05 + 1e-9
-    assert "diff_vs_bf16" not in out["modes"]["bf16"]
+    assert "diff_vs_bf16" not in out["modes"]["bf16"] and "diff_vs_bf16_bf16_sampler" not in block
     assert merge.merge([out]) == out  # a merged file merges again unchanged
+    # --eval_bf16: the final weights through the BF16 sampler, paired the same way
+    for seed, acc in (("0", 0.79), ("1", 0.72)):
+        a["modes"]["fp8_e2e_block"]["per_seed"].get(seed, {}).update(acc_after_bf16=acc)
+        b["modes"]["fp8_e2e_block"]["per_seed"].get(seed, {}).update(acc_after_bf16=acc)
+    b["modes"]["fp8_e2e_block"]["per_seed"]["2"]["acc_after_bf16"] = 0.90
+    sampler = merge.merge([a, b])["modes"]["fp8_e2e_block"]["diff_vs_bf16_bf16_sampler"]  # -0.01, +0.02, 0.0
+    assert sampler["pairs"] == 3 and abs(sampler["mean"] - 0.01 / 3) < 1e-12
     # the same seed of a mode run twice, differently: which is the result?
     with pytest.raises(SystemExit, match="fp8_e2e_block, seed 0"):
         merge.merge([a, _study({"fp8_e2e_block": {0: 0.5}}, "c3")])
