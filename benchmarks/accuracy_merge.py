@@ -38,7 +38,7 @@ def paired_diff(a: list[float], b: list[float], seed: int = 0) -> dict:
             "ci95": [float(np.percentile(boot, 2.5)), float(np.percentile(boot, 97.5))], "pairs": len(diff)}
 
 
-def _runs_of(study: dict, mode: str, row: dict) -> list[dict]:
+def _runs_of(study: dict, row: dict) -> list[dict]:
     if "runs" in row:  # an earlier merge
         return row["runs"]
     return [{"seeds": sorted(int(s) for s in row["per_seed"]), **{k: study.get(k) for k in ("device", "commit",
@@ -60,7 +60,7 @@ def merge(studies: list[dict]) -> dict:
                 if have is not None and have != values:
                     raise SystemExit(f"mode {mode}, seed {seed}: two different runs; keep one input of them")
                 rows[mode][int(seed)] = values
-            runs.setdefault(mode, []).extend(r for r in _runs_of(study, mode, row) if r not in runs[mode])
+            runs.setdefault(mode, []).extend(r for r in _runs_of(study, row) if r not in runs[mode])
             overrides[mode] = row.get("overrides")
     modes = {}
     for mode, per_seed in rows.items():

@@ -2,13 +2,15 @@
 
 import os
 
+from fp8rl_jax.xla_options import CPU_XLA_FLAG  # no JAX at its import: the flags below still come first
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _DEVICE_COUNT = "--xla_force_host_platform_device_count"
 _codegen = []  # the tests' code generation flags for XLA:CPU
 if os.environ["JAX_PLATFORMS"] == "cpu":
     # YNNPACK's reduce fusions sum a softmax normaliser in an order that differs between two XLA:CPU programs of
-    # one function (1 ulp), which the exact sampler's tests would see (fp8rl_jax/xla_options.py, CPU_XLA_FLAG)
-    _codegen.append("--xla_cpu_experimental_ynn_fusion_type=-reduce")
+    # one function (1 ulp), which the exact sampler's tests would see (the flag's note in fp8rl_jax/xla_options.py)
+    _codegen.append(CPU_XLA_FLAG)
     if os.environ.get("FP8RL_TEST_XLA_OPT") != "default":
         # LLVM at -O0 for the tests' tiny programs, whose time is mostly compiling: the suite ran in 653 s against
         # 815 s on 2 cores (benchmarks/RESULTS.md, "CPU test suite time"). `make test` runs the exact sampler's
