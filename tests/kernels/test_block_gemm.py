@@ -119,6 +119,11 @@ def test_shared_memory_budget_is_checked_at_lowering():
         _mosaic_modules(lambda *a: block_gemm_mgpu(*a, tuning=Tuning(stages=6)), *args)
 
 
+# the interpreter's tests against block_gemm on the CPU (on a GPU block_gemm's FP8 dots sum with the MMA's precision)
+cpu_only = pytest.mark.skipif(jax.default_backend() != "cpu", reason="the interpreter's tests run on the CPU")
+
+
+@cpu_only
 @pytest.mark.parametrize("form", FORMS)
 def test_interpreter_matches_block_gemm(form):
     """The kernel through the Mosaic GPU interpreter (2 CTAs walking 3 x 3 tiles, 9 slices through 2 stages, sizes
@@ -132,6 +137,7 @@ def test_interpreter_matches_block_gemm(form):
     assert (err <= 2 * _f32_bound(c, _magnitude(qa, sa, qb, rows))).all(), err.max()
 
 
+@cpu_only
 def test_interpreter_bf16_output_is_the_f32_result_rounded():
     qa, sa, qb, sb, _ = _quantized(130, 200, 256, "blocks", seed=1)
     run = lambda dtype: block_gemm_mgpu(qa, sa, qb, sb, dtype, interpret=True, tuning=Tuning(num_sms=2))
