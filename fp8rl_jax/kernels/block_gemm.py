@@ -4,16 +4,17 @@ What it computes. ``block.block_gemm``'s sum over the 128-wide slices c of the c
 
     y [P, Q] = sum_c (qa[:, c] . qb[:, c]^T) * (a_scale_inv[:, c][:, None] * b_scale_inv[:, c][None, :])
 
-qa [P, C] and qb [Q, C] FP8 (both E4M3 or both E5M2: the tensor cores take one type), both contracted over their
-last axis (K-major, as Hopper's FP8 MMA wants both operands); each slice's product accumulated in f32 by the tensor
-cores into a fresh accumulator, multiplied by its two scales and added to the f32 result in slice order (DeepGEMM's
-promotion every 128 K). ``b_scale_inv`` comes in one of two forms: one row per row of qb ``[Q, Cb]`` (block_gemm's
-form; any values), or a weight's 128 x 128 blocks ``[ceil(Q / 128), Cb]`` (``block.block_quantize``'s form, which
-``block.block_rows`` repeats into the first). The second is what a linear's fprop and dgrad have and what the kernel
-runs fastest: one scale per 128 output columns and slice, a scalar. The wgrad's operands are both scaled per row
-(128 x 1 tiles along the tokens) and take the first form. Both give block_gemm's numbers up to the order of the f32
-sums inside a slice (the tensor cores' order against XLA's dot's) and the contraction of ``acc + part * scale``
-into one FMA: the scales are multiplied first, as block_gemm does.
+qa [P, C] and qb [Q, C] FP8 (both E4M3 or both E5M2: JAX 0.10's ``plgpu.wgmma`` takes one type), both contracted
+over their last axis (K-major, as Hopper's FP8 MMA wants both operands); each slice's product summed by the tensor
+cores into a fresh f32 accumulator, multiplied by its two scales and added to the f32 result in slice order
+(DeepGEMM's promotion every 128 K). ``b_scale_inv`` comes in one of two forms: one row per row of qb ``[Q, Cb]``
+(block_gemm's form; any values), or a weight's 128 x 128 blocks ``[ceil(Q / 128), Cb]`` (``block.block_quantize``'s
+form, which ``block.block_rows`` repeats into the first). The second is what a linear's fprop and dgrad have and
+what the kernel runs fastest: one scale per 128 output columns and slice, a scalar. The wgrad's operands are both
+scaled per row (128 x 1 tiles along the tokens) and take the first form. Both give block_gemm's numbers up to the
+sums inside a slice (the tensor cores' order against XLA's dot's; Hopper's FP8 MMA keeps about 14 bits while it
+sums, DeepSeek-V3 section 3.3.2, in this kernel as in the batched dot of block_gemm on a GPU) and the contraction of
+``acc + part * scale`` into one FMA: the scales are multiplied first, as block_gemm does.
 
 The kernel (Pallas, Mosaic GPU backend: ``jax.experimental.pallas.mosaic_gpu``; sm_90a). A persistent kernel: one
 CTA per streaming multiprocessor walks the 128 x 128 output tiles (``plgpu.nd_loop``, in a planar snake order for
@@ -28,9 +29,14 @@ memory and stores it with TMA while the next tile's loads already stream in. Siz
 divide are padded with zeros in the wrapper (a zero adds nothing, as in block_gemm; the padding is a copy of the
 operands, only where needed); scales are transposed there ([Cb, P]: one TMA row a slice).
 
+What it assumes. A Hopper GPU (sm_90a: wgmma; Blackwell's MMA is tcgen05, another kernel), one device (a
+``pallas_call`` is opaque to XLA's partitioner: under a mesh it would need a ``shard_map``), f32 scales, and 194
+KiB of shared memory at the default 4 stages with an f32 output (``Tuning``; lowering checks the 227 KiB budget).
+
 Not measured yet: ``benchmarks/block_gemm_speed.py`` times it against block_gemm's XLA emulation, a per-tensor FP8
 dot and BF16 (``gpu_session.sh bgemm``), and ``tests/kernels/test_block_gemm.py`` checks it against block_gemm on a
-GPU. On a CPU it runs through Pallas' Mosaic GPU interpreter (``interpret=True``, tests only: slow) and lowers for
+GPU. On a CPU it runs through Pallas' Mosaic GPU interpreter (``interpret=True``, tests only: slow; the
+interpreter's wgmma takes no transposed operand, so there qb goes in as [C, Q], the one difference) and lowers for
 CUDA without a GPU. Nothing in the package calls it until the numbers say it pays.
 """
 
