@@ -2,7 +2,7 @@
 # One GPU session on the lent H100 (or an H200 host): install Transformer Engine and the project's wheels once, then
 # the stages named on the command line. Results land in $OUT (or ./gpu_out).
 #   usage: bash benchmarks/gpu_session.sh [install] [tests] [demo_scaled] [decode] [llama1b:MODE] [rollout1k] [gemm] [train] [e2e] [e2e_xla] [profile] [cluster_nb] [study] [rollout_xla] [rollout_head] [rollout_flags]
-#          [async] [rollout8b] [agreement] [exact] [packed_attention] [e2e8b] [profile8b] [head_step] [headgrad] [multiprocess] [transpose] [swiglu] [fp8gemm]...
+#          [async] [rollout8b] [agreement] [exact] [packed_attention] [e2e8b] [profile8b] [head_step] [headgrad] [multiprocess] [transpose] [swiglu] [fp8gemm] [bgemm]...
 # TE arrives in pieces (see ../shared/gpu/README.md): .gpu/te/wheels + .gpu/install_te.sh, the core wheel's five
 # parts already copied to /root/te by earlier calls; the other wheels in .gpu/wheels; a tokenizer in .gpu/smollm2_tok.
 set -uo pipefail
@@ -54,6 +54,13 @@ EOF
     fp8gemm) # the decode step's FP8 GEMMs alone: kernels.fp8_gemm (swept) against TE's and XLA's cuBLASLt
       timeout ${FG_TIMEOUT:-480} python3 benchmarks/fp8_gemm.py ${FG_ARGS:---sweep} --out "$OUT/fp8_gemm_h100.json" 2>&1 \
         | grep -vi warn > "$OUT/fp8_gemm.log"; tail -12 "$OUT/fp8_gemm.log" ;;
+    bgemm) # the Mosaic GPU block-scaled FP8 GEMM (kernels/block_gemm.py): its tests on this GPU, then its speed against
+      # block.block_gemm's XLA emulation, a per-tensor FP8 dot and BF16 (cuBLAS); BGEMM_ARGS (e.g. --sweep), BGEMM_TAG
+      timeout ${BGEMM_TEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider tests/kernels/test_block_gemm.py 2>&1 \
+        | tee "$OUT/bgemm_tests${BGEMM_TAG:-}.log" | tail -25
+      XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_triton_gemm=false" timeout ${BGEMM_TIMEOUT:-400} python3 \
+        benchmarks/block_gemm_speed.py ${BGEMM_ARGS:-} --out "$OUT/block_gemm${BGEMM_TAG:-}_h100.json" 2>&1 \
+        | grep -v "^W\|Warn" | tee "$OUT/block_gemm${BGEMM_TAG:-}.log" | grep "^{\|rror\|wrote" | cut -c1-400 ;;
     head_step) # the LM head's forward + backward alone (HEAD_VARIANTS, default BF16 / FP8 custom VJP / autodiff
       # FP8), llama1b and 8B widths; HEAD_TAG names the files
       timeout 200 python3 benchmarks/head_step.py --runs ${HEAD_RUNS:-3} --variants ${HEAD_VARIANTS:-bf16,fp8,fp8_autodiff} \

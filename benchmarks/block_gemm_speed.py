@@ -1,0 +1,206 @@
+"""The block-scaled FP8 GEMM on its own: the Mosaic GPU kernel against block_gemm's XLA emulation, a per-tensor FP8
+dot and BF16.
+
+    XLA_FLAGS=--xla_gpu_enable_triton_gemm=false JAX_PLATFORMS=cuda python benchmarks/block_gemm_speed.py \\
+        --out block_gemm_h100.json [--sweep]
+    python benchmarks/block_gemm_speed.py --check --out /tmp/block_gemm_cpu.json   # CPU: the paths, tiny shapes
+
+Shapes M x N x K (``x [M, K] . w [N, K]^T``, both K-major as the FP8 linear stores them): 4096 x 4096 x 4096, a
+llama1b-ish 8192 x 2048 x 2048 and a SmolLM2-ish 16384 x 576 x 1536. Paths, each with an f32 output (``--out-dtype
+bfloat16`` for BF16 outputs; the emulation then casts its f32 sum):
+
+  mosaic       ``kernels.block_gemm.block_gemm_mgpu``, the weight's scales as 128 x 128 blocks (fprop, dgrad)
+  mosaic_rows  the same kernel with one scale per weight row (the form the wgrad's second operand has)
+  emulated     ``fp8.block.block_gemm`` (the ``xla`` backend's block-scaled GEMM today: batched 128-deep dots)
+  fp8_tensor   one scale per tensor (each activation's and the weight's current amax): ``lax.dot_general`` of the
+               FP8 operands to f32, times the two inverse scales (XLA's cuBLASLt FP8 GEMM)
+  bf16         ``lax.dot_general`` of BF16 operands
+
+One timed call is one jit holding a ``lax.scan`` over ``--repeats`` GEMMs, each on its own activation (the weight
+is shared, as a layer's is), every output kept; the median of ``--timed`` calls after a warm-up, divided by the
+repeats. Rows report milliseconds a GEMM, TFLOP/s (2 M N K a GEMM), the speedup over the emulation, and each
+path's largest difference from the emulation's output relative to its largest value (the Mosaic paths: the
+same sums, apart from the order and precision of the MMAs' inside a slice; the others: their own quantization
+error against block scaling's). XLA's Triton GEMMs are turned off (cuBLAS for the XLA
+paths) unless ``XLA_FLAGS`` already names the flag. ``--check`` runs tiny shapes, the kernel through Pallas'
+Mosaic GPU interpreter, on any backend: the paths and the agreement, no timing worth reading.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import subprocess
+import sys
+import time
+
+if "--xla_gpu_enable_triton_gemm" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_triton_gemm=false").strip()
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax import lax  # noqa: E402
+
+from fp8rl_jax.bench import device_name, timeit  # noqa: E402
+from fp8rl_jax.fp8 import block  # noqa: E402
+from fp8rl_jax.kernels.block_gemm import Tuning, block_gemm_mgpu  # noqa: E402
+
+SHAPES = {"square4k": (4096, 4096, 4096), "llama1b": (8192, 2048, 2048), "smollm2": (16384, 576, 1536)}
+CHECK_SHAPES = {"tiny": (256, 256, 384), "odd": (200, 300, 300)}
+PATHS = ("mosaic", "mosaic_rows", "emulated", "fp8_tensor", "bf16")
+SWEEP = {"stages": (3, 4), "grid_width": (1, 4, 8, 16)}  # the Mosaic paths' tuning (--sweep)
+CONTRACT = (((1,), (1,)), ((), ()))  # [M, K] . [N, K] over K
+E4M3_MAX = 448.0
+
+
+def _per_tensor(a):
+    """E4M3 values of ``a`` [..., R, C] with one scale per [R, C] (current amax): (q, 1 / scale [...])."""
+    scale = E4M3_MAX / jnp.maximum(jnp.max(jnp.abs(a.astype(jnp.float32)), axis=(-2, -1)), 1e-30)
+    q = jnp.clip(a.astype(jnp.float32) * scale[..., None, None], -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
+    return q, 1.0 / scale
+
+
+def _inputs(m, n, k, repeats, seed=0):
+    """``repeats`` activations [R, M, K] and one weight [N, K]: BF16 values, their 1 x 128 tile and 128 x 128 block
+    quantizations, and their per-tensor quantizations (E4M3)."""
+    kx, kw = jax.random.split(jax.random.PRNGKey(seed))
+    x = jax.random.normal(kx, (repeats, m, k), jnp.bfloat16)
+    w = (jax.random.normal(kw, (n, k), jnp.float32) * 0.05).astype(jnp.bfloat16)
+    qx, sx = jax.jit(lambda a: block.tile_quantize(a, jnp.float8_e4m3fn))(x)  # [R, M, K], [R, M, Kb]
+    qw, sw = jax.jit(lambda a: block.block_quantize(a, jnp.float8_e4m3fn))(w)  # [N, K], [Nb, Kb]
+    tx, tx_inv = jax.jit(_per_tensor)(x)  # [R, M, K], [R]
+    tw, tw_inv = jax.jit(_per_tensor)(w)
+    return {"x": x, "w": w, "qx": qx, "sx": sx, "qw": qw, "sw": sw, "sw_rows": block.block_rows(sw, n),
+            "tx": tx, "tx_inv": tx_inv, "tw": tw, "tw_inv": tw_inv}
+
+
+def _one(path, out_dtype, tuning, interpret):
+    """path -> f(inputs of one GEMM) -> [M, N] in ``out_dtype``."""
+    if path == "mosaic":
+        return lambda d: block_gemm_mgpu(d["qx"], d["sx"], d["qw"], d["sw"], out_dtype, tuning=tuning,
+                                         interpret=interpret)
+    if path == "mosaic_rows":
+        return lambda d: block_gemm_mgpu(d["qx"], d["sx"], d["qw"], d["sw_rows"], out_dtype, tuning=tuning,
+                                         interpret=interpret)
+    if path == "emulated":
+        return lambda d: block.block_gemm(d["qx"], d["sx"], d["qw"], d["sw_rows"]).astype(out_dtype)
+    if path == "fp8_tensor":
+        return lambda d: (lax.dot_general(d["tx"], d["tw"], CONTRACT, preferred_element_type=jnp.float32)
+                          * (d["tx_inv"] * d["tw_inv"])).astype(out_dtype)
+    if path == "bf16":
+        return lambda d: lax.dot_general(d["x"], d["w"], CONTRACT, preferred_element_type=out_dtype)
+    raise ValueError(f"unknown path {path!r}; known: {PATHS}")
+
+
+def _scanned(path, out_dtype, tuning, interpret):
+    """One jit: a scan over the activations, every GEMM's output kept ([R, M, N])."""
+    one = _one(path, out_dtype, tuning, interpret)
+
+    def run(data):
+        per_gemm = ("x", "qx", "sx", "tx", "tx_inv")
+        shared = {k: v for k, v in data.items() if k not in per_gemm}
+
+        def step(carry, xs):
+            return carry, one({**shared, **xs})
+
+        _, ys = lax.scan(step, 0, {k: data[k] for k in per_gemm})
+        return ys
+
+    return jax.jit(run)
+
+
+def bench_shape(name, m, n, k, paths, out_dtype, repeats, timed, tunings, interpret):
+    data = _inputs(m, n, k, repeats)
+    reference = np.asarray(_scanned("emulated", jnp.float32, None, False)(data)[0])
+    scale = max(float(np.max(np.abs(reference))), 1e-30)
+    flop = 2.0 * m * n * k
+    rows, emulated_ms = [], None
+    for path in sorted(paths, key=lambda p: p != "emulated"):  # the emulation first: the speedups' base
+        for tuning in (tunings if path.startswith("mosaic") else [None]):
+            row = {"shape": name, "m": m, "n": n, "k": k, "path": path, "out_dtype": jnp.dtype(out_dtype).name}
+            if tuning is not None:
+                row.update(stages=tuning.stages, grid_width=tuning.grid_width, grid_minor=tuning.grid_minor)
+            try:
+                fn = _scanned(path, out_dtype, tuning, interpret)
+                out = np.asarray(fn(data)[0], np.float32)
+                row["max_rel_diff"] = float(np.max(np.abs(out - reference)) / scale)
+                seconds = timeit(fn, data, repeats=timed)
+            except Exception as e:  # a Mosaic GPU compile error, a tiling that does not fit: recorded, the rest runs
+                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                continue
+            ms = seconds / repeats * 1e3
+            row.update(ms=round(ms, 4), tflops=round(flop / (ms * 1e-3) / 1e12, 1))
+            if path == "emulated":
+                emulated_ms = ms
+            if emulated_ms:
+                row["speedup_vs_emulated"] = round(emulated_ms / ms, 2)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--shapes", default=",".join(SHAPES), help=f"of {list(SHAPES)}, or MxNxK")
+    p.add_argument("--paths", default=",".join(PATHS))
+    p.add_argument("--out-dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--repeats", type=int, default=10, help="GEMMs in one timed call (a scan)")
+    p.add_argument("--timed", type=int, default=5, help="timed calls (median)")
+    p.add_argument("--stages", type=int, default=Tuning.stages)
+    p.add_argument("--grid-width", type=int, default=Tuning.grid_width)
+    p.add_argument("--sweep", action="store_true", help=f"the Mosaic paths over {SWEEP}")
+    p.add_argument("--check", action="store_true", help="tiny shapes, the kernel through the interpreter (CPU)")
+    p.add_argument("--commit", default=os.environ.get("FP8RL_COMMIT", ""),
+                   help="the commit that runs (a device's copy of the tree may report an older one)")
+    argv = sys.argv[1:] if argv is None else argv
+    args = p.parse_args(argv)
+    paths = args.paths.split(",")
+    for path in paths:
+        if path not in PATHS:
+            p.error(f"unknown path {path!r}; known: {PATHS}")
+    if args.check:
+        shapes = CHECK_SHAPES
+        repeats, timed = 2, 1
+        tunings = [Tuning(num_sms=2, stages=2)]
+    else:
+        shapes = {}
+        for s in args.shapes.split(","):
+            shapes[s] = SHAPES[s] if s in SHAPES else tuple(int(v) for v in s.split("x"))
+        repeats, timed = args.repeats, args.timed
+        if args.sweep:
+            tunings = [Tuning(stages=s, grid_width=g) for s, g in itertools.product(*SWEEP.values())]
+        else:
+            tunings = [Tuning(stages=args.stages, grid_width=args.grid_width)]
+    if not args.check and jax.default_backend() != "gpu":
+        sys.exit("block_gemm_speed times a GPU; on this backend run --check")
+    t0 = time.time()
+    rows = []
+    for name, (m, n, k) in shapes.items():
+        rows += bench_shape(name, m, n, k, paths, jnp.dtype(args.out_dtype), repeats, timed, tunings,
+                            interpret=args.check)
+    commit = args.commit or subprocess.run(["git", "-C", os.path.dirname(os.path.abspath(__file__)), "rev-parse",
+                                            "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    result = {"device": device_name(), "backend": jax.default_backend(), "jax": jax.__version__, "commit": commit,
+              "command": " ".join(["python", "benchmarks/block_gemm_speed.py", *argv]),
+              "xla_flags": os.environ.get("XLA_FLAGS", ""), "repeats": repeats, "timed": timed,
+              "seconds": round(time.time() - t0, 1), "rows": rows}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {args.out}: {len(rows)} rows", flush=True)
+    failed = [r for r in rows if "error" in r]
+    wrong = [r for r in rows if r["path"].startswith("mosaic") and r.get("max_rel_diff", 0.0) > 1e-3]
+    if failed or wrong:
+        sys.exit(f"{len(failed)} rows failed, {len(wrong)} Mosaic rows differ from the emulation by more than 1e-3")
+
+
+if __name__ == "__main__":
+    main()

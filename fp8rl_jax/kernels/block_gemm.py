@@ -1,0 +1,246 @@
+"""The block-scaled FP8 GEMM on Hopper: one Mosaic GPU kernel for ``fp8.block.block_gemm``. Used nowhere yet.
+
+What it computes. ``block.block_gemm``'s sum over the 128-wide slices c of the contraction axis C:
+
+    y [P, Q] = sum_c (qa[:, c] . qb[:, c]^T) * (a_scale_inv[:, c][:, None] * b_scale_inv[:, c][None, :])
+
+qa [P, C] and qb [Q, C] FP8 (both E4M3 or both E5M2: JAX 0.10's ``plgpu.wgmma`` takes one type), both contracted
+over their last axis (K-major, as Hopper's FP8 MMA wants both operands); each slice's product summed by the tensor
+cores into a fresh f32 accumulator, multiplied by its two scales and added to the f32 result in slice order
+(DeepGEMM's promotion every 128 K). ``b_scale_inv`` comes in one of two forms: one row per row of qb ``[Q, Cb]``
+(block_gemm's form; any values), or a weight's 128 x 128 blocks ``[ceil(Q / 128), Cb]`` (``block.block_quantize``'s
+form, which ``block.block_rows`` repeats into the first). The second is what a linear's fprop and dgrad have and
+what the kernel runs fastest: one scale per 128 output columns and slice, a scalar. The wgrad's operands are both
+scaled per row (128 x 1 tiles along the tokens) and take the first form. Both give block_gemm's numbers up to the
+sums inside a slice (the tensor cores' order against XLA's dot's; Hopper's FP8 MMA keeps about 14 bits while it
+sums, DeepSeek-V3 section 3.3.2, in this kernel as in the batched dot of block_gemm on a GPU) and the contraction of
+``acc + part * scale`` into one FMA: the scales are multiplied first, as block_gemm does.
+
+The kernel (Pallas, Mosaic GPU backend: ``jax.experimental.pallas.mosaic_gpu``; sm_90a). A persistent kernel: one
+CTA per streaming multiprocessor walks the 128 x 128 output tiles (``plgpu.nd_loop``, in a planar snake order for
+L2 reuse). A CTA is three warpgroups: a memory warpgroup that runs the TMA pipeline over the K slices
+(``plgpu.emit_pipeline_warp_specialized``, ``stages`` slices in flight; a slice is qa's [128, 128] and qb's [128,
+128] FP8 blocks, 128-byte swizzled, and the slice's 128 row scales of qa, and in the row form qb's 128 column
+scales), and two compute warpgroups, each owning 64 rows of the tile. Per slice a compute warpgroup issues one
+64 x 128 x 128 ``plgpu.wgmma`` (E4M3 x E4M3 -> f32, four 32-deep instructions) into a zeroed register accumulator,
+waits for it, and adds ``part * (sa[:, None] * sb)`` into its running f32 tile (64 registers each a thread); the
+other warpgroup's wgmma runs on the tensor cores meanwhile. The epilogue writes the tile (f32 or BF16) to shared
+memory and stores it with TMA while the next tile's loads already stream in. Sizes that the 128 tiles do not
+divide are padded with zeros in the wrapper (a zero adds nothing, as in block_gemm; the padding is a copy of the
+operands, only where needed); scales are transposed there ([Cb, P]: one TMA row a slice).
+
+What it assumes. A Hopper GPU (sm_90a: wgmma; Blackwell's MMA is tcgen05, another kernel), one device (a
+``pallas_call`` is opaque to XLA's partitioner: under a mesh it would need a ``shard_map``), f32 scales, and 194
+KiB of shared memory at the default 4 stages with an f32 output (``Tuning``; lowering checks the 227 KiB budget).
+
+Not measured yet: ``benchmarks/block_gemm_speed.py`` times it against block_gemm's XLA emulation, a per-tensor FP8
+dot and BF16 (``gpu_session.sh bgemm``), and ``tests/kernels/test_block_gemm.py`` checks it against block_gemm on a
+GPU. On a CPU it runs through Pallas' Mosaic GPU interpreter (``interpret=True``, tests only: slow; the
+interpreter's wgmma takes no transposed operand, so there qb goes in as [C, Q], the one difference) and lowers for
+CUDA without a GPU. Nothing in the package calls it until the numbers say it pays.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+BLOCK = 128  # the scaling slice of the contraction axis (block.BLOCK), one wgmma K step
+TILE_M = 128  # output rows per tile: two compute warpgroups of 64
+TILE_N = 128  # output columns per tile: one weight block
+WG_M = TILE_M // 2
+FP8_TYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+    """``stages``: K slices in flight (shared memory: 32.5 KiB each, plus 32 or 64 KiB for the output tile);
+    ``grid_minor``/``grid_width``: the tile order (``plgpu.planar_snake``: bands of ``grid_width`` tiles along
+    dimension ``grid_minor``, 0 = M, 1 = N); ``num_sms``: CTAs (default: the device's multiprocessors)."""
+
+    stages: int = 4
+    grid_minor: int = 1
+    grid_width: int = 8
+    num_sms: int | None = None
+
+
+def _num_blocks(n: int) -> int:
+    return -(-n // BLOCK)
+
+
+def _pad_to(a: jax.Array, axis: int, size: int) -> jax.Array:
+    extra = size - a.shape[axis]
+    if extra == 0:
+        return a
+    return jnp.pad(a, [(0, extra if i == axis else 0) for i in range(a.ndim)])
+
+
+def _default_num_sms() -> int:
+    if jax.default_backend() == "gpu":
+        return int(jax.devices()[0].core_count)
+    return 132  # an H100 SXM or H200 (lowering for CUDA on a host without one)
+
+
+def block_gemm_mgpu(qa: jax.Array, a_scale_inv: jax.Array, qb: jax.Array, b_scale_inv: jax.Array,
+                    out_dtype=jnp.float32, *, tuning: Tuning = Tuning(), interpret=False) -> jax.Array:
+    """``block.block_gemm(qa, a_scale_inv, qb, b_scale_inv)`` -> [P, Q] in ``out_dtype`` (f32 or BF16; the sum is
+    f32 either way), by the Mosaic GPU kernel. qa [P, C], qb [Q, C]: the same FP8 type; a_scale_inv [P, Cb] f32;
+    b_scale_inv [Q, Cb] (any per-row scales) or [ceil(Q / 128), Cb] (a weight's block scales, the faster form),
+    Cb = ceil(C / 128). ``interpret``: True, or the ``InterpretGPUParams`` of Pallas' Mosaic GPU interpreter (any
+    backend; tests; its allocations must start zeroed: ``uninitialized_memory='zero'``)."""
+    p, c = qa.shape
+    q = qb.shape[0]
+    cb = _num_blocks(c)
+    if qa.dtype != qb.dtype or jnp.dtype(qa.dtype) not in [jnp.dtype(t) for t in FP8_TYPES]:
+        raise ValueError(f"block_gemm_mgpu takes two FP8 operands of one type, not {qa.dtype} and {qb.dtype}")
+    if qb.shape[1] != c:
+        raise ValueError(f"block_gemm_mgpu: qa {qa.shape} and qb {qb.shape} differ in their contraction axis")
+    if a_scale_inv.shape != (p, cb):
+        raise ValueError(f"a_scale_inv must be [P, ceil(C/128)] = {(p, cb)}, not {a_scale_inv.shape}")
+    if b_scale_inv.shape == (_num_blocks(q), cb):
+        block_scales = True  # (also Q == 1, where the two forms are one)
+    elif b_scale_inv.shape == (q, cb):
+        block_scales = False
+    else:
+        raise ValueError(f"b_scale_inv must be [Q, Cb] = {(q, cb)} or [ceil(Q/128), Cb] = {(_num_blocks(q), cb)}, "
+                         f"not {b_scale_inv.shape}")
+    out_dtype = jnp.dtype(out_dtype)
+    if out_dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+        raise ValueError(f"block_gemm_mgpu writes float32 or bfloat16, not {out_dtype}")
+    pp, qp, cp = -(-p // TILE_M) * TILE_M, -(-q // TILE_N) * TILE_N, cb * BLOCK
+    a = _pad_to(_pad_to(qa, 0, pp), 1, cp)
+    b = _pad_to(_pad_to(qb, 0, qp), 1, cp)
+    if interpret:  # the interpreter's wgmma takes no transposed operand: qb as [C, Q] there (the MMA wants [Q, C])
+        b = b.T
+    # [P, Cb] -> [Cb, Pp / 64, 64]: a slice's scales of one warpgroup's 64 rows are one contiguous row
+    sa = _pad_to(a_scale_inv.astype(jnp.float32).T, 1, pp).reshape(cb, pp // WG_M, WG_M)
+    if block_scales:
+        sb = _pad_to(b_scale_inv.astype(jnp.float32), 0, qp // TILE_N)  # [Qp / 128, Cb]
+    else:
+        sb = _pad_to(b_scale_inv.astype(jnp.float32).T, 1, qp)  # [Cb, Qp]
+    y = _call(a, b, sa, sb, out_dtype=out_dtype, block_scales=block_scales, tuning=tuning, interpret=interpret)
+    return y[:p, :q] if (pp, qp) != (p, q) else y
+
+
+def _call(a, b, sa, sb, *, out_dtype, block_scales: bool, tuning: Tuning, interpret):
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    pp, cp = a.shape
+    qp = b.shape[1] if interpret else b.shape[0]
+    m_iters, n_iters, k_iters = pp // TILE_M, qp // TILE_N, cp // BLOCK
+    num_tiles = m_iters * n_iters
+    num_sms = min(tuning.num_sms or _default_num_sms(), num_tiles)
+    in_bits = jnp.dtype(a.dtype).itemsize * 8
+    in_swizzle = plgpu.find_swizzle(BLOCK * in_bits, "fp8 operand")  # 128 bytes: one K slice a swizzle row
+    in_transforms = (plgpu.TilingTransform((8, in_swizzle * 8 // in_bits)), plgpu.SwizzleTransform(in_swizzle))
+    out_bits = out_dtype.itemsize * 8
+    out_swizzle = plgpu.find_swizzle(TILE_N * out_bits, "output")
+    out_transforms = (plgpu.TilingTransform((8, out_swizzle * 8 // out_bits)), plgpu.SwizzleTransform(out_swizzle))
+
+    def cast(x, layout):  # the interpreter ignores layouts (and has no rule for the cast)
+        return x if interpret else plgpu.layout_cast(x, layout)
+
+    # qb's slice: [128 columns, 128 K] in shared memory, K-major as the FP8 MMA takes it (transposed into the MMA's
+    # [K, N] view); the interpreter gets qb as [C, Q] and its [128 K, 128 columns] slices (see block_gemm_mgpu)
+    if interpret:
+        b_spec = plgpu.BlockSpec((BLOCK, TILE_N), lambda k: (k, 0), transforms=in_transforms)
+        b_cols = lambda b_gmem, cols: b_gmem.at[:, cols]
+        b_operand = lambda b_smem: b_smem
+    else:
+        b_spec = plgpu.BlockSpec((TILE_N, BLOCK), lambda k: (0, k), transforms=in_transforms)
+        b_cols = lambda b_gmem, cols: b_gmem.at[cols, :]
+        b_operand = lambda b_smem: plgpu.transpose_ref(b_smem, (1, 0))
+
+    def kernel(a_gmem, b_gmem, sa_gmem, sb_gmem, out_gmem, out_smem):
+        wg = lax.axis_index("wg")
+
+        def get_pipeline(body, compute_context):
+            specs = [
+                plgpu.BlockSpec((TILE_M, BLOCK), lambda k: (0, k), transforms=in_transforms),  # qa's slice
+                b_spec,  # qb's slice
+                plgpu.BlockSpec((1, 2, WG_M), lambda k: (k, 0, 0)),  # qa's row scales
+            ]
+            if not block_scales:
+                specs.append(plgpu.BlockSpec((1, TILE_N), lambda k: (k, 0)))  # qb's row scales
+            return plgpu.emit_pipeline_warp_specialized(
+                body, grid=(k_iters,), memory_registers=40, in_specs=specs, wg_axis="wg", num_compute_wgs=2,
+                max_concurrent_steps=tuning.stages, compute_context=compute_context)
+
+        def tile_refs(m_idx, n_idx):
+            cols = pl.ds(n_idx * TILE_N, TILE_N)
+            refs = [a_gmem.at[pl.ds(m_idx * TILE_M, TILE_M), :], b_cols(b_gmem, cols),
+                    sa_gmem.at[:, pl.ds(m_idx * 2, 2), :]]
+            if not block_scales:
+                refs.append(sb_gmem.at[:, cols])
+            return refs
+
+        ignore = lambda *_, **__: None  # the allocations do not depend on the bodies
+
+        @functools.partial(pl.run_scoped,
+                           allocs=get_pipeline(ignore, ignore).get_allocations(*tile_refs(0, 0)),
+                           collective_axes="wg")
+        def _scope(allocs):
+            @plgpu.nd_loop((num_tiles,), collective_axes="sm")
+            def _tile(info):
+                (lin,) = info.index
+                m_idx, n_idx = plgpu.planar_snake(lin, (m_iters, n_iters), tuning.grid_minor, tuning.grid_width)
+                rows = pl.ds(wg * WG_M, WG_M)
+
+                def compute_context(run_pipeline):
+                    acc = run_pipeline(cast(jnp.zeros((WG_M, TILE_N), jnp.float32), plgpu.Layout.WGMMA))
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's store has read out_smem
+                    out_smem[wg] = acc.astype(out_dtype)
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(out_smem.at[wg],
+                                            out_gmem.at[pl.ds(m_idx * TILE_M + wg * WG_M, WG_M),
+                                                        pl.ds(n_idx * TILE_N, TILE_N)])
+
+                def body(idx, a_smem, b_smem, sa_smem, *sb_smem_and_acc):
+                    (k,) = idx
+                    *sb_smem, acc = sb_smem_and_acc
+                    if block_scales:
+                        sb = sb_gmem[n_idx, k]  # one scale for the tile's 128 columns (issued before the MMA)
+
+                    def mma(part_ref):
+                        plgpu.wgmma(part_ref, a_smem.at[rows], b_operand(b_smem))
+                        return part_ref[...]
+
+                    part = pl.run_scoped(mma, plgpu.ACC((WG_M, TILE_N), jnp.float32))
+                    sa = cast(sa_smem[0, wg], plgpu.Layout.WGMMA.reduce(1))  # [64] this warpgroup's rows
+                    if block_scales:
+                        scale = lax.broadcast_in_dim(sa * sb, (WG_M, TILE_N), (0,))
+                    else:
+                        (sb_ref,) = sb_smem
+                        sb = cast(sb_ref[0], plgpu.Layout.WGMMA.reduce(0))  # [128] the tile's columns
+                        scale = (lax.broadcast_in_dim(sa, (WG_M, TILE_N), (0,))
+                                 * lax.broadcast_in_dim(sb, (WG_M, TILE_N), (1,)))
+                    return acc + part * scale
+
+                get_pipeline(body, compute_context)(*tile_refs(m_idx, n_idx), allocations=allocs)
+
+        plgpu.wait_smem_to_gmem(0)
+
+    interpret_params = None
+    if interpret is True:
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+        # zeroed allocations, as the hardware's WGMMA accumulators start (the interpreter's default fills them with NaN)
+        interpret_params = InterpretGPUParams(uninitialized_memory="zero")
+    elif interpret:
+        interpret_params = interpret  # the caller's InterpretGPUParams (e.g. with detect_races)
+    return plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct((pp, qp), out_dtype),
+        scratch_types=[plgpu.SMEM((2, WG_M, TILE_N), out_dtype, transforms=out_transforms)],
+        grid=(num_sms,),
+        grid_names=("sm",),
+        num_threads=3,
+        thread_name="wg",
+        interpret=interpret_params,
+        kernel_name="block_gemm_fp8",
+    )(a, b, sa, sb)

@@ -1,0 +1,213 @@
+"""``kernels.block_gemm``: the Mosaic GPU block-scaled FP8 GEMM against ``fp8.block.block_gemm``.
+
+On the CPU: the kernel lowered for CUDA on this host (the Mosaic GPU module, whose MMAs must be Hopper's E4M3 x
+E4M3 -> f32 wgmma), and run through Pallas' Mosaic GPU interpreter (the same kernel body, qb given as [C, Q]: the
+interpreter's wgmma takes no transposed operand; its MMA sums in f32 as numpy does). On the GPU (``gpu`` marker):
+the compiled kernel. Hopper's FP8 MMAs accumulate with fewer bits than f32 (DeepSeek-V3, section 3.3.2: about 14),
+within the kernel's 128-deep slices as within the emulation's batched dot, so random data bounds the GPU's
+difference by that precision; operands whose slice sums are exact in any accumulator (small integers) make the
+two sum the same values, and the kernel must then equal block_gemm to f32 rounding of the scaled partial sums.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax._src.lib.mlir import ir
+
+from fp8rl_jax.fp8 import block
+from fp8rl_jax.kernels.block_gemm import Tuning, block_gemm_mgpu
+
+U = 2.0**-24
+WGMMA_E4M3 = b"wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3"
+FORMS = ("blocks", "rows_of_blocks", "rows")  # b's scales: a weight's blocks, the same as rows, any per-row scales
+
+
+def _quantized(p, q, c, form, seed=0):
+    """Block-scaled operands of random data with a few massive values: (qa, sa, qb, sb in ``form``, sb as rows)."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(p, c)).astype(np.float32)
+    x.flat[rng.choice(x.size, 3, replace=False)] = [3000.0, -1200.0, 800.0]
+    w = (rng.normal(size=(q, c)) * 0.05).astype(np.float32)
+    qa, sa = block.tile_quantize(jnp.asarray(x), jnp.float8_e4m3fn)
+    if form == "rows":  # the wgrad's second operand: 1 x 128 tiles of its own
+        qb, sb = block.tile_quantize(jnp.asarray(w), jnp.float8_e4m3fn)
+        return qa, sa, qb, sb, sb
+    qb, sw = block.block_quantize(jnp.asarray(w), jnp.float8_e4m3fn)
+    rows = block.block_rows(sw, q)
+    return qa, sa, qb, (sw if form == "blocks" else rows), rows
+
+
+def _integers(p, q, c, form, seed=0):
+    """Operands in {-4, ..., 4} (every slice's sum of 128 products is an integer below 2**11: exact in any
+    accumulator) and random positive scales: (qa, sa, qb, sb in ``form``, sb as rows)."""
+    rng = np.random.default_rng(seed)
+    cb = block.num_blocks(c)
+    qa = jnp.asarray(rng.integers(-4, 5, (p, c)), jnp.float32).astype(jnp.float8_e4m3fn)
+    qb = jnp.asarray(rng.integers(-4, 5, (q, c)), jnp.float32).astype(jnp.float8_e4m3fn)
+    sa = jnp.asarray(rng.uniform(0.5, 2.0, (p, cb)) * 2.0 ** rng.integers(-8, 8, (p, cb)), jnp.float32)
+    if form == "rows":
+        sb = jnp.asarray(rng.uniform(0.5, 2.0, (q, cb)), jnp.float32)
+        return qa, sa, qb, sb, sb
+    sw = jnp.asarray(rng.uniform(0.5, 2.0, (block.num_blocks(q), cb)), jnp.float32)
+    rows = block.block_rows(sw, q)
+    return qa, sa, qb, (sw if form == "blocks" else rows), rows
+
+
+def _abs(q):
+    """|q| of FP8 values, exactly (the sign bit cleared)."""
+    return lax.bitcast_convert_type(lax.bitcast_convert_type(q, jnp.uint8) & jnp.uint8(0x7F), q.dtype)
+
+
+def _magnitude(qa, sa, qb, sb_rows):
+    """sum over slices of |qa| . |qb|^T * |sa sb| (the scale of f32's rounding errors), in f32."""
+    with jax.default_matmul_precision("highest"):
+        return jax.jit(block.block_gemm)(_abs(qa).astype(jnp.float32), sa, _abs(qb).astype(jnp.float32), sb_rows)
+
+
+def _f32_bound(c, mag):
+    """f32 summation's bound on |y - y_exact| (tests/fp8/test_block_scaling.py), per element."""
+    return (block.BLOCK + block.num_blocks(c) + 3) * U * np.asarray(mag)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# CPU: lowering for CUDA, and Pallas' Mosaic GPU interpreter
+
+
+def _mosaic_modules(fn, *args) -> list[bytes]:
+    """The serialized Mosaic GPU module of each kernel in ``fn`` lowered for CUDA on this host."""
+    module = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).compiler_ir("stablehlo")
+    found = []
+
+    def walk(op):
+        for region in op.regions:
+            for blk in region.blocks:
+                for inner in blk.operations:
+                    if inner.operation.name == "stablehlo.custom_call" and "mosaic_gpu" in ir.StringAttr(
+                            inner.attributes["call_target_name"]).value:
+                        found.append(ir.StringAttr(ir.DictAttr(inner.attributes["mhlo.backend_config"])["module"])
+                                     .value_bytes)
+                    walk(inner.operation)
+
+    walk(module.operation)
+    return found
+
+
+@pytest.mark.parametrize("p,q,c,form,out_dtype", [
+    (200, 576, 1536, "blocks", jnp.float32),  # SmolLM2's hidden size: padded rows, columns
+    (200, 576, 1536, "rows", jnp.bfloat16),
+    (4096, 4096, 4096, "blocks", jnp.float32),
+])
+def test_lowers_for_cuda_to_fp8_wgmma(p, q, c, form, out_dtype):
+    """On this CPU host: one Mosaic GPU kernel whose MMAs are Hopper's E4M3 x E4M3 -> f32 wgmma, 64 x 128 x 32 (a
+    layout, shape or shared-memory budget that Mosaic GPU rejects fails here, at lowering)."""
+    cb = block.num_blocks(c)
+    sb_rows = q if form == "rows" else block.num_blocks(q)
+    args = [jax.ShapeDtypeStruct(s, d) for s, d in [((p, c), jnp.float8_e4m3fn), ((p, cb), jnp.float32),
+                                                       ((q, c), jnp.float8_e4m3fn), ((sb_rows, cb), jnp.float32)]]
+    [module] = _mosaic_modules(lambda *a: block_gemm_mgpu(*a, out_dtype=out_dtype), *args)
+    assert WGMMA_E4M3 in module
+
+
+def test_shared_memory_budget_is_checked_at_lowering():
+    """Six stages and an f32 tile need 259 KiB of shared memory, past the 227 KiB a Hopper block gets: lowering
+    says so (the default of four fits: the test above)."""
+    args = [jax.ShapeDtypeStruct(s, d) for s, d in [((256, 1024), jnp.float8_e4m3fn), ((256, 8), jnp.float32),
+                                                       ((256, 1024), jnp.float8_e4m3fn), ((2, 8), jnp.float32)]]
+    with pytest.raises(Exception, match="shared memory"):
+        _mosaic_modules(lambda *a: block_gemm_mgpu(*a, tuning=Tuning(stages=6)), *args)
+
+
+# the interpreter's tests against block_gemm on the CPU (on a GPU block_gemm's FP8 dots sum with the MMA's precision)
+cpu_only = pytest.mark.skipif(jax.default_backend() != "cpu", reason="the interpreter's tests run on the CPU")
+
+
+@cpu_only
+@pytest.mark.parametrize("form", FORMS)
+def test_interpreter_matches_block_gemm(form):
+    """The kernel through the Mosaic GPU interpreter (2 CTAs walking 3 x 3 tiles, 9 slices through 2 stages, sizes
+    padded on every axis) against block_gemm on this CPU: both sum in f32, so within twice f32's bound."""
+    p, q, c = 300, 260, 1100
+    qa, sa, qb, sb, rows = _quantized(p, q, c, form)
+    got = block_gemm_mgpu(qa, sa, qb, sb, interpret=True, tuning=Tuning(num_sms=2, stages=2))
+    want = jax.jit(block.block_gemm)(qa, sa, qb, rows)
+    assert got.shape == (p, q) and got.dtype == jnp.float32
+    err = np.abs(np.asarray(got) - np.asarray(want))
+    assert (err <= 2 * _f32_bound(c, _magnitude(qa, sa, qb, rows))).all(), err.max()
+
+
+@cpu_only
+def test_interpreter_bf16_output_is_the_f32_result_rounded():
+    qa, sa, qb, sb, _ = _quantized(130, 200, 256, "blocks", seed=1)
+    run = lambda dtype: block_gemm_mgpu(qa, sa, qb, sb, dtype, interpret=True, tuning=Tuning(num_sms=2))
+    got = run(jnp.bfloat16)
+    assert got.dtype == jnp.bfloat16 and got.shape == (130, 200)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(run(jnp.float32).astype(jnp.bfloat16),
+                                                                          np.float32))
+
+
+def test_bad_input_is_named():
+    qa, sa, qb, sb, rows = _quantized(64, 64, 256, "blocks")
+    with pytest.raises(ValueError, match="FP8"):
+        block_gemm_mgpu(qa.astype(jnp.bfloat16), sa, qb, sb)
+    with pytest.raises(ValueError, match="FP8"):
+        block_gemm_mgpu(qa, sa, qb.astype(jnp.float8_e5m2), sb)
+    with pytest.raises(ValueError, match="b_scale_inv"):
+        block_gemm_mgpu(qa, sa, qb, sb[:, :1])
+    with pytest.raises(ValueError, match="a_scale_inv"):
+        block_gemm_mgpu(qa, sa.T, qb, sb)
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        block_gemm_mgpu(qa, sa, qb, sb, jnp.float16)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# GPU: the compiled kernel
+
+GPU_CASES = [  # p, q, c, form
+    (128, 128, 128, "blocks"),  # one tile, one slice
+    (200, 576, 1536, "blocks"),  # SmolLM2-ish: padded rows and columns
+    (200, 576, 1536, "rows_of_blocks"),
+    (200, 576, 1536, "rows"),
+    (576, 1536, 2000, "rows"),  # a wgrad's shape (K = tokens, not a multiple of 128)
+    (4096, 4096, 4096, "blocks"),  # LLM-ish: 1024 tiles over the multiprocessors, 32 slices
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("p,q,c,form", GPU_CASES)
+def test_gpu_exact_slice_sums_equal_block_gemm(p, q, c, form):
+    """Small-integer operands: every slice's MMA sum is exact in the kernel as in the emulation, so the two add the
+    same scaled partial sums in the same order and differ only where one contracts ``acc + part * scale`` into an
+    FMA (at most one f32 rounding of each product); then BF16 output is that f32 result rounded."""
+    qa, sa, qb, sb, rows = _integers(p, q, c, form)
+    got = jax.jit(block_gemm_mgpu)(qa, sa, qb, sb)
+    want = jax.jit(block.block_gemm)(qa, sa, qb, rows)
+    assert got.shape == (p, q) and got.dtype == jnp.float32
+    mag = np.asarray(_magnitude(qa, sa, qb, rows))
+    err = np.abs(np.asarray(got) - np.asarray(want))
+    tol = (3 * block.num_blocks(c) + 4) * U * mag  # an FMA's one rounding a slice against two
+    assert (err <= tol).all(), f"max err {err.max()}, max err / magnitude {(err / np.maximum(mag, 1e-30)).max()}"
+    got16 = jax.jit(lambda *a: block_gemm_mgpu(*a, jnp.bfloat16))(qa, sa, qb, sb)
+    np.testing.assert_array_equal(np.asarray(got16, np.float32), np.asarray(got.astype(jnp.bfloat16), np.float32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("p,q,c,form", GPU_CASES)
+def test_gpu_quantized_data_within_fp8_accumulation_of_block_gemm(p, q, c, form):
+    """Block-quantized random data: the kernel and block_gemm's emulation against the same sum with f32 products
+    and sums (block_gemm of the FP8 values as f32, at 'highest' precision). Hopper's FP8 MMA keeps about 14 bits
+    while it sums a slice: the kernel no further from that than 4 times the emulation's largest error plus f32's
+    bound, and within 2**-8 of the magnitude (a loose bound on 13-bit sums of 32 aligned products a step)."""
+    qa, sa, qb, sb, rows = _quantized(p, q, c, form)
+    got = np.asarray(jax.jit(block_gemm_mgpu)(qa, sa, qb, sb))
+    emulated = np.asarray(jax.jit(block.block_gemm)(qa, sa, qb, rows))
+    with jax.default_matmul_precision("highest"):
+        exact = np.asarray(jax.jit(block.block_gemm)(qa.astype(jnp.float32), sa, qb.astype(jnp.float32), rows))
+    mag = np.asarray(_magnitude(qa, sa, qb, rows))
+    err, err_emulated = np.abs(got - exact), np.abs(emulated - exact)
+    relative = lambda e: (e / np.maximum(mag, 1e-30)).max()
+    note = (f"max err / magnitude: kernel {relative(err):.3g}, emulation {relative(err_emulated):.3g}; max err "
+            f"{err.max():.3g} against {err_emulated.max():.3g}")
+    assert (err <= 2.0**-8 * mag + _f32_bound(c, mag)).all(), note
+    assert err.max() <= 4 * err_emulated.max() + _f32_bound(c, mag).max(), note
