@@ -71,6 +71,9 @@ MODES = {  # mode -> (precision.mode, extra XLA flags, config overrides)
     "fp8_e2e_cublas": ("fp8_e2e", "--xla_gpu_enable_triton_gemm=false", {}),
     # XLA's own FP8 GEMMs (cuBLASLt), its fusions around them (casts and amaxes inside the producers' kernels)
     "fp8_e2e_xla": ("fp8_e2e", "--xla_gpu_enable_triton_gemm=false", {"precision.backend": "xla"}),
+    # block scaling (1 x 128 tiles, 128 x 128 weight blocks, E4M3 throughout): kernels.block_gemm on a Hopper GPU
+    "fp8_e2e_block": ("fp8_e2e", "--xla_gpu_enable_triton_gemm=false",
+                      {"precision.backend": "xla", "precision.scaling": "block", "precision.fp8_format": "e4m3"}),
 }
 # dense BF16 tensor-core peaks (TFLOP/s) by device kind prefix; FP8 doubles them on Hopper
 BF16_PEAK_TFLOPS = {"NVIDIA H100": 989.4, "NVIDIA H200": 989.4, "NVIDIA GH200": 989.4}
@@ -393,6 +396,7 @@ def summarize(rows: list[dict], args) -> dict:
         commit = sp.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     except OSError:
         commit = ""
+    commit = commit or os.environ.get("FP8RL_COMMIT", "")  # a device's copy of a working tree has no HEAD
     return {
         "rollout_speedup": speedup("time_rollout"),
         "train_speedup": speedup("time_train"),

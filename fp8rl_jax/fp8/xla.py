@@ -25,8 +25,9 @@ The other forms of an ``Fp8Recipe`` (``current`` and ``block`` scaling, or fewer
 ``_general_matmul_fn``: every GEMM quantizes its two operands from their high-precision values as its form says
 (``_BACKWARD_KINDS``), and a GEMM outside ``fp8_gemms`` runs on compute-dtype operands with f32 accumulation. It
 keeps x and the master kernel as residuals (an emulation: the bytes are not the point). Under ``block`` scaling a
-GEMM is ``block.block_gemm``, f32 accumulation per 128-wide slice of its contraction axis; a pre-quantized kernel
-then carries [ceil(N/128), ceil(K/128)] scales. ``tensor`` and ``rowwise`` with all three GEMMs in FP8 keep the
+GEMM is ``block.block_gemm``, f32 accumulation per 128-wide slice of its contraction axis, run by the Mosaic GPU
+kernel ``kernels.block_gemm`` on a Hopper GPU outside a mesh of several devices (``_block_gemm``); a pre-quantized
+kernel then carries [ceil(N/128), ceil(K/128)] scales. ``tensor`` and ``rowwise`` with all three GEMMs in FP8 keep the
 path above, unchanged.
 
 ``mantissa`` scaling (the fidelity probe's only; no config accepts it) takes that path too, as ``current`` does, with
@@ -57,6 +58,7 @@ from fp8rl_jax.fp8.recipe import (
     rounded,
     scale_from_amax,
 )
+from fp8rl_jax.kernels import block_gemm as block_kernel
 from fp8rl_jax.numerics import mantissa_rounded
 from fp8rl_jax.parallel import fsdp
 
@@ -166,6 +168,21 @@ def _rowwise_quantize(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
     return quantize(x, scale[..., None], dtype), 1.0 / scale
 
 
+def _block_gemm(qa: jax.Array, sa: jax.Array, qb: jax.Array, sb: jax.Array, form: str, out_dtype=None) -> jax.Array:
+    """``block.block_gemm`` -> [P, Q] in ``out_dtype`` (default f32): by ``kernels.block_gemm``'s Mosaic GPU kernel
+    where it runs (``block_kernel.runs_here``: float8 operands of one type on a Hopper GPU, no mesh of several
+    devices), else by block_gemm's XLA emulation. ``sb``: one row of scales per row of qb [Q, Cb], or a weight's
+    128 x 128 block scales [ceil(Q / 128), Cb]. The kernel sums each 128-deep slice in the tensor cores'
+    accumulator (DeepGEMM's precision: fewer bits than the emulation's f32 sums, section "Block-scaled FP8" of
+    docs/accuracy.md); the scaled slices are added in f32 by both, in the same order."""
+    if form == "f8" and block_kernel.runs_here(qa, qb):
+        kernel_dtype = out_dtype if jnp.dtype(out_dtype or jnp.float32) == jnp.bfloat16 else jnp.float32
+        y = block_kernel.block_gemm_mgpu(qa, sa, qb, sb, kernel_dtype)
+    else:
+        y = block.block_gemm(qa, sa, qb, block.block_rows(sb, qb.shape[0]))
+    return y if out_dtype is None else y.astype(out_dtype)
+
+
 def _mm(a: jax.Array, b: jax.Array, a_contract: int, b_contract: int) -> jax.Array:
     """2-D product contracting one axis of each operand, accumulated in f32."""
     return lax.dot_general(
@@ -191,8 +208,7 @@ def prequantized_matmul(
                          "input itself")
     if recipe.scaling == "block":  # x_scale unused: each 1 x 128 tile of x has its own current scale
         qx, sx = block.tile_quantize(x, recipe.fwd_dtype)
-        n = kernel.data.shape[-2]
-        y = block.block_gemm(gemm_operand(qx, recipe.fwd_dtype, form), sx, qw, block.block_rows(kernel.scale_inv, n))
+        y = _block_gemm(gemm_operand(qx, recipe.fwd_dtype, form), sx, qw, kernel.scale_inv, form, out_dtype)
     elif recipe.scaling in ("current", "mantissa"):  # x_scale unused: x's own amax, or no scale (sx 1)
         qx, sx = _quantized(x, recipe.fwd_dtype, recipe.scaling)
         # [M, K] . [N, K] -> [M, N]
@@ -329,8 +345,7 @@ def _dgrad(g: jax.Array, w: jax.Array, kinds, recipe: Fp8Recipe, form: str, s_g,
     if kinds[0] == "tile":  # g in 1 x 128 tiles along N, w in 128 x 128 blocks
         qg, sg = block.tile_quantize(g, bwd)
         qw, sw = block.block_quantize(w, fwd)
-        return block.block_gemm(gemm_operand(qg, bwd, form), sg, gemm_operand(qw, fwd, form),
-                                block.block_rows(sw, w.shape[0]))
+        return _block_gemm(gemm_operand(qg, bwd, form), sg, gemm_operand(qw, fwd, form), sw, form)
     qg, sg = _quantized(g, bwd, kinds[0], s_g)
     qw, sw = _quantized(w, fwd, kinds[1], s_w)
     # [M, N] . [N, K] -> [M, K], laid out as the standard path's (the same sums in the same order)
@@ -343,7 +358,7 @@ def _wgrad(x: jax.Array, g: jax.Array, kinds, recipe: Fp8Recipe, form: str, s_x,
     if kinds[0] == "tile":  # x and g in 128 x 1 tiles: 1 x 128 tiles of their transposes, along the tokens
         qx, sx = block.tile_quantize(jnp.swapaxes(x, 0, 1), fwd)
         qg, sg = block.tile_quantize(jnp.swapaxes(g, 0, 1), bwd)
-        return block.block_gemm(gemm_operand(qx, fwd, form), sx, gemm_operand(qg, bwd, form), sg)
+        return _block_gemm(gemm_operand(qx, fwd, form), sx, gemm_operand(qg, bwd, form), sg, form)
     qx, sx = _quantized(x, fwd, kinds[0], s_x)
     qg, sg = _quantized(g, bwd, kinds[1], s_g)
     # [M, K]^T . [M, N] -> [K, N]
@@ -374,7 +389,7 @@ def _general_matmul_fn(x_dtype, w_dtype, out_dtype, recipe: Fp8Recipe, form: str
         w = kernel if gather is None else fsdp.gather_bits(kernel, gather)  # [K, N]: the whole master
         if "fprop" in recipe.fp8_gemms:  # the rollout's arithmetic on the rollout's operands
             y = prequantized_matmul(x, quantize_kernel(w, state["kernel"], recipe, form), state["x"]["scale"],
-                                    recipe, form)
+                                    recipe, form, out_dtype=out_dtype)
         else:
             y = _wide_gemm(x, jnp.swapaxes(w, 0, 1), x_dtype, form)  # [M, K] . [N, K] -> [M, N]
         amax_w = amax(kernel) if kernel_amax is None else kernel_amax

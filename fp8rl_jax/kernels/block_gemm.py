@@ -85,6 +85,21 @@ def _default_num_sms() -> int:
     return 132  # an H100 SXM or H200 (lowering for CUDA on a host without one)
 
 
+def runs_here(qa: jax.Array, qb: jax.Array) -> bool:
+    """Whether ``block_gemm_mgpu`` runs for operands like these in this trace: a Hopper GPU (sm_90), no mesh of
+    several devices (a ``pallas_call`` has no partitioning rule: under one, XLA would gather its operands), and two
+    2-D FP8 operands of one type (the kernel's one wgmma type)."""
+    if jax.default_backend() != "gpu" or qa.ndim != 2 or qb.ndim != 2 or qa.dtype != qb.dtype:
+        return False
+    if jnp.dtype(qa.dtype) not in [jnp.dtype(t) for t in FP8_TYPES]:
+        return False
+    if getattr(jax.devices()[0], "compute_capability", None) != "9.0":
+        return False
+    from fp8rl_jax.parallel import rules
+
+    return rules.active_mesh() is None
+
+
 def block_gemm_mgpu(qa: jax.Array, a_scale_inv: jax.Array, qb: jax.Array, b_scale_inv: jax.Array,
                     out_dtype=jnp.float32, *, tuning: Tuning = Tuning(), interpret=False) -> jax.Array:
     """``block.block_gemm(qa, a_scale_inv, qb, b_scale_inv)`` -> [P, Q] in ``out_dtype`` (f32 or BF16; the sum is
@@ -154,7 +169,7 @@ def _call(a, b, sa, sb, *, out_dtype, block_scales: bool, tuning: Tuning, interp
     else:
         b_spec = plgpu.BlockSpec((TILE_N, BLOCK), lambda k: (0, k), transforms=in_transforms)
         b_cols = lambda b_gmem, cols: b_gmem.at[cols, :]
-        b_operand = lambda b_smem: plgpu.transpose_ref(b_smem, (1, 0))
+        b_operand = lambda b_smem: b_smem.transpose((1, 0))
 
     def kernel(a_gmem, b_gmem, sa_gmem, sb_gmem, out_gmem, out_smem):
         wg = lax.axis_index("wg")
