@@ -4,8 +4,9 @@ On the CPU: the kernel lowered for CUDA on this host (the Mosaic GPU module, who
 E4M3 -> f32 wgmma), and run through Pallas' Mosaic GPU interpreter (the same kernel body, qb given as [C, Q]: the
 interpreter's wgmma takes no transposed operand; its MMA sums in f32 as numpy does). On the GPU (``gpu`` marker):
 the compiled kernel. Its wgmma sums a 128-deep slice with fewer bits than f32 (DeepSeek-V3, section 3.3.2: about
-14), where XLA's FP8 dot in the emulation does not (on the H100 the emulation's slice sums came within 4e-7 of
-f32's, the kernel's within 1.3e-3 of the magnitude), so random data bounds the kernel by that precision; operands
+14); XLA's FP8 dot in the emulation sums in f32 for some shapes and as the kernel does for others (on the H100:
+within 4e-7 of f32's sums, or the kernel's own error, 1.3e-3 of the magnitude at most), so random data bounds the
+kernel by the MMA's precision; operands
 whose slice sums are exact in any accumulator (small integers) make the two sum the same values, and the kernel
 must then equal block_gemm to f32 rounding of the scaled partial sums. The FP8 linear (``fp8.xla``) under block
 scaling runs its three GEMMs through the kernel where ``runs_here`` says so: checked lowered on the CPU, and run
@@ -203,8 +204,8 @@ def test_gpu_quantized_data_within_fp8_accumulation_of_block_gemm(p, q, c, form)
     """Block-quantized random data with massive values: the kernel against the same sum with f32 products and sums
     (block_gemm of the FP8 values as f32, at 'highest' precision). Hopper's FP8 MMA keeps about 14 bits while it
     sums a slice: within 2**-8 of the magnitude (a loose bound on 13-bit sums of 32 aligned products a step; the
-    H100 gave 1.1e-3 to 1.3e-3 here). The emulation's XLA dot sums in f32 on the GPU too (4e-7 there): within
-    f32's bound and a little."""
+    H100 gave 0.9e-3 to 1.3e-3 here). The emulation's precision on the GPU is that of the GEMM XLA picks: f32's
+    on the H100 for some of these shapes (4e-7), the kernel's for others (equal errors): only reported."""
     qa, sa, qb, sb, rows = _quantized(p, q, c, form)
     got = np.asarray(jax.jit(block_gemm_mgpu)(qa, sa, qb, sb))
     emulated = np.asarray(jax.jit(block.block_gemm)(qa, sa, qb, rows))
@@ -216,7 +217,6 @@ def test_gpu_quantized_data_within_fp8_accumulation_of_block_gemm(p, q, c, form)
     note = (f"max err / magnitude: kernel {relative(err):.3g}, emulation {relative(err_emulated):.3g}; max err "
             f"{err.max():.3g} against {err_emulated.max():.3g}")
     assert (err <= 2.0**-8 * mag + _f32_bound(c, mag)).all(), note
-    assert (err_emulated <= 2 * _f32_bound(c, mag)).all(), note
 
 
 # ----------------------------------------------------------------------------------------------------------
