@@ -2,7 +2,7 @@
 # One GPU session on the lent H100 (or an H200 host): install Transformer Engine and the project's wheels once, then
 # the stages named on the command line. Results land in $OUT (or ./gpu_out).
 #   usage: bash benchmarks/gpu_session.sh [install] [tests] [demo_scaled] [decode] [llama1b:MODE] [rollout1k] [gemm] [train] [e2e] [e2e_xla] [profile] [cluster_nb] [study] [rollout_xla] [rollout_head] [rollout_flags]
-#          [async] [rollout8b] [agreement] [exact] [packed_attention] [e2e8b] [profile8b] [head_step] [headgrad] [multiprocess] [transpose] [swiglu] [fp8gemm] [bgemm]...
+#          [async] [rollout8b] [agreement] [exact] [packed_attention] [e2e8b] [profile8b] [head_step] [headgrad] [multiprocess] [transpose] [swiglu] [fp8gemm] [bgemm] [blinear]...
 # TE arrives in pieces (see ../shared/gpu/README.md): .gpu/te/wheels + .gpu/install_te.sh, the core wheel's five
 # parts already copied to /root/te by earlier calls; the other wheels in .gpu/wheels; a tokenizer in .gpu/smollm2_tok.
 set -uo pipefail
@@ -61,6 +61,10 @@ EOF
       XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_triton_gemm=false" timeout ${BGEMM_TIMEOUT:-400} python3 \
         benchmarks/block_gemm_speed.py ${BGEMM_ARGS:-} --out "$OUT/block_gemm${BGEMM_TAG:-}_h100.json" 2>&1 \
         | grep -v "^W\|Warn" | tee "$OUT/block_gemm${BGEMM_TAG:-}.log" | grep "^{\|rror\|wrote" | cut -c1-400 ;;
+    blinear) # one linear's forward + backward at llama1b's training shapes: BF16, per-tensor and block-scaled FP8, the
+      # block path's GEMMs and its quantizers apart (benchmarks/block_linear_speed.py; BL_ARGS)
+      timeout ${BL_TIMEOUT:-240} python3 benchmarks/block_linear_speed.py ${BL_ARGS:-} --out "$OUT/block_linear_h100.json" \
+        2>&1 | grep "^{\|rror\|wrote" | cut -c1-300 ;;
     head_step) # the LM head's forward + backward alone (HEAD_VARIANTS, default BF16 / FP8 custom VJP / autodiff
       # FP8), llama1b and 8B widths; HEAD_TAG names the files
       timeout 200 python3 benchmarks/head_step.py --runs ${HEAD_RUNS:-3} --variants ${HEAD_VARIANTS:-bf16,fp8,fp8_autodiff} \
