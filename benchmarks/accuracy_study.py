@@ -92,14 +92,11 @@ TAIL = 5  # steps averaged for the reward at the start and at the end
 
 
 def _commit() -> str:
-    """FP8RL_COMMIT where the caller names the tree (a device's copy of a working tree has no such HEAD), else git's."""
-    if os.environ.get("FP8RL_COMMIT"):
-        return os.environ["FP8RL_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+    """``bench.tree_commit()``: FP8RL_COMMIT where the caller names the tree, else git's (no JAX imported here)."""
+    sys.path.insert(0, str(REPO))
+    from fp8rl_jax.bench import tree_commit
+
+    return tree_commit() or "unknown"
 
 
 def _device() -> str:

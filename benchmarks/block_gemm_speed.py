@@ -32,7 +32,6 @@ import argparse
 import itertools
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -46,7 +45,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax import lax  # noqa: E402
 
-from fp8rl_jax.bench import device_name, timeit  # noqa: E402
+from fp8rl_jax.bench import device_name, timeit, tree_commit  # noqa: E402
 from fp8rl_jax.fp8 import block  # noqa: E402
 from fp8rl_jax.kernels.block_gemm import Tuning, block_gemm_mgpu  # noqa: E402
 
@@ -158,7 +157,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--grid-width", type=int, default=Tuning.grid_width)
     p.add_argument("--sweep", action="store_true", help=f"the Mosaic paths over {SWEEP}")
     p.add_argument("--check", action="store_true", help="tiny shapes, the kernel through the interpreter (CPU)")
-    p.add_argument("--commit", default=os.environ.get("FP8RL_COMMIT", ""),
+    p.add_argument("--commit", default="",
                    help="the commit that runs (a device's copy of the tree may report an older one)")
     argv = sys.argv[1:] if argv is None else argv
     args = p.parse_args(argv)
@@ -186,8 +185,7 @@ def main(argv: list[str] | None = None) -> None:
     for name, (m, n, k) in shapes.items():
         rows += bench_shape(name, m, n, k, paths, jnp.dtype(args.out_dtype), repeats, timed, tunings,
                             interpret=args.check)
-    commit = args.commit or subprocess.run(["git", "-C", os.path.dirname(os.path.abspath(__file__)), "rev-parse",
-                                            "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = args.commit or tree_commit()
     result = {"device": device_name(), "backend": jax.default_backend(), "jax": jax.__version__, "commit": commit,
               "command": " ".join(["python", "benchmarks/block_gemm_speed.py", *argv]),
               "xla_flags": os.environ.get("XLA_FLAGS", ""), "repeats": repeats, "timed": timed,

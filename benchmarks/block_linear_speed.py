@@ -36,7 +36,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax import lax  # noqa: E402
 
-from fp8rl_jax.bench import device_name, timeit  # noqa: E402
+from fp8rl_jax.bench import device_name, timeit, tree_commit  # noqa: E402
 from fp8rl_jax.fp8 import block, xla  # noqa: E402
 from fp8rl_jax.fp8.recipe import Fp8Recipe, init_linear_state  # noqa: E402
 from fp8rl_jax.kernels.block_gemm import block_gemm_mgpu  # noqa: E402
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tokens", type=int, default=32 * 1280, help="M: one microbatch's tokens")
     p.add_argument("--repeats", type=int, default=3, help="linears in one timed call (a scan)")
     p.add_argument("--timed", type=int, default=5, help="timed calls (median)")
-    p.add_argument("--commit", default=os.environ.get("FP8RL_COMMIT", ""))
+    p.add_argument("--commit", default="", help="default: bench.tree_commit()")
     args = p.parse_args(argv)
     start = time.time()
     rows = []
@@ -138,7 +138,8 @@ def main(argv: list[str] | None = None) -> None:
     for r in rows:
         if "ms" in r:
             totals[r["path"]] = round(totals.get(r["path"], 0.0) + r["ms"], 3)
-    out = {"device": device_name(), "backend": jax.default_backend(), "jax": jax.__version__, "commit": args.commit,
+    out = {"device": device_name(), "backend": jax.default_backend(), "jax": jax.__version__,
+           "commit": args.commit or tree_commit(),
            "command": "python benchmarks/block_linear_speed.py " + " ".join(sys.argv[1:]),
            "xla_flags": os.environ.get("XLA_FLAGS", ""), "tokens": args.tokens, "repeats": args.repeats,
            "ms_per_layer": totals, "rows": rows, "seconds": round(time.time() - start, 1)}

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import subprocess
 import sys
 import time
 
@@ -24,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fp8rl_jax import plan
-from fp8rl_jax.bench import fidelity
+from fp8rl_jax.bench import fidelity, tree_commit
 from fp8rl_jax.config import load_config_file
 from fp8rl_jax.fp8 import block
 from fp8rl_jax.model import llama
@@ -71,8 +70,7 @@ def main() -> None:
                "compile_s": compile_s}
         print(json.dumps(row), flush=True)
         rows.append(row)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    out = {"device": str(jax.devices()[0].device_kind), "commit": commit,
+    out = {"device": str(jax.devices()[0].device_kind), "commit": tree_commit(),
            "command": "python benchmarks/block_step_speed.py " + " ".join(sys.argv[1:]),
            "shape": f"SmolLM2-135M shapes, random weights, {args.sequences} x {args.width} tokens, one gradient",
            "rows": rows}

@@ -32,7 +32,6 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -221,11 +220,9 @@ def bench_shape(model, batch, cache_len, fill, kv, impls, *, tunings, repeats, w
 
 
 def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-    except OSError:
-        return ""
+    from fp8rl_jax.bench import tree_commit
+
+    return tree_commit()
 
 
 def main(argv=None):

@@ -59,7 +59,7 @@ def main() -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--workdir", default="runs/smollm2_gsm8k", help="the config's own workdir (emptied first)")
-    parser.add_argument("--commit", default=os.environ.get("FP8RL_COMMIT", ""),
+    parser.add_argument("--commit", default="",
                         help="the commit that runs (a device's copy of the tree may report an older one)")
     parser.add_argument("--timeout", type=int, default=480)
     parser.add_argument("--log", default="", help="also write the run's whole output here (with JAX_LOG_COMPILES=1 "
@@ -77,7 +77,10 @@ def main() -> int:
     print("\n".join(lines[-12:]), flush=True)
     metrics = os.path.join(args.workdir, "metrics.jsonl")
     records = [json.loads(line) for line in open(metrics)] if os.path.exists(metrics) else []
-    commit = args.commit or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
+    from fp8rl_jax.bench import tree_commit  # no JAX: the run itself is a child process
+
+    commit = args.commit or tree_commit()
     out = {"records": records, "summary": summary(records), "device": device_name(), "commit": commit,
            "command": "python -m fp8rl_jax.main " + " ".join(command[3:]), "exit_status": run.returncode,
            "wall_s": round(time.perf_counter() - start, 1),

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import subprocess
 import sys
 import time
 
@@ -34,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fp8rl_jax import plan
-from fp8rl_jax.bench import fidelity
+from fp8rl_jax.bench import fidelity, tree_commit
 from fp8rl_jax.config import load_config_file
 from fp8rl_jax.fp8 import block, xla
 from fp8rl_jax.fp8.policy import Precision
@@ -133,8 +132,7 @@ def main() -> None:
         print(json.dumps({k: v for k, v in row.items() if k not in ("per_layer", "per_role")}), flush=True)
         rows.append(row)
         jax.clear_caches()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    out = {"device": rows[0]["device"], "commit": commit, "command": "python benchmarks/fidelity_floor.py "
+    out = {"device": rows[0]["device"], "commit": tree_commit(), "command": "python benchmarks/fidelity_floor.py "
            + " ".join(sys.argv[1:]), "model": "SmolLM2-135M-Instruct (the embedded GGUF, dequantized to f32)",
            "config": "configs/smollm2_arith.py", "batch": probe["info"], "what": __doc__.split("\n\n", 2)[2].strip(),
            "rows": rows}

@@ -35,8 +35,6 @@ import functools
 import itertools
 import json
 import os
-import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -53,7 +51,7 @@ import numpy as np  # noqa: E402
 from jax.experimental import pallas as pl  # noqa: E402
 from jax.experimental.pallas import triton as plgpu  # noqa: E402
 
-from fp8rl_jax.bench import device_name, timeit  # noqa: E402
+from fp8rl_jax.bench import device_name, timeit, tree_commit  # noqa: E402
 from fp8rl_jax.bench.trace import summarize_trace  # noqa: E402
 from fp8rl_jax.fp8 import xla  # noqa: E402
 from fp8rl_jax.fp8.recipe import Fp8Recipe  # noqa: E402
@@ -233,10 +231,8 @@ def main(argv: list[str] | None = None) -> None:
             key = f'{r["shape"]}/m{r["m"]}/{r["impl"].split("_")[0]}'
             if key not in best or r["us_per_gemm"] < best[key]["us_per_gemm"]:
                 best[key] = r
-    git = ["git", "-C", os.path.dirname(os.path.abspath(__file__)), "rev-parse", "--short", "HEAD"]
-    commit = subprocess.run(git, capture_output=True, text=True).stdout.strip() if shutil.which("git") else ""
     result = {"device": device_name(), "backend": jax.default_backend(), "jax": jax.__version__,
-              "commit": commit, "command": " ".join(["python", "benchmarks/fp8_gemm.py", *argv]),
+              "commit": tree_commit(), "command": " ".join(["python", "benchmarks/fp8_gemm.py", *argv]),
               "seconds": round(time.time() - t0, 1), "rows": rows, "best": best}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

@@ -26,8 +26,22 @@ One module per benchmark (``gemm.py``, ``rollout.py``, ``agreement.py``), each w
 
 from __future__ import annotations
 
+import os
 import statistics
+import subprocess
 import time
+
+
+def tree_commit() -> str:
+    """The commit a result came from: ``FP8RL_COMMIT`` where the caller names the tree (a device's copy of a working
+    tree has no HEAD, or a stale one), else git's short HEAD of this checkout, else ""."""
+    if os.environ.get("FP8RL_COMMIT"):
+        return os.environ["FP8RL_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    except OSError:
+        return ""
 
 
 def timeit(fn, *args, repeats: int = 10) -> float:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -36,6 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fp8rl_jax.bench import tree_commit
 from fp8rl_jax.bench.e2e import LENGTHS_HELP, _value, parse_lengths
 
 
@@ -168,7 +168,7 @@ def output(rows: list[dict], args) -> dict:
     split = max((r for r in good if r["rollout_devices"]), key=lambda r: r["tokens_per_s_per_gpu"], default=None)
     out = {"gpus": (sync or split or {}).get("devices"), "command": " ".join(["python -m fp8rl_jax.bench",
                                                                           *sys.argv[1:]]),
-           "commit": os.environ.get("FP8RL_COMMIT", ""), "rows": rows}
+           "commit": tree_commit(), "rows": rows}
     if sync and split:
         out.update({"tokens_per_s_per_gpu": {"sync": sync["tokens_per_s_per_gpu"],
                                              "async": split["tokens_per_s_per_gpu"]},

@@ -383,7 +383,6 @@ def output(rows: list[dict], args):
 def summarize(rows: list[dict], args) -> dict:
     """The file ``bench e2e`` writes: speedups of fp8_e2e over the best BF16 mode (``mode_speedups``: of every
     other mode too), and every mode's row."""
-    import subprocess as sp
 
     first = next((r.get("packing", "off") for r in rows), "off")  # the speedups over one layout's rows
     ok = {r["mode"]: r for r in rows if "error" not in r and r.get("packing", "off") == first}
@@ -392,11 +391,9 @@ def summarize(rows: list[dict], args) -> dict:
     best = lambda key: min(r[key] for r in bf16) if bf16 else None  # noqa: E731
     speedup = lambda key, row=fp8: best(key) / row[key] if row and bf16 else None  # noqa: E731
     phases = {"rollout": "time_rollout", "train": "time_train", "step": "time_step"}
-    try:
-        commit = sp.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = ""
-    commit = commit or os.environ.get("FP8RL_COMMIT", "")  # a device's copy of a working tree has no HEAD
+    from fp8rl_jax.bench import tree_commit
+
+    commit = tree_commit()
     return {
         "rollout_speedup": speedup("time_rollout"),
         "train_speedup": speedup("time_train"),

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import subprocess
 import sys
 import time
 
@@ -292,11 +291,9 @@ def grad_metrics(grad: dict, ref: dict, model: LlamaConfig) -> dict:
 
 def output(rows: list[dict], args) -> dict:
     """The file: what was run, on what, and one row per form."""
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = ""
-    return {"device": rows[0]["device"] if rows else None, "commit": commit,
+    from fp8rl_jax.bench import tree_commit
+
+    return {"device": rows[0]["device"] if rows else None, "commit": tree_commit(),
             "command": "python -m fp8rl_jax.bench fidelity " + " ".join(sys.argv[2:]), "model": args.model_info,
             "config": args.config, "batch": args.batch_info,
             "te": "not run: Transformer Engine needs a CUDA GPU; 'tensor' is the xla backend's delayed scaling",
