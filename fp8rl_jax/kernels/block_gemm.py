@@ -15,8 +15,8 @@ what the kernel runs fastest: one scale per 128 output columns and slice, a scal
 scaled per row (128 x 1 tiles along the tokens) and take the first form. Both give block_gemm's numbers up to the
 sums inside a slice and the contraction of ``acc + part * scale`` into one FMA (the scales are multiplied first, as
 block_gemm does). Inside a slice Hopper's FP8 MMA keeps about 14 bits while it sums (DeepSeek-V3 section 3.3.2):
-on the H100 the kernel came within 1.3e-3 of the magnitude of f32 sums, where XLA's dot in block_gemm summed in f32
-for some shapes and as the kernel does for others.
+the kernel's slice sums are that close to f32's (tests/kernels/test_block_gemm.py bounds them), where XLA's dot in
+block_gemm sums in f32 for some shapes on a GPU and as the kernel does for others.
 
 The kernel (Pallas, Mosaic GPU backend: ``jax.experimental.pallas.mosaic_gpu``; sm_90a). A persistent kernel: one
 CTA per streaming multiprocessor walks the 128 x 128 output tiles (``plgpu.nd_loop``, in a planar snake order for
@@ -36,8 +36,8 @@ What it assumes. A Hopper GPU (sm_90a: wgmma; Blackwell's MMA is tcgen05, anothe
 KiB of shared memory at the default 4 stages with an f32 output (``Tuning``; lowering checks the 227 KiB budget).
 
 Measured: ``benchmarks/block_gemm_speed.py`` against block_gemm's XLA emulation, a per-tensor FP8 dot and BF16
-(``gpu_session.sh bgemm``; benchmarks/RESULTS.md, "Block-scaled FP8 on Hopper": 685 TFLOP/s at 4096 cubed on the
-H100, 9-11x the emulation). ``tests/kernels/test_block_gemm.py`` checks it against block_gemm on a GPU. On a CPU it
+(``gpu_session.sh bgemm``; the figures: benchmarks/RESULTS.md, "Block-scaled FP8 on Hopper").
+``tests/kernels/test_block_gemm.py`` checks it against block_gemm on a GPU. On a CPU it
 runs through Pallas' Mosaic GPU interpreter (``interpret=True``, tests only: slow; the interpreter's wgmma takes no
 transposed operand, so there qb goes in as [C, Q], the one difference) and lowers for CUDA without a GPU.
 """
