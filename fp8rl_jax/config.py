@@ -6,7 +6,7 @@ and ``validate`` checks values before anything is built, naming the key, the val
 
 List keys (``reward.fns``, ``reward.weights``, ``precision.bf16_layers``, ``precision.bf16_linears``) are tuples:
 ``c.reward.fns = ("gsm8k_answer", "gsm8k_format")`` in a file, ``--config.reward.fns=gsm8k_answer,gsm8k_format``
-on the command line; read them with ``config_list``.
+on the command line; read them with ``config_values.config_list``.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 
 import ml_collections
 
+from fp8rl_jax.config_values import all_finite, check, get, listed, one_of, positive
 from fp8rl_jax.errors import ConfigError  # defined there for the lower layers; still importable from here
 from fp8rl_jax.rl import names  # the allowed values of the RL keys, without JAX (the CLI starts sooner)
 from fp8rl_jax.rl.microbatch import DEFAULT_MICROBATCH_TOKENS, longest_row_tokens
@@ -213,72 +214,6 @@ def base_config() -> ml_collections.ConfigDict:
 # validation
 
 
-def _check(cond: bool, key: str, value, allowed: str) -> None:
-    if not cond:
-        raise ConfigError(f"config.{key}={value!r} is invalid; allowed: {allowed}")
-
-
-def _one_of(c, key: str, options: Sequence[str]) -> None:
-    value = _get(c, key)
-    _check(value in options, key, value, " | ".join(options))
-
-
-def _get(c, key: str):
-    node = c
-    for part in key.split("."):
-        node = node[part]
-    return node
-
-
-def _positive(c, key: str, allow_zero: bool = False) -> None:
-    value = _get(c, key)
-    ok = isinstance(value, (int, float)) and (value >= 0 if allow_zero else value > 0)
-    _check(ok, key, value, ">= 0" if allow_zero else "> 0")
-
-
-def config_list(value, kind: type = str) -> tuple:
-    """A list key's value as a tuple of ``kind`` (str, int or float); ValueError on an item that is not one.
-
-    Accepts what config files write (``("gsm8k_answer", "gsm8k_format")``, ``(11, 28)``) and what the command line
-    gives: ml_collections parses ``--config.key=...`` of a tuple field with ``ast.literal_eval``, so
-    ``--config.reward.weights=1,0.5`` arrives as ``(1, 0.5)`` but ``--config.reward.fns=a,b`` (not a Python
-    literal) as ``("a,b",)``. Strings are therefore split on commas; blank items are dropped. A plain string
-    (``"11,28"``) is read the same way.
-    """
-    parts = []
-    for item in value if isinstance(value, (tuple, list)) else (value,):
-        parts.extend(item.split(",") if isinstance(item, str) else [item])
-    out = []
-    for part in parts:
-        if isinstance(part, str):
-            if not part.strip():
-                continue
-            out.append(kind(part.strip()))  # int("1.5"), float("x") raise ValueError
-        elif kind is str or isinstance(part, bool) or not isinstance(part, int if kind is int else (int, float)):
-            raise ValueError(f"{part!r} is not a {kind.__name__}")
-        else:
-            out.append(kind(part))
-    return tuple(out)
-
-
-def _list(c, key: str, kind: type, allowed: str) -> tuple:
-    value = _get(c, key)
-    try:
-        return config_list(value, kind)
-    except ValueError:
-        raise ConfigError(f"config.{key}={value!r} is invalid; allowed: {allowed}") from None
-
-
-def _finite(node: ml_collections.ConfigDict, prefix: str = "") -> None:
-    """Every float in the config (lists included) is finite: no key means inf or NaN."""
-    for name, value in node.items():
-        if isinstance(value, ml_collections.ConfigDict):
-            _finite(value, f"{prefix}{name}.")
-            continue
-        for v in value if isinstance(value, (tuple, list)) else (value,):
-            _check(not isinstance(v, float) or math.isfinite(v), f"{prefix}{name}", value, "finite numbers")
-
-
 def check_fits_model(c: ml_collections.ConfigDict, max_positions: int, model: str) -> None:
     """A prompt plus its completion must fit the model's positions (the KV cache is sized by the two keys)."""
     total = c.data.max_prompt_tokens + c.rollout.max_new_tokens
@@ -339,164 +274,164 @@ def validate(c: ml_collections.ConfigDict, known_rewards: Callable[[], Sequence[
     if (missing := missing_keys(c)) is not None:
         raise ConfigError(f"{config_file or 'the config'} lacks {missing} of base_config(); a config starts from "
                           "fp8rl_jax.config.base_config() and changes what it needs")
-    _finite(c)
-    _one_of(c, "precision.mode", PRECISION_MODES)
-    _one_of(c, "precision.backend", ("auto", "xla", "te"))
-    _one_of(c, "precision.compute_dtype", ("bfloat16", "float32"))
-    _one_of(c, "precision.amax_compute_algo", ("max", "most_recent"))
-    _one_of(c, "precision.fp8_format", ("hybrid", "e4m3"))
-    _one_of(c, "precision.scaling", ("tensor", "rowwise", "block"))
-    _check(c.precision.scaling == "tensor" or c.precision.backend == "xla", "precision.scaling", c.precision.scaling,
+    all_finite(c)
+    one_of(c, "precision.mode", PRECISION_MODES)
+    one_of(c, "precision.backend", ("auto", "xla", "te"))
+    one_of(c, "precision.compute_dtype", ("bfloat16", "float32"))
+    one_of(c, "precision.amax_compute_algo", ("max", "most_recent"))
+    one_of(c, "precision.fp8_format", ("hybrid", "e4m3"))
+    one_of(c, "precision.scaling", ("tensor", "rowwise", "block"))
+    check(c.precision.scaling == "tensor" or c.precision.backend == "xla", "precision.scaling", c.precision.scaling,
            f"tensor, or {c.precision.scaling} with precision.backend=xla (Transformer Engine scales per tensor here)")
-    _one_of(c, "precision.kv_cache_dtype", ("bfloat16", "float8_e4m3fn"))
-    _one_of(c, "precision.attention", ("auto", "cudnn", "pallas", "xla"))
-    _positive(c, "precision.amax_history_len")
-    _positive(c, "precision.kv_calibration_sequences")
+    one_of(c, "precision.kv_cache_dtype", ("bfloat16", "float8_e4m3fn"))
+    one_of(c, "precision.attention", ("auto", "cudnn", "pallas", "xla"))
+    positive(c, "precision.amax_history_len")
+    positive(c, "precision.kv_calibration_sequences")
     for key in ("precision.margin", "precision.kv_margin", "precision.bf16_first_layers",
                 "precision.bf16_last_layers"):
-        _positive(c, key, allow_zero=True)
-    layers = _list(c, "precision.bf16_layers", int, "block indices, e.g. 11,28,29")
-    _check(all(i >= 0 for i in layers), "precision.bf16_layers", c.precision.bf16_layers, "block indices >= 0")
+        positive(c, key, allow_zero=True)
+    layers = listed(c, "precision.bf16_layers", int, "block indices, e.g. 11,28,29")
+    check(all(i >= 0 for i in layers), "precision.bf16_layers", c.precision.bf16_layers, "block indices >= 0")
     linears = ("wqkv", "wo", "w_gate_up", "w_down")
-    for name in _list(c, "precision.bf16_linears", str, f"names from {', '.join(linears)}"):
-        _check(name in linears, "precision.bf16_linears", name, f"names from {', '.join(linears)}")
-    _one_of(c, "model.param_dtype", ("float32", "bfloat16"))
-    _one_of(c, "model.preset_vocab", ("tokenizer", "preset"))
-    _one_of(c, "rollout.decode_attention", ("auto", "pallas", "xla"))
-    _check(isinstance(c.rollout.exact, bool), "rollout.exact", c.rollout.exact, "True or False")
+    for name in listed(c, "precision.bf16_linears", str, f"names from {', '.join(linears)}"):
+        check(name in linears, "precision.bf16_linears", name, f"names from {', '.join(linears)}")
+    one_of(c, "model.param_dtype", ("float32", "bfloat16"))
+    one_of(c, "model.preset_vocab", ("tokenizer", "preset"))
+    one_of(c, "rollout.decode_attention", ("auto", "pallas", "xla"))
+    check(isinstance(c.rollout.exact, bool), "rollout.exact", c.rollout.exact, "True or False")
     staleness = c.rollout.max_staleness
-    _check(isinstance(staleness, int) and not isinstance(staleness, bool) and staleness >= 0,
+    check(isinstance(staleness, int) and not isinstance(staleness, bool) and staleness >= 0,
            "rollout.max_staleness", staleness, "an int >= 0 (0: synchronous)")
-    _check(isinstance(c.rl.dynamic_sampling, bool), "rl.dynamic_sampling", c.rl.dynamic_sampling, "True or False")
-    _check(isinstance(c.rollout.inflight_updates, bool), "rollout.inflight_updates", c.rollout.inflight_updates,
+    check(isinstance(c.rl.dynamic_sampling, bool), "rl.dynamic_sampling", c.rl.dynamic_sampling, "True or False")
+    check(isinstance(c.rollout.inflight_updates, bool), "rollout.inflight_updates", c.rollout.inflight_updates,
            "True or False")
     delay = c.rollout.load_delay_chunks
-    _check(isinstance(delay, int) and not isinstance(delay, bool) and delay >= 0, "rollout.load_delay_chunks",
+    check(isinstance(delay, int) and not isinstance(delay, bool) and delay >= 0, "rollout.load_delay_chunks",
            delay, "an int >= 0")
-    _check(not delay or c.rollout.inflight_updates, "rollout.load_delay_chunks", delay,
+    check(not delay or c.rollout.inflight_updates, "rollout.load_delay_chunks", delay,
            "0 with rollout.inflight_updates=False (drained loads wait for no chunk count)")
     rounds = c.rl.dynamic_sampling_max_rounds
-    _check(isinstance(rounds, int) and not isinstance(rounds, bool) and rounds >= 1,
+    check(isinstance(rounds, int) and not isinstance(rounds, bool) and rounds >= 1,
            "rl.dynamic_sampling_max_rounds", rounds, "an int >= 1")
     if staleness or c.rl.dynamic_sampling:
         key, value = (("rollout.max_staleness", staleness) if staleness
                       else ("rl.dynamic_sampling", c.rl.dynamic_sampling))
-        _check(not c.rollout.exact, key, value, "off with rollout.exact=True (the exact sampler draws one step's "
+        check(not c.rollout.exact, key, value, "off with rollout.exact=True (the exact sampler draws one step's "
                "batch with the trainer's own forward)")
-        _check(not staleness or c.precision.kv_cache_dtype == "bfloat16", key, value,
+        check(not staleness or c.precision.kv_cache_dtype == "bfloat16", key, value,
                "0 with precision.kv_cache_dtype=float8_e4m3fn: a weight update mid-sequence brings new KV scales, "
                "which would read the cache written under the old ones")
-    _check(isinstance(c.precision.residual_in_gemm, bool), "precision.residual_in_gemm", c.precision.residual_in_gemm,
+    check(isinstance(c.precision.residual_in_gemm, bool), "precision.residual_in_gemm", c.precision.residual_in_gemm,
            "True or False")
-    _check(not c.rollout.exact or c.precision.mode in ("bf16", "fp8_e2e"), "rollout.exact", c.rollout.exact,
+    check(not c.rollout.exact or c.precision.mode in ("bf16", "fp8_e2e"), "rollout.exact", c.rollout.exact,
            f"False with precision.mode={c.precision.mode!r}: the exact sampler is the trainer's forward, so the "
            f"rollout and training precisions must be one (bf16 or fp8_e2e)")
-    _one_of(c, "model.remat", ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable"))
+    one_of(c, "model.remat", ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable"))
 
     src = c.model.source
-    _positive(c, "model.num_layers", allow_zero=True)
+    positive(c, "model.num_layers", allow_zero=True)
     if src == "":
         raise ConfigError(missing_model_message(c, config_file))
     if src == "preset":
-        _check(c.model.preset in PRESETS, "model.preset", c.model.preset, ", ".join(sorted(PRESETS)))
-        _check(c.model.tokenizer != "", "model.tokenizer", c.model.tokenizer,
+        check(c.model.preset in PRESETS, "model.preset", c.model.preset, ", ".join(sorted(PRESETS)))
+        check(c.model.tokenizer != "", "model.tokenizer", c.model.tokenizer,
                "smollm2 (the demo model's tokenizer), char (the synthetic tasks' characters) or a folder with "
                "tokenizer.json: random weights (model.source=preset) bring no tokenizer")
     elif src != "smollm2":
-        _check(os.path.exists(src), "model.source", src,
+        check(os.path.exists(src), "model.source", src,
                "smollm2 | preset | an existing Hugging Face folder or .gguf file")
-    _check(c.model.num_layers == 0 or src == "preset", "model.num_layers", c.model.num_layers,
+    check(c.model.num_layers == 0 or src == "preset", "model.num_layers", c.model.num_layers,
            f"0 with model.source={src!r}: only a random-init preset (model.source=preset) can be cut to fewer blocks")
 
-    _one_of(c, "data.dataset", ("gsm8k", "arithmetic", "arithmetic_qa", "pattern"))
-    _one_of(c, "data.prompt_format", ("chat", "plain"))
+    one_of(c, "data.dataset", ("gsm8k", "arithmetic", "arithmetic_qa", "pattern"))
+    one_of(c, "data.prompt_format", ("chat", "plain"))
     for key in ("data.train_path", "data.eval_path"):
-        path = _get(c, key)
-        _check(not path or os.path.exists(path), key, path, "an existing file, or '' for the default")
-    _positive(c, "data.max_prompt_tokens")
-    _positive(c, "data.digits")
+        path = get(c, key)
+        check(not path or os.path.exists(path), key, path, "an existing file, or '' for the default")
+    positive(c, "data.max_prompt_tokens")
+    positive(c, "data.digits")
 
-    names = _list(c, "reward.fns", str, "reward names")
-    _check(bool(names), "reward.fns", c.reward.fns, "at least one reward name")
+    names = listed(c, "reward.fns", str, "reward names")
+    check(bool(names), "reward.fns", c.reward.fns, "at least one reward name")
     if known_rewards is not None:
         known = set(known_rewards())
         for n in names:
-            _check(n in known, "reward.fns", n, ", ".join(sorted(known)))
-    weights = _list(c, "reward.weights", float, "floats, one per reward fn")
-    _check(all(math.isfinite(w) for w in weights), "reward.weights", c.reward.weights, "finite numbers")
-    _check(not weights or len(weights) == len(names), "reward.weights", c.reward.weights,
+            check(n in known, "reward.fns", n, ", ".join(sorted(known)))
+    weights = listed(c, "reward.weights", float, "floats, one per reward fn")
+    check(all(math.isfinite(w) for w in weights), "reward.weights", c.reward.weights, "finite numbers")
+    check(not weights or len(weights) == len(names), "reward.weights", c.reward.weights,
            f"{len(names)} floats (one per reward fn) or () for all 1")
 
     for key in ("rollout.prompts_per_step", "rollout.samples_per_prompt", "rollout.max_new_tokens",
                 "steps", "rl.minibatches", "optim.clip_norm"):
-        _positive(c, key)
-    _check(isinstance(c.rollout.decode_slots, int) and c.rollout.decode_slots >= 0, "rollout.decode_slots",
+        positive(c, key)
+    check(isinstance(c.rollout.decode_slots, int) and c.rollout.decode_slots >= 0, "rollout.decode_slots",
            c.rollout.decode_slots, "0 (automatic: as many as the device memory holds, up to a step's sequences) or a "
            "positive number of slots")
     tp = c.rollout.tensor_parallel
-    _check(isinstance(tp, int) and not isinstance(tp, bool) and tp >= 1, "rollout.tensor_parallel", tp,
+    check(isinstance(tp, int) and not isinstance(tp, bool) and tp >= 1, "rollout.tensor_parallel", tp,
            "a positive int dividing the device count, the model's kv heads and its intermediate size")
-    _positive(c, "rollout.temperature")
-    _check(0 < c.rollout.top_p <= 1, "rollout.top_p", c.rollout.top_p, "0 < top_p <= 1")
-    _positive(c, "rollout.top_k", allow_zero=True)
+    positive(c, "rollout.temperature")
+    check(0 < c.rollout.top_p <= 1, "rollout.top_p", c.rollout.top_p, "0 < top_p <= 1")
+    positive(c, "rollout.top_k", allow_zero=True)
     if src == "preset":  # a model from a file is checked once its config.json / GGUF header is read
         check_fits_model(c, PRESETS[c.model.preset].max_position_embeddings, f"preset {c.model.preset!r}")
     if training:
         why = ("the trainer scores the untruncated policy softmax(logits / T), so importance weights and ratios "
                "against a top-p/top-k sampler would be wrong (Trainer.sample(top_p=..., top_k=...) may truncate)")
-        _check(c.rollout.top_p == 1, "rollout.top_p", c.rollout.top_p, f"1.0 for RL training: {why}")
-        _check(c.rollout.top_k == 0, "rollout.top_k", c.rollout.top_k, f"0 for RL training: {why}")
+        check(c.rollout.top_p == 1, "rollout.top_p", c.rollout.top_p, f"1.0 for RL training: {why}")
+        check(c.rollout.top_k == 0, "rollout.top_k", c.rollout.top_k, f"0 for RL training: {why}")
 
-    _one_of(c, "rl.advantage", ADVANTAGES)
-    _one_of(c, "rl.loss_agg", LOSS_AGGS)
-    _one_of(c, "rl.kl_estimator", KL_ESTIMATORS)
-    _one_of(c, "rl.is_correction", IS_CORRECTIONS)
+    one_of(c, "rl.advantage", ADVANTAGES)
+    one_of(c, "rl.loss_agg", LOSS_AGGS)
+    one_of(c, "rl.kl_estimator", KL_ESTIMATORS)
+    one_of(c, "rl.is_correction", IS_CORRECTIONS)
     for key in ("rl.clip_low", "rl.clip_high", "rl.kl_coef", "rl.microbatch_sequences", "rl.microbatch_tokens",
                 "rl.loss_agg_norm"):
-        _positive(c, key, allow_zero=True)
-    _positive(c, "rl.is_cap")
+        positive(c, key, allow_zero=True)
+    positive(c, "rl.is_cap")
     dual = c.rl.clip_ratio_c
-    _check(isinstance(dual, (int, float)) and not isinstance(dual, bool) and (dual == 0 or dual > 1),
+    check(isinstance(dual, (int, float)) and not isinstance(dual, bool) and (dual == 0 or dual > 1),
            "rl.clip_ratio_c", dual, "0 (off) or > 1 (dual-clip PPO's bound on the loss for A < 0; veRL uses 3.0)")
     for band in ("mis", "icepop"):
         low, high = c.rl[f"{band}_low"], c.rl[f"{band}_high"]
-        _check(isinstance(low, (int, float)) and isinstance(high, (int, float)) and 0 <= low < 1 < high,
+        check(isinstance(low, (int, float)) and isinstance(high, (int, float)) and 0 <= low < 1 < high,
                f"rl.{band}_low/rl.{band}_high", (low, high), f"0 <= {band}_low < 1 < {band}_high")
     seqs = c.rollout.prompts_per_step * c.rollout.samples_per_prompt
-    _check(seqs % c.rl.minibatches == 0, "rl.minibatches", c.rl.minibatches,
+    check(seqs % c.rl.minibatches == 0, "rl.minibatches", c.rl.minibatches,
            f"a divisor of prompts_per_step * samples_per_prompt = {seqs}")
     mb = c.rl.microbatch_sequences
-    _check(mb == 0 or (seqs // c.rl.minibatches) % mb == 0, "rl.microbatch_sequences", mb,
+    check(mb == 0 or (seqs // c.rl.minibatches) % mb == 0, "rl.microbatch_sequences", mb,
            f"0 (from rl.microbatch_tokens) or a divisor of the minibatch size {seqs // c.rl.minibatches}")
-    _check(isinstance(c.rl.packing, bool), "rl.packing", c.rl.packing, "True or False")
+    check(isinstance(c.rl.packing, bool), "rl.packing", c.rl.packing, "True or False")
     if c.rl.packing:
         row = longest_row_tokens(c.data.max_prompt_tokens, c.rollout.max_new_tokens)  # one packed row's width
-        _check(c.rl.microbatch_sequences > 0 or c.rl.microbatch_tokens == 0 or c.rl.microbatch_tokens >= row,
+        check(c.rl.microbatch_sequences > 0 or c.rl.microbatch_tokens == 0 or c.rl.microbatch_tokens >= row,
                "rl.microbatch_tokens", c.rl.microbatch_tokens,
                f">= {row} with rl.packing: one packed row holds data.max_prompt_tokens + rollout.max_new_tokens, "
                "rounded up to 32")
-        _check(not c.rollout.exact, "rl.packing", c.rl.packing,
+        check(not c.rollout.exact, "rl.packing", c.rl.packing,
                "False with rollout.exact=True: the exact sampler's bitwise agreement needs the scoring forward at "
                "its own [microbatch, T] shape")
 
-    _one_of(c, "optim.schedule", SCHEDULES)
-    _positive(c, "optim.lr", allow_zero=True)
-    _positive(c, "optim.warmup_steps", allow_zero=True)
-    _one_of(c, "checkpoint.resume", ("auto", "never", "overwrite"))
-    _positive(c, "checkpoint.keep")
-    _positive(c, "checkpoint.every", allow_zero=True)
-    _positive(c, "faults.max_consecutive_bad_steps")
+    one_of(c, "optim.schedule", SCHEDULES)
+    positive(c, "optim.lr", allow_zero=True)
+    positive(c, "optim.warmup_steps", allow_zero=True)
+    one_of(c, "checkpoint.resume", ("auto", "never", "overwrite"))
+    positive(c, "checkpoint.keep")
+    positive(c, "checkpoint.every", allow_zero=True)
+    positive(c, "faults.max_consecutive_bad_steps")
     for key in ("mesh.data", "mesh.fsdp", "mesh.tensor"):
-        value = _get(c, key)
-        _check(isinstance(value, int) and (value >= 1 or value == -1), key, value, "a positive int or -1")
-    _check([c.mesh.data, c.mesh.fsdp, c.mesh.tensor].count(-1) <= 1, "mesh", c.mesh.to_dict(),
+        value = get(c, key)
+        check(isinstance(value, int) and (value >= 1 or value == -1), key, value, "a positive int or -1")
+    check([c.mesh.data, c.mesh.fsdp, c.mesh.tensor].count(-1) <= 1, "mesh", c.mesh.to_dict(),
            "at most one of data / fsdp / tensor set to -1")
     k = c.mesh.rollout_devices
-    _check(isinstance(k, int) and not isinstance(k, bool) and k >= 0, "mesh.rollout_devices", k,
+    check(isinstance(k, int) and not isinstance(k, bool) and k >= 0, "mesh.rollout_devices", k,
            "0 (the rollout on the trainer's devices) or a number of devices for the rollout alone")
-    _check(k % tp == 0, "mesh.rollout_devices", k,
+    check(k % tp == 0, "mesh.rollout_devices", k,
            f"a multiple of rollout.tensor_parallel={tp} (the rollout's devices form groups of that many)")
-    _check(not (k and c.rollout.exact), "mesh.rollout_devices", k,
+    check(not (k and c.rollout.exact), "mesh.rollout_devices", k,
            "0 with rollout.exact=True: the exact sampler is the trainer's own forward, on the trainer's devices")
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import jax
 
-from fp8rl_jax.config import config_list
+from fp8rl_jax.config_values import config_list
 from fp8rl_jax.data.prompts import DataSpec
 from fp8rl_jax.errors import ConfigError
 from fp8rl_jax.fp8.policy import Precision, resolve_backend

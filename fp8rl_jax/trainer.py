@@ -36,7 +36,8 @@ import numpy as np
 from fp8rl_jax import plan, streaming
 from fp8rl_jax.batches import StepBatches, score_packed, score_right_padded
 from fp8rl_jax.checkpoint import Checkpointer, latest_complete_step
-from fp8rl_jax.config import ConfigError, check_fits_model, config_list, validate
+from fp8rl_jax.config import ConfigError, check_fits_model, validate
+from fp8rl_jax.config_values import config_list
 from fp8rl_jax.data.prompts import build_prompt, load_prompts, prompt_iterator
 from fp8rl_jax.eval import evaluate_policy
 from fp8rl_jax.fp8 import kv as kvq

@@ -224,7 +224,8 @@ def evaluate(config, values: dict, argv: list[str]) -> tuple[Path, dict]:
     """Load the policy, calibrate what it lacks, evaluate, write the results folder: ``(folder, results)``."""
     import jax
 
-    from fp8rl_jax.config import check_fits_model, config_list
+    from fp8rl_jax.config import check_fits_model
+    from fp8rl_jax.config_values import config_list
     from fp8rl_jax.data.prompts import load_prompts, prompt_iterator
     from fp8rl_jax.eval import evaluate_policy
     from fp8rl_jax.fp8 import kv as kvq
