@@ -74,11 +74,11 @@ def smollm2():
     return config, params, Tokenizer.from_gguf(path)
 
 
-def _triton_ir(fn, *args) -> list[str]:
-    """Lower ``fn`` for CUDA (on this CPU host) and return the Triton IR text of each pallas_call in it."""
+def _custom_calls(fn, *args, read) -> list:
+    """Lower ``fn`` for CUDA (on this CPU host) and return ``read(target, attributes)`` of each custom call in it
+    (``target`` its call_target_name; ``read`` runs while the lowered module lives and may return None to skip)."""
     import jax
     from jax._src.lib.mlir import ir
-    from jax._src.pallas.triton import lowering as triton_lowering
 
     module = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).compiler_ir("stablehlo")
     found = []
@@ -88,16 +88,41 @@ def _triton_ir(fn, *args) -> list[str]:
             for block in region.blocks:
                 for inner in block.operations:
                     if inner.operation.name == "stablehlo.custom_call":
-                        config = ir.DictAttr(inner.attributes["mhlo.backend_config"])
-                        if "ir" not in config:
-                            pytest.skip("this jaxlib compiles Pallas Triton calls at lowering time (no IR to read)")
-                        blob = ir.StringAttr(config["ir"]).value_bytes
-                        with triton_lowering._new_ir_context():
-                            found.append(str(ir.Module.parse(blob)))
+                        target = ir.StringAttr(inner.attributes["call_target_name"]).value
+                        if (value := read(target, inner.attributes)) is not None:
+                            found.append(value)
                     walk(inner.operation)
 
     walk(module.operation)
     return found
+
+
+def _triton_ir(fn, *args) -> list[str]:
+    """The Triton IR text of each pallas_call (Triton backend) in ``fn`` lowered for CUDA on this host."""
+    from jax._src.lib.mlir import ir
+    from jax._src.pallas.triton import lowering as triton_lowering
+
+    def read(target, attributes):
+        config = ir.DictAttr(attributes["mhlo.backend_config"])
+        if "ir" not in config:
+            pytest.skip("this jaxlib compiles Pallas Triton calls at lowering time (no IR to read)")
+        blob = ir.StringAttr(config["ir"]).value_bytes
+        with triton_lowering._new_ir_context():
+            return str(ir.Module.parse(blob))
+
+    return _custom_calls(fn, *args, read=read)
+
+
+def _mosaic_modules(fn, *args) -> list[bytes]:
+    """The serialized module of each Mosaic GPU kernel in ``fn`` lowered for CUDA on this host."""
+    from jax._src.lib.mlir import ir
+
+    def read(target, attributes):
+        if "mosaic_gpu" not in target:
+            return None
+        return ir.StringAttr(ir.DictAttr(attributes["mhlo.backend_config"])["module"]).value_bytes
+
+    return _custom_calls(fn, *args, read=read)
 
 
 @pytest.fixture
@@ -105,3 +130,10 @@ def triton_ir():
     """``triton_ir(fn, *args)``: the Triton IR of each Pallas kernel in ``fn`` lowered for CUDA on this host (the
     kernels' lowering checked without a GPU)."""
     return _triton_ir
+
+
+@pytest.fixture
+def mosaic_modules():
+    """``mosaic_modules(fn, *args)``: the serialized module of each Mosaic GPU kernel in ``fn`` lowered for CUDA on
+    this host."""
+    return _mosaic_modules

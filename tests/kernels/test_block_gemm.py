@@ -18,7 +18,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
-from jax._src.lib.mlir import ir
 
 from fp8rl_jax.fp8 import block, xla
 from fp8rl_jax.fp8.recipe import Fp8Recipe, init_linear_state
@@ -81,48 +80,29 @@ def _f32_bound(c, mag):
 # CPU: lowering for CUDA, and Pallas' Mosaic GPU interpreter
 
 
-def _mosaic_modules(fn, *args) -> list[bytes]:
-    """The serialized Mosaic GPU module of each kernel in ``fn`` lowered for CUDA on this host."""
-    module = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).compiler_ir("stablehlo")
-    found = []
-
-    def walk(op):
-        for region in op.regions:
-            for blk in region.blocks:
-                for inner in blk.operations:
-                    if inner.operation.name == "stablehlo.custom_call" and "mosaic_gpu" in ir.StringAttr(
-                            inner.attributes["call_target_name"]).value:
-                        found.append(ir.StringAttr(ir.DictAttr(inner.attributes["mhlo.backend_config"])["module"])
-                                     .value_bytes)
-                    walk(inner.operation)
-
-    walk(module.operation)
-    return found
-
-
 @pytest.mark.parametrize("p,q,c,form,out_dtype", [
     (200, 576, 1536, "blocks", jnp.float32),  # SmolLM2's hidden size: padded rows, columns
     (200, 576, 1536, "rows", jnp.bfloat16),
     (4096, 4096, 4096, "blocks", jnp.float32),
 ])
-def test_lowers_for_cuda_to_fp8_wgmma(p, q, c, form, out_dtype):
+def test_lowers_for_cuda_to_fp8_wgmma(p, q, c, form, out_dtype, mosaic_modules):
     """On this CPU host: one Mosaic GPU kernel whose MMAs are Hopper's E4M3 x E4M3 -> f32 wgmma, 64 x 128 x 32 (a
     layout, shape or shared-memory budget that Mosaic GPU rejects fails here, at lowering)."""
     cb = block.num_blocks(c)
     sb_rows = q if form == "rows" else block.num_blocks(q)
     args = [jax.ShapeDtypeStruct(s, d) for s, d in [((p, c), jnp.float8_e4m3fn), ((p, cb), jnp.float32),
                                                        ((q, c), jnp.float8_e4m3fn), ((sb_rows, cb), jnp.float32)]]
-    [module] = _mosaic_modules(lambda *a: block_gemm_mgpu(*a, out_dtype=out_dtype), *args)
+    [module] = mosaic_modules(lambda *a: block_gemm_mgpu(*a, out_dtype=out_dtype), *args)
     assert WGMMA_E4M3 in module
 
 
-def test_shared_memory_budget_is_checked_at_lowering():
+def test_shared_memory_budget_is_checked_at_lowering(mosaic_modules):
     """Six stages and an f32 tile need 259 KiB of shared memory, past the 227 KiB a Hopper block gets: lowering
     says so (the default of four fits: the test above)."""
     args = [jax.ShapeDtypeStruct(s, d) for s, d in [((256, 1024), jnp.float8_e4m3fn), ((256, 8), jnp.float32),
                                                        ((256, 1024), jnp.float8_e4m3fn), ((2, 8), jnp.float32)]]
     with pytest.raises(Exception, match="shared memory"):
-        _mosaic_modules(lambda *a: block_gemm_mgpu(*a, tuning=Tuning(stages=6)), *args)
+        mosaic_modules(lambda *a: block_gemm_mgpu(*a, tuning=Tuning(stages=6)), *args)
 
 
 # the interpreter's tests against block_gemm on the CPU (on a GPU block_gemm's FP8 dots sum with the MMA's precision)
@@ -246,13 +226,13 @@ def _linear_grads(recipe, form=None):
 
 
 @pytest.mark.parametrize("recipe,kernels", [(E4M3_BLOCK, 3), (Fp8Recipe(scaling="block"), 1)], ids=["e4m3", "hybrid"])
-def test_block_linear_lowers_its_gemms_to_the_kernel(monkeypatch, recipe, kernels):
+def test_block_linear_lowers_its_gemms_to_the_kernel(monkeypatch, recipe, kernels, mosaic_modules):
     """Where ``runs_here`` holds (a Hopper GPU, no mesh of several devices), the linear's fprop, dgrad and wgrad are
     the kernel, lowered for CUDA on this host; E5M2 gradients (``hybrid``) meet E4M3 operands in the dgrad and the
     wgrad, which the kernel's one wgmma type does not take: those stay the emulation's."""
     monkeypatch.setattr(block_kernel, "runs_here", lambda qa, qb: qa.dtype == qb.dtype)
     args = [jax.ShapeDtypeStruct(s, jnp.float32) for s in ((300, 576), (576, 1536), (300, 1536))]
-    assert len(_mosaic_modules(_linear_grads(recipe, "f8"), *args)) == kernels
+    assert len(mosaic_modules(_linear_grads(recipe, "f8"), *args)) == kernels
 
 
 def test_runs_here_is_false_off_a_hopper_gpu():
@@ -263,11 +243,11 @@ def test_runs_here_is_false_off_a_hopper_gpu():
 
 
 @pytest.mark.gpu
-def test_gpu_block_linear_runs_the_kernel_and_matches_the_emulation(monkeypatch):
+def test_gpu_block_linear_runs_the_kernel_and_matches_the_emulation(monkeypatch, mosaic_modules):
     """On the GPU the linear's three GEMMs are the kernel (in the compiled program), and y, dx and dw come within
     the MMA's slice precision of the same linear on block_gemm's emulation."""
     x, w, g = _linear_operands()
-    assert len(_mosaic_modules(_linear_grads(E4M3_BLOCK), x, w, g)) == 3
+    assert len(mosaic_modules(_linear_grads(E4M3_BLOCK), x, w, g)) == 3
     got = jax.jit(_linear_grads(E4M3_BLOCK))(x, w, g)
     monkeypatch.setattr(block_kernel, "runs_here", lambda qa, qb: False)
     want = jax.jit(_linear_grads(E4M3_BLOCK))(x, w, g)
