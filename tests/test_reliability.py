@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 
 from fp8rl_jax.checkpoint import Checkpointer, latest_complete_step
-from fp8rl_jax.config import ConfigError, config_list, load_config_file
+from fp8rl_jax.config import ConfigError, load_config_file
+from fp8rl_jax.config_values import config_list
 from fp8rl_jax.trainer import Trainer
 
 pytestmark = pytest.mark.slow  # minutes on 2 cores: `make test-fast` leaves it out
