@@ -149,6 +149,8 @@ def test_e2e_measures_a_mode_and_summarizes_against_the_best_bf16():
     assert row["attention"] == attention.resolve_attention("auto", jnp.bfloat16, 16)  # the tiny config's head dim
     assert all(row[f"time_{p}"] > 0 for p in ("weights", "rollout", "train", "step"))
     assert row["train_tflops"] > 0 and row["rollout_tokens_per_s"] > 0
+    # the warm-up step compiled every phase's program: its seconds by phase
+    assert row["warmup_compile_s"]["rollout"] > 0 and row["warmup_compile_s"]["train"] > 0
 
     rows = [{"mode": "bf16", "time_rollout": 10.0, "time_train": 8.0, "time_step": 20.0, "device": "d"},
             {"mode": "bf16_cublas", "time_rollout": 12.0, "time_train": 6.0, "time_step": 19.0, "device": "d"},

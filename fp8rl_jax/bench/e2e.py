@@ -177,7 +177,10 @@ def measure(config_path: str, mode: str, sets: list[str], warmup: int, steps: in
            **{f"time_{p}": mean(f"time/{p}") for p in PHASES if f"time/{p}" in timed[0]},
            "response_length_mean": mean("response_length_mean"),
            "time_score_train": mean_of(timed, lambda r: r["time/score"] + r["time/train"]),
-           "rollout_tokens_per_s": mean("rollout_tokens_per_s")}
+           "rollout_tokens_per_s": mean("rollout_tokens_per_s"),
+           # the compiles of the warm-up steps by phase (a slow compile, e.g. a kernel lowered once per call site)
+           "warmup_compile_s": {p: round(sum(r.get(f"time/{p}_compile", 0.0) for r in records[:warmup]), 3)
+                                for p in PHASES if f"time/{p}_compile" in records[0]}}
     # train: model FLOPs of the trained tokens (prompt + completion) per train-phase second
     tokens = mean_of(timed, lambda r: r["train_tokens_per_s"] * r["time/train"])
     context = tokens / row["sequences"]  # mean trained sequence length
