@@ -282,7 +282,7 @@ def validate(c: ml_collections.ConfigDict, known_rewards: Callable[[], Sequence[
     one_of(c, "precision.fp8_format", ("hybrid", "e4m3"))
     one_of(c, "precision.scaling", ("tensor", "rowwise", "block"))
     check(c.precision.scaling == "tensor" or c.precision.backend == "xla", "precision.scaling", c.precision.scaling,
-           f"tensor, or {c.precision.scaling} with precision.backend=xla (Transformer Engine scales per tensor here)")
+          f"tensor, or {c.precision.scaling} with precision.backend=xla (Transformer Engine scales per tensor here)")
     one_of(c, "precision.kv_cache_dtype", ("bfloat16", "float8_e4m3fn"))
     one_of(c, "precision.attention", ("auto", "cudnn", "pallas", "xla"))
     positive(c, "precision.amax_history_len")
@@ -301,31 +301,31 @@ def validate(c: ml_collections.ConfigDict, known_rewards: Callable[[], Sequence[
     check(isinstance(c.rollout.exact, bool), "rollout.exact", c.rollout.exact, "True or False")
     staleness = c.rollout.max_staleness
     check(isinstance(staleness, int) and not isinstance(staleness, bool) and staleness >= 0,
-           "rollout.max_staleness", staleness, "an int >= 0 (0: synchronous)")
+          "rollout.max_staleness", staleness, "an int >= 0 (0: synchronous)")
     check(isinstance(c.rl.dynamic_sampling, bool), "rl.dynamic_sampling", c.rl.dynamic_sampling, "True or False")
     check(isinstance(c.rollout.inflight_updates, bool), "rollout.inflight_updates", c.rollout.inflight_updates,
-           "True or False")
+          "True or False")
     delay = c.rollout.load_delay_chunks
     check(isinstance(delay, int) and not isinstance(delay, bool) and delay >= 0, "rollout.load_delay_chunks",
-           delay, "an int >= 0")
+          delay, "an int >= 0")
     check(not delay or c.rollout.inflight_updates, "rollout.load_delay_chunks", delay,
-           "0 with rollout.inflight_updates=False (drained loads wait for no chunk count)")
+          "0 with rollout.inflight_updates=False (drained loads wait for no chunk count)")
     rounds = c.rl.dynamic_sampling_max_rounds
     check(isinstance(rounds, int) and not isinstance(rounds, bool) and rounds >= 1,
-           "rl.dynamic_sampling_max_rounds", rounds, "an int >= 1")
+          "rl.dynamic_sampling_max_rounds", rounds, "an int >= 1")
     if staleness or c.rl.dynamic_sampling:
         key, value = (("rollout.max_staleness", staleness) if staleness
                       else ("rl.dynamic_sampling", c.rl.dynamic_sampling))
         check(not c.rollout.exact, key, value, "off with rollout.exact=True (the exact sampler draws one step's "
-               "batch with the trainer's own forward)")
+              "batch with the trainer's own forward)")
         check(not staleness or c.precision.kv_cache_dtype == "bfloat16", key, value,
-               "0 with precision.kv_cache_dtype=float8_e4m3fn: a weight update mid-sequence brings new KV scales, "
-               "which would read the cache written under the old ones")
+              "0 with precision.kv_cache_dtype=float8_e4m3fn: a weight update mid-sequence brings new KV scales, "
+              "which would read the cache written under the old ones")
     check(isinstance(c.precision.residual_in_gemm, bool), "precision.residual_in_gemm", c.precision.residual_in_gemm,
-           "True or False")
+          "True or False")
     check(not c.rollout.exact or c.precision.mode in ("bf16", "fp8_e2e"), "rollout.exact", c.rollout.exact,
-           f"False with precision.mode={c.precision.mode!r}: the exact sampler is the trainer's forward, so the "
-           f"rollout and training precisions must be one (bf16 or fp8_e2e)")
+          f"False with precision.mode={c.precision.mode!r}: the exact sampler is the trainer's forward, so the "
+          f"rollout and training precisions must be one (bf16 or fp8_e2e)")
     one_of(c, "model.remat", ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable"))
 
     src = c.model.source
@@ -335,13 +335,13 @@ def validate(c: ml_collections.ConfigDict, known_rewards: Callable[[], Sequence[
     if src == "preset":
         check(c.model.preset in PRESETS, "model.preset", c.model.preset, ", ".join(sorted(PRESETS)))
         check(c.model.tokenizer != "", "model.tokenizer", c.model.tokenizer,
-               "smollm2 (the demo model's tokenizer), char (the synthetic tasks' characters) or a folder with "
-               "tokenizer.json: random weights (model.source=preset) bring no tokenizer")
+              "smollm2 (the demo model's tokenizer), char (the synthetic tasks' characters) or a folder with "
+              "tokenizer.json: random weights (model.source=preset) bring no tokenizer")
     elif src != "smollm2":
         check(os.path.exists(src), "model.source", src,
-               "smollm2 | preset | an existing Hugging Face folder or .gguf file")
+              "smollm2 | preset | an existing Hugging Face folder or .gguf file")
     check(c.model.num_layers == 0 or src == "preset", "model.num_layers", c.model.num_layers,
-           f"0 with model.source={src!r}: only a random-init preset (model.source=preset) can be cut to fewer blocks")
+          f"0 with model.source={src!r}: only a random-init preset (model.source=preset) can be cut to fewer blocks")
 
     one_of(c, "data.dataset", ("gsm8k", "arithmetic", "arithmetic_qa", "pattern"))
     one_of(c, "data.prompt_format", ("chat", "plain"))
@@ -360,17 +360,17 @@ def validate(c: ml_collections.ConfigDict, known_rewards: Callable[[], Sequence[
     weights = listed(c, "reward.weights", float, "floats, one per reward fn")
     check(all(math.isfinite(w) for w in weights), "reward.weights", c.reward.weights, "finite numbers")
     check(not weights or len(weights) == len(names), "reward.weights", c.reward.weights,
-           f"{len(names)} floats (one per reward fn) or () for all 1")
+          f"{len(names)} floats (one per reward fn) or () for all 1")
 
     for key in ("rollout.prompts_per_step", "rollout.samples_per_prompt", "rollout.max_new_tokens",
                 "steps", "rl.minibatches", "optim.clip_norm"):
         positive(c, key)
     check(isinstance(c.rollout.decode_slots, int) and c.rollout.decode_slots >= 0, "rollout.decode_slots",
-           c.rollout.decode_slots, "0 (automatic: as many as the device memory holds, up to a step's sequences) or a "
-           "positive number of slots")
+          c.rollout.decode_slots, "0 (automatic: as many as the device memory holds, up to a step's sequences) or a "
+          "positive number of slots")
     tp = c.rollout.tensor_parallel
     check(isinstance(tp, int) and not isinstance(tp, bool) and tp >= 1, "rollout.tensor_parallel", tp,
-           "a positive int dividing the device count, the model's kv heads and its intermediate size")
+          "a positive int dividing the device count, the model's kv heads and its intermediate size")
     positive(c, "rollout.temperature")
     check(0 < c.rollout.top_p <= 1, "rollout.top_p", c.rollout.top_p, "0 < top_p <= 1")
     positive(c, "rollout.top_k", allow_zero=True)
@@ -392,27 +392,27 @@ def validate(c: ml_collections.ConfigDict, known_rewards: Callable[[], Sequence[
     positive(c, "rl.is_cap")
     dual = c.rl.clip_ratio_c
     check(isinstance(dual, (int, float)) and not isinstance(dual, bool) and (dual == 0 or dual > 1),
-           "rl.clip_ratio_c", dual, "0 (off) or > 1 (dual-clip PPO's bound on the loss for A < 0; veRL uses 3.0)")
+          "rl.clip_ratio_c", dual, "0 (off) or > 1 (dual-clip PPO's bound on the loss for A < 0; veRL uses 3.0)")
     for band in ("mis", "icepop"):
         low, high = c.rl[f"{band}_low"], c.rl[f"{band}_high"]
         check(isinstance(low, (int, float)) and isinstance(high, (int, float)) and 0 <= low < 1 < high,
-               f"rl.{band}_low/rl.{band}_high", (low, high), f"0 <= {band}_low < 1 < {band}_high")
+              f"rl.{band}_low/rl.{band}_high", (low, high), f"0 <= {band}_low < 1 < {band}_high")
     seqs = c.rollout.prompts_per_step * c.rollout.samples_per_prompt
     check(seqs % c.rl.minibatches == 0, "rl.minibatches", c.rl.minibatches,
-           f"a divisor of prompts_per_step * samples_per_prompt = {seqs}")
+          f"a divisor of prompts_per_step * samples_per_prompt = {seqs}")
     mb = c.rl.microbatch_sequences
     check(mb == 0 or (seqs // c.rl.minibatches) % mb == 0, "rl.microbatch_sequences", mb,
-           f"0 (from rl.microbatch_tokens) or a divisor of the minibatch size {seqs // c.rl.minibatches}")
+          f"0 (from rl.microbatch_tokens) or a divisor of the minibatch size {seqs // c.rl.minibatches}")
     check(isinstance(c.rl.packing, bool), "rl.packing", c.rl.packing, "True or False")
     if c.rl.packing:
         row = longest_row_tokens(c.data.max_prompt_tokens, c.rollout.max_new_tokens)  # one packed row's width
         check(c.rl.microbatch_sequences > 0 or c.rl.microbatch_tokens == 0 or c.rl.microbatch_tokens >= row,
-               "rl.microbatch_tokens", c.rl.microbatch_tokens,
-               f">= {row} with rl.packing: one packed row holds data.max_prompt_tokens + rollout.max_new_tokens, "
-               "rounded up to 32")
+              "rl.microbatch_tokens", c.rl.microbatch_tokens,
+              f">= {row} with rl.packing: one packed row holds data.max_prompt_tokens + rollout.max_new_tokens, "
+              "rounded up to 32")
         check(not c.rollout.exact, "rl.packing", c.rl.packing,
-               "False with rollout.exact=True: the exact sampler's bitwise agreement needs the scoring forward at "
-               "its own [microbatch, T] shape")
+              "False with rollout.exact=True: the exact sampler's bitwise agreement needs the scoring forward at "
+              "its own [microbatch, T] shape")
 
     one_of(c, "optim.schedule", SCHEDULES)
     positive(c, "optim.lr", allow_zero=True)
@@ -425,14 +425,14 @@ def validate(c: ml_collections.ConfigDict, known_rewards: Callable[[], Sequence[
         value = get(c, key)
         check(isinstance(value, int) and (value >= 1 or value == -1), key, value, "a positive int or -1")
     check([c.mesh.data, c.mesh.fsdp, c.mesh.tensor].count(-1) <= 1, "mesh", c.mesh.to_dict(),
-           "at most one of data / fsdp / tensor set to -1")
+          "at most one of data / fsdp / tensor set to -1")
     k = c.mesh.rollout_devices
     check(isinstance(k, int) and not isinstance(k, bool) and k >= 0, "mesh.rollout_devices", k,
-           "0 (the rollout on the trainer's devices) or a number of devices for the rollout alone")
+          "0 (the rollout on the trainer's devices) or a number of devices for the rollout alone")
     check(k % tp == 0, "mesh.rollout_devices", k,
-           f"a multiple of rollout.tensor_parallel={tp} (the rollout's devices form groups of that many)")
+          f"a multiple of rollout.tensor_parallel={tp} (the rollout's devices form groups of that many)")
     check(not (k and c.rollout.exact), "mesh.rollout_devices", k,
-           "0 with rollout.exact=True: the exact sampler is the trainer's own forward, on the trainer's devices")
+          "0 with rollout.exact=True: the exact sampler is the trainer's own forward, on the trainer's devices")
 
 
 def load_config_file(path: str, arg: str | None = None) -> ml_collections.ConfigDict:
