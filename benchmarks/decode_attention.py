@@ -41,6 +41,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from fp8rl_jax.bench import tree_commit  # noqa: E402
 from fp8rl_jax.fp8 import kv as kvq  # noqa: E402
 from fp8rl_jax.kernels import decode_attention as da  # noqa: E402
 from fp8rl_jax.model import attention  # noqa: E402
@@ -219,12 +220,6 @@ def bench_shape(model, batch, cache_len, fill, kv, impls, *, tunings, repeats, w
     return rows
 
 
-def _commit() -> str:
-    from fp8rl_jax.bench import tree_commit
-
-    return tree_commit()
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="JSON file to write")
@@ -323,7 +318,7 @@ def main(argv=None):
     device = jax.devices()[0]
     result = {
         "device": getattr(device, "device_kind", device.platform), "backend": jax.default_backend(),
-        "jax": jax.__version__, "commit": _commit(),
+        "jax": jax.__version__, "commit": tree_commit(),
         "command": " ".join(["python", "benchmarks/decode_attention.py", *sys.argv[1:]]),
         "interpret": args.interpret, "rows": rows, "sweep": sweep,
     }

@@ -87,13 +87,16 @@ def _default_num_sms() -> int:
     return 132  # an H100 SXM or H200 (lowering for CUDA on a host without one)
 
 
+def _one_fp8_type(qa: jax.Array, qb: jax.Array) -> bool:
+    """qa and qb are FP8 of one type (the kernel's one wgmma type)."""
+    return qa.dtype == qb.dtype and jnp.dtype(qa.dtype) in [jnp.dtype(t) for t in FP8_TYPES]
+
+
 def runs_here(qa: jax.Array, qb: jax.Array) -> bool:
     """Whether ``block_gemm_mgpu`` runs for operands like these in this trace: a Hopper GPU (sm_90), no mesh of
     several devices (a ``pallas_call`` has no partitioning rule: under one, XLA would gather its operands), and two
     2-D FP8 operands of one type (the kernel's one wgmma type)."""
-    if jax.default_backend() != "gpu" or qa.ndim != 2 or qb.ndim != 2 or qa.dtype != qb.dtype:
-        return False
-    if jnp.dtype(qa.dtype) not in [jnp.dtype(t) for t in FP8_TYPES]:
+    if jax.default_backend() != "gpu" or qa.ndim != 2 or qb.ndim != 2 or not _one_fp8_type(qa, qb):
         return False
     if getattr(jax.devices()[0], "compute_capability", None) != "9.0":
         return False
@@ -116,7 +119,7 @@ def block_gemm_mgpu(qa: jax.Array, a_scale_inv: jax.Array, qb: jax.Array, b_scal
     p, c = qa.shape
     q = qb.shape[0]
     cb = _num_blocks(c)
-    if qa.dtype != qb.dtype or jnp.dtype(qa.dtype) not in [jnp.dtype(t) for t in FP8_TYPES]:
+    if not _one_fp8_type(qa, qb):
         raise ValueError(f"block_gemm_mgpu takes two FP8 operands of one type, not {qa.dtype} and {qb.dtype}")
     if qb.shape[1] != c:
         raise ValueError(f"block_gemm_mgpu: qa {qa.shape} and qb {qb.shape} differ in their contraction axis")
