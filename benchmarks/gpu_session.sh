@@ -26,6 +26,7 @@ if [ ! -f "$gguf" ] && ls /root/gguf/gguf_part_* >/dev/null 2>&1; then
 fi  # its tokenizer is converted from the GGUF on first use (gguf + tokenizers; no transformers needed)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # never NVLink multicast
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
+dev=$(grep -oi 'h[0-9]00' "$OUT/device.txt" | head -1 | tr 'H' 'h'); dev=${dev:-gpu}  # results are named by the GPU
 # e2e8b's and profile8b's model: the Llama-3.1-8B width, E8B_LAYERS layers, microbatches of 16
 width8b=(--set model.source=preset --set model.preset=llama3_8b --set model.num_layers=${E8B_LAYERS:-10}
          --set model.tokenizer=.gpu/smollm2_tok --set model.preset_vocab=preset --set rl.microbatch_sequences=16)
@@ -33,7 +34,7 @@ for what in "$@"; do
   case $what in
     install) ;;
     tests) timeout 400 python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
-    decode) timeout 500 python3 benchmarks/decode_attention.py --models 1b --out "$OUT/decode_attention_h100.json" \
+    decode) timeout 500 python3 benchmarks/decode_attention.py --models 1b --out "$OUT/decode_attention_${dev}.json" \
         2>&1 | grep -vi warn | tee "$OUT/decode_attention.log" | tail -30 ;;
     llama1b:*) mode=${what#llama1b:}
       # random Llama-3.2-1B weights with the real shapes (vocab 128256: ids past the tokenizer decode to ""),
@@ -52,30 +53,30 @@ for r in map(json.loads, open(sys.argv[1])):
 EOF
       rm -rf "$OUT/llama1b_$mode" ;;
     fp8gemm) # the decode step's FP8 GEMMs alone: kernels.fp8_gemm (swept) against TE's and XLA's cuBLASLt
-      timeout ${FG_TIMEOUT:-480} python3 benchmarks/fp8_gemm.py ${FG_ARGS:---sweep} --out "$OUT/fp8_gemm_h100.json" 2>&1 \
+      timeout ${FG_TIMEOUT:-480} python3 benchmarks/fp8_gemm.py ${FG_ARGS:---sweep} --out "$OUT/fp8_gemm_${dev}.json" 2>&1 \
         | grep -vi warn > "$OUT/fp8_gemm.log"; tail -12 "$OUT/fp8_gemm.log" ;;
     bgemm) # the Mosaic GPU block-scaled FP8 GEMM (kernels/block_gemm.py): its tests on this GPU, then its speed against
       # block.block_gemm's XLA emulation, a per-tensor FP8 dot and BF16 (cuBLAS); BGEMM_ARGS (e.g. --sweep), BGEMM_TAG
       timeout ${BGEMM_TEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider tests/kernels/test_block_gemm.py 2>&1 \
         | tee "$OUT/bgemm_tests${BGEMM_TAG:-}.log" | tail -25
       XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_triton_gemm=false" timeout ${BGEMM_TIMEOUT:-400} python3 \
-        benchmarks/block_gemm_speed.py ${BGEMM_ARGS:-} --out "$OUT/block_gemm${BGEMM_TAG:-}_h100.json" 2>&1 \
+        benchmarks/block_gemm_speed.py ${BGEMM_ARGS:-} --out "$OUT/block_gemm${BGEMM_TAG:-}_${dev}.json" 2>&1 \
         | grep -v "^W\|Warn" | tee "$OUT/block_gemm${BGEMM_TAG:-}.log" | grep "^{\|rror\|wrote" | cut -c1-400 ;;
     blinear) # one linear's forward + backward at llama1b's training shapes: BF16, per-tensor and block-scaled FP8, the
       # block path's GEMMs and its quantizers apart (benchmarks/block_linear_speed.py; BL_ARGS)
-      timeout ${BL_TIMEOUT:-240} python3 benchmarks/block_linear_speed.py ${BL_ARGS:-} --out "$OUT/block_linear_h100.json" \
+      timeout ${BL_TIMEOUT:-240} python3 benchmarks/block_linear_speed.py ${BL_ARGS:-} --out "$OUT/block_linear_${dev}.json" \
         2>&1 | grep "^{\|rror\|wrote" | cut -c1-300 ;;
     head_step) # the LM head's forward + backward alone (HEAD_VARIANTS, default BF16 / FP8 custom VJP / autodiff
       # FP8), llama1b and 8B widths; HEAD_TAG names the files
       timeout 200 python3 benchmarks/head_step.py --runs ${HEAD_RUNS:-3} --variants ${HEAD_VARIANTS:-bf16,fp8,fp8_autodiff} \
-        --out "$OUT/head_step${HEAD_TAG:-}_h100.json" 2>&1 | grep "^{" | cut -c1-160
+        --out "$OUT/head_step${HEAD_TAG:-}_${dev}.json" 2>&1 | grep "^{" | cut -c1-160
       timeout 120 python3 benchmarks/head_step.py --runs ${HEAD_RUNS:-3} --hidden 4096 --untied \
-        --variants ${HEAD_VARIANTS:-bf16,fp8} --out "$OUT/head_step${HEAD_TAG:-}_8b_h100.json" 2>&1 | grep "^{" | cut -c1-160 ;;
+        --variants ${HEAD_VARIANTS:-bf16,fp8} --out "$OUT/head_step${HEAD_TAG:-}_8b_${dev}.json" 2>&1 | grep "^{" | cut -c1-160 ;;
     headgrad) # the head's fused FP8 logit gradient kernel against its XLA form (one llama1b head chunk; HG_ARGS)
-      timeout ${HG_TIMEOUT:-240} python3 benchmarks/head_grad.py ${HG_ARGS:-} --out "$OUT/head_grad${HG_TAG:-}_h100.json" \
+      timeout ${HG_TIMEOUT:-240} python3 benchmarks/head_grad.py ${HG_ARGS:-} --out "$OUT/head_grad${HG_TAG:-}_${dev}.json" \
         2>&1 | grep "^{\|rror" | cut -c1-400 ;;
     packed_attention) # cuDNN packed attention's memory and time against its segment table's size (llama1b heads)
-      timeout 300 python3 benchmarks/packed_attention_memory.py ${PA_ARGS:-} --out "$OUT/packed_attention_h100.json" \
+      timeout 300 python3 benchmarks/packed_attention_memory.py ${PA_ARGS:-} --out "$OUT/packed_attention_${dev}.json" \
         2>&1 | grep -v "^W\|Warn" | tail -12 ;;
     rollout1k) # R1K_ARGS: e.g. "--batches 64 --profile"
       timeout ${R1K_TIMEOUT:-500} python3 -m fp8rl_jax.bench rollout --new_tokens 1024 --modes ${R1K_MODES:-bf16,fp8_kv_te} \
@@ -86,14 +87,14 @@ EOF
       timeout 500 python3 -m fp8rl_jax.bench e2e --config configs/llama1b.py --set model.source=preset \
         --set model.preset=llama3_1b --set model.tokenizer=.gpu/smollm2_tok --set model.preset_vocab=preset \
         --set rollout.prompts_per_step=${E2E_PROMPTS:-32} ${E2E_SET:-} --modes ${E2E_MODES:-fp8_e2e,bf16,fp8_rollout,bf16_cublas} \
-        --timeout ${E2E_MODE_TIMEOUT:-125} --out "$OUT/e2e_h100${E2E_TAG:-}.json" 2>&1 | grep -v "^W\|Warn" | tee "$OUT/e2e${E2E_TAG:-}.log" | tail -8 ;;
+        --timeout ${E2E_MODE_TIMEOUT:-125} --out "$OUT/e2e_${dev}${E2E_TAG:-}.json" 2>&1 | grep -v "^W\|Warn" | tee "$OUT/e2e${E2E_TAG:-}.log" | tail -8 ;;
     e2e8b) # bench e2e at the Llama-3.1-8B width with E8B_LAYERS layers (default 10; the whole preset does not train on
       # one GPU), the llama1b config's batch shapes in microbatches of 16: issue 23's e2e_8b_width_h100.json. At JAX's
       # default 75% of the H100, microbatches of 32 ran out of memory (at 8094864); 10 layers peak at 68.7 GiB of 94%
       XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.94} timeout 560 python3 -m fp8rl_jax.bench e2e \
         --config configs/llama1b.py "${width8b[@]}" --set rollout.prompts_per_step=${E2E_PROMPTS:-32} ${E2E_SET:-} \
         --modes ${E2E_MODES:-fp8_e2e,bf16_cublas} --timeout ${E2E_MODE_TIMEOUT:-250} \
-        --out "$OUT/e2e_8b_width_h100.json" 2>&1 | grep -v "^W\|Warn" | tee "$OUT/e2e8b.log" | tail -8 ;;
+        --out "$OUT/e2e_8b_width_${dev}.json" 2>&1 | grep -v "^W\|Warn" | tee "$OUT/e2e8b.log" | tail -8 ;;
     e2e_xla) # bench e2e in processes without Transformer Engine (FP8 on the xla backend): there `precision.attention`
       # auto is cuDNN flash attention (TE's cuDNN beside JAX's breaks its backward); E2E_SET adds --set overrides
       [ -d /tmp/site_note ] || python3 -m pip install -q --no-index --no-deps --target /tmp/site_note .gpu/wheels/*.whl
@@ -101,7 +102,7 @@ EOF
         --set model.source=preset --set model.preset=llama3_1b --set model.tokenizer=.gpu/smollm2_tok \
         --set model.preset_vocab=preset --set rollout.prompts_per_step=${E2E_PROMPTS:-32} ${E2E_SET:-} \
         --modes ${E2E_MODES:-fp8_e2e,bf16_cublas} --timeout ${E2E_MODE_TIMEOUT:-170} \
-        --out "$OUT/e2e_xla_h100${E2E_TAG:-}.json" 2>&1 | grep -v "^W\|Warn" | tee "$OUT/e2e_xla${E2E_TAG:-}.log" | tail -8 ;;
+        --out "$OUT/e2e_xla_${dev}${E2E_TAG:-}.json" 2>&1 | grep -v "^W\|Warn" | tee "$OUT/e2e_xla${E2E_TAG:-}.log" | tail -8 ;;
     profile) # top GPU kernels of a decode chunk (PROFILE_DECODE_CHUNKS consecutive ones) and a train step (llama1b
       # shapes, one wave of 256 sequences);
       # PROFILE_DUMP=1 also keeps the optimized HLO of those two programs (the fusions the kernel names refer to)
@@ -109,13 +110,13 @@ EOF
       "${dump[@]}" timeout 400 python3 benchmarks/profile_step.py --config configs/llama1b.py --set model.source=preset \
         --set model.preset=llama3_1b --set model.tokenizer=.gpu/smollm2_tok --set model.preset_vocab=preset \
         --set rollout.prompts_per_step=32 --modes ${PROFILE_MODES:-bf16_cublas,fp8_e2e} --timeout 190 \
-        --top ${PROFILE_TOP:-25} --decode_chunks ${PROFILE_DECODE_CHUNKS:-1} --out "$OUT/profile_h100.json" 2>&1 | grep -v "^W\|Warn" | tee "$OUT/profile.log" | tail -6
+        --top ${PROFILE_TOP:-25} --decode_chunks ${PROFILE_DECODE_CHUNKS:-1} --out "$OUT/profile_${dev}.json" 2>&1 | grep -v "^W\|Warn" | tee "$OUT/profile.log" | tail -6
       [ -d /tmp/hlo_dump ] && (cd /tmp/hlo_dump && tar czf "$OUT/hlo_dump.tgz" $(ls | grep after_optimizations.txt)) ;;
     profile8b) # the same at the Llama-3.1-8B width with E8B_LAYERS layers (e2e8b's shapes and memory settings)
       XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.94} timeout 500 python3 benchmarks/profile_step.py \
         --config configs/llama1b.py "${width8b[@]}" --set rollout.prompts_per_step=32 \
         --modes ${PROFILE_MODES:-bf16_cublas,fp8_e2e_head} --timeout 230 --top ${PROFILE_TOP:-25} \
-        --decode_chunks ${PROFILE_DECODE_CHUNKS:-1} --out "$OUT/profile_8b_width_h100.json" 2>&1 | grep -v "^W\|Warn" | tee "$OUT/profile8b.log" | tail -6 ;;
+        --decode_chunks ${PROFILE_DECODE_CHUNKS:-1} --out "$OUT/profile_8b_width_${dev}.json" 2>&1 | grep -v "^W\|Warn" | tee "$OUT/profile8b.log" | tail -6 ;;
     cluster_nb) # the cluster notebook on this host's GPUs (smollm2_gsm8k, FSDP over all of them), outputs kept
       FP8RL_NOTEBOOK_WORKDIR=/tmp/cluster_nb timeout ${NB_TIMEOUT:-300} python3 benchmarks/run_notebook.py \
         notebooks/cluster.ipynb "$OUT/cluster_executed.ipynb" 2>&1 | grep -v "^W\|Warn" | tail -5 ;;
@@ -171,7 +172,7 @@ EOF2
         --out "$OUT/rollout_xla_vs_te.json" 2>&1 | grep -vi warn | tee "$OUT/rollout_xla.log" | tail -8 ;;
     rollout_head) # the LM head in FP8 too: decode speed at batch 64 and 256 (cuBLAS for the BF16 GEMMs)
       XLA_FLAGS=--xla_gpu_enable_triton_gemm=false timeout 500 python3 -m fp8rl_jax.bench rollout --new_tokens 1024 \
-        --batches 64,256 --modes bf16,fp8_kv_te,fp8_kv_te_head --out "$OUT/rollout_head_h100.json" 2>&1 \
+        --batches 64,256 --modes bf16,fp8_kv_te,fp8_kv_te_head --out "$OUT/rollout_head_${dev}.json" 2>&1 \
         | grep -vi warn | tee "$OUT/rollout_head.log" | grep "^{" ;;
     rollout8b) # the Llama-3.1-8B shape on one GPU (an H200: bf16 8B does not fit an H100 with 256 sequences)
       XLA_FLAGS=--xla_gpu_enable_triton_gemm=false timeout ${R8B_TIMEOUT:-560} python3 -m fp8rl_jax.bench rollout --model llama3_8b \
@@ -183,13 +184,13 @@ EOF2
       timeout 400 python3 -m fp8rl_jax.bench agreement --precisions ${AGREE_PRECISIONS:-bf16,fp8,fp8_head,fp8_te} \
         --out "$OUT/agreement.json" 2>&1 | grep -v "^W\|Warn" | tee "$OUT/agreement.log" | grep "^{\|Error" | cut -c1-300 ;;
     transpose) # the FP8 wgrad's transposes: XLA's against the Pallas kernel's block shapes (llama1b microbatch shapes)
-      timeout 300 python3 benchmarks/transpose_fp8.py --out "$OUT/transpose_fp8_h100.json" 2>&1 | grep "^{\|rror" \
+      timeout 300 python3 benchmarks/transpose_fp8.py --out "$OUT/transpose_fp8_${dev}.json" 2>&1 | grep "^{\|rror" \
         | cut -c1-1500 ;;
     swiglu) # the MLP's fused SwiGLU backward kernel against the XLA ops it replaces (llama1b microbatch shapes unless
       # SWIGLU_ARGS says otherwise, e.g. "--tokens 20480 --intermediate 14336 --configs 32x64:4"); SWIGLU_NAME
       timeout ${SWIGLU_TIMEOUT:-300} python3 benchmarks/swiglu_grad.py ${SWIGLU_ARGS:-} \
-        --out "$OUT/${SWIGLU_NAME:-swiglu_grad_h100}.json" 2>&1 | grep "^{\|rror" | cut -c1-400 ;;
-    gemm) timeout 420 python3 -m fp8rl_jax.bench gemm --out "$OUT/gemm_h100.json" 2>&1 | grep -vi warn | tee "$OUT/gemm.log" | tail -3 ;;
+        --out "$OUT/${SWIGLU_NAME:-swiglu_grad_${dev}}.json" 2>&1 | grep "^{\|rror" | cut -c1-400 ;;
+    gemm) timeout 420 python3 -m fp8rl_jax.bench gemm --out "$OUT/gemm_${dev}.json" 2>&1 | grep -vi warn | tee "$OUT/gemm.log" | tail -3 ;;
     train) for mode in fp8_e2e bf16; do
         timeout 240 python3 -m fp8rl_jax.main --config=configs/tiny.py:$mode --config.precision.backend=te \
           --config.workdir="$OUT/tiny_te_$mode" --config.logging.progress=False --config.logging.tensorboard=False \
@@ -198,7 +199,7 @@ EOF2
       done ;;
     demo_scaled) # issue 41's acceptance: the demo scaled as a new GPU user would (32 prompts x 8 samples x 256 new
       # tokens, nothing else), 20 steps; FP8RL_COMMIT names the tree that runs
-      timeout 560 python3 benchmarks/demo_scaled.py --out "$OUT/demo_scaled_h100.json" ${DEMO_LOG:+--log "$OUT/demo_scaled.log"} \
+      timeout 560 python3 benchmarks/demo_scaled.py --out "$OUT/demo_scaled_${dev}.json" ${DEMO_LOG:+--log "$OUT/demo_scaled.log"} \
         2>&1 | grep -v "^W\|Warn" | tail -16 ;;
     scaled_demo) # issue 21: the demo scaled up (256 sequences x 256 new tokens) with no microbatch override, 3 steps;
       # then an intentionally oversized microbatch (the whole minibatch) that must end in one out-of-memory line
