@@ -52,7 +52,7 @@ from fp8rl_jax.kernels.block_gemm import Tuning, block_gemm_mgpu  # noqa: E402
 SHAPES = {"square4k": (4096, 4096, 4096), "llama1b": (8192, 2048, 2048), "smollm2": (16384, 576, 1536)}
 CHECK_SHAPES = {"tiny": (256, 256, 384), "odd": (200, 300, 300)}
 PATHS = ("mosaic", "mosaic_rows", "emulated", "fp8_tensor", "bf16")
-SWEEP = {"stages": (3, 4), "grid_width": (1, 4, 8, 16)}  # the Mosaic paths' tuning (--sweep)
+SWEEP = {"stages": (3, 4), "grid_width": (1, 4, 8, 16), "cluster": (1, 2)}  # the Mosaic paths' tuning (--sweep)
 CONTRACT = (((1,), (1,)), ((), ()))  # [M, K] . [N, K] over K
 E4M3_MAX = 448.0
 
@@ -123,7 +123,8 @@ def bench_shape(name, m, n, k, paths, out_dtype, repeats, timed, tunings, interp
         for tuning in (tunings if path.startswith("mosaic") else [None]):
             row = {"shape": name, "m": m, "n": n, "k": k, "path": path, "out_dtype": jnp.dtype(out_dtype).name}
             if tuning is not None:
-                row.update(stages=tuning.stages, grid_width=tuning.grid_width, grid_minor=tuning.grid_minor)
+                row.update(stages=tuning.stages, grid_width=tuning.grid_width, grid_minor=tuning.grid_minor,
+                           cluster=tuning.cluster)
             try:
                 fn = _scanned(path, out_dtype, tuning, interpret)
                 out = np.asarray(fn(data)[0], np.float32)
@@ -155,6 +156,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--timed", type=int, default=5, help="timed calls (median)")
     p.add_argument("--stages", type=int, default=Tuning.stages)
     p.add_argument("--grid-width", type=int, default=Tuning.grid_width)
+    p.add_argument("--cluster", type=int, default=Tuning.cluster, help="CTAs a cluster (1 or 2)")
     p.add_argument("--sweep", action="store_true", help=f"the Mosaic paths over {SWEEP}")
     p.add_argument("--check", action="store_true", help="tiny shapes, the kernel through the interpreter (CPU)")
     p.add_argument("--commit", default="",
@@ -175,9 +177,9 @@ def main(argv: list[str] | None = None) -> None:
             shapes[s] = SHAPES[s] if s in SHAPES else tuple(int(v) for v in s.split("x"))
         repeats, timed = args.repeats, args.timed
         if args.sweep:
-            tunings = [Tuning(stages=s, grid_width=g) for s, g in itertools.product(*SWEEP.values())]
+            tunings = [Tuning(stages=s, grid_width=g, cluster=k) for s, g, k in itertools.product(*SWEEP.values())]
         else:
-            tunings = [Tuning(stages=args.stages, grid_width=args.grid_width)]
+            tunings = [Tuning(stages=args.stages, grid_width=args.grid_width, cluster=args.cluster)]
     if not args.check and jax.default_backend() != "gpu":
         sys.exit("block_gemm_speed times a GPU; on this backend run --check")
     t0 = time.time()

@@ -62,12 +62,15 @@ FP8_TYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2)
 class Tuning:
     """``stages``: K slices in flight (shared memory: 32.5 KiB each, plus 32 or 64 KiB for the output tile);
     ``grid_minor``/``grid_width``: the tile order (``plgpu.planar_snake``: bands of ``grid_width`` tiles along
-    dimension ``grid_minor``, 0 = M, 1 = N); ``num_sms``: CTAs (default: the device's multiprocessors)."""
+    dimension ``grid_minor``, 0 = M, 1 = N); ``num_sms``: CTAs (default: the device's multiprocessors);
+    ``cluster``: 1, or 2 CTAs a cluster on neighbouring row tiles of one column tile, qb's slice loaded once for
+    both (a TMA multicast: the L2 traffic of each K slice falls from 32 to 24 KiB a CTA)."""
 
     stages: int = 4
     grid_minor: int = 1
     grid_width: int = 8
     num_sms: int | None = None
+    cluster: int = 1
 
 
 def _num_blocks(n: int) -> int:
@@ -135,7 +138,10 @@ def block_gemm_mgpu(qa: jax.Array, a_scale_inv: jax.Array, qb: jax.Array, b_scal
     out_dtype = jnp.dtype(out_dtype)
     if out_dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
         raise ValueError(f"block_gemm_mgpu writes float32 or bfloat16, not {out_dtype}")
-    pp, qp, cp = -(-p // TILE_M) * TILE_M, -(-q // TILE_N) * TILE_N, cb * BLOCK
+    if tuning.cluster not in (1, 2):
+        raise ValueError(f"block_gemm_mgpu: Tuning.cluster={tuning.cluster}; allowed: 1, 2")
+    rows_step = TILE_M * tuning.cluster  # a cluster's row tiles
+    pp, qp, cp = -(-p // rows_step) * rows_step, -(-q // TILE_N) * TILE_N, cb * BLOCK
     a = _pad_to(_pad_to(qa, 0, pp), 1, cp)
     b = _pad_to(_pad_to(qb, 0, qp), 1, cp)
     if interpret:  # the interpreter's wgmma takes no transposed operand: qb as [C, Q] there (the MMA wants [Q, C])
@@ -156,9 +162,11 @@ def _call(a, b, sa, sb, *, out_dtype, block_scales: bool, tuning: Tuning, interp
 
     pp, cp = a.shape
     qp = b.shape[1] if interpret else b.shape[0]
+    cluster = tuning.cluster
     m_iters, n_iters, k_iters = pp // TILE_M, qp // TILE_N, cp // BLOCK
-    num_tiles = m_iters * n_iters
-    num_sms = min(tuning.num_sms or _default_num_sms(), num_tiles)
+    num_tiles = m_iters // cluster * n_iters  # a cluster's tiles: `cluster` row tiles of one column tile
+    num_ctas = min((tuning.num_sms or _default_num_sms()) // cluster, num_tiles)
+    multicast = ("cluster",) if cluster > 1 else ()
     in_bits = jnp.dtype(a.dtype).itemsize * 8
     in_swizzle = plgpu.find_swizzle(BLOCK * in_bits, "fp8 operand")  # 128 bytes: one K slice a swizzle row
     in_transforms = (plgpu.TilingTransform((8, in_swizzle * 8 // in_bits)), plgpu.SwizzleTransform(in_swizzle))
@@ -172,16 +180,19 @@ def _call(a, b, sa, sb, *, out_dtype, block_scales: bool, tuning: Tuning, interp
     # qb's slice: [128 columns, 128 K] in shared memory, K-major as the FP8 MMA takes it (transposed into the MMA's
     # [K, N] view); the interpreter gets qb as [C, Q] and its [128 K, 128 columns] slices (see block_gemm_mgpu)
     if interpret:
-        b_spec = plgpu.BlockSpec((BLOCK, TILE_N), lambda k: (k, 0), transforms=in_transforms)
+        b_spec = plgpu.BlockSpec((BLOCK, TILE_N), lambda k: (k, 0), transforms=in_transforms,
+                                 collective_axes=multicast)
         b_cols = lambda b_gmem, cols: b_gmem.at[:, cols]
         b_operand = lambda b_smem: b_smem
     else:
-        b_spec = plgpu.BlockSpec((TILE_N, BLOCK), lambda k: (0, k), transforms=in_transforms)
+        b_spec = plgpu.BlockSpec((TILE_N, BLOCK), lambda k: (0, k), transforms=in_transforms,
+                                 collective_axes=multicast)
         b_cols = lambda b_gmem, cols: b_gmem.at[cols, :]
         b_operand = lambda b_smem: b_smem.transpose((1, 0))
 
     def kernel(a_gmem, b_gmem, sa_gmem, sb_gmem, out_gmem, out_smem):
         wg = lax.axis_index("wg")
+        cta = lax.axis_index("cluster") if cluster > 1 else 0
 
         def get_pipeline(body, compute_context):
             specs = [
@@ -212,7 +223,9 @@ def _call(a, b, sa, sb, *, out_dtype, block_scales: bool, tuning: Tuning, interp
             @plgpu.nd_loop((num_tiles,), collective_axes="sm")
             def _tile(info):
                 (lin,) = info.index
-                m_idx, n_idx = plgpu.planar_snake(lin, (m_iters, n_iters), tuning.grid_minor, tuning.grid_width)
+                m_cl, n_idx = plgpu.planar_snake(lin, (m_iters // cluster, n_iters), tuning.grid_minor,
+                                                 tuning.grid_width)
+                m_idx = m_cl * cluster + cta
                 rows = pl.ds(wg * WG_M, WG_M)
 
                 def compute_context(run_pipeline):
@@ -261,8 +274,9 @@ def _call(a, b, sa, sb, *, out_dtype, block_scales: bool, tuning: Tuning, interp
         kernel,
         out_type=jax.ShapeDtypeStruct((pp, qp), out_dtype),
         scratch_types=[plgpu.SMEM((2, WG_M, TILE_N), out_dtype, transforms=out_transforms)],
-        grid=(num_sms,),
+        grid=(num_ctas,),
         grid_names=("sm",),
+        **(dict(cluster=(cluster,), cluster_names=("cluster",)) if cluster > 1 else {}),
         num_threads=3,
         thread_name="wg",
         interpret=interpret_params,

@@ -96,6 +96,17 @@ def test_lowers_for_cuda_to_fp8_wgmma(p, q, c, form, out_dtype, mosaic_modules):
     assert WGMMA_E4M3 in module
 
 
+def test_cluster_of_two_lowers_for_cuda(mosaic_modules):
+    """Two CTAs a cluster, qb's slice multicast to both (``Tuning.cluster=2``; Pallas' Mosaic GPU interpreter has no
+    clusters: the GPU tests run it)."""
+    args = [jax.ShapeDtypeStruct(s, d) for s, d in [((300, 1100), jnp.float8_e4m3fn), ((300, 9), jnp.float32),
+                                                       ((260, 1100), jnp.float8_e4m3fn), ((3, 9), jnp.float32)]]
+    [module] = mosaic_modules(lambda *a: block_gemm_mgpu(*a, tuning=Tuning(cluster=2)), *args)
+    assert WGMMA_E4M3 in module
+    with pytest.raises(ValueError, match="cluster"):
+        block_gemm_mgpu(*[jnp.zeros(a.shape, a.dtype) for a in args], tuning=Tuning(cluster=3))
+
+
 def test_shared_memory_budget_is_checked_at_lowering(mosaic_modules):
     """Six stages and an f32 tile need 259 KiB of shared memory, past the 227 KiB a Hopper block gets: lowering
     says so (the default of four fits: the test above)."""
@@ -161,20 +172,21 @@ GPU_CASES = [  # p, q, c, form
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("cluster", [1, 2])
 @pytest.mark.parametrize("p,q,c,form", GPU_CASES)
-def test_gpu_exact_slice_sums_equal_block_gemm(p, q, c, form):
+def test_gpu_exact_slice_sums_equal_block_gemm(p, q, c, form, cluster):
     """Small-integer operands: every slice's MMA sum is exact in the kernel as in the emulation, so the two add the
     same scaled partial sums in the same order and differ only where one contracts ``acc + part * scale`` into an
     FMA (at most one f32 rounding of each product); then BF16 output is that f32 result rounded."""
     qa, sa, qb, sb, rows = _integers(p, q, c, form)
-    got = jax.jit(block_gemm_mgpu)(qa, sa, qb, sb)
+    got = jax.jit(lambda *a: block_gemm_mgpu(*a, tuning=Tuning(cluster=cluster)))(qa, sa, qb, sb)
     want = jax.jit(block.block_gemm)(qa, sa, qb, rows)
     assert got.shape == (p, q) and got.dtype == jnp.float32
     mag = np.asarray(_magnitude(qa, sa, qb, rows))
     err = np.abs(np.asarray(got) - np.asarray(want))
     tol = (3 * block.num_blocks(c) + 4) * U * mag  # an FMA's one rounding a slice against two
     assert (err <= tol).all(), f"max err {err.max()}, max err / magnitude {(err / np.maximum(mag, 1e-30)).max()}"
-    got16 = jax.jit(lambda *a: block_gemm_mgpu(*a, jnp.bfloat16))(qa, sa, qb, sb)
+    got16 = jax.jit(lambda *a: block_gemm_mgpu(*a, jnp.bfloat16, tuning=Tuning(cluster=cluster)))(qa, sa, qb, sb)
     np.testing.assert_array_equal(np.asarray(got16, np.float32), np.asarray(got.astype(jnp.bfloat16), np.float32))
 
 
