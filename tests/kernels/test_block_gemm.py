@@ -96,6 +96,16 @@ def test_lowers_for_cuda_to_fp8_wgmma(p, q, c, form, out_dtype, mosaic_modules):
     assert WGMMA_E4M3 in module
 
 
+def test_tiles_of_64_columns_lower_to_n64_wgmma(mosaic_modules):
+    """``Tuning.tile_n=64`` (a decode step's small M: twice the tiles): 64 x 64 x 32 MMAs; other widths refused."""
+    args = [jax.ShapeDtypeStruct(s, d) for s, d in [((256, 2048), jnp.float8_e4m3fn), ((256, 16), jnp.float32),
+                                                       ((3072, 2048), jnp.float8_e4m3fn), ((24, 16), jnp.float32)]]
+    [module] = mosaic_modules(lambda *a: block_gemm_mgpu(*a, tuning=Tuning(tile_n=64)), *args)
+    assert WGMMA_E4M3.replace(b"n128", b"n64") in module
+    with pytest.raises(ValueError, match="tile_n"):
+        block_gemm_mgpu(*[jnp.zeros(a.shape, a.dtype) for a in args], tuning=Tuning(tile_n=32))
+
+
 def test_shared_memory_budget_is_checked_at_lowering(mosaic_modules):
     """Six stages and an f32 tile need 259 KiB of shared memory, past the 227 KiB a Hopper block gets: lowering
     says so (the default of four fits: the test above)."""
@@ -110,13 +120,15 @@ cpu_only = pytest.mark.skipif(jax.default_backend() != "cpu", reason="the interp
 
 
 @cpu_only
+@pytest.mark.parametrize("tile_n", [128, 64])
 @pytest.mark.parametrize("form", FORMS)
-def test_interpreter_matches_block_gemm(form):
-    """The kernel through the Mosaic GPU interpreter (2 CTAs walking 3 x 3 tiles, 9 slices through 2 stages, sizes
-    padded on every axis) against block_gemm on this CPU: both sum in f32, so within twice f32's bound."""
+def test_interpreter_matches_block_gemm(form, tile_n):
+    """The kernel through the Mosaic GPU interpreter (2 CTAs walking 3 x 3 tiles, or 3 x 5 of 64 columns, 9 slices
+    through 2 stages, sizes padded on every axis) against block_gemm on this CPU: both sum in f32, so within twice
+    f32's bound."""
     p, q, c = 300, 260, 1100
     qa, sa, qb, sb, rows = _quantized(p, q, c, form)
-    got = block_gemm_mgpu(qa, sa, qb, sb, interpret=True, tuning=Tuning(num_sms=2, stages=2))
+    got = block_gemm_mgpu(qa, sa, qb, sb, interpret=True, tuning=Tuning(num_sms=2, stages=2, tile_n=tile_n))
     want = jax.jit(block.block_gemm)(qa, sa, qb, rows)
     assert got.shape == (p, q) and got.dtype == jnp.float32
     err = np.abs(np.asarray(got) - np.asarray(want))
@@ -161,20 +173,21 @@ GPU_CASES = [  # p, q, c, form
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tile_n", [128, 64])
 @pytest.mark.parametrize("p,q,c,form", GPU_CASES)
-def test_gpu_exact_slice_sums_equal_block_gemm(p, q, c, form):
+def test_gpu_exact_slice_sums_equal_block_gemm(p, q, c, form, tile_n):
     """Small-integer operands: every slice's MMA sum is exact in the kernel as in the emulation, so the two add the
     same scaled partial sums in the same order and differ only where one contracts ``acc + part * scale`` into an
     FMA (at most one f32 rounding of each product); then BF16 output is that f32 result rounded."""
     qa, sa, qb, sb, rows = _integers(p, q, c, form)
-    got = jax.jit(block_gemm_mgpu)(qa, sa, qb, sb)
+    got = jax.jit(lambda *a: block_gemm_mgpu(*a, tuning=Tuning(tile_n=tile_n)))(qa, sa, qb, sb)
     want = jax.jit(block.block_gemm)(qa, sa, qb, rows)
     assert got.shape == (p, q) and got.dtype == jnp.float32
     mag = np.asarray(_magnitude(qa, sa, qb, rows))
     err = np.abs(np.asarray(got) - np.asarray(want))
     tol = (3 * block.num_blocks(c) + 4) * U * mag  # an FMA's one rounding a slice against two
     assert (err <= tol).all(), f"max err {err.max()}, max err / magnitude {(err / np.maximum(mag, 1e-30)).max()}"
-    got16 = jax.jit(lambda *a: block_gemm_mgpu(*a, jnp.bfloat16))(qa, sa, qb, sb)
+    got16 = jax.jit(lambda *a: block_gemm_mgpu(*a, jnp.bfloat16, tuning=Tuning(tile_n=tile_n)))(qa, sa, qb, sb)
     np.testing.assert_array_equal(np.asarray(got16, np.float32), np.asarray(got.astype(jnp.bfloat16), np.float32))
 
 
