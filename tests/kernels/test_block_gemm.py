@@ -87,12 +87,12 @@ def _f32_bound(c, mag):
 ])
 def test_lowers_for_cuda_to_fp8_wgmma(p, q, c, form, out_dtype, mosaic_modules):
     """On this CPU host: one Mosaic GPU kernel whose MMAs are Hopper's E4M3 x E4M3 -> f32 wgmma, 64 x 128 x 32 (a
-    layout, shape or shared-memory budget that Mosaic GPU rejects fails here, at lowering)."""
+    layout, shape or shared-memory budget that Mosaic GPU rejects fails here, at lowering); ``Tuning()`` at any P."""
     cb = block.num_blocks(c)
     sb_rows = q if form == "rows" else block.num_blocks(q)
     args = [jax.ShapeDtypeStruct(s, d) for s, d in [((p, c), jnp.float8_e4m3fn), ((p, cb), jnp.float32),
                                                        ((q, c), jnp.float8_e4m3fn), ((sb_rows, cb), jnp.float32)]]
-    [module] = mosaic_modules(lambda *a: block_gemm_mgpu(*a, out_dtype=out_dtype), *args)
+    [module] = mosaic_modules(lambda *a: block_gemm_mgpu(*a, out_dtype=out_dtype, tuning=Tuning()), *args)
     assert WGMMA_E4M3 in module
 
 
