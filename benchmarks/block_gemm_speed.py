@@ -6,7 +6,9 @@ dot and BF16.
     python benchmarks/block_gemm_speed.py --check --out /tmp/block_gemm_cpu.json   # CPU: the paths, tiny shapes
 
 Shapes M x N x K (``x [M, K] . w [N, K]^T``, both K-major as the FP8 linear stores them): 4096 x 4096 x 4096, a
-llama1b-ish 8192 x 2048 x 2048 and a SmolLM2-ish 16384 x 576 x 1536. Paths, each with an f32 output (``--out-dtype
+llama1b-ish 8192 x 2048 x 2048, a SmolLM2-ish 16384 x 576 x 1536, and a llama1b decode step's q|k|v and down
+projections at 256 slots (256 x 3072 x 2048, 256 x 2048 x 8192: memory-bound, where ``--tile-n 64`` doubles the
+tiles). Paths, each with an f32 output (``--out-dtype
 bfloat16`` for BF16 outputs; the emulation then casts its f32 sum):
 
   mosaic       ``kernels.block_gemm.block_gemm_mgpu``, the weight's scales as 128 x 128 blocks (fprop, dgrad)
@@ -49,10 +51,11 @@ from fp8rl_jax.bench import device_name, timeit, tree_commit  # noqa: E402
 from fp8rl_jax.fp8 import block  # noqa: E402
 from fp8rl_jax.kernels.block_gemm import Tuning, block_gemm_mgpu  # noqa: E402
 
-SHAPES = {"square4k": (4096, 4096, 4096), "llama1b": (8192, 2048, 2048), "smollm2": (16384, 576, 1536)}
+SHAPES = {"square4k": (4096, 4096, 4096), "llama1b": (8192, 2048, 2048), "smollm2": (16384, 576, 1536),
+          "decode_qkv": (256, 3072, 2048), "decode_down": (256, 2048, 8192)}  # a llama1b decode step's (256 slots)
 CHECK_SHAPES = {"tiny": (256, 256, 384), "odd": (200, 300, 300)}
 PATHS = ("mosaic", "mosaic_rows", "emulated", "fp8_tensor", "bf16")
-SWEEP = {"stages": (3, 4), "grid_width": (1, 4, 8, 16)}  # the Mosaic paths' tuning (--sweep)
+SWEEP = {"stages": (3, 4), "grid_width": (8,), "cluster": (1, 2), "tile_n": (128, 64)}  # --sweep: the Mosaic paths'
 CONTRACT = (((1,), (1,)), ((), ()))  # [M, K] . [N, K] over K
 E4M3_MAX = 448.0
 
@@ -123,7 +126,8 @@ def bench_shape(name, m, n, k, paths, out_dtype, repeats, timed, tunings, interp
         for tuning in (tunings if path.startswith("mosaic") else [None]):
             row = {"shape": name, "m": m, "n": n, "k": k, "path": path, "out_dtype": jnp.dtype(out_dtype).name}
             if tuning is not None:
-                row.update(stages=tuning.stages, grid_width=tuning.grid_width, grid_minor=tuning.grid_minor)
+                row.update(stages=tuning.stages, grid_width=tuning.grid_width, grid_minor=tuning.grid_minor,
+                           cluster=tuning.cluster, tile_n=tuning.tile_n)
             try:
                 fn = _scanned(path, out_dtype, tuning, interpret)
                 out = np.asarray(fn(data)[0], np.float32)
@@ -155,6 +159,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--timed", type=int, default=5, help="timed calls (median)")
     p.add_argument("--stages", type=int, default=Tuning.stages)
     p.add_argument("--grid-width", type=int, default=Tuning.grid_width)
+    p.add_argument("--cluster", type=int, default=Tuning.cluster, help="CTAs a cluster (1 or 2)")
+    p.add_argument("--tile-n", type=int, default=Tuning.tile_n, help="output columns a tile (128 or 64)")
     p.add_argument("--sweep", action="store_true", help=f"the Mosaic paths over {SWEEP}")
     p.add_argument("--check", action="store_true", help="tiny shapes, the kernel through the interpreter (CPU)")
     p.add_argument("--commit", default="",
@@ -175,9 +181,11 @@ def main(argv: list[str] | None = None) -> None:
             shapes[s] = SHAPES[s] if s in SHAPES else tuple(int(v) for v in s.split("x"))
         repeats, timed = args.repeats, args.timed
         if args.sweep:
-            tunings = [Tuning(stages=s, grid_width=g) for s, g in itertools.product(*SWEEP.values())]
+            tunings = [Tuning(stages=s, grid_width=g, cluster=k, tile_n=t)
+                       for s, g, k, t in itertools.product(*SWEEP.values())]
         else:
-            tunings = [Tuning(stages=args.stages, grid_width=args.grid_width)]
+            tunings = [Tuning(stages=args.stages, grid_width=args.grid_width, cluster=args.cluster,
+                              tile_n=args.tile_n)]
     if not args.check and jax.default_backend() != "gpu":
         sys.exit("block_gemm_speed times a GPU; on this backend run --check")
     t0 = time.time()

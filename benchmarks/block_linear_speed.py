@@ -14,6 +14,8 @@ activations and output gradient, f32 master weight, as the train step has them):
   block_gemms  the block path's three kernel calls alone, on operands quantized beforehand
   block_quant  the block path's quantizers alone: x and g in 1 x 128 tiles, x^T and g^T in 1 x 128 tiles along
                the tokens, w in 128 x 128 blocks twice (the forward's w^T and the dgrad's w)
+  q_x, q_xt, q_g, q_gt, q_w   each of those quantizers alone: x's 1 x 128 tiles, x^T's, g's, g^T's, w's blocks
+                              (both forms); against a per-tensor ``q_x_tensor`` (x's amax, then x scaled to E4M3)
 
 One timed call is one jit holding a ``lax.scan`` over ``--repeats`` linears, each on its own x and g (the weight
 shared), every output kept; the median of ``--timed`` calls, divided by the repeats. XLA's Triton GEMMs are off.
@@ -43,6 +45,7 @@ from fp8rl_jax.kernels.block_gemm import block_gemm_mgpu  # noqa: E402
 
 LINEARS = {"qkv": (2048, 3072), "o": (2048, 2048), "gate_up": (2048, 16384), "down": (8192, 2048)}  # K, N
 PATHS = ("bf16", "tensor", "block", "block_gemms", "block_quant")
+QUANT_PATHS = ("q_x", "q_xt", "q_g", "q_gt", "q_w", "q_x_tensor")  # --paths only
 E4M3 = jnp.float8_e4m3fn
 BLOCK = Fp8Recipe(scaling="block", fp8_format="e4m3")
 TENSOR = Fp8Recipe(fp8_format="e4m3")
@@ -76,6 +79,19 @@ def _quant(x, w, g):
     return qx, sx, qg, sg, qxt, sxt, qgt, sgt, qwt, swt, qw, sw
 
 
+def _tensor_quant(x):
+    scale = 448.0 / jnp.max(jnp.abs(x)).astype(jnp.float32)
+    return (x.astype(jnp.float32) * scale).astype(E4M3), 1.0 / scale
+
+
+ONE_QUANT = {"q_x": lambda x, w, g: block.tile_quantize(x, E4M3),
+             "q_xt": lambda x, w, g: block.tile_quantize(x.T, E4M3),
+             "q_g": lambda x, w, g: block.tile_quantize(g, E4M3),
+             "q_gt": lambda x, w, g: block.tile_quantize(g.T, E4M3),
+             "q_w": lambda x, w, g: (block.block_quantize(w.T, E4M3), block.block_quantize(w, E4M3)),
+             "q_x_tensor": lambda x, w, g: _tensor_quant(x)}
+
+
 def _gemms(q):
     qx, sx, qg, sg, qxt, sxt, qgt, sgt, qwt, swt, qw, sw = q
     y = block_gemm_mgpu(qx, sx, qwt, swt, jnp.bfloat16)  # [M, N]
@@ -86,7 +102,7 @@ def _gemms(q):
 
 def _scanned(path):
     """One jit: a scan over the (x, g) pairs, every output kept."""
-    one = {"bf16": _bf16, "tensor": _linear(TENSOR), "block": _linear(BLOCK), "block_quant": _quant}[path]
+    one = {"bf16": _bf16, "tensor": _linear(TENSOR), "block": _linear(BLOCK), "block_quant": _quant, **ONE_QUANT}[path]
     return jax.jit(lambda xs, w, gs: lax.scan(lambda c, xg: (c, one(xg[0], w, xg[1])), 0, (xs, gs))[1])
 
 

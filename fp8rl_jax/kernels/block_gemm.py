@@ -18,18 +18,18 @@ block_gemm does). Inside a slice Hopper's FP8 MMA keeps about 14 bits while it s
 the kernel's slice sums are that close to f32's (tests/kernels/test_block_gemm.py bounds them), where XLA's dot in
 block_gemm sums in f32 for some shapes on a GPU and as the kernel does for others.
 
-The kernel (Pallas, Mosaic GPU backend: ``jax.experimental.pallas.mosaic_gpu``; sm_90a). A persistent kernel: one
-CTA per streaming multiprocessor walks the 128 x 128 output tiles (``plgpu.nd_loop``, in a planar snake order for
-L2 reuse). A CTA is three warpgroups: a memory warpgroup that runs the TMA pipeline over the K slices
-(``plgpu.emit_pipeline_warp_specialized``, ``stages`` slices in flight; a slice is qa's [128, 128] and qb's [128,
-128] FP8 blocks, 128-byte swizzled, and the slice's 128 row scales of qa, and in the row form qb's 128 column
-scales), and two compute warpgroups, each owning 64 rows of the tile. Per slice a compute warpgroup issues one
-64 x 128 x 128 ``plgpu.wgmma`` (E4M3 x E4M3 -> f32, four 32-deep instructions) into a zeroed register accumulator,
-waits for it, and adds ``part * (sa[:, None] * sb)`` into its running f32 tile (64 registers each a thread); the
-other warpgroup's wgmma runs on the tensor cores meanwhile. The epilogue writes the tile (f32 or BF16) to shared
-memory and stores it with TMA while the next tile's loads already stream in. Sizes that the 128 tiles do not
-divide are padded with zeros in the wrapper (a zero adds nothing, as in block_gemm; the padding is a copy of the
-operands, only where needed); scales are transposed there ([Cb, P]: one TMA row a slice).
+The kernel (Pallas, Mosaic GPU backend: ``jax.experimental.pallas.mosaic_gpu``; sm_90a). A persistent kernel: one CTA
+per streaming multiprocessor walks the 128 x 128 output tiles (128 x 64 with ``Tuning.tile_n=64``; ``plgpu.nd_loop``, in
+a planar snake order for L2 reuse). A CTA is three warpgroups: a memory warpgroup that runs the TMA pipeline over the K
+slices (``plgpu.emit_pipeline_warp_specialized``, ``stages`` slices in flight; a slice is qa's [128, 128] and qb's [128,
+128] FP8 blocks, 128-byte swizzled, and the slice's 128 row scales of qa, and in the row form qb's 128 column scales),
+and two compute warpgroups, each owning 64 rows of the tile. Per slice a compute warpgroup issues one 64 x 128 x 128
+``plgpu.wgmma`` (E4M3 x E4M3 -> f32, four 32-deep instructions) into a zeroed register accumulator, waits for it, and
+adds ``part * (sa[:, None] * sb)`` into its running f32 tile (64 registers each a thread); the other warpgroup's wgmma
+runs on the tensor cores meanwhile. The epilogue writes the tile (f32 or BF16) to shared memory and stores it with TMA
+while the next tile's loads already stream in. Sizes that the 128 tiles do not divide are padded with zeros in the
+wrapper (a zero adds nothing, as in block_gemm; the padding is a copy of the operands, only where needed); scales are
+transposed there ([Cb, P]: one TMA row a slice).
 
 What it assumes. A Hopper GPU (sm_90a: wgmma; Blackwell's MMA is tcgen05, another kernel), one device (a
 ``pallas_call`` is opaque to XLA's partitioner: under a mesh it would need a ``shard_map``), f32 scales, and 194
@@ -53,7 +53,7 @@ from jax import lax
 
 BLOCK = 128  # the scaling slice of the contraction axis (block.BLOCK), one wgmma K step
 TILE_M = 128  # output rows per tile: two compute warpgroups of 64
-TILE_N = 128  # output columns per tile: one weight block
+TILE_N = 128  # output columns per tile by default: one weight block (Tuning.tile_n)
 WG_M = TILE_M // 2
 FP8_TYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2)
 
@@ -62,12 +62,30 @@ FP8_TYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2)
 class Tuning:
     """``stages``: K slices in flight (shared memory: 32.5 KiB each, plus 32 or 64 KiB for the output tile);
     ``grid_minor``/``grid_width``: the tile order (``plgpu.planar_snake``: bands of ``grid_width`` tiles along
-    dimension ``grid_minor``, 0 = M, 1 = N); ``num_sms``: CTAs (default: the device's multiprocessors)."""
+    dimension ``grid_minor``, 0 = M, 1 = N); ``num_sms``: CTAs (default: the device's multiprocessors);
+    ``cluster``: 1, or 2 CTAs a cluster on neighbouring row tiles of one column tile, qb's slice loaded once for
+    both (a TMA multicast: the L2 traffic of each K slice falls from 32 to 24 KiB a CTA); ``tile_n``: output
+    columns a tile, 128 (one weight block) or 64 (half of one: twice the tiles, for a small M, where 128 x 128 tiles
+    leave most multiprocessors idle)."""
 
     stages: int = 4
     grid_minor: int = 1
     grid_width: int = 8
     num_sms: int | None = None
+    cluster: int = 1
+    tile_n: int = TILE_N
+
+
+# Up to this many rows (a decode step's 256 slots) the default tuning is SMALL_M_TUNING: on an H200 at 256 rows,
+# llama1b's decode q|k|v and down GEMMs took 0.024 and 0.051 ms with it, 0.038 and 0.072 with Tuning()
+# (benchmarks/RESULTS.md, "Block-scaled FP8 on Hopper"); at 8192 rows Tuning() was the fastest of the eight timed
+SMALL_M = 256
+SMALL_M_TUNING = Tuning(cluster=2, tile_n=64)
+
+
+def default_tuning(rows: int, interpret=False) -> Tuning:
+    """The tuning ``block_gemm_mgpu`` takes for ``rows`` rows of qa unless told (the interpreter has no clusters)."""
+    return SMALL_M_TUNING if rows <= SMALL_M and not interpret else Tuning()
 
 
 def _num_blocks(n: int) -> int:
@@ -110,12 +128,13 @@ def runs_here(qa: jax.Array, qb: jax.Array) -> bool:
 # about 25 s each to lower and 40 s each to compile on the H100)
 @functools.partial(jax.jit, static_argnames=("out_dtype", "tuning", "interpret"))
 def block_gemm_mgpu(qa: jax.Array, a_scale_inv: jax.Array, qb: jax.Array, b_scale_inv: jax.Array,
-                    out_dtype=jnp.float32, *, tuning: Tuning = Tuning(), interpret=False) -> jax.Array:
+                    out_dtype=jnp.float32, *, tuning: Tuning | None = None, interpret=False) -> jax.Array:
     """``block.block_gemm(qa, a_scale_inv, qb, b_scale_inv)`` -> [P, Q] in ``out_dtype`` (f32 or BF16; the sum is
     f32 either way), by the Mosaic GPU kernel. qa [P, C], qb [Q, C]: the same FP8 type; a_scale_inv [P, Cb] f32;
     b_scale_inv [Q, Cb] (any per-row scales) or [ceil(Q / 128), Cb] (a weight's block scales, the faster form),
     Cb = ceil(C / 128). ``interpret``: True, or the ``InterpretGPUParams`` of Pallas' Mosaic GPU interpreter (any
-    backend; tests; its allocations must start zeroed: ``uninitialized_memory='zero'``)."""
+    backend; tests; its allocations must start zeroed: ``uninitialized_memory='zero'``). ``tuning``: default
+    ``default_tuning(P)``."""
     p, c = qa.shape
     q = qb.shape[0]
     cb = _num_blocks(c)
@@ -135,7 +154,14 @@ def block_gemm_mgpu(qa: jax.Array, a_scale_inv: jax.Array, qb: jax.Array, b_scal
     out_dtype = jnp.dtype(out_dtype)
     if out_dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
         raise ValueError(f"block_gemm_mgpu writes float32 or bfloat16, not {out_dtype}")
-    pp, qp, cp = -(-p // TILE_M) * TILE_M, -(-q // TILE_N) * TILE_N, cb * BLOCK
+    tuning = tuning or default_tuning(p, interpret)
+    if tuning.cluster not in (1, 2):
+        raise ValueError(f"block_gemm_mgpu: Tuning.cluster={tuning.cluster}; allowed: 1, 2")
+    if tuning.tile_n not in (64, 128):
+        raise ValueError(f"block_gemm_mgpu: Tuning.tile_n={tuning.tile_n}; allowed: 64, 128")
+    tn = tuning.tile_n
+    rows_step = TILE_M * tuning.cluster  # a cluster's row tiles
+    pp, qp, cp = -(-p // rows_step) * rows_step, -(-q // tn) * tn, cb * BLOCK
     a = _pad_to(_pad_to(qa, 0, pp), 1, cp)
     b = _pad_to(_pad_to(qb, 0, qp), 1, cp)
     if interpret:  # the interpreter's wgmma takes no transposed operand: qb as [C, Q] there (the MMA wants [Q, C])
@@ -143,7 +169,7 @@ def block_gemm_mgpu(qa: jax.Array, a_scale_inv: jax.Array, qb: jax.Array, b_scal
     # [P, Cb] -> [Cb, Pp / 64, 64]: a slice's scales of one warpgroup's 64 rows are one contiguous row
     sa = _pad_to(a_scale_inv.astype(jnp.float32).T, 1, pp).reshape(cb, pp // WG_M, WG_M)
     if block_scales:
-        sb = _pad_to(b_scale_inv.astype(jnp.float32), 0, qp // TILE_N)  # [Qp / 128, Cb]
+        sb = _pad_to(b_scale_inv.astype(jnp.float32), 0, _num_blocks(qp))  # [ceil(Qp / 128), Cb]
     else:
         sb = _pad_to(b_scale_inv.astype(jnp.float32).T, 1, qp)  # [Cb, Qp]
     y = _call(a, b, sa, sb, out_dtype=out_dtype, block_scales=block_scales, tuning=tuning, interpret=interpret)
@@ -156,14 +182,16 @@ def _call(a, b, sa, sb, *, out_dtype, block_scales: bool, tuning: Tuning, interp
 
     pp, cp = a.shape
     qp = b.shape[1] if interpret else b.shape[0]
-    m_iters, n_iters, k_iters = pp // TILE_M, qp // TILE_N, cp // BLOCK
-    num_tiles = m_iters * n_iters
-    num_sms = min(tuning.num_sms or _default_num_sms(), num_tiles)
+    cluster, tn = tuning.cluster, tuning.tile_n
+    m_iters, n_iters, k_iters = pp // TILE_M, qp // tn, cp // BLOCK
+    num_tiles = m_iters // cluster * n_iters  # a cluster's tiles: `cluster` row tiles of one column tile
+    num_ctas = min((tuning.num_sms or _default_num_sms()) // cluster, num_tiles)
+    multicast = ("cluster",) if cluster > 1 else ()
     in_bits = jnp.dtype(a.dtype).itemsize * 8
     in_swizzle = plgpu.find_swizzle(BLOCK * in_bits, "fp8 operand")  # 128 bytes: one K slice a swizzle row
     in_transforms = (plgpu.TilingTransform((8, in_swizzle * 8 // in_bits)), plgpu.SwizzleTransform(in_swizzle))
     out_bits = out_dtype.itemsize * 8
-    out_swizzle = plgpu.find_swizzle(TILE_N * out_bits, "output")
+    out_swizzle = plgpu.find_swizzle(tn * out_bits, "output")
     out_transforms = (plgpu.TilingTransform((8, out_swizzle * 8 // out_bits)), plgpu.SwizzleTransform(out_swizzle))
 
     def cast(x, layout):  # the interpreter ignores layouts (and has no rule for the cast)
@@ -172,16 +200,20 @@ def _call(a, b, sa, sb, *, out_dtype, block_scales: bool, tuning: Tuning, interp
     # qb's slice: [128 columns, 128 K] in shared memory, K-major as the FP8 MMA takes it (transposed into the MMA's
     # [K, N] view); the interpreter gets qb as [C, Q] and its [128 K, 128 columns] slices (see block_gemm_mgpu)
     if interpret:
-        b_spec = plgpu.BlockSpec((BLOCK, TILE_N), lambda k: (k, 0), transforms=in_transforms)
+        b_swizzle = plgpu.find_swizzle(tn * in_bits, "fp8 operand")  # its minor axis: tn columns
+        b_spec = plgpu.BlockSpec((BLOCK, tn), lambda k: (k, 0), transforms=(
+            plgpu.TilingTransform((8, b_swizzle * 8 // in_bits)), plgpu.SwizzleTransform(b_swizzle)),
+                                 collective_axes=multicast)
         b_cols = lambda b_gmem, cols: b_gmem.at[:, cols]
         b_operand = lambda b_smem: b_smem
     else:
-        b_spec = plgpu.BlockSpec((TILE_N, BLOCK), lambda k: (0, k), transforms=in_transforms)
+        b_spec = plgpu.BlockSpec((tn, BLOCK), lambda k: (0, k), transforms=in_transforms, collective_axes=multicast)
         b_cols = lambda b_gmem, cols: b_gmem.at[cols, :]
         b_operand = lambda b_smem: b_smem.transpose((1, 0))
 
     def kernel(a_gmem, b_gmem, sa_gmem, sb_gmem, out_gmem, out_smem):
         wg = lax.axis_index("wg")
+        cta = lax.axis_index("cluster") if cluster > 1 else 0
 
         def get_pipeline(body, compute_context):
             specs = [
@@ -190,13 +222,13 @@ def _call(a, b, sa, sb, *, out_dtype, block_scales: bool, tuning: Tuning, interp
                 plgpu.BlockSpec((1, 2, WG_M), lambda k: (k, 0, 0)),  # qa's row scales
             ]
             if not block_scales:
-                specs.append(plgpu.BlockSpec((1, TILE_N), lambda k: (k, 0)))  # qb's row scales
+                specs.append(plgpu.BlockSpec((1, tn), lambda k: (k, 0)))  # qb's row scales
             return plgpu.emit_pipeline_warp_specialized(
                 body, grid=(k_iters,), memory_registers=40, in_specs=specs, wg_axis="wg", num_compute_wgs=2,
                 max_concurrent_steps=tuning.stages, compute_context=compute_context)
 
         def tile_refs(m_idx, n_idx):
-            cols = pl.ds(n_idx * TILE_N, TILE_N)
+            cols = pl.ds(n_idx * tn, tn)
             refs = [a_gmem.at[pl.ds(m_idx * TILE_M, TILE_M), :], b_cols(b_gmem, cols),
                     sa_gmem.at[:, pl.ds(m_idx * 2, 2), :]]
             if not block_scales:
@@ -212,37 +244,39 @@ def _call(a, b, sa, sb, *, out_dtype, block_scales: bool, tuning: Tuning, interp
             @plgpu.nd_loop((num_tiles,), collective_axes="sm")
             def _tile(info):
                 (lin,) = info.index
-                m_idx, n_idx = plgpu.planar_snake(lin, (m_iters, n_iters), tuning.grid_minor, tuning.grid_width)
+                m_cl, n_idx = plgpu.planar_snake(lin, (m_iters // cluster, n_iters), tuning.grid_minor,
+                                                 tuning.grid_width)
+                m_idx = m_cl * cluster + cta
                 rows = pl.ds(wg * WG_M, WG_M)
 
                 def compute_context(run_pipeline):
-                    acc = run_pipeline(cast(jnp.zeros((WG_M, TILE_N), jnp.float32), plgpu.Layout.WGMMA))
+                    acc = run_pipeline(cast(jnp.zeros((WG_M, tn), jnp.float32), plgpu.Layout.WGMMA))
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's store has read out_smem
                     out_smem[wg] = acc.astype(out_dtype)
                     plgpu.commit_smem()
                     plgpu.copy_smem_to_gmem(out_smem.at[wg],
                                             out_gmem.at[pl.ds(m_idx * TILE_M + wg * WG_M, WG_M),
-                                                        pl.ds(n_idx * TILE_N, TILE_N)])
+                                                        pl.ds(n_idx * tn, tn)])
 
                 def body(idx, a_smem, b_smem, sa_smem, *sb_smem_and_acc):
                     (k,) = idx
                     *sb_smem, acc = sb_smem_and_acc
                     if block_scales:
-                        sb = sb_gmem[n_idx, k]  # one scale for the tile's 128 columns (issued before the MMA)
+                        sb = sb_gmem[n_idx * tn // BLOCK, k]  # one scale for the tile's columns (issued before the MMA)
 
                     def mma(part_ref):
                         plgpu.wgmma(part_ref, a_smem.at[rows], b_operand(b_smem))
                         return part_ref[...]
 
-                    part = pl.run_scoped(mma, plgpu.ACC((WG_M, TILE_N), jnp.float32))
+                    part = pl.run_scoped(mma, plgpu.ACC((WG_M, tn), jnp.float32))
                     sa = cast(sa_smem[0, wg], plgpu.Layout.WGMMA.reduce(1))  # [64] this warpgroup's rows
                     if block_scales:
-                        scale = lax.broadcast_in_dim(sa * sb, (WG_M, TILE_N), (0,))
+                        scale = lax.broadcast_in_dim(sa * sb, (WG_M, tn), (0,))
                     else:
                         (sb_ref,) = sb_smem
                         sb = cast(sb_ref[0], plgpu.Layout.WGMMA.reduce(0))  # [128] the tile's columns
-                        scale = (lax.broadcast_in_dim(sa, (WG_M, TILE_N), (0,))
-                                 * lax.broadcast_in_dim(sb, (WG_M, TILE_N), (1,)))
+                        scale = (lax.broadcast_in_dim(sa, (WG_M, tn), (0,))
+                                 * lax.broadcast_in_dim(sb, (WG_M, tn), (1,)))
                     return acc + part * scale
 
                 get_pipeline(body, compute_context)(*tile_refs(m_idx, n_idx), allocations=allocs)
@@ -260,9 +294,10 @@ def _call(a, b, sa, sb, *, out_dtype, block_scales: bool, tuning: Tuning, interp
     return plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((pp, qp), out_dtype),
-        scratch_types=[plgpu.SMEM((2, WG_M, TILE_N), out_dtype, transforms=out_transforms)],
-        grid=(num_sms,),
+        scratch_types=[plgpu.SMEM((2, WG_M, tn), out_dtype, transforms=out_transforms)],
+        grid=(num_ctas,),
         grid_names=("sm",),
+        **(dict(cluster=(cluster,), cluster_names=("cluster",)) if cluster > 1 else {}),
         num_threads=3,
         thread_name="wg",
         interpret=interpret_params,

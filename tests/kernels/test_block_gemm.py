@@ -87,13 +87,34 @@ def _f32_bound(c, mag):
 ])
 def test_lowers_for_cuda_to_fp8_wgmma(p, q, c, form, out_dtype, mosaic_modules):
     """On this CPU host: one Mosaic GPU kernel whose MMAs are Hopper's E4M3 x E4M3 -> f32 wgmma, 64 x 128 x 32 (a
-    layout, shape or shared-memory budget that Mosaic GPU rejects fails here, at lowering)."""
+    layout, shape or shared-memory budget that Mosaic GPU rejects fails here, at lowering); ``Tuning()`` at any P."""
     cb = block.num_blocks(c)
     sb_rows = q if form == "rows" else block.num_blocks(q)
     args = [jax.ShapeDtypeStruct(s, d) for s, d in [((p, c), jnp.float8_e4m3fn), ((p, cb), jnp.float32),
                                                        ((q, c), jnp.float8_e4m3fn), ((sb_rows, cb), jnp.float32)]]
-    [module] = mosaic_modules(lambda *a: block_gemm_mgpu(*a, out_dtype=out_dtype), *args)
+    [module] = mosaic_modules(lambda *a: block_gemm_mgpu(*a, out_dtype=out_dtype, tuning=Tuning()), *args)
     assert WGMMA_E4M3 in module
+
+
+def test_cluster_of_two_lowers_for_cuda(mosaic_modules):
+    """Two CTAs a cluster, qb's slice multicast to both (``Tuning.cluster=2``; Pallas' Mosaic GPU interpreter has no
+    clusters: the GPU tests run it)."""
+    args = [jax.ShapeDtypeStruct(s, d) for s, d in [((300, 1100), jnp.float8_e4m3fn), ((300, 9), jnp.float32),
+                                                       ((260, 1100), jnp.float8_e4m3fn), ((3, 9), jnp.float32)]]
+    [module] = mosaic_modules(lambda *a: block_gemm_mgpu(*a, tuning=Tuning(cluster=2)), *args)
+    assert WGMMA_E4M3 in module
+    with pytest.raises(ValueError, match="cluster"):
+        block_gemm_mgpu(*[jnp.zeros(a.shape, a.dtype) for a in args], tuning=Tuning(cluster=3))
+
+
+def test_tiles_of_64_columns_lower_to_n64_wgmma(mosaic_modules):
+    """``Tuning.tile_n=64`` (a decode step's small M: twice the tiles): 64 x 64 x 32 MMAs; other widths refused."""
+    args = [jax.ShapeDtypeStruct(s, d) for s, d in [((256, 2048), jnp.float8_e4m3fn), ((256, 16), jnp.float32),
+                                                       ((3072, 2048), jnp.float8_e4m3fn), ((24, 16), jnp.float32)]]
+    [module] = mosaic_modules(lambda *a: block_gemm_mgpu(*a, tuning=Tuning(tile_n=64)), *args)
+    assert WGMMA_E4M3.replace(b"n128", b"n64") in module
+    with pytest.raises(ValueError, match="tile_n"):
+        block_gemm_mgpu(*[jnp.zeros(a.shape, a.dtype) for a in args], tuning=Tuning(tile_n=32))
 
 
 def test_shared_memory_budget_is_checked_at_lowering(mosaic_modules):
@@ -110,13 +131,15 @@ cpu_only = pytest.mark.skipif(jax.default_backend() != "cpu", reason="the interp
 
 
 @cpu_only
+@pytest.mark.parametrize("tile_n", [128, 64])
 @pytest.mark.parametrize("form", FORMS)
-def test_interpreter_matches_block_gemm(form):
-    """The kernel through the Mosaic GPU interpreter (2 CTAs walking 3 x 3 tiles, 9 slices through 2 stages, sizes
-    padded on every axis) against block_gemm on this CPU: both sum in f32, so within twice f32's bound."""
+def test_interpreter_matches_block_gemm(form, tile_n):
+    """The kernel through the Mosaic GPU interpreter (2 CTAs walking 3 x 3 tiles, or 3 x 5 of 64 columns, 9 slices
+    through 2 stages, sizes padded on every axis) against block_gemm on this CPU: both sum in f32, so within twice
+    f32's bound."""
     p, q, c = 300, 260, 1100
     qa, sa, qb, sb, rows = _quantized(p, q, c, form)
-    got = block_gemm_mgpu(qa, sa, qb, sb, interpret=True, tuning=Tuning(num_sms=2, stages=2))
+    got = block_gemm_mgpu(qa, sa, qb, sb, interpret=True, tuning=Tuning(num_sms=2, stages=2, tile_n=tile_n))
     want = jax.jit(block.block_gemm)(qa, sa, qb, rows)
     assert got.shape == (p, q) and got.dtype == jnp.float32
     err = np.abs(np.asarray(got) - np.asarray(want))
@@ -161,20 +184,22 @@ GPU_CASES = [  # p, q, c, form
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("cluster,tile_n", [(1, 128), (2, 128), (1, 64), (2, 64)])
 @pytest.mark.parametrize("p,q,c,form", GPU_CASES)
-def test_gpu_exact_slice_sums_equal_block_gemm(p, q, c, form):
+def test_gpu_exact_slice_sums_equal_block_gemm(p, q, c, form, cluster, tile_n):
     """Small-integer operands: every slice's MMA sum is exact in the kernel as in the emulation, so the two add the
     same scaled partial sums in the same order and differ only where one contracts ``acc + part * scale`` into an
     FMA (at most one f32 rounding of each product); then BF16 output is that f32 result rounded."""
     qa, sa, qb, sb, rows = _integers(p, q, c, form)
-    got = jax.jit(block_gemm_mgpu)(qa, sa, qb, sb)
+    tuning = Tuning(cluster=cluster, tile_n=tile_n)
+    got = jax.jit(lambda *a: block_gemm_mgpu(*a, tuning=tuning))(qa, sa, qb, sb)
     want = jax.jit(block.block_gemm)(qa, sa, qb, rows)
     assert got.shape == (p, q) and got.dtype == jnp.float32
     mag = np.asarray(_magnitude(qa, sa, qb, rows))
     err = np.abs(np.asarray(got) - np.asarray(want))
     tol = (3 * block.num_blocks(c) + 4) * U * mag  # an FMA's one rounding a slice against two
     assert (err <= tol).all(), f"max err {err.max()}, max err / magnitude {(err / np.maximum(mag, 1e-30)).max()}"
-    got16 = jax.jit(lambda *a: block_gemm_mgpu(*a, jnp.bfloat16))(qa, sa, qb, sb)
+    got16 = jax.jit(lambda *a: block_gemm_mgpu(*a, jnp.bfloat16, tuning=tuning))(qa, sa, qb, sb)
     np.testing.assert_array_equal(np.asarray(got16, np.float32), np.asarray(got.astype(jnp.bfloat16), np.float32))
 
 
@@ -254,3 +279,10 @@ def test_gpu_block_linear_runs_the_kernel_and_matches_the_emulation(monkeypatch,
     for name, a, b in zip(("y", "dx", "dw"), got, want, strict=True):
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
         assert np.linalg.norm(a - b) <= 2.0**-9 * np.linalg.norm(b), (name, np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def test_a_decode_steps_rows_take_the_small_m_tuning():
+    """Up to SMALL_M rows: 2-CTA clusters of 64-column tiles; more rows, or the interpreter (no clusters): Tuning()."""
+    assert block_kernel.default_tuning(block_kernel.SMALL_M) == block_kernel.Tuning(cluster=2, tile_n=64)
+    assert block_kernel.default_tuning(block_kernel.SMALL_M + 1) == block_kernel.Tuning()
+    assert block_kernel.default_tuning(64, interpret=True) == block_kernel.Tuning()
