@@ -1,5 +1,6 @@
 """Several ``accuracy_study.py`` outputs (seeds run in different calls, on different days) merged into one file, each
-mode's seeds side by side, with every mode's accuracy difference against BF16 (and against fp8_e2e) paired by seed.
+mode's seeds side by side, with every mode's accuracy difference against BF16 (and against fp8_e2e and
+fp8_e2e_block) paired by seed.
 
     python benchmarks/accuracy_merge.py --into benchmarks/results/accuracy.json study_a.json study_b.json ...
 
@@ -25,7 +26,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from accuracy_study import aggregate  # noqa: E402
 
-REFERENCES = ("bf16", "fp8_e2e")
+REFERENCES = ("bf16", "fp8_e2e", "fp8_e2e_block")
 RESAMPLES = 10_000
 
 
