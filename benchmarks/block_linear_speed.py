@@ -13,7 +13,9 @@ activations and output gradient, f32 master weight, as the train step has them):
   block        ``xla.fp8_matmul`` under block scaling, E4M3 (1 x 128 tiles, 128 x 128 weight blocks)
   block_gemms  the block path's three kernel calls alone, on operands quantized beforehand
   block_quant  the block path's quantizers alone: x and g in 1 x 128 tiles, x^T and g^T in 1 x 128 tiles along
-               the tokens, w in 128 x 128 blocks twice (the forward's w^T and the dgrad's w)
+               the tokens (``block.tile_quantize_both``: its kernels on a GPU), w in 128 x 128 blocks twice (the
+               forward's w^T and the dgrad's w)
+  block_quant_xla  the same with XLA's form of ``tile_quantize_both`` (``tile_quantize`` of x^T and g^T)
 
 One timed call is one jit holding a ``lax.scan`` over ``--repeats`` linears, each on its own x and g (the weight
 shared), every output kept; the median of ``--timed`` calls, divided by the repeats. XLA's Triton GEMMs are off.
@@ -42,7 +44,7 @@ from fp8rl_jax.fp8.recipe import Fp8Recipe, init_linear_state  # noqa: E402
 from fp8rl_jax.kernels.block_gemm import block_gemm_mgpu  # noqa: E402
 
 LINEARS = {"qkv": (2048, 3072), "o": (2048, 2048), "gate_up": (2048, 16384), "down": (8192, 2048)}  # K, N
-PATHS = ("bf16", "tensor", "block", "block_gemms", "block_quant")
+PATHS = ("bf16", "tensor", "block", "block_gemms", "block_quant", "block_quant_xla")
 E4M3 = jnp.float8_e4m3fn
 BLOCK = Fp8Recipe(scaling="block", fp8_format="e4m3")
 TENSOR = Fp8Recipe(fp8_format="e4m3")
@@ -66,11 +68,11 @@ def _bf16(x, w, g):
     return y, dx, dw
 
 
-def _quant(x, w, g):
+def _quant(x, w, g, impl="auto"):
+    """The block linear's quantizers, as ``fp8.xla`` calls them (``impl``: ``block.tile_quantize_both``'s)."""
     qx, sx = block.tile_quantize(x, E4M3)
-    qg, sg = block.tile_quantize(g, E4M3)
-    qxt, sxt = block.tile_quantize(x.T, E4M3)
-    qgt, sgt = block.tile_quantize(g.T, E4M3)
+    (qg, sg), (qgt, sgt) = block.tile_quantize_both(g, E4M3, impl=impl)
+    _, (qxt, sxt) = block.tile_quantize_both(x, E4M3, rows=False, impl=impl)
     qwt, swt = block.block_quantize(w.T, E4M3)
     qw, sw = block.block_quantize(w, E4M3)
     return qx, sx, qg, sg, qxt, sxt, qgt, sgt, qwt, swt, qw, sw
@@ -86,7 +88,8 @@ def _gemms(q):
 
 def _scanned(path):
     """One jit: a scan over the (x, g) pairs, every output kept."""
-    one = {"bf16": _bf16, "tensor": _linear(TENSOR), "block": _linear(BLOCK), "block_quant": _quant}[path]
+    one = {"bf16": _bf16, "tensor": _linear(TENSOR), "block": _linear(BLOCK), "block_quant": _quant,
+           "block_quant_xla": lambda x, w, g: _quant(x, w, g, "xla")}[path]
     return jax.jit(lambda xs, w, gs: lax.scan(lambda c, xg: (c, one(xg[0], w, xg[1])), 0, (xs, gs))[1])
 
 
