@@ -13,9 +13,11 @@ activations and output gradient, f32 master weight, as the train step has them):
   block        ``xla.fp8_matmul`` under block scaling, E4M3 (1 x 128 tiles, 128 x 128 weight blocks)
   block_gemms  the block path's three kernel calls alone, on operands quantized beforehand
   block_quant  the block path's quantizers alone: x and g in 1 x 128 tiles, x^T and g^T in 1 x 128 tiles along
-               the tokens, w in 128 x 128 blocks twice (the forward's w^T and the dgrad's w)
-  q_x, q_xt, q_g, q_gt, q_w   each of those quantizers alone: x's 1 x 128 tiles, x^T's, g's, g^T's, w's blocks
-                              (both forms); against a per-tensor ``q_x_tensor`` (x's amax, then x scaled to E4M3)
+               the tokens (``block.tile_quantize_both``: its kernels on a GPU), w in 128 x 128 blocks twice (the
+               forward's w^T and the dgrad's w)
+  block_quant_xla  the same with XLA's form of ``tile_quantize_both`` (``tile_quantize`` of x^T and g^T)
+  q_x, q_xt, q_g, q_gt, q_w   each of those quantizers alone (XLA's): x's 1 x 128 tiles, x^T's, g's, g^T's, w's
+                              blocks (both forms); against a per-tensor ``q_x_tensor`` (x's amax, then x scaled to E4M3)
 
 One timed call is one jit holding a ``lax.scan`` over ``--repeats`` linears, each on its own x and g (the weight
 shared), every output kept; the median of ``--timed`` calls, divided by the repeats. XLA's Triton GEMMs are off.
@@ -44,7 +46,7 @@ from fp8rl_jax.fp8.recipe import Fp8Recipe, init_linear_state  # noqa: E402
 from fp8rl_jax.kernels.block_gemm import block_gemm_mgpu  # noqa: E402
 
 LINEARS = {"qkv": (2048, 3072), "o": (2048, 2048), "gate_up": (2048, 16384), "down": (8192, 2048)}  # K, N
-PATHS = ("bf16", "tensor", "block", "block_gemms", "block_quant")
+PATHS = ("bf16", "tensor", "block", "block_gemms", "block_quant", "block_quant_xla")
 QUANT_PATHS = ("q_x", "q_xt", "q_g", "q_gt", "q_w", "q_x_tensor")  # --paths only
 E4M3 = jnp.float8_e4m3fn
 BLOCK = Fp8Recipe(scaling="block", fp8_format="e4m3")
@@ -69,11 +71,11 @@ def _bf16(x, w, g):
     return y, dx, dw
 
 
-def _quant(x, w, g):
+def _quant(x, w, g, impl="auto"):
+    """The block linear's quantizers, as ``fp8.xla`` calls them (``impl``: ``block.tile_quantize_both``'s)."""
     qx, sx = block.tile_quantize(x, E4M3)
-    qg, sg = block.tile_quantize(g, E4M3)
-    qxt, sxt = block.tile_quantize(x.T, E4M3)
-    qgt, sgt = block.tile_quantize(g.T, E4M3)
+    (qg, sg), (qgt, sgt) = block.tile_quantize_both(g, E4M3, impl=impl)
+    _, (qxt, sxt) = block.tile_quantize_both(x, E4M3, rows=False, impl=impl)
     qwt, swt = block.block_quantize(w.T, E4M3)
     qw, sw = block.block_quantize(w, E4M3)
     return qx, sx, qg, sg, qxt, sxt, qgt, sgt, qwt, swt, qw, sw
@@ -102,7 +104,8 @@ def _gemms(q):
 
 def _scanned(path):
     """One jit: a scan over the (x, g) pairs, every output kept."""
-    one = {"bf16": _bf16, "tensor": _linear(TENSOR), "block": _linear(BLOCK), "block_quant": _quant, **ONE_QUANT}[path]
+    one = {"bf16": _bf16, "tensor": _linear(TENSOR), "block": _linear(BLOCK), "block_quant": _quant,
+           "block_quant_xla": lambda x, w, g: _quant(x, w, g, "xla"), **ONE_QUANT}[path]
     return jax.jit(lambda xs, w, gs: lax.scan(lambda c, xg: (c, one(xg[0], w, xg[1])), 0, (xs, gs))[1])
 
 

@@ -57,7 +57,8 @@ EOF
         | grep -vi warn > "$OUT/fp8_gemm.log"; tail -12 "$OUT/fp8_gemm.log" ;;
     bgemm) # the Mosaic GPU block-scaled FP8 GEMM (kernels/block_gemm.py): its tests on this GPU, then its speed against
       # block.block_gemm's XLA emulation, a per-tensor FP8 dot and BF16 (cuBLAS); BGEMM_ARGS (e.g. --sweep), BGEMM_TAG
-      timeout ${BGEMM_TEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider tests/kernels/test_block_gemm.py 2>&1 \
+      timeout ${BGEMM_TEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider tests/kernels/test_block_gemm.py \
+        tests/kernels/test_block_quantize.py 2>&1 \
         | tee "$OUT/bgemm_tests${BGEMM_TAG:-}.log" | tail -25
       XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_triton_gemm=false" timeout ${BGEMM_TIMEOUT:-400} python3 \
         benchmarks/block_gemm_speed.py ${BGEMM_ARGS:-} --out "$OUT/block_gemm${BGEMM_TAG:-}_${dev}.json" 2>&1 \

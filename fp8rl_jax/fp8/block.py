@@ -58,7 +58,7 @@ def _padded(a: jax.Array, axis: int) -> jax.Array:
     return jnp.pad(a, [(0, extra if i == axis else 0) for i in range(a.ndim)])
 
 
-def _scales(amax: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+def scales_of(amax: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
     """(scale, 1 / scale), f32, of each tile's current amax; scale 1 for an all-zero tile."""
     scale = scale_from_amax(amax, 1.0, fp8_max(dtype))
     return scale, 1.0 / scale
@@ -70,10 +70,35 @@ def tile_quantize(a: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
     c = a.shape[-1]
     # [..., C] -> [..., Cb, 128]
     t = _padded(a.astype(jnp.float32), -1).reshape(*a.shape[:-1], num_blocks(c), BLOCK)
-    scale, scale_inv = _scales(jnp.max(jnp.abs(t), axis=-1), dtype)
+    scale, scale_inv = scales_of(jnp.max(jnp.abs(t), axis=-1), dtype)
     q = quantize(t, scale[..., None], dtype)
     # [..., Cb, 128] -> [..., C]
     return q.reshape(*a.shape[:-1], -1)[..., :c], scale_inv
+
+
+IMPLS = ("auto", "pallas", "pallas_interpret", "xla")
+
+
+def tile_quantize_both(a: jax.Array, dtype, *, rows: bool = True, impl: str = "auto"):
+    """``(tile_quantize(a) or None, tile_quantize(a.T))`` for ``a`` [P, C]: the dgrad's and the wgrad's forms of an
+    output gradient (``rows``), or the wgrad's form of an input alone (``rows=False``). ``impl``: ``pallas``
+    (``kernels.block_quantize``: two reads of ``a`` for both forms, GPU), ``pallas_interpret`` (the same through
+    Pallas' interpreter, tests), ``xla`` (``tile_quantize`` twice), ``auto`` (pallas where ``block_quantize.fits``,
+    else xla). The same bits every way."""
+    from fp8rl_jax.kernels import block_quantize as kernels
+
+    if impl not in IMPLS:
+        raise ValueError(f"tile_quantize_both impl={impl!r}; allowed: {IMPLS}")
+    if impl == "auto":
+        impl = "pallas" if kernels.fits(a) else "xla"
+    if impl == "xla":
+        return (tile_quantize(a, dtype) if rows else None), tile_quantize(jnp.swapaxes(a, 0, 1), dtype)
+    interpret = impl == "pallas_interpret"
+    row_amax_t, col_amax = kernels.tile_amaxes(a, interpret=interpret)  # [Cb, P], [Pb, C]
+    row_scale_t, row_inv_t = scales_of(row_amax_t, dtype)
+    col_scale, col_inv = scales_of(col_amax, dtype)
+    q, qt = kernels.quantize_tiles(a, row_scale_t if rows else None, col_scale, dtype, interpret=interpret)
+    return ((q, jnp.swapaxes(row_inv_t, 0, 1)) if rows else None), (qt, jnp.swapaxes(col_inv, 0, 1))
 
 
 def block_quantize(w: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
@@ -84,7 +109,7 @@ def block_quantize(w: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
     rb, cb = num_blocks(r), num_blocks(c)
     # [..., R, C] -> [..., Rb, 128, Cb, 128]
     t = _padded(_padded(w.astype(jnp.float32), -2), -1).reshape(*lead, rb, BLOCK, cb, BLOCK)
-    scale, scale_inv = _scales(jnp.max(jnp.abs(t), axis=(-3, -1)), dtype)
+    scale, scale_inv = scales_of(jnp.max(jnp.abs(t), axis=(-3, -1)), dtype)
     q = quantize(t, scale[..., :, None, :, None], dtype)
     # [..., Rb, 128, Cb, 128] -> [..., R, C]
     return q.reshape(*lead, rb * BLOCK, cb * BLOCK)[..., :r, :c], scale_inv

@@ -339,11 +339,12 @@ def _quantized(t: jax.Array, dtype, kind: str, delayed_scale: jax.Array | None =
     return quantize(t, scale, dtype), 1.0 / scale
 
 
-def _dgrad(g: jax.Array, w: jax.Array, kinds, recipe: Fp8Recipe, form: str, s_g, s_w) -> jax.Array:
-    """dx [M, K] = g [M, N] . w [K, N]^T in FP8, the operands quantized as ``kinds`` says (``_BACKWARD_KINDS``)."""
+def _dgrad(g: jax.Array, w: jax.Array, kinds, recipe: Fp8Recipe, form: str, s_g, s_w, g_tiles=None) -> jax.Array:
+    """dx [M, K] = g [M, N] . w [K, N]^T in FP8, the operands quantized as ``kinds`` says (``_BACKWARD_KINDS``).
+    ``g_tiles``: g's two tile forms already made (``block.tile_quantize_both``)."""
     fwd, bwd = recipe.fwd_dtype, recipe.bwd_dtype
     if kinds[0] == "tile":  # g in 1 x 128 tiles along N, w in 128 x 128 blocks
-        qg, sg = block.tile_quantize(g, bwd)
+        qg, sg = g_tiles[0] if g_tiles else block.tile_quantize(g, bwd)
         qw, sw = block.block_quantize(w, fwd)
         return _block_gemm(gemm_operand(qg, bwd, form), sg, gemm_operand(qw, fwd, form), sw, form)
     qg, sg = _quantized(g, bwd, kinds[0], s_g)
@@ -352,12 +353,13 @@ def _dgrad(g: jax.Array, w: jax.Array, kinds, recipe: Fp8Recipe, form: str, s_g,
     return _mm(gemm_operand(qg, bwd, form), gemm_operand(jnp.swapaxes(qw, 0, 1), fwd, form), 1, 0) * (sg * sw)
 
 
-def _wgrad(x: jax.Array, g: jax.Array, kinds, recipe: Fp8Recipe, form: str, s_x, s_g) -> jax.Array:
-    """dw [K, N] = x [M, K]^T . g [M, N] in FP8, the operands quantized as ``kinds`` says."""
+def _wgrad(x: jax.Array, g: jax.Array, kinds, recipe: Fp8Recipe, form: str, s_x, s_g, g_tiles=None) -> jax.Array:
+    """dw [K, N] = x [M, K]^T . g [M, N] in FP8, the operands quantized as ``kinds`` says. ``g_tiles``: as
+    ``_dgrad``'s."""
     fwd, bwd = recipe.fwd_dtype, recipe.bwd_dtype
     if kinds[0] == "tile":  # x and g in 128 x 1 tiles: 1 x 128 tiles of their transposes, along the tokens
-        qx, sx = block.tile_quantize(jnp.swapaxes(x, 0, 1), fwd)
-        qg, sg = block.tile_quantize(jnp.swapaxes(g, 0, 1), bwd)
+        _, (qx, sx) = block.tile_quantize_both(x, fwd, rows=False)
+        qg, sg = (g_tiles or block.tile_quantize_both(g, bwd, rows=False))[1]
         return _block_gemm(gemm_operand(qx, fwd, form), sx, gemm_operand(qg, bwd, form), sg, form)
     qx, sx = _quantized(x, fwd, kinds[0], s_x)
     qg, sg = _quantized(g, bwd, kinds[1], s_g)
@@ -398,12 +400,15 @@ def _general_matmul_fn(x_dtype, w_dtype, out_dtype, recipe: Fp8Recipe, form: str
     def bwd(residuals, g):
         x, w, state, amax_x, amax_w, kernel_amax = residuals
         s_x, s_w, s_g = (state[r]["scale"] for r in ("x", "kernel", "grad"))
+        g_tiles = None  # block scaling, both backward GEMMs in FP8: g's two tile forms from one kernel pair
+        if recipe.scaling == "block" and {"dgrad", "wgrad"} <= set(recipe.fp8_gemms):
+            g_tiles = block.tile_quantize_both(g, recipe.bwd_dtype)
         if "dgrad" in recipe.fp8_gemms:
-            dx = _dgrad(g, w, kinds["dgrad"], recipe, form, s_g, s_w)
+            dx = _dgrad(g, w, kinds["dgrad"], recipe, form, s_g, s_w, g_tiles)
         else:  # dx [M, K] = g [M, N] . w [K, N]^T
             dx = _wide_gemm(g, w, x_dtype, form)
         if "wgrad" in recipe.fp8_gemms:
-            dw = _wgrad(x, g, kinds["wgrad"], recipe, form, s_x, s_g)
+            dw = _wgrad(x, g, kinds["wgrad"], recipe, form, s_x, s_g, g_tiles)
         else:  # dw [K, N] = x^T [K, M] . g^T [N, M]^T
             dw = _wide_gemm(jnp.swapaxes(x, 0, 1), jnp.swapaxes(g, 0, 1), x_dtype, form)
         return _cotangents(dx.astype(x_dtype), dw.astype(w_dtype), gather, kernel_amax,
