@@ -88,21 +88,22 @@ EOF
       timeout 500 python3 -m fp8rl_jax.bench e2e --config configs/llama1b.py --set model.source=preset \
         --set model.preset=llama3_1b --set model.tokenizer=.gpu/smollm2_tok --set model.preset_vocab=preset \
         --set rollout.prompts_per_step=${E2E_PROMPTS:-32} ${E2E_SET:-} --modes ${E2E_MODES:-fp8_e2e,bf16,fp8_rollout,bf16_cublas} \
-        --timeout ${E2E_MODE_TIMEOUT:-125} --out "$OUT/e2e_${dev}${E2E_TAG:-}.json" 2>&1 | grep -v "^W\|Warn" | tee "$OUT/e2e${E2E_TAG:-}.log" | tail -8 ;;
+        --steps ${E2E_STEPS:-1} --timeout ${E2E_MODE_TIMEOUT:-125} --out "$OUT/e2e_${dev}${E2E_TAG:-}.json" 2>&1 | grep -v "^W\|Warn" | tee "$OUT/e2e${E2E_TAG:-}.log" | tail -8 ;;
     e2e8b) # bench e2e at the Llama-3.1-8B width with E8B_LAYERS layers (default 10; the whole preset does not train on
       # one GPU), the llama1b config's batch shapes in microbatches of 16: issue 23's e2e_8b_width_h100.json. At JAX's
       # default 75% of the H100, microbatches of 32 ran out of memory (at 8094864); 10 layers peak at 68.7 GiB of 94%
       XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.94} timeout 560 python3 -m fp8rl_jax.bench e2e \
         --config configs/llama1b.py "${width8b[@]}" --set rollout.prompts_per_step=${E2E_PROMPTS:-32} ${E2E_SET:-} \
-        --modes ${E2E_MODES:-fp8_e2e,bf16_cublas} --timeout ${E2E_MODE_TIMEOUT:-250} \
+        --modes ${E2E_MODES:-fp8_e2e,bf16_cublas} --steps ${E2E_STEPS:-1} --timeout ${E2E_MODE_TIMEOUT:-250} \
         --out "$OUT/e2e_8b_width_${dev}.json" 2>&1 | grep -v "^W\|Warn" | tee "$OUT/e2e8b.log" | tail -8 ;;
     e2e_xla) # bench e2e in processes without Transformer Engine (FP8 on the xla backend): there `precision.attention`
-      # auto is cuDNN flash attention (TE's cuDNN beside JAX's breaks its backward); E2E_SET adds --set overrides
+      # auto is cuDNN flash attention (TE's cuDNN beside JAX's breaks its backward); E2E_SET adds --set overrides, E2E_STEPS
+      # timed steps a mode (default 1)
       [ -d /tmp/site_note ] || python3 -m pip install -q --no-index --no-deps --target /tmp/site_note .gpu/wheels/*.whl
       PYTHONPATH=/tmp/site_note:$PWD timeout 560 python3 -m fp8rl_jax.bench e2e --config configs/llama1b.py \
         --set model.source=preset --set model.preset=llama3_1b --set model.tokenizer=.gpu/smollm2_tok \
         --set model.preset_vocab=preset --set rollout.prompts_per_step=${E2E_PROMPTS:-32} ${E2E_SET:-} \
-        --modes ${E2E_MODES:-fp8_e2e,bf16_cublas} --timeout ${E2E_MODE_TIMEOUT:-170} \
+        --modes ${E2E_MODES:-fp8_e2e,bf16_cublas} --steps ${E2E_STEPS:-1} --timeout ${E2E_MODE_TIMEOUT:-170} \
         --out "$OUT/e2e_xla_${dev}${E2E_TAG:-}.json" 2>&1 | grep -v "^W\|Warn" | tee "$OUT/e2e_xla${E2E_TAG:-}.log" | tail -8 ;;
     profile) # top GPU kernels of a decode chunk (PROFILE_DECODE_CHUNKS consecutive ones) and a train step (llama1b
       # shapes, one wave of 256 sequences);
