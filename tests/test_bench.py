@@ -57,6 +57,23 @@ def test_rollout_variants_are_values():
             variant_values(precision, "default", removed)
 
 
+def test_rollout_modes_are_precisions():
+    """``bench rollout --modes``: each name the precision its rows run, block scaling among them; unknown names and
+    block on Transformer Engine refused before any work."""
+    from fp8rl_jax.bench.rollout import mode_precision
+    from fp8rl_jax.fp8.policy import Precision
+    from fp8rl_jax.fp8.recipe import Fp8Recipe
+
+    assert mode_precision("bf16") == Precision()
+    assert mode_precision("fp8_kv_te_head") == Precision(backend="te", kv_cache_dtype="float8_e4m3fn",
+                                                         lm_head_fp8=True)
+    assert mode_precision("fp8_kv_block") == Precision(backend="xla", kv_cache_dtype="float8_e4m3fn",
+                                                       recipe=Fp8Recipe(scaling="block", fp8_format="e4m3"))
+    for bad in ("fp8_block_te", "bf16_block", "fp16", "fp8_kv_fast"):
+        with pytest.raises(ValueError, match=f"unknown mode '{bad}'"):
+            mode_precision(bad)
+
+
 def test_collectives_benchmark_smoke(tmp_path):
     main(["collectives", "--smoke", "--train_modes", "fp8_e2e", "--out", str(tmp_path / "c.json")])
     out = json.loads((tmp_path / "c.json").read_text())

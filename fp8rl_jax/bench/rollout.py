@@ -75,6 +75,8 @@ def bench_rollout(model_name: str, batches: list[int], new_tokens: list[int], mo
 
     for tuning, variant in itertools.product(decode_tunings, variants):  # bad names fail before any work
         variant_values(Precision(), tuning, variant)
+    for mode in modes:
+        mode_precision(mode)
     cfg = preset(model_name)
     # BF16 master weights: the rollout weights come from them as from f32 ones, and an 8B model's f32 copy (32 GB)
     # would crowd out the rollout's own memory on one GPU
@@ -83,14 +85,8 @@ def bench_rollout(model_name: str, batches: list[int], new_tokens: list[int], mo
     print(f"copy bandwidth: {bw / 1e12:.2f} TB/s", flush=True)
     rows = []
     for mode in modes:
-        parts = mode.split("_")
-        backend = "te" if "te" in parts else "xla"
-        head = "head" in parts  # the LM head in FP8 too (precision.lm_head_fp8)
-        precision = {
-            "bf16": Precision(),
-            "fp8": Precision(backend=backend, lm_head_fp8=head),
-            "fp8_kv": Precision(backend=backend, kv_cache_dtype="float8_e4m3fn", lm_head_fp8=head),
-        }["_".join(p for p in parts if p not in ("te", "head"))]
+        precision = mode_precision(mode)
+        head = precision.lm_head_fp8
         fp8_state = llama.init_fp8_state(cfg, precision) if precision.fp8 else None
         if fp8_state is not None:  # plausible scales: weights ~N(0, 0.02), activations O(1)
             fp8_state = jax.tree.map(lambda a: a, fp8_state)
@@ -178,6 +174,26 @@ def parse_decode_tuning(text: str):
         raise ValueError(f"--decode_tuning: {text!r} is not 'default' or max_block_k:target_programs:num_stages")
     max_block_k, target_programs, num_stages = map(int, parts)
     return DecodeTuning(max_block_k=max_block_k, target_programs=target_programs, num_stages=num_stages)
+
+
+def mode_precision(mode: str):
+    """``--modes``' ``mode`` as the ``Precision`` its rows run: ``bf16``, ``fp8`` or ``fp8_kv`` (FP8 GEMMs, and the FP8
+    KV cache), with ``_te`` (Transformer Engine's GEMMs), ``_head`` (the LM head in FP8 too) or ``_block`` (block
+    scaling, E4M3: ``kernels.block_gemm`` on a Hopper GPU), e.g. ``fp8_kv_te_head``, ``fp8_kv_block``."""
+    from fp8rl_jax.fp8.policy import Precision
+    from fp8rl_jax.fp8.recipe import Fp8Recipe
+
+    parts = mode.split("_")
+    base = "_".join(p for p in parts if p not in ("te", "head", "block"))
+    if base not in ("bf16", "fp8", "fp8_kv") or (base == "bf16" and len(parts) > 1) or {"te", "block"} <= set(parts):
+        raise ValueError(f"--modes: unknown mode {mode!r}; known: bf16, fp8, fp8_kv, with _te, _head or _block "
+                         "(block scaling runs on the xla backend, not with _te)")
+    precision = Precision(backend="te" if "te" in parts else "xla", lm_head_fp8="head" in parts)
+    if base == "bf16":
+        return Precision()
+    if "block" in parts:
+        precision = precision.replace(recipe=Fp8Recipe(scaling="block", fp8_format="e4m3"))
+    return precision.replace(kv_cache_dtype="float8_e4m3fn") if base == "fp8_kv" else precision
 
 
 def variant_values(precision, tuning: str, variant: str):
