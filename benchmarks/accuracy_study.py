@@ -66,6 +66,14 @@ MODES = {
     "fp8_e2e_block_bf16_head_grad": {"precision.mode": "fp8_e2e", "precision.backend": "xla",
                                      "precision.scaling": "block", "precision.fp8_format": "e4m3",
                                      "precision.lm_head_grad_fp8": False, "rl.is_correction": "none"},
+    # block scaling in the forward alone (BF16 input and weight gradients), and in the backward alone (the forward,
+    # the rollout's too, BF16): which of block's GEMMs makes its weights end above BF16's (precision.fp8_gemms)
+    "fp8_e2e_block_fprop": {"precision.mode": "fp8_e2e", "precision.backend": "xla", "precision.scaling": "block",
+                            "precision.fp8_format": "e4m3", "precision.fp8_gemms": ("fprop",),
+                            "rl.is_correction": "none"},
+    "fp8_e2e_block_backward": {"precision.mode": "fp8_e2e", "precision.backend": "xla", "precision.scaling": "block",
+                               "precision.fp8_format": "e4m3", "precision.fp8_gemms": ("dgrad", "wgrad"),
+                               "rl.is_correction": "none"},
     # the BF16 head's backward GEMMs in BF16 too (precision.lm_head_grad_fp8 off: the earlier default,
     # whose study called the default fp8_e2e_headgrad)
     "fp8_e2e_bf16_head_grad": {"precision.mode": "fp8_e2e", "precision.lm_head_grad_fp8": False,

@@ -61,6 +61,10 @@ def base_config() -> ml_collections.ConfigDict:
     # block (1 x 128 activation / gradient tiles, 128 x 128 weight blocks, current, all three GEMMs; xla backend, sizes
     # padded to multiples of 128; DeepSeek-V3's recipe with fp8_format=e4m3: docs/accuracy.md, "Where FP8 loses")
     c.precision.scaling = "tensor"
+    # the GEMMs of each FP8 linear that run in FP8, the others in BF16 with f32 sums: fprop (the forward), dgrad (the
+    # input's gradient), wgrad (the weight's); fewer than three need backend=xla; without fprop both forwards stay
+    # BF16, the rollout's too (fp8_e2e: the same forward in both). For ablations: docs/accuracy.md, "Where FP8 loses"
+    c.precision.fp8_gemms = ("fprop", "dgrad", "wgrad")
     c.precision.bf16_first_layers = 0
     c.precision.bf16_last_layers = 0
     c.precision.bf16_layers = ()  # more blocks kept in BF16, by index: (11, 28, 29)
@@ -283,6 +287,13 @@ def validate(c: ml_collections.ConfigDict, known_rewards: Callable[[], Sequence[
     one_of(c, "precision.scaling", ("tensor", "rowwise", "block"))
     check(c.precision.scaling == "tensor" or c.precision.backend == "xla", "precision.scaling", c.precision.scaling,
           f"tensor, or {c.precision.scaling} with precision.backend=xla (Transformer Engine scales per tensor here)")
+    gemms = listed(c, "precision.fp8_gemms", str, "a non-empty subset of fprop, dgrad, wgrad")
+    check(gemms and len(set(gemms)) == len(gemms) and set(gemms) <= {"fprop", "dgrad", "wgrad"},
+          "precision.fp8_gemms", c.precision.fp8_gemms, "a non-empty subset of fprop, dgrad, wgrad, each once")
+    check(len(gemms) == 3 or c.precision.backend == "xla", "precision.fp8_gemms", c.precision.fp8_gemms,
+          "all three, or fewer with precision.backend=xla (Transformer Engine runs all three in FP8)")
+    check("fprop" in gemms or c.precision.mode != "fp8_rollout", "precision.fp8_gemms", c.precision.fp8_gemms,
+          "with fprop under precision.mode=fp8_rollout (its rollout's FP8 is the forward's)")
     one_of(c, "precision.kv_cache_dtype", ("bfloat16", "float8_e4m3fn"))
     one_of(c, "precision.attention", ("auto", "cudnn", "pallas", "xla"))
     positive(c, "precision.amax_history_len")

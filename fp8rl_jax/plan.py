@@ -110,13 +110,17 @@ def run_precision(config, role: str) -> Precision:
 
     ``precision.mode``: ``bf16`` -> BF16 both; ``fp8_rollout`` -> BF16 train, FP8 rollout (the common practice,
     kept for comparison); ``fp8_e2e`` -> the same FP8 linears and scales, and the same KV-cache format, in both.
+    ``precision.fp8_gemms`` without ``fprop``: the rollout BF16, as the training forward is.
     """
     if role not in ("train", "rollout"):
         raise ValueError(f"role={role!r}; allowed: train | rollout")
     p = config.precision
+    gemms = config_list(p.fp8_gemms, str)
     fp8 = p.mode == "fp8_e2e" or (p.mode == "fp8_rollout" and role == "rollout")
+    fp8 = fp8 and (role == "train" or "fprop" in gemms)  # a rollout is forwards only
     recipe = Fp8Recipe(margin=p.margin, amax_history_len=p.amax_history_len,
-                       amax_compute_algo=p.amax_compute_algo, fp8_format=p.fp8_format, scaling=p.scaling)
+                       amax_compute_algo=p.amax_compute_algo, fp8_format=p.fp8_format, scaling=p.scaling,
+                       fp8_gemms=gemms)
     return Precision(
         backend=resolve_backend(p.backend) if fp8 else "bf16",
         recipe=recipe,

@@ -44,6 +44,10 @@ def test_every_config_loads_and_validates(path, tmp_path):
         ("precision.attention", "flash", "config.precision.attention='flash'"),
         # rowwise is built in the xla backend only; the default backend (auto) may pick te
         ("precision.scaling", "rowwise", "rowwise with precision.backend=xla"),
+        ("precision.fp8_gemms", ("fprop,bwd",), "a non-empty subset of fprop, dgrad, wgrad"),
+        ("precision.fp8_gemms", ("dgrad,dgrad",), "each once"),
+        ("precision.fp8_gemms", (), "each once"),
+        ("precision.fp8_gemms", ("fprop",), "or fewer with precision.backend=xla"),
     ],
 )
 def test_bad_values_are_named(key, value, message):
@@ -51,6 +55,26 @@ def test_bad_values_are_named(key, value, message):
     section, name = key.split(".")
     config[section][name] = value
     with pytest.raises(ConfigError, match=message.replace("*", r"\*").replace("|", r"\|")):
+        validate(config)
+
+
+def test_fp8_gemms_are_the_recipes_and_a_forward_without_fp8_is_bf16_in_the_rollout():
+    """``precision.fp8_gemms``: the train and rollout recipes' GEMMs; without fprop the rollout is BF16 (the training
+    forward is), and fp8_rollout, whose FP8 is the forward's, needs fprop."""
+    from fp8rl_jax.plan import run_precision
+
+    config = base_config()
+    config.precision.backend = "xla"
+    config.precision.fp8_gemms = ("dgrad", "wgrad")
+    validate(config)
+    train, rollout = run_precision(config, "train"), run_precision(config, "rollout")
+    assert train.fp8 and train.backend == "xla" and train.recipe.fp8_gemms == ("dgrad", "wgrad")
+    assert not rollout.fp8 and rollout.backend == "bf16"
+    config.precision.fp8_gemms = ("wgrad", "fprop")  # any order: the recipe's
+    assert run_precision(config, "rollout").recipe.fp8_gemms == ("fprop", "wgrad")
+    assert run_precision(config, "rollout").fp8
+    config.precision.mode, config.precision.fp8_gemms = "fp8_rollout", ("dgrad",)
+    with pytest.raises(ConfigError, match="with fprop under precision.mode=fp8_rollout"):
         validate(config)
 
 
