@@ -80,9 +80,8 @@ class Trainer:
         prepare_workdir(self.workdir, c.checkpoint.resume)
         self.train_precision = plan.run_precision(c, "train")  # precision.backend=te where it cannot run fails here
         self.rollout_precision = plan.run_precision(c, "rollout")
-        fp8 = self.rollout_precision.fp8 or self.train_precision.fp8  # fp8_rollout: the rollout's; no fprop: train's
-        self.backend, self.backend_reason = (choose_backend(c.precision.backend) if fp8
-                                             else ("bf16", "precision.mode=bf16: no FP8"))
+        self.backend, self.backend_reason = (choose_backend(c.precision.backend) if self.train_precision.fp8
+                                             or self.rollout_precision.fp8 else ("bf16", "precision.mode=bf16: no FP8"))
         # the trainer's mesh, and the rollout's own devices (mesh.rollout_devices; None: the trainer's); a mesh these
         # devices cannot hold is the config's fault, said in one ConfigError line
         self.mesh, self.rollout_devices = plan.meshes(c)
