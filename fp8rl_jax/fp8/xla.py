@@ -339,14 +339,16 @@ def _quantized(t: jax.Array, dtype, kind: str, delayed_scale: jax.Array | None =
     return quantize(t, scale, dtype), 1.0 / scale
 
 
-def _dgrad(g: jax.Array, w: jax.Array, kinds, recipe: Fp8Recipe, form: str, s_g, s_w, g_tiles=None) -> jax.Array:
+def _dgrad(g: jax.Array, w: jax.Array, kinds, recipe: Fp8Recipe, form: str, s_g, s_w, g_tiles=None,
+           x_dtype=None) -> jax.Array:
     """dx [M, K] = g [M, N] . w [K, N]^T in FP8, the operands quantized as ``kinds`` says (``_BACKWARD_KINDS``).
-    ``g_tiles``: g's two tile forms already made (``block.tile_quantize_both``)."""
+    ``g_tiles``: g's two tile forms already made (``block.tile_quantize_both``). ``x_dtype``: dx's dtype, which the
+    block GEMM writes itself (the f32 sum rounded once, as ``astype`` would)."""
     fwd, bwd = recipe.fwd_dtype, recipe.bwd_dtype
     if kinds[0] == "tile":  # g in 1 x 128 tiles along N, w in 128 x 128 blocks
         qg, sg = g_tiles[0] if g_tiles else block.tile_quantize(g, bwd)
         qw, sw = block.block_quantize(w, fwd)
-        return _block_gemm(gemm_operand(qg, bwd, form), sg, gemm_operand(qw, fwd, form), sw, form)
+        return _block_gemm(gemm_operand(qg, bwd, form), sg, gemm_operand(qw, fwd, form), sw, form, x_dtype)
     qg, sg = _quantized(g, bwd, kinds[0], s_g)
     qw, sw = _quantized(w, fwd, kinds[1], s_w)
     # [M, N] . [N, K] -> [M, K], laid out as the standard path's (the same sums in the same order)
@@ -404,7 +406,7 @@ def _general_matmul_fn(x_dtype, w_dtype, out_dtype, recipe: Fp8Recipe, form: str
         if recipe.scaling == "block" and {"dgrad", "wgrad"} <= set(recipe.fp8_gemms):
             g_tiles = block.tile_quantize_both(g, recipe.bwd_dtype)
         if "dgrad" in recipe.fp8_gemms:
-            dx = _dgrad(g, w, kinds["dgrad"], recipe, form, s_g, s_w, g_tiles)
+            dx = _dgrad(g, w, kinds["dgrad"], recipe, form, s_g, s_w, g_tiles, x_dtype)
         else:  # dx [M, K] = g [M, N] . w [K, N]^T
             dx = _wide_gemm(g, w, x_dtype, form)
         if "wgrad" in recipe.fp8_gemms:

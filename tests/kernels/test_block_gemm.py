@@ -260,6 +260,27 @@ def test_block_linear_lowers_its_gemms_to_the_kernel(monkeypatch, recipe, kernel
     assert len(mosaic_modules(_linear_grads(recipe, "f8"), *args)) == kernels
 
 
+def test_block_linear_writes_a_bf16_input_gradient_from_the_kernel(monkeypatch):
+    """A BF16 input's gradient leaves the dgrad kernel in BF16 (its f32 sum rounded once, as a cast of an f32 output
+    would be, without the f32 array): the forward's and the dgrad's kernels write BF16, the wgrad's f32 (the f32
+    master weight's gradient)."""
+    import re
+
+    monkeypatch.setattr(block_kernel, "runs_here", lambda qa, qb: qa.dtype == qb.dtype)
+    state = init_linear_state(E4M3_BLOCK)
+
+    def grads(x, w, g):
+        y, vjp = jax.vjp(lambda x, w: xla.fp8_matmul(x, w, state, E4M3_BLOCK, jnp.bfloat16, "f8"), x, w)
+        return (y, *vjp(g))
+
+    args = [jax.ShapeDtypeStruct(s, d) for s, d in (((256, 512), jnp.bfloat16), ((512, 384), jnp.float32),
+                                                     ((256, 384), jnp.bfloat16))]
+    text = jax.jit(grads).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    outs = re.findall(r'stablehlo\.custom_call @mosaic_gpu_v2\(.*?\) \{.*?\} : \(.*?\) -> tensor<(\d+)x(\d+)x(\w+)>',
+                      text)
+    assert sorted(outs) == sorted([("256", "384", "bf16"), ("256", "512", "bf16"), ("512", "384", "f32")])
+
+
 def test_runs_here_is_false_off_a_hopper_gpu():
     qa = jnp.zeros((128, 128), jnp.float8_e4m3fn)
     assert block_kernel.runs_here(qa, qa) == (jax.default_backend() == "gpu"
