@@ -107,12 +107,13 @@ EOF
         --out "$OUT/e2e_xla_${dev}${E2E_TAG:-}.json" 2>&1 | grep -v "^W\|Warn" | tee "$OUT/e2e_xla${E2E_TAG:-}.log" | tail -8 ;;
     profile) # top GPU kernels of a decode chunk (PROFILE_DECODE_CHUNKS consecutive ones) and a train step (llama1b
       # shapes, one wave of 256 sequences);
-      # PROFILE_DUMP=1 also keeps the optimized HLO of those two programs (the fusions the kernel names refer to)
+      # PROFILE_DUMP=1 also keeps the optimized HLO of those two programs (the fusions the kernel names refer to);
+      # PROFILE_ARGS=--graphs keeps XLA's CUDA graphs under the profiler (XLA launches their kernels one by one there)
       dump=(); [ -n "${PROFILE_DUMP:-}" ] && dump=(env "XLA_FLAGS=${XLA_FLAGS:-} --xla_dump_to=/tmp/hlo_dump --xla_dump_hlo_as_text --xla_dump_hlo_module_re=jit_train_step|jit__generate_steps_impl")
       "${dump[@]}" timeout 400 python3 benchmarks/profile_step.py --config configs/llama1b.py --set model.source=preset \
         --set model.preset=llama3_1b --set model.tokenizer=.gpu/smollm2_tok --set model.preset_vocab=preset \
         --set rollout.prompts_per_step=32 --modes ${PROFILE_MODES:-bf16_cublas,fp8_e2e} --timeout 190 \
-        --top ${PROFILE_TOP:-25} --decode_chunks ${PROFILE_DECODE_CHUNKS:-1} --out "$OUT/profile_${dev}.json" 2>&1 | grep -v "^W\|Warn" | tee "$OUT/profile.log" | tail -6
+        --top ${PROFILE_TOP:-25} --decode_chunks ${PROFILE_DECODE_CHUNKS:-1} ${PROFILE_ARGS:-} --out "$OUT/profile_${dev}.json" 2>&1 | grep -v "^W\|Warn" | tee "$OUT/profile.log" | tail -6
       [ -d /tmp/hlo_dump ] && (cd /tmp/hlo_dump && tar czf "$OUT/hlo_dump.tgz" $(ls | grep after_optimizations.txt)) ;;
     profile8b) # the same at the Llama-3.1-8B width with E8B_LAYERS layers (e2e8b's shapes and memory settings)
       XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.94} timeout 500 python3 benchmarks/profile_step.py \

@@ -9,6 +9,10 @@ arguments are ready (its host dispatch shows as idle time) and runs over ``--dec
 dispatched as the driver dispatches them (one in flight), so a gap between chunks shows too. Writes ``{mode:
 {"decode": {...}, "train": {...}}}`` with each phase's total kernel time, the kernel count and the top kernels
 (name, ms, share), grouped into families (GEMM, FP8 cast/amax, attention, elementwise/fusion, copies, collectives).
+
+While it profiles, XLA runs its command buffers (CUDA graphs) as separate launches unless
+``--xla_enable_command_buffers_during_profiling=true``: idle time between kernels in such a trace is the launches',
+which a graph replay would not pay. ``--graphs`` sets that flag, so the trace shows the run as it runs unprofiled.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ import sys
 import tempfile
 
 from fp8rl_jax.bench.trace import summarize_trace
+
+GRAPHS_FLAG = "--xla_enable_command_buffers_during_profiling=true"
 
 
 def profile_mode(config: str, mode: str, sets: list[str], trace_root: str, top: int = 25,
@@ -85,6 +91,9 @@ def main(argv=None) -> None:
     ap.add_argument("--timeout", type=float, default=None)
     ap.add_argument("--top", type=int, default=25, help="kernel names kept per phase (by time)")
     ap.add_argument("--decode_chunks", type=int, default=1, help="consecutive generate_steps calls traced")
+    ap.add_argument("--graphs", action="store_true",
+                    help="keep XLA's command buffers (CUDA graphs) while profiling (by default XLA launches their "
+                         "kernels one by one under a profiler)")
     ap.add_argument("--one", default="")
     args = ap.parse_args(argv)
     if args.one:
@@ -101,8 +110,8 @@ def main(argv=None) -> None:
     results = {}
     for mode in args.modes.split(","):
         env = dict(os.environ)
-        if MODES[mode][1]:
-            env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {MODES[mode][1]}".strip()
+        flags = [MODES[mode][1], GRAPHS_FLAG if args.graphs else ""]
+        env["XLA_FLAGS"] = " ".join(f for f in (env.get("XLA_FLAGS", ""), *flags) if f)
         with tempfile.TemporaryDirectory() as tmp:
             one = os.path.join(tmp, "one.json")
             cmd = [sys.executable, __file__, "--one", mode, "--config", args.config, "--out", one,
@@ -113,6 +122,7 @@ def main(argv=None) -> None:
             except subprocess.TimeoutExpired:
                 code = "timeout"
             results[mode] = json.load(open(one)) if code == 0 and os.path.exists(one) else {"error": f"exit {code}"}
+            results[mode]["xla_flags"] = env["XLA_FLAGS"]
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
         for phase in ("decode", "train"):
