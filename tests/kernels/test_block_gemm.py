@@ -239,12 +239,12 @@ def _linear_operands(m=300, k=576, n=1536, seed=0):
     return jnp.asarray(x), jnp.asarray(w), jnp.asarray(g)
 
 
-def _linear_grads(recipe, form=None):
+def _linear_grads(recipe, form=None, out_dtype=jnp.float32):
     """(y, dx, dw) of ``xla.fp8_matmul`` under ``recipe``, as one function of (x, w, g)."""
     state = init_linear_state(recipe)
 
     def run(x, w, g):
-        y, vjp = jax.vjp(lambda x, w: xla.fp8_matmul(x, w, state, recipe, jnp.float32, form), x, w)
+        y, vjp = jax.vjp(lambda x, w: xla.fp8_matmul(x, w, state, recipe, out_dtype, form), x, w)
         return (y, *vjp(g))
 
     return run
@@ -267,14 +267,9 @@ def test_block_linear_writes_a_bf16_input_gradient_from_the_kernel(monkeypatch):
     import re
 
     monkeypatch.setattr(block_kernel, "runs_here", lambda qa, qb: qa.dtype == qb.dtype)
-    state = init_linear_state(E4M3_BLOCK)
-
-    def grads(x, w, g):
-        y, vjp = jax.vjp(lambda x, w: xla.fp8_matmul(x, w, state, E4M3_BLOCK, jnp.bfloat16, "f8"), x, w)
-        return (y, *vjp(g))
-
     args = [jax.ShapeDtypeStruct(s, d) for s, d in (((256, 512), jnp.bfloat16), ((512, 384), jnp.float32),
                                                      ((256, 384), jnp.bfloat16))]
+    grads = _linear_grads(E4M3_BLOCK, "f8", jnp.bfloat16)
     text = jax.jit(grads).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     outs = re.findall(r'stablehlo\.custom_call @mosaic_gpu_v2\(.*?\) \{.*?\} : \(.*?\) -> tensor<(\d+)x(\d+)x(\w+)>',
                       text)
