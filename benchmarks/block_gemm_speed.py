@@ -47,7 +47,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax import lax  # noqa: E402
 
-from fp8rl_jax.bench import device_name, timeit, tree_commit  # noqa: E402
+from fp8rl_jax.bench import device_name, emit, error_text, timeit, tree_commit  # noqa: E402
 from fp8rl_jax.fp8 import block  # noqa: E402
 from fp8rl_jax.kernels.block_gemm import Tuning, block_gemm_mgpu  # noqa: E402
 
@@ -134,9 +134,8 @@ def bench_shape(name, m, n, k, paths, out_dtype, repeats, timed, tunings, interp
                 row["max_rel_diff"] = float(np.max(np.abs(out - reference)) / scale)
                 seconds = timeit(fn, data, repeats=timed)
             except Exception as e:  # a Mosaic GPU compile error, a tiling that does not fit: recorded, the rest runs
-                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+                row["error"] = error_text(e)
+                emit(rows, row)
                 continue
             ms = seconds / repeats * 1e3
             row.update(ms=round(ms, 4), tflops=round(flop / (ms * 1e-3) / 1e12, 1))
@@ -144,8 +143,7 @@ def bench_shape(name, m, n, k, paths, out_dtype, repeats, timed, tunings, interp
                 emulated_ms = ms
             if emulated_ms:
                 row["speedup_vs_emulated"] = round(emulated_ms / ms, 2)
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+            emit(rows, row)
     return rows
 
 

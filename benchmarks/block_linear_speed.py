@@ -40,7 +40,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax import lax  # noqa: E402
 
-from fp8rl_jax.bench import device_name, timeit, tree_commit  # noqa: E402
+from fp8rl_jax.bench import device_name, emit, error_text, timeit, tree_commit  # noqa: E402
 from fp8rl_jax.fp8 import block, xla  # noqa: E402
 from fp8rl_jax.fp8.recipe import Fp8Recipe, init_linear_state  # noqa: E402
 from fp8rl_jax.kernels.block_gemm import block_gemm_mgpu  # noqa: E402
@@ -127,14 +127,12 @@ def bench(name, m, k, n, paths, repeats, timed):
             else:
                 seconds = timeit(_scanned(path), xs, w, gs, repeats=timed)
         except Exception as e:  # recorded, the rest runs
-            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+            row["error"] = error_text(e)
+            emit(rows, row)
             continue
         ms = seconds / repeats * 1e3
         row.update(ms=round(ms, 3), tflops=round(flop / (ms * 1e-3) / 1e12, 1))
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+        emit(rows, row)
     return rows
 
 

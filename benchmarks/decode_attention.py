@@ -41,7 +41,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from fp8rl_jax.bench import tree_commit  # noqa: E402
+from fp8rl_jax.bench import emit, error_text, tree_commit  # noqa: E402
 from fp8rl_jax.fp8 import kv as kvq  # noqa: E402
 from fp8rl_jax.kernels import decode_attention as da  # noqa: E402
 from fp8rl_jax.model import attention  # noqa: E402
@@ -202,7 +202,7 @@ def bench_shape(model, batch, cache_len, fill, kv, impls, *, tunings, repeats, w
                 seconds, k_cache, v_cache = _time_layers(fn, k_cache, v_cache, (q_layers, lengths_dev, scale, scale),
                                                          repeats, warmup)
             except Exception as e:  # a tuning Triton rejects (shared memory, registers): record it, go on
-                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                row["error"] = error_text(e, 200)
                 k_cache, _ = _make_cache(layers_timed, batch, kv_heads, cache_len, head_dim, kv, seed)
                 v_cache, _ = _make_cache(layers_timed, batch, kv_heads, cache_len, head_dim, kv, seed + 1)
                 rows.append(row)
@@ -211,8 +211,7 @@ def bench_shape(model, batch, cache_len, fill, kv, impls, *, tunings, repeats, w
             row.update(us_per_layer=round(us, 3), gb_per_s_needed=round(needed / (us * 1e-6) / 1e9, 1))
             if impl == "xla":
                 xla_us = us
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+            emit(rows, row)
     for row in rows:
         if xla_us and "us_per_layer" in row:
             row["speedup_vs_xla"] = round(xla_us / row["us_per_layer"], 3)

@@ -51,7 +51,7 @@ import numpy as np  # noqa: E402
 from jax.experimental import pallas as pl  # noqa: E402
 from jax.experimental.pallas import triton as plgpu  # noqa: E402
 
-from fp8rl_jax.bench import device_name, timeit, tree_commit  # noqa: E402
+from fp8rl_jax.bench import device_name, emit, error_text, timeit, tree_commit  # noqa: E402
 from fp8rl_jax.bench.trace import summarize_trace  # noqa: E402
 from fp8rl_jax.fp8 import xla  # noqa: E402
 from fp8rl_jax.fp8.recipe import Fp8Recipe  # noqa: E402
@@ -188,14 +188,12 @@ def bench_shape(name, m, n, k, out_dtype, impls, tunings, layers, repeats, seed=
                 row["max_rel_diff"] = float(np.max(np.abs(out - reference)) / max(np.max(np.abs(reference)), 1e-30))
                 seconds = timeit(fn, *args, repeats=repeats)
             except Exception as e:  # a tiling Triton rejects, or TE missing: recorded, the sweep goes on
-                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+                row["error"] = error_text(e, 200)
+                emit(rows, row)
                 continue
             us = seconds / layers * 1e6
             row.update(wall_us_per_gemm=round(us, 3), **_kernel_time(fn, args, layers, n * k))
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+            emit(rows, row)
     return rows
 
 

@@ -26,6 +26,7 @@ One module per benchmark (``gemm.py``, ``rollout.py``, ``agreement.py``), each w
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import subprocess
@@ -42,6 +43,19 @@ def tree_commit() -> str:
                               cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
     except OSError:
         return ""
+
+
+def error_text(e: BaseException, limit: int = 300) -> str:
+    """A benchmark row's ``error``: the exception's type and the first line of its message (at most ``limit``
+    characters; empty for an empty message)."""
+    lines = str(e).splitlines()
+    return f"{type(e).__name__}: {lines[0][:limit] if lines else ''}"
+
+
+def emit(rows: list, row: dict) -> None:
+    """Keep ``row`` and print it as one JSON line (a sweep's progress, and its rows if it dies)."""
+    rows.append(row)
+    print(json.dumps(row), flush=True)
 
 
 def timeit(fn, *args, repeats: int = 10) -> float:

@@ -57,6 +57,8 @@ from pathlib import Path
 
 import numpy as np
 
+from fp8rl_jax.bench import tree_commit
+
 PHASES = ("weights", "rollout", "reward", "score", "train", "calibrate", "step")
 MODES = {  # mode -> (precision.mode, extra XLA flags, config overrides)
     "bf16": ("bf16", "", {}),
@@ -394,8 +396,6 @@ def summarize(rows: list[dict], args) -> dict:
     best = lambda key: min(r[key] for r in bf16) if bf16 else None  # noqa: E731
     speedup = lambda key, row=fp8: best(key) / row[key] if row and bf16 else None  # noqa: E731
     phases = {"rollout": "time_rollout", "train": "time_train", "step": "time_step"}
-    from fp8rl_jax.bench import tree_commit
-
     commit = tree_commit()
     return {
         "rollout_speedup": speedup("time_rollout"),

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fp8rl_jax import plan
+from fp8rl_jax.bench import tree_commit
 from fp8rl_jax.fp8.policy import Precision
 from fp8rl_jax.fp8.recipe import Fp8Recipe, update_state
 from fp8rl_jax.model import llama
@@ -291,8 +292,6 @@ def grad_metrics(grad: dict, ref: dict, model: LlamaConfig) -> dict:
 
 def output(rows: list[dict], args) -> dict:
     """The file: what was run, on what, and one row per form."""
-    from fp8rl_jax.bench import tree_commit
-
     return {"device": rows[0]["device"] if rows else None, "commit": tree_commit(),
             "command": "python -m fp8rl_jax.bench fidelity " + " ".join(sys.argv[2:]), "model": args.model_info,
             "config": args.config, "batch": args.batch_info,

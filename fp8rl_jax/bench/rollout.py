@@ -188,9 +188,9 @@ def mode_precision(mode: str):
     if base not in ("bf16", "fp8", "fp8_kv") or (base == "bf16" and len(parts) > 1) or {"te", "block"} <= set(parts):
         raise ValueError(f"--modes: unknown mode {mode!r}; known: bf16, fp8, fp8_kv, with _te, _head or _block "
                          "(block scaling runs on the xla backend, not with _te)")
-    precision = Precision(backend="te" if "te" in parts else "xla", lm_head_fp8="head" in parts)
     if base == "bf16":
         return Precision()
+    precision = Precision(backend="te" if "te" in parts else "xla", lm_head_fp8="head" in parts)
     if "block" in parts:
         precision = precision.replace(recipe=Fp8Recipe(scaling="block", fp8_format="e4m3"))
     return precision.replace(kv_cache_dtype="float8_e4m3fn") if base == "fp8_kv" else precision

@@ -38,15 +38,20 @@ NUM_WARPS = 8
 def fits(a: jax.Array) -> bool:
     """Whether the kernels run for ``a`` here: a GPU, a 2-D array whose sizes 128 divides, no mesh of several
     devices."""
-    if jax.default_backend() != "gpu" or a.ndim != 2 or a.shape[0] % TILE or a.shape[1] % TILE:
+    if jax.default_backend() != "gpu" or not _tiled(a):
         return False
     from fp8rl_jax.parallel import rules
 
     return rules.active_mesh() is None
 
 
+def _tiled(a: jax.Array) -> bool:
+    """``a`` is [P, C] with 128 dividing both: whole tiles only."""
+    return a.ndim == 2 and a.shape[0] % TILE == 0 and a.shape[1] % TILE == 0
+
+
 def _check(a):
-    if a.ndim != 2 or a.shape[0] % TILE or a.shape[1] % TILE:
+    if not _tiled(a):
         raise ValueError(f"block quantize kernels take [P, C] with 128 dividing both, not {list(a.shape)}")
 
 
