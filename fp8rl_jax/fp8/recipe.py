@@ -121,6 +121,13 @@ class Fp8Recipe:
         return self.fp8_gemms == GEMMS and self.scaling in ("tensor", "rowwise")
 
     @property
+    def delayed(self) -> bool:
+        """Whether the linears read the state's delayed scales (``tensor``; ``rowwise``'s backward). Under
+        ``current``, ``block`` and ``mantissa`` scaling each scale is its operand's own: the state is never read,
+        and the linears observe nothing into it (each amax would be a pass over an activation or a gradient)."""
+        return self.scaling in ("tensor", "rowwise")
+
+    @property
     def fwd_dtype(self):
         return E4M3
 

@@ -377,12 +377,19 @@ def _wide_gemm(a: jax.Array, b: jax.Array, dtype, form: str) -> jax.Array:
     return _mm(a.astype(dtype), b.astype(dtype), 1, 1)
 
 
+def _unobserved(t: jax.Array) -> jax.Array:
+    """The amax a linear reports where its recipe reads no delayed scale (``Fp8Recipe.delayed``): 0, which
+    ``recipe.update_meta`` records as nothing observed (the scale stays)."""
+    return jnp.zeros((), jnp.float32)
+
+
 @functools.cache
 def _general_matmul_fn(x_dtype, w_dtype, out_dtype, recipe: Fp8Recipe, form: str, gather: P | None = None):
     """``fp8_matmul`` for the recipes outside the standard path (``Fp8Recipe.standard``): the same contract (the
     cotangent of the state carries the call's three amaxes), the forward ``prequantized_matmul``'s, the backward
     GEMMs' operands quantized as ``_BACKWARD_KINDS`` says; a GEMM left out of ``fp8_gemms`` is ``_wide_gemm``."""
     kinds = _BACKWARD_KINDS[recipe.scaling]
+    observe = amax if recipe.delayed else _unobserved
 
     @jax.custom_vjp
     def f(x, kernel, state, kernel_amax):
@@ -396,8 +403,8 @@ def _general_matmul_fn(x_dtype, w_dtype, out_dtype, recipe: Fp8Recipe, form: str
                                     recipe, form, out_dtype=out_dtype)
         else:
             y = _wide_gemm(x, jnp.swapaxes(w, 0, 1), x_dtype, form)  # [M, K] . [N, K] -> [M, N]
-        amax_w = amax(kernel) if kernel_amax is None else kernel_amax
-        return y.astype(out_dtype), (x, w, state, amax(x), amax_w, kernel_amax)
+        amax_w = kernel_amax if kernel_amax is not None and recipe.delayed else observe(kernel)
+        return y.astype(out_dtype), (x, w, state, observe(x), amax_w, kernel_amax)
 
     def bwd(residuals, g):
         x, w, state, amax_x, amax_w, kernel_amax = residuals
@@ -414,7 +421,7 @@ def _general_matmul_fn(x_dtype, w_dtype, out_dtype, recipe: Fp8Recipe, form: str
         else:  # dw [K, N] = x^T [K, M] . g^T [N, M]^T
             dw = _wide_gemm(jnp.swapaxes(x, 0, 1), jnp.swapaxes(g, 0, 1), x_dtype, form)
         return _cotangents(dx.astype(x_dtype), dw.astype(w_dtype), gather, kernel_amax,
-                           observations(state, amax_x, amax_w, amax(g)))
+                           observations(state, amax_x, amax_w, observe(g)))
 
     f.defvjp(fwd, bwd)
     return f

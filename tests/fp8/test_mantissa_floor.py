@@ -153,7 +153,7 @@ def test_the_rollout_kernel_and_the_state_contract(operands):
     _, vjp = jax.vjp(f, jnp.asarray(x), jnp.asarray(w), state)
     obs = vjp(jnp.asarray(g))[2]
     seen = [float(obs[r]["amax_history"][0]) for r in ("x", "kernel", "grad")]
-    assert seen == [float(np.abs(x).max()), float(np.abs(w).max()), float(np.abs(g).max())]
+    assert seen == [0.0, 0.0, 0.0]  # the state's shape, nothing observed: mantissa rounding reads no scale
 
 
 def test_mantissa_is_no_config_value():
