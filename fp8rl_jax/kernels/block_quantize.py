@@ -13,9 +13,12 @@ sizes three kernel launches a linear, at a training step's about a quarter of th
 
 What it computes: exactly ``block.tile_quantize(a)`` and ``block.tile_quantize(a.T)``, the same bits. The scales
 are ``block.scales_of``'s: ``recipe.scale_from_amax`` (``fp8_max / amax``, F32_MAX where that overflows, 1 for an
-all-zero tile) and its inverse, each division rounded to nearest as XLA's and numpy's are: PTX ``div.rn.f32``,
-because Triton's own f32 division is ``div.full.f32`` (approximate); the quantization ``numerics.quantize`` (an f32
-multiply, a clip, a cast that rounds to nearest even).
+all-zero tile) and its inverse; the quantization ``numerics.quantize`` (an f32 multiply, a clip, a cast that rounds
+to nearest even). The divisions are Triton's f32 division, which on a GPU gives XLA's quotients bit for bit (on an
+H200, every tile of the GPU test): neither rounds as IEEE does. PTX's ``div.rn.f32`` in the kernel made scales 1-2
+ulp away from XLA's (numpy's, correctly rounded, matched it instead), so it is not used: the kernel's tiles must
+equal those XLA makes wherever the kernel does not run (sizes 128 does not divide, a mesh), since a rollout and a
+trainer may quantize one tensor each way. Through Pallas' interpreter the division is XLA's on that platform.
 
 The kernel (Pallas, Triton backend, as ``kernels.transpose``). Grid ``(P / 128, C / 128)``: a program holds one
 [128, 128] block, takes its 128 row maxima and its 128 column maxima, and stores the forms asked for (the second
@@ -57,22 +60,13 @@ def _check(a):
         raise ValueError(f"block quantize kernels take [P, C] with 128 dividing both, not {list(a.shape)}")
 
 
-def _div_rn(a: jax.Array, b: jax.Array, interpret: bool) -> jax.Array:
-    """``a / b`` in f32 rounded to nearest: PTX ``div.rn.f32`` (Triton lowers ``/`` to the approximate
-    ``div.full.f32``); the interpreter's division is XLA's, already rounded so."""
-    if interpret:
-        return a / b
-    return plgpu.elementwise_inline_asm("div.rn.f32 $0, $1, $2;", args=[a, b], constraints="=f,f,f", pack=1,
-                                        result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.float32)])[0]
-
-
-def _scales(amax: jax.Array, limit: float, interpret: bool) -> tuple[jax.Array, jax.Array]:
+def _scales(amax: jax.Array, limit: float) -> tuple[jax.Array, jax.Array]:
     """``block.scales_of(amax)`` inside the kernel: ``recipe.scale_from_amax(amax, 1.0, limit)`` (margin 0) and its
     inverse. amax >= 0 here; ``< inf`` is ``isfinite`` for it (False for NaN too)."""
-    fresh = _div_rn(jnp.full(amax.shape, limit, jnp.float32), amax, interpret)
+    fresh = jnp.float32(limit) / amax
     fresh = jnp.where(fresh == jnp.inf, jnp.finfo(jnp.float32).max, fresh)  # recipe.F32_MAX
     scale = jnp.where((amax > 0) & (amax < jnp.inf), fresh, 1.0)
-    return scale, _div_rn(jnp.ones(amax.shape, jnp.float32), scale, interpret)
+    return scale, 1.0 / scale
 
 
 def quantize_tiles(a: jax.Array, dtype, *, rows: bool = True, cols: bool = True, interpret: bool = False,
@@ -100,12 +94,12 @@ def quantize_tiles(a: jax.Array, dtype, *, rows: bool = True, cols: bool = True,
         mag = jnp.abs(t)
         if rows:
             q_ref, inv_ref, *out = out
-            scale, inv = _scales(jnp.max(mag, axis=1), limit, interpret)  # [128]: a scale a row
+            scale, inv = _scales(jnp.max(mag, axis=1), limit)  # [128]: a scale a row
             q_ref[...] = quantize(t, scale[:, None], dtype)
             inv_ref[...] = inv[None, :]
         if cols:
             qt_ref, inv_ref = out
-            scale, inv = _scales(jnp.max(mag, axis=0), limit, interpret)  # [128]: a scale a column
+            scale, inv = _scales(jnp.max(mag, axis=0), limit)  # [128]: a scale a column
             qt_ref[...] = quantize(t, scale[None, :], dtype).T
             inv_ref[...] = inv[None, :]
 
