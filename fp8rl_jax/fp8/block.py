@@ -79,12 +79,12 @@ def tile_quantize(a: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
 IMPLS = ("auto", "pallas", "pallas_interpret", "xla")
 
 
-def tile_quantize_both(a: jax.Array, dtype, *, rows: bool = True, impl: str = "auto"):
-    """``(tile_quantize(a) or None, tile_quantize(a.T))`` for ``a`` [P, C]: the dgrad's and the wgrad's forms of an
-    output gradient (``rows``), or the wgrad's form of an input alone (``rows=False``). ``impl``: ``pallas``
-    (``kernels.block_quantize``: two reads of ``a`` for both forms, GPU), ``pallas_interpret`` (the same through
-    Pallas' interpreter, tests), ``xla`` (``tile_quantize`` twice), ``auto`` (pallas where ``block_quantize.fits``,
-    else xla). The same bits every way."""
+def tile_quantize_both(a: jax.Array, dtype, *, rows: bool = True, cols: bool = True, impl: str = "auto"):
+    """``(tile_quantize(a) or None, tile_quantize(a.T) or None)`` for ``a`` [P, C]: the forward's form of an input
+    (``cols=False``), the dgrad's and the wgrad's forms of an output gradient (both), or the wgrad's form of an
+    input (``rows=False``). ``impl``: ``pallas`` (``kernels.block_quantize``: one read of ``a`` for the forms asked,
+    GPU), ``pallas_interpret`` (the same through Pallas' interpreter, tests), ``xla`` (``tile_quantize``),
+    ``auto`` (pallas where ``block_quantize.fits``, else xla). The same bits every way."""
     from fp8rl_jax.kernels import block_quantize as kernels
 
     if impl not in IMPLS:
@@ -92,13 +92,12 @@ def tile_quantize_both(a: jax.Array, dtype, *, rows: bool = True, impl: str = "a
     if impl == "auto":
         impl = "pallas" if kernels.fits(a) else "xla"
     if impl == "xla":
-        return (tile_quantize(a, dtype) if rows else None), tile_quantize(jnp.swapaxes(a, 0, 1), dtype)
-    interpret = impl == "pallas_interpret"
-    row_amax_t, col_amax = kernels.tile_amaxes(a, interpret=interpret)  # [Cb, P], [Pb, C]
-    row_scale_t, row_inv_t = scales_of(row_amax_t, dtype)
-    col_scale, col_inv = scales_of(col_amax, dtype)
-    q, qt = kernels.quantize_tiles(a, row_scale_t if rows else None, col_scale, dtype, interpret=interpret)
-    return ((q, jnp.swapaxes(row_inv_t, 0, 1)) if rows else None), (qt, jnp.swapaxes(col_inv, 0, 1))
+        return (tile_quantize(a, dtype) if rows else None), (tile_quantize(jnp.swapaxes(a, 0, 1), dtype) if cols
+                                                              else None)
+    out = list(kernels.quantize_tiles(a, dtype, rows=rows, cols=cols, interpret=impl == "pallas_interpret"))
+    row_form = (out.pop(0), jnp.swapaxes(out.pop(0), 0, 1)) if rows else None  # inverse scales [P, Cb]
+    col_form = (out.pop(0), jnp.swapaxes(out.pop(0), 0, 1)) if cols else None  # [C, Pb]
+    return row_form, col_form
 
 
 def block_quantize(w: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:

@@ -207,7 +207,7 @@ def prequantized_matmul(
         raise ValueError(f"a pre-quantized FP8 input has its delayed scale; {recipe.scaling} scaling quantizes the "
                          "input itself")
     if recipe.scaling == "block":  # x_scale unused: each 1 x 128 tile of x has its own current scale
-        qx, sx = block.tile_quantize(x, recipe.fwd_dtype)
+        (qx, sx), _ = block.tile_quantize_both(x, recipe.fwd_dtype, cols=False)
         y = _block_gemm(gemm_operand(qx, recipe.fwd_dtype, form), sx, qw, kernel.scale_inv, form, out_dtype)
     elif recipe.scaling in ("current", "mantissa"):  # x_scale unused: x's own amax, or no scale (sx 1)
         qx, sx = _quantized(x, recipe.fwd_dtype, recipe.scaling)

@@ -1,25 +1,30 @@
-"""Block scaling's two quantizations of one activation or gradient: 1 x 128 tiles along its columns, and 1 x 128
-tiles along its rows written transposed (the weight gradient's operand), from two reads of it: the kernels behind
+"""Block scaling's quantizations of one activation or gradient, from one read of it: 1 x 128 tiles along its
+columns, and 1 x 128 tiles along its rows written transposed (the weight gradient's operand): the kernel behind
 ``fp8.block.tile_quantize_both``.
 
-Why. Under ``precision.scaling=block`` the backward of a linear needs the output gradient g [M, N] quantized in
-1 x 128 tiles along N (the dgrad) and in 128 x 1 tiles along the tokens, transposed to [N, M] (the wgrad: Hopper's
-FP8 MMA takes both operands K-major), and the input x [M, K] in the second form too. As XLA fusions
-(``block.tile_quantize`` of ``a`` and of ``a.T``) those ran at about a quarter of the H100's memory bandwidth: a
-transpose of the BF16 values, an amax pass and a quantizing pass for each form (benchmarks/RESULTS.md, "Block-scaled
-FP8 on Hopper"). Here one kernel reads ``a`` once for both forms' tile amaxes (``tile_amaxes``), XLA turns the
-amaxes into scales (``block.scales_of``: the same f32 division as block's quantizer, which Triton's fast division
-would not round alike), and a second kernel reads ``a`` again and writes both FP8 forms, the second transposed
-through shared memory (``quantize_tiles``).
+Why. Under ``precision.scaling=block`` a linear's forward needs its input x [M, K] in 1 x 128 tiles along K, and its
+backward the output gradient g [M, N] in 1 x 128 tiles along N (the dgrad) and in 128 x 1 tiles along the tokens,
+transposed to [N, M] (the wgrad: Hopper's FP8 MMA takes both operands K-major), and x in that second form too. As
+XLA fusions (``block.tile_quantize`` of ``a`` and of ``a.T``) each form is an amax pass, a pass that turns the
+amaxes into scales, and a quantizing pass (and a transpose of the values for the second form): at a decode step's
+sizes three kernel launches a linear, at a training step's about a quarter of the GPU's memory bandwidth
+(benchmarks/RESULTS.md, "Block-scaled FP8 on Hopper"). A tile of either form lies inside one [128, 128] block of
+``a``, so one program per block has every amax it needs: it reads the block once and writes both forms.
 
-What it computes: exactly ``block.tile_quantize(a)`` and ``block.tile_quantize(a.T)``, the same bits (the scales
-are block's, the quantization ``numerics.quantize``: an f32 multiply, a clip, a cast that rounds to nearest even).
+What it computes: exactly ``block.tile_quantize(a)`` and ``block.tile_quantize(a.T)``, the same bits. The scales
+are ``block.scales_of``'s: ``recipe.scale_from_amax`` (``fp8_max / amax``, F32_MAX where that overflows, 1 for an
+all-zero tile) and its inverse; the quantization ``numerics.quantize`` (an f32 multiply, a clip, a cast that rounds
+to nearest even). The divisions are Triton's f32 division, which on a GPU gives XLA's quotients bit for bit (on an
+H200, every tile of the GPU test): neither rounds as IEEE does. PTX's ``div.rn.f32`` in the kernel made scales 1-2
+ulp away from XLA's (numpy's, correctly rounded, matched it instead), so it is not used: the kernel's tiles must
+equal those XLA makes wherever the kernel does not run (sizes 128 does not divide, a mesh), since a rollout and a
+trainer may quantize one tensor each way. Through Pallas' interpreter the division is XLA's on that platform.
 
-The kernels (Pallas, Triton backend, as ``kernels.transpose``). Grid ``(P / 128, C / 128)``: a program holds one
-[128, 128] tile. The amax kernel writes its 128 row maxima (into [Cb, P]) and its 128 column maxima (into [Pb, C]);
-the quantizing kernel multiplies the tile by its row scales and by its column scales and stores the two results,
-the second transposed. ``fits`` says where they run: a GPU, sizes that 128 divides, no mesh of several devices (a
-``pallas_call`` has no partitioning rule); elsewhere ``block.tile_quantize_both`` takes XLA's form.
+The kernel (Pallas, Triton backend, as ``kernels.transpose``). Grid ``(P / 128, C / 128)``: a program holds one
+[128, 128] block, takes its 128 row maxima and its 128 column maxima, and stores the forms asked for (the second
+transposed) with their inverse scales (laid [C / 128, P] and [P / 128, C]: a program writes one contiguous row of
+each). ``fits`` says where it runs: a GPU, sizes that 128 divides, no mesh of several devices (a ``pallas_call``
+has no partitioning rule); elsewhere ``block.tile_quantize_both`` takes XLA's form.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from fp8rl_jax.numerics import quantize
+from fp8rl_jax.numerics import fp8_max, quantize
 
 TILE = 128  # block.BLOCK
 NUM_WARPS = 8
@@ -55,62 +60,56 @@ def _check(a):
         raise ValueError(f"block quantize kernels take [P, C] with 128 dividing both, not {list(a.shape)}")
 
 
-def tile_amaxes(a: jax.Array, *, interpret: bool = False, num_warps: int = NUM_WARPS):
-    """``a`` [P, C] -> (max |a| of each row over each 128-column tile, laid [C / 128, P]; of each column over each
-    128-row tile, [P / 128, C]), f32, from one read of ``a``."""
-    _check(a)
-    p, c = a.shape
+def _scales(amax: jax.Array, limit: float) -> tuple[jax.Array, jax.Array]:
+    """``block.scales_of(amax)`` inside the kernel: ``recipe.scale_from_amax(amax, 1.0, limit)`` (margin 0) and its
+    inverse. amax >= 0 here; ``< inf`` is ``isfinite`` for it (False for NaN too)."""
+    fresh = jnp.float32(limit) / amax
+    fresh = jnp.where(fresh == jnp.inf, jnp.finfo(jnp.float32).max, fresh)  # recipe.F32_MAX
+    scale = jnp.where((amax > 0) & (amax < jnp.inf), fresh, 1.0)
+    return scale, 1.0 / scale
 
-    def kernel(a_ref, row_ref, col_ref):
-        t = jnp.abs(a_ref[...].astype(jnp.float32))  # [128, 128]
-        row_ref[...] = jnp.max(t, axis=1)[None, :]
-        col_ref[...] = jnp.max(t, axis=0)[None, :]
+
+def quantize_tiles(a: jax.Array, dtype, *, rows: bool = True, cols: bool = True, interpret: bool = False,
+                   num_warps: int = NUM_WARPS):
+    """``a`` [P, C] -> ``[q, row_inv_t]`` (with ``rows``: ``a`` in 1 x 128 tiles along C, ``dtype`` [P, C], and the
+    tiles' inverse scales laid [C / 128, P]) followed by ``[qt, col_inv]`` (with ``cols``: ``a`` in 128 x 1 tiles
+    along P, written transposed [C, P], and their inverse scales [P / 128, C]), from one read of ``a``."""
+    _check(a)
+    if not (rows or cols):
+        raise ValueError("quantize_tiles: ask for rows, cols or both")
+    p, c = a.shape
+    dtype = jnp.dtype(dtype)
+    limit = float(fp8_max(dtype))
+    tile = pl.BlockSpec((TILE, TILE), lambda i, j: (i, j))
+    out_specs, out_shape = [], []
+    if rows:
+        out_specs += [tile, pl.BlockSpec((1, TILE), lambda i, j: (j, i))]
+        out_shape += [jax.ShapeDtypeStruct((p, c), dtype), jax.ShapeDtypeStruct((c // TILE, p), jnp.float32)]
+    if cols:
+        out_specs += [pl.BlockSpec((TILE, TILE), lambda i, j: (j, i)), pl.BlockSpec((1, TILE), lambda i, j: (i, j))]
+        out_shape += [jax.ShapeDtypeStruct((c, p), dtype), jax.ShapeDtypeStruct((p // TILE, c), jnp.float32)]
+
+    def kernel(a_ref, *out):
+        t = a_ref[...].astype(jnp.float32)  # [128, 128]
+        mag = jnp.abs(t)
+        if rows:
+            q_ref, inv_ref, *out = out
+            scale, inv = _scales(jnp.max(mag, axis=1), limit)  # [128]: a scale a row
+            q_ref[...] = quantize(t, scale[:, None], dtype)
+            inv_ref[...] = inv[None, :]
+        if cols:
+            qt_ref, inv_ref = out
+            scale, inv = _scales(jnp.max(mag, axis=0), limit)  # [128]: a scale a column
+            qt_ref[...] = quantize(t, scale[None, :], dtype).T
+            inv_ref[...] = inv[None, :]
 
     return pl.pallas_call(
         kernel,
         grid=(p // TILE, c // TILE),
-        in_specs=[pl.BlockSpec((TILE, TILE), lambda i, j: (i, j))],
-        out_specs=[pl.BlockSpec((1, TILE), lambda i, j: (j, i)), pl.BlockSpec((1, TILE), lambda i, j: (i, j))],
-        out_shape=[jax.ShapeDtypeStruct((c // TILE, p), jnp.float32),
-                   jax.ShapeDtypeStruct((p // TILE, c), jnp.float32)],
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
-        interpret=interpret,
-        name="block_tile_amaxes",
-    )(a)
-
-
-def quantize_tiles(a: jax.Array, row_scale_t: jax.Array | None, col_scale: jax.Array, dtype, *,
-                   interpret: bool = False, num_warps: int = NUM_WARPS):
-    """``a`` [P, C] times its 1 x 128 tiles' scales ``row_scale_t`` [C / 128, P] in ``dtype`` [P, C] (None where
-    ``row_scale_t`` is None), and times its 128 x 1 tiles' scales ``col_scale`` [P / 128, C] in ``dtype``,
-    transposed [C, P]: ``numerics.quantize`` of each, from one read of ``a``."""
-    _check(a)
-    p, c = a.shape
-    dtype = jnp.dtype(dtype)
-    rows = row_scale_t is not None
-    tile = pl.BlockSpec((TILE, TILE), lambda i, j: (i, j))
-    row_spec = pl.BlockSpec((1, TILE), lambda i, j: (j, i))
-    col_spec = pl.BlockSpec((1, TILE), lambda i, j: (i, j))
-
-    def kernel(*refs):
-        a_ref, *row_ref, col_ref = refs[:3] if rows else refs[:2]
-        *q_ref, qt_ref = refs[3:] if rows else refs[2:]
-        t = a_ref[...].astype(jnp.float32)  # [128, 128]
-        if rows:
-            q_ref[0][...] = quantize(t, row_ref[0][...].T, dtype)  # [128, 1]: a scale a row
-        qt_ref[...] = quantize(t, col_ref[...], dtype).T  # [1, 128]: a scale a column
-
-    out_specs, out_shape = [pl.BlockSpec((TILE, TILE), lambda i, j: (j, i))], [jax.ShapeDtypeStruct((c, p), dtype)]
-    if rows:
-        out_specs, out_shape = [tile, *out_specs], [jax.ShapeDtypeStruct((p, c), dtype), *out_shape]
-    out = pl.pallas_call(
-        kernel,
-        grid=(p // TILE, c // TILE),
-        in_specs=[tile, row_spec, col_spec] if rows else [tile, col_spec],
+        in_specs=[tile],
         out_specs=out_specs,
         out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name="block_tile_quantize",
-    )(*([a, row_scale_t, col_scale] if rows else [a, col_scale]))
-    return (out[0], out[1]) if rows else (None, out[0])
+    )(a)

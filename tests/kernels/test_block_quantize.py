@@ -1,5 +1,7 @@
-"""Block scaling's two-form quantizer (``block.tile_quantize_both``, kernels in ``kernels.block_quantize``): the
-kernels through Pallas' interpreter against ``block.tile_quantize`` of the array and of its transpose, bit for bit."""
+"""Block scaling's one-read quantizer (``block.tile_quantize_both``, its kernel in ``kernels.block_quantize``): the
+kernel through Pallas' interpreter against ``block.tile_quantize`` of the array and of its transpose, bit for bit."""
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -48,6 +50,23 @@ def test_columns_alone():
     np.testing.assert_array_equal(np.asarray(st), np.asarray(rst))
 
 
+def test_rows_alone_and_the_scales_edges():
+    """The forward's form alone; a tile whose amax is a subnormal (where the device keeps subnormals fp8_max / amax
+    overflows: F32_MAX; XLA:CPU treats it as 0: scale 1, as the kernel does here), one of a single tiny value."""
+    a = np.array(_data(256, 256, jnp.float32))
+    a[0, :128] = 0.0
+    a[0, 7] = 1e-40  # subnormal: 448 / 1e-40 overflows f32
+    a[1, :128] = 0.0
+    a[1, 9] = -3e-38
+    (q, s), cols = block.tile_quantize_both(jnp.asarray(a), jnp.float8_e4m3fn, cols=False, impl="pallas_interpret")
+    assert cols is None
+    rq, rs = block.tile_quantize(jnp.asarray(a), jnp.float8_e4m3fn)
+    np.testing.assert_array_equal(_bits(q), _bits(rq))
+    np.testing.assert_array_equal(np.asarray(s), np.asarray(rs))
+    with pytest.raises(ValueError, match="rows, cols or both"):
+        block_quantize.quantize_tiles(jnp.asarray(a), jnp.float8_e4m3fn, rows=False, cols=False, interpret=True)
+
+
 def test_auto_takes_xla_off_the_gpu_and_for_sizes_128_does_not_divide():
     assert not block_quantize.fits(_data(200, 256))
     assert block_quantize.fits(_data(256, 256)) == (jax.default_backend() == "gpu")
@@ -59,16 +78,18 @@ def test_auto_takes_xla_off_the_gpu_and_for_sizes_128_does_not_divide():
         block.tile_quantize_both(_data(256, 256), jnp.float8_e4m3fn, impl="cuda")
 
 
-def test_both_kernels_lower_for_cuda(triton_ir):
-    """Pallas' Triton lowering of both kernels on this host (a shape or op Triton's lowering refuses fails here)."""
+@pytest.mark.parametrize("rows, cols", [(True, True), (False, True), (True, False)])
+def test_the_kernel_lowers_for_cuda(triton_ir, rows, cols):
+    """Pallas' Triton lowering of the kernel on this host (a shape or op Triton's lowering refuses fails here): one
+    kernel for the forms asked, two scale divisions a form (fp8_max / amax, then 1 / scale)."""
     a = jax.ShapeDtypeStruct((1024, 2048), jnp.bfloat16)
-    assert len(triton_ir(lambda a: block.tile_quantize_both(a, jnp.float8_e4m3fn, impl="pallas"), a)) == 2
-    assert len(triton_ir(lambda a: block.tile_quantize_both(a, jnp.float8_e5m2, rows=False, impl="pallas"), a)) == 2
+    (ir,) = triton_ir(lambda a: block.tile_quantize_both(a, jnp.float8_e4m3fn, rows=rows, cols=cols, impl="pallas"), a)
+    assert ir.count("arith.divf") == 2 * (rows + cols)
 
 
 def test_block_linear_backward_quantizes_through_the_kernels(monkeypatch, triton_ir):
-    """Where the kernels fit, a block-scaled linear's backward makes g's two forms with one pair of kernels and x's
-    wgrad form with another (four Triton calls); its forward quantizes x with XLA's fusions."""
+    """Where the kernel fits, a block-scaled linear quantizes x in its forward, g's two forms and x's wgrad form in
+    its backward, each with one kernel call (three in all)."""
     monkeypatch.setattr(block_quantize, "fits", lambda a: a.ndim == 2 and a.shape[0] % 128 == a.shape[1] % 128 == 0)
     recipe = Fp8Recipe(scaling="block", fp8_format="e4m3")
     state = init_linear_state(recipe)
@@ -79,18 +100,27 @@ def test_block_linear_backward_quantizes_through_the_kernels(monkeypatch, triton
 
     args = [jax.ShapeDtypeStruct(s, d) for s, d in (((256, 384), jnp.bfloat16), ((384, 512), jnp.float32),
                                                      ((256, 512), jnp.bfloat16))]
-    assert len(triton_ir(grads, *args)) == 4
-    assert len(triton_ir(lambda x, w, g: xla.fp8_matmul(x, w, state, recipe, jnp.bfloat16, "f8"), *args)) == 0
+    assert len(triton_ir(grads, *args)) == 3
+    assert len(triton_ir(lambda x, w, g: xla.fp8_matmul(x, w, state, recipe, jnp.bfloat16, "f8"), *args)) == 1
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2])
 def test_gpu_kernels_equal_xla_bit_for_bit(dtype):
-    """The compiled kernels against XLA's form on the GPU: the scales are XLA's in both (the division outside the
-    kernel), the multiply and the rounding cast the same, so every bit equal."""
-    a = _data(1024, 2048)
-    got = jax.jit(lambda a: block.tile_quantize_both(a, dtype, impl="pallas"))(a)
-    want = jax.jit(lambda a: block.tile_quantize_both(a, dtype, impl="xla"))(a)
-    for (gq, gs), (wq, ws) in zip(got, want, strict=True):
-        np.testing.assert_array_equal(_bits(gq), _bits(wq))
-        np.testing.assert_array_equal(np.asarray(gs), np.asarray(ws))
+    """The compiled kernel against XLA's form on the GPU, every form: Triton's division gives XLA's quotients (PTX's
+    div.rn.f32 did not), the multiply and the rounding cast are the same, so every bit is equal (amaxes over 7
+    decades, a subnormal one among them)."""
+    a = np.array(_data(1024, 2048, jnp.float32))
+    rng = np.random.default_rng(1)
+    a *= np.exp(rng.uniform(-8, 8, size=(1024, 1))).astype(np.float32)  # tile amaxes spread over e^16
+    a[5, :128] = 0.0
+    a[5, 3] = 1e-40
+    a = jnp.asarray(a, jnp.bfloat16)
+    for rows, cols in ((True, True), (False, True), (True, False)):
+        got, want = (jax.jit(functools.partial(block.tile_quantize_both, dtype=dtype, rows=rows, cols=cols,
+                                               impl=impl))(a) for impl in ("pallas", "xla"))
+        for g, w in zip(got, want, strict=True):
+            assert (g is None) == (w is None)
+            if g is not None:
+                np.testing.assert_array_equal(_bits(g[0]), _bits(w[0]))
+                np.testing.assert_array_equal(np.asarray(g[1]), np.asarray(w[1]))
