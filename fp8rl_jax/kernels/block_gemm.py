@@ -87,9 +87,17 @@ SMALL_M = 256
 SMALL_M_TUNING = Tuning(cluster=2, tile_n=64)
 
 
-def default_tuning(rows: int, interpret=False) -> Tuning:
-    """The tuning ``block_gemm_mgpu`` takes for ``rows`` rows of qa unless told (the interpreter has no clusters)."""
-    return SMALL_M_TUNING if rows <= SMALL_M and not interpret else Tuning()
+def default_tuning(rows: int, interpret=False, *, cols: int = 0, slices: int = 1) -> Tuning:
+    """The tuning ``block_gemm_mgpu`` takes for ``rows`` x ``cols`` outputs over ``slices`` 128-deep slices unless
+    told (the interpreter has no clusters). Up to SMALL_M rows, where the output tiles are fewer than half the
+    multiprocessors (a llama1b decode step's o and w_down: 64 tiles of 128 x 64), the slices are split in two
+    (split-K: ``Tuning.splits``) so that twice the programs run, where two divide them."""
+    if rows > SMALL_M or interpret:
+        return Tuning()
+    tiles = -(-rows // TILE_M) * -(-cols // SMALL_M_TUNING.tile_n)
+    if cols and 2 * tiles <= _default_num_sms() and slices % 2 == 0:
+        return dataclasses.replace(SMALL_M_TUNING, splits=2)
+    return SMALL_M_TUNING
 
 
 def _num_blocks(n: int) -> int:
@@ -138,7 +146,7 @@ def block_gemm_mgpu(qa: jax.Array, a_scale_inv: jax.Array, qb: jax.Array, b_scal
     b_scale_inv [Q, Cb] (any per-row scales) or [ceil(Q / 128), Cb] (a weight's block scales, the faster form),
     Cb = ceil(C / 128). ``interpret``: True, or the ``InterpretGPUParams`` of Pallas' Mosaic GPU interpreter (any
     backend; tests; its allocations must start zeroed: ``uninitialized_memory='zero'``). ``tuning``: default
-    ``default_tuning(P)``."""
+    ``default_tuning(P, cols=Q, slices=Cb)``."""
     p, c = qa.shape
     q = qb.shape[0]
     cb = _num_blocks(c)
@@ -158,7 +166,7 @@ def block_gemm_mgpu(qa: jax.Array, a_scale_inv: jax.Array, qb: jax.Array, b_scal
     out_dtype = jnp.dtype(out_dtype)
     if out_dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
         raise ValueError(f"block_gemm_mgpu writes float32 or bfloat16, not {out_dtype}")
-    tuning = tuning or default_tuning(p, interpret)
+    tuning = tuning or default_tuning(p, interpret, cols=q, slices=cb)
     if tuning.cluster not in (1, 2):
         raise ValueError(f"block_gemm_mgpu: Tuning.cluster={tuning.cluster}; allowed: 1, 2")
     if tuning.tile_n not in (64, 128):

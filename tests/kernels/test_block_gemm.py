@@ -13,6 +13,8 @@ scaling runs its three GEMMs through the kernel where ``runs_here`` says so: che
 on the GPU against the emulation.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -349,4 +351,9 @@ def test_a_decode_steps_rows_take_the_small_m_tuning():
     """Up to SMALL_M rows: 2-CTA clusters of 64-column tiles; more rows, or the interpreter (no clusters): Tuning()."""
     assert block_kernel.default_tuning(block_kernel.SMALL_M) == block_kernel.Tuning(cluster=2, tile_n=64)
     assert block_kernel.default_tuning(block_kernel.SMALL_M + 1) == block_kernel.Tuning()
+    # a llama1b decode step (132 multiprocessors off a GPU): q|k|v's 96 tiles and gate|up's 512 run whole; o's and
+    # w_down's 64 split their slices in two
+    small = block_kernel.Tuning(cluster=2, tile_n=64)
+    for cols, slices, splits in ((3072, 16, 1), (16384, 16, 1), (2048, 16, 2), (2048, 64, 2), (2048, 15, 1)):
+        assert block_kernel.default_tuning(256, cols=cols, slices=slices) == dataclasses.replace(small, splits=splits)
     assert block_kernel.default_tuning(64, interpret=True) == block_kernel.Tuning()
