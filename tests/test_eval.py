@@ -53,6 +53,10 @@ def test_cli_end_to_end(tmp_path, capsys):
         "reward_fn": "pattern", "max_new_tokens": 12, "k": 2, "temperature": 1.0, "seed": 0}
     assert results["scales"] == "FP8 scales calibrated on the first 8 training prompts (no checkpoint)"
     assert results["command"].startswith(f"python -m fp8rl_jax.eval --config={TINY} ")
+    # block scaling reads no delayed scale: nothing to calibrate (a BF16 KV cache here)
+    block, _ = _eval(tmp_path, "--num=1", "--config.precision.scaling=block", "--config.precision.fp8_format=e4m3",
+                     out=tmp_path / "block")
+    assert block["scales"] == "none: block scaling takes each scale from its operand"
 
     # the first 3 problems of the test split, each completion judged by the pattern reward (correct: a perfect score)
     problems = synthetic.synthetic_problems("pattern", 0, 3, "test")

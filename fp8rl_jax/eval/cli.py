@@ -258,11 +258,15 @@ def evaluate(config, values: dict, argv: list[str]) -> tuple[Path, dict]:
     check_fits_model(c, model.max_position_embeddings,
                      f"preset {c.model.preset!r}" if c.model.source == "preset" else c.model.source)
 
-    # the scales the rollout needs and the policy lacks: calibrated as the trainer does before its first step
-    fp8_missing = precision.fp8 and not _observed(policy["fp8_state"])
+    # the scales the rollout needs and the policy lacks: calibrated as the trainer does before its first step (FP8
+    # linears without delayed scales, Fp8Recipe.delayed, read none; an FP8 LM head's forward reads its own)
+    fp8_delayed = precision.fp8 and (precision.recipe.delayed or precision.lm_head_fp8)
+    fp8_missing = fp8_delayed and not _observed(policy["fp8_state"])
     kv_missing = precision.kv_fp8 and not _kv_calibrated(policy["kv_scales"])
     if not (precision.fp8 or precision.kv_fp8):
         scales = "none: BF16 rollout"
+    elif not (fp8_delayed or precision.kv_fp8):
+        scales = f"none: {precision.recipe.scaling} scaling takes each scale from its operand"
     elif not (fp8_missing or kv_missing):
         scales = "from the checkpoint"
     else:
