@@ -146,7 +146,11 @@ EOF
       wait
       for ((g = 0; g < gpus; g++)); do grep -v "^W\|Warn\|legend" /tmp/${name}_gpu$g.log | grep "^| \|left out\|failed"; done
       python3 benchmarks/accuracy_merge.py --into "$OUT/$name.json" /tmp/${name}_gpu*.json | tail -12
-      tar czf "$OUT/${name}_runs.tgz" -C /tmp/$name . ;;  # the device tool brings back only a few files per call
+      # the runs' records and logs in one file (the device tool brings back only a few files a call), not their
+      # checkpoints: with --eval_bf16 each run keeps its final one, and an archive with those ran into a call's
+      # limit and was too big to come back
+      (cd /tmp/$name && find . -type f \( -name '*.json' -o -name '*.jsonl' -o -name '*.log' \) -print0 \
+        | tar czf "$OUT/${name}_runs.tgz" --null -T -) ;;
     rollout_flags) # bench rollout (R1K_MODES, R1K_ARGS) once per set of XLA flags in R1K_FLAG_SETS (';'-separated; an
       # empty set is the defaults), each set on top of --xla_gpu_enable_triton_gemm=false, each in its own process;
       # R1K_DUMP=1 also keeps each set's optimized decode program (gzipped HLO) under $OUT/hlo_flags<i>
