@@ -409,7 +409,7 @@ def _general_matmul_fn(x_dtype, w_dtype, out_dtype, recipe: Fp8Recipe, form: str
     def bwd(residuals, g):
         x, w, state, amax_x, amax_w, kernel_amax = residuals
         s_x, s_w, s_g = (state[r]["scale"] for r in ("x", "kernel", "grad"))
-        g_tiles = None  # block scaling, both backward GEMMs in FP8: g's two tile forms from one kernel pair
+        g_tiles = None  # block scaling, both backward GEMMs in FP8: g's two tile forms from one read
         if recipe.scaling == "block" and {"dgrad", "wgrad"} <= set(recipe.fp8_gemms):
             g_tiles = block.tile_quantize_both(g, recipe.bwd_dtype)
         if "dgrad" in recipe.fp8_gemms:

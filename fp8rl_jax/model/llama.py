@@ -432,10 +432,10 @@ def forward_hidden(
             fp8 = jax.tree.map(lambda *a: jnp.stack(a), *fp8)
         # FSDP (a mesh with fsdp > 1, no cache: scoring and training): the block kernels are gathered in their GEMM's
         # precision, FP8 bytes or BF16, never the f32 masters; the FP8 kernels' amaxes of all layers in one
-        # all-reduce (parallel.fsdp)
+        # all-reduce (parallel.fsdp), where the recipe's delayed scales read them (Fp8Recipe.delayed)
         gather = cache is None and fsdp.active()
         amaxes = None
-        if gather and fp8 is not None:
+        if gather and fp8 is not None and precision.recipe.delayed:
             amaxes = fsdp.kernel_amaxes(blocks, [n for n in LINEARS if n not in precision.bf16_linears])
 
         hoisted = None
