@@ -85,17 +85,20 @@ class Tuning:
 # (benchmarks/RESULTS.md, "Block-scaled FP8 on Hopper"); at 8192 rows Tuning() was the fastest of the eight timed
 SMALL_M = 256
 SMALL_M_TUNING = Tuning(cluster=2, tile_n=64)
+SPLIT_MIN_SLICES = 32  # split-K below this many slices left runs too short to fill a pipeline of stages
 
 
 def default_tuning(rows: int, interpret=False, *, cols: int = 0, slices: int = 1) -> Tuning:
     """The tuning ``block_gemm_mgpu`` takes for ``rows`` x ``cols`` outputs over ``slices`` 128-deep slices unless
     told (the interpreter has no clusters). Up to SMALL_M rows, where the output tiles are fewer than half the
-    multiprocessors (a llama1b decode step's o and w_down: 64 tiles of 128 x 64), the slices are split in two
-    (split-K: ``Tuning.splits``) so that twice the programs run, where two divide them."""
+    multiprocessors and the slices at least SPLIT_MIN_SLICES (a llama1b decode step's w_down: 64 tiles of 128 x 64,
+    64 slices each), the slices are split in two (split-K: ``Tuning.splits``) so that twice the programs run. On an
+    H200 that took w_down from 0.052 to 0.033 ms; o (64 tiles of 16 slices) ran slower split (benchmarks/RESULTS.md,
+    "Block-scaled FP8 on Hopper")."""
     if rows > SMALL_M or interpret:
         return Tuning()
     tiles = -(-rows // TILE_M) * -(-cols // SMALL_M_TUNING.tile_n)
-    if cols and 2 * tiles <= _default_num_sms() and slices % 2 == 0:
+    if cols and 2 * tiles <= _default_num_sms() and slices >= SPLIT_MIN_SLICES and slices % 2 == 0:
         return dataclasses.replace(SMALL_M_TUNING, splits=2)
     return SMALL_M_TUNING
 

@@ -317,13 +317,13 @@ def test_block_linear_writes_a_bf16_input_gradient_from_the_kernel(monkeypatch):
     import re
 
     monkeypatch.setattr(block_kernel, "runs_here", lambda qa, qb: qa.dtype == qb.dtype)
-    args = [jax.ShapeDtypeStruct(s, d) for s, d in (((256, 512), jnp.bfloat16), ((512, 384), jnp.float32),
-                                                     ((256, 384), jnp.bfloat16))]
+    args = [jax.ShapeDtypeStruct(s, d) for s, d in (((384, 512), jnp.bfloat16), ((512, 384), jnp.float32),
+                                                     ((384, 384), jnp.bfloat16))]
     grads = _linear_grads(E4M3_BLOCK, "f8", jnp.bfloat16)
     text = jax.jit(grads).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     outs = re.findall(r'stablehlo\.custom_call @mosaic_gpu_v2\(.*?\) \{.*?\} : \(.*?\) -> tensor<(\d+)x(\d+)x(\w+)>',
                       text)
-    assert sorted(outs) == sorted([("256", "384", "bf16"), ("256", "512", "bf16"), ("512", "384", "f32")])
+    assert sorted(outs) == sorted([("384", "384", "bf16"), ("384", "512", "bf16"), ("512", "384", "f32")])
 
 
 def test_runs_here_is_false_off_a_hopper_gpu():
@@ -351,9 +351,10 @@ def test_a_decode_steps_rows_take_the_small_m_tuning():
     """Up to SMALL_M rows: 2-CTA clusters of 64-column tiles; more rows, or the interpreter (no clusters): Tuning()."""
     assert block_kernel.default_tuning(block_kernel.SMALL_M) == block_kernel.Tuning(cluster=2, tile_n=64)
     assert block_kernel.default_tuning(block_kernel.SMALL_M + 1) == block_kernel.Tuning()
-    # a llama1b decode step (132 multiprocessors off a GPU): q|k|v's 96 tiles and gate|up's 512 run whole; o's and
-    # w_down's 64 split their slices in two
+    # a llama1b decode step (132 multiprocessors off a GPU): q|k|v's 96 tiles and gate|up's 512 run whole, o's 64
+    # tiles too (16 slices each); w_down's 64 split their 64 slices in two
     small = block_kernel.Tuning(cluster=2, tile_n=64)
-    for cols, slices, splits in ((3072, 16, 1), (16384, 16, 1), (2048, 16, 2), (2048, 64, 2), (2048, 15, 1)):
+    for cols, slices, splits in ((3072, 16, 1), (16384, 16, 1), (2048, 16, 1), (2048, 64, 2), (2048, 32, 2),
+                                 (2048, 33, 1)):
         assert block_kernel.default_tuning(256, cols=cols, slices=slices) == dataclasses.replace(small, splits=splits)
     assert block_kernel.default_tuning(64, interpret=True) == block_kernel.Tuning()
