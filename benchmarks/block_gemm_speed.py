@@ -8,7 +8,9 @@ dot and BF16.
 Shapes M x N x K (``x [M, K] . w [N, K]^T``, both K-major as the FP8 linear stores them): 4096 x 4096 x 4096, a
 llama1b-ish 8192 x 2048 x 2048, a SmolLM2-ish 16384 x 576 x 1536, and a llama1b decode step's q|k|v and down
 projections at 256 slots (256 x 3072 x 2048, 256 x 2048 x 8192: memory-bound, where ``--tile-n 64`` doubles the
-tiles). Paths, each with an f32 output (``--out-dtype
+tiles; ``decode_o`` and ``decode_gate_up`` for its other two on request, and ``--splits 1,2,4`` times each tuning
+with the contraction split in that many runs where they divide its slices: split-K, for shapes whose tiles are
+fewer than the multiprocessors). Paths, each with an f32 output (``--out-dtype
 bfloat16`` for BF16 outputs; the emulation then casts its f32 sum):
 
   mosaic       ``kernels.block_gemm.block_gemm_mgpu``, the weight's scales as 128 x 128 blocks (fprop, dgrad)
@@ -31,6 +33,7 @@ Mosaic GPU interpreter, on any backend: the paths and the agreement, no timing w
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import os
@@ -53,6 +56,7 @@ from fp8rl_jax.kernels.block_gemm import Tuning, block_gemm_mgpu  # noqa: E402
 
 SHAPES = {"square4k": (4096, 4096, 4096), "llama1b": (8192, 2048, 2048), "smollm2": (16384, 576, 1536),
           "decode_qkv": (256, 3072, 2048), "decode_down": (256, 2048, 8192)}  # a llama1b decode step's (256 slots)
+MORE_SHAPES = {"decode_o": (256, 2048, 2048), "decode_gate_up": (256, 16384, 2048)}  # by name only
 CHECK_SHAPES = {"tiny": (256, 256, 384), "odd": (200, 300, 300)}
 PATHS = ("mosaic", "mosaic_rows", "emulated", "fp8_tensor", "bf16")
 SWEEP = {"stages": (3, 4), "grid_width": (8,), "cluster": (1, 2), "tile_n": (128, 64)}  # --sweep: the Mosaic paths'
@@ -127,7 +131,9 @@ def bench_shape(name, m, n, k, paths, out_dtype, repeats, timed, tunings, interp
             row = {"shape": name, "m": m, "n": n, "k": k, "path": path, "out_dtype": jnp.dtype(out_dtype).name}
             if tuning is not None:
                 row.update(stages=tuning.stages, grid_width=tuning.grid_width, grid_minor=tuning.grid_minor,
-                           cluster=tuning.cluster, tile_n=tuning.tile_n)
+                           cluster=tuning.cluster, tile_n=tuning.tile_n, splits=tuning.splits)
+                if -(-k // 128) % tuning.splits:
+                    continue  # the split does not divide this shape's slices
             try:
                 fn = _scanned(path, out_dtype, tuning, interpret)
                 out = np.asarray(fn(data)[0], np.float32)
@@ -160,6 +166,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--cluster", type=int, default=Tuning.cluster, help="CTAs a cluster (1 or 2)")
     p.add_argument("--tile-n", type=int, default=Tuning.tile_n, help="output columns a tile (128 or 64)")
     p.add_argument("--sweep", action="store_true", help=f"the Mosaic paths over {SWEEP}")
+    p.add_argument("--splits", default="1", help="split-K counts each tuning runs with (comma-separated)")
     p.add_argument("--check", action="store_true", help="tiny shapes, the kernel through the interpreter (CPU)")
     p.add_argument("--commit", default="",
                    help="the commit that runs (a device's copy of the tree may report an older one)")
@@ -176,7 +183,8 @@ def main(argv: list[str] | None = None) -> None:
     else:
         shapes = {}
         for s in args.shapes.split(","):
-            shapes[s] = SHAPES[s] if s in SHAPES else tuple(int(v) for v in s.split("x"))
+            named = {**SHAPES, **MORE_SHAPES}
+            shapes[s] = named[s] if s in named else tuple(int(v) for v in s.split("x"))
         repeats, timed = args.repeats, args.timed
         if args.sweep:
             tunings = [Tuning(stages=s, grid_width=g, cluster=k, tile_n=t)
@@ -184,6 +192,7 @@ def main(argv: list[str] | None = None) -> None:
         else:
             tunings = [Tuning(stages=args.stages, grid_width=args.grid_width, cluster=args.cluster,
                               tile_n=args.tile_n)]
+        tunings = [dataclasses.replace(t, splits=int(s)) for t in tunings for s in args.splits.split(",")]
     if not args.check and jax.default_backend() != "gpu":
         sys.exit("block_gemm_speed times a GPU; on this backend run --check")
     t0 = time.time()

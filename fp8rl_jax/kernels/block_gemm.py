@@ -66,7 +66,10 @@ class Tuning:
     ``cluster``: 1, or 2 CTAs a cluster on neighbouring row tiles of one column tile, qb's slice loaded once for
     both (a TMA multicast: the L2 traffic of each K slice falls from 32 to 24 KiB a CTA); ``tile_n``: output
     columns a tile, 128 (one weight block) or 64 (half of one: twice the tiles, for a small M, where 128 x 128 tiles
-    leave most multiprocessors idle)."""
+    leave most multiprocessors idle); ``splits``: 1, or the contraction's slices cut into that many runs, each
+    output tile made by ``splits`` programs that write f32 partial tiles [splits, P, Q], summed afterwards by XLA
+    (split-K: for a small M whose tiles are fewer than the multiprocessors, e.g. a decode step's w_down: 64 tiles of
+    64 slices each; the partials change the order of the f32 sum over slices: split s's run, then those added)."""
 
     stages: int = 4
     grid_minor: int = 1
@@ -74,6 +77,7 @@ class Tuning:
     num_sms: int | None = None
     cluster: int = 1
     tile_n: int = TILE_N
+    splits: int = 1
 
 
 # Up to this many rows (a decode step's 256 slots) the default tuning is SMALL_M_TUNING: on an H200 at 256 rows,
@@ -81,11 +85,22 @@ class Tuning:
 # (benchmarks/RESULTS.md, "Block-scaled FP8 on Hopper"); at 8192 rows Tuning() was the fastest of the eight timed
 SMALL_M = 256
 SMALL_M_TUNING = Tuning(cluster=2, tile_n=64)
+SPLIT_MIN_SLICES = 32  # split-K below this many slices left runs too short to fill a pipeline of stages
 
 
-def default_tuning(rows: int, interpret=False) -> Tuning:
-    """The tuning ``block_gemm_mgpu`` takes for ``rows`` rows of qa unless told (the interpreter has no clusters)."""
-    return SMALL_M_TUNING if rows <= SMALL_M and not interpret else Tuning()
+def default_tuning(rows: int, interpret=False, *, cols: int = 0, slices: int = 1) -> Tuning:
+    """The tuning ``block_gemm_mgpu`` takes for ``rows`` x ``cols`` outputs over ``slices`` 128-deep slices unless
+    told (the interpreter has no clusters). Up to SMALL_M rows, where the output tiles are fewer than half the
+    multiprocessors and the slices at least SPLIT_MIN_SLICES (a llama1b decode step's w_down: 64 tiles of 128 x 64,
+    64 slices each), the slices are split in two (split-K: ``Tuning.splits``) so that twice the programs run. On an
+    H200 that took w_down from 0.052 to 0.033 ms; o (64 tiles of 16 slices) ran slower split (benchmarks/RESULTS.md,
+    "Block-scaled FP8 on Hopper")."""
+    if rows > SMALL_M or interpret:
+        return Tuning()
+    tiles = -(-rows // TILE_M) * -(-cols // SMALL_M_TUNING.tile_n)
+    if cols and 2 * tiles <= _default_num_sms() and slices >= SPLIT_MIN_SLICES and slices % 2 == 0:
+        return dataclasses.replace(SMALL_M_TUNING, splits=2)
+    return SMALL_M_TUNING
 
 
 def _num_blocks(n: int) -> int:
@@ -134,7 +149,7 @@ def block_gemm_mgpu(qa: jax.Array, a_scale_inv: jax.Array, qb: jax.Array, b_scal
     b_scale_inv [Q, Cb] (any per-row scales) or [ceil(Q / 128), Cb] (a weight's block scales, the faster form),
     Cb = ceil(C / 128). ``interpret``: True, or the ``InterpretGPUParams`` of Pallas' Mosaic GPU interpreter (any
     backend; tests; its allocations must start zeroed: ``uninitialized_memory='zero'``). ``tuning``: default
-    ``default_tuning(P)``."""
+    ``default_tuning(P, cols=Q, slices=Cb)``."""
     p, c = qa.shape
     q = qb.shape[0]
     cb = _num_blocks(c)
@@ -154,11 +169,14 @@ def block_gemm_mgpu(qa: jax.Array, a_scale_inv: jax.Array, qb: jax.Array, b_scal
     out_dtype = jnp.dtype(out_dtype)
     if out_dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
         raise ValueError(f"block_gemm_mgpu writes float32 or bfloat16, not {out_dtype}")
-    tuning = tuning or default_tuning(p, interpret)
+    tuning = tuning or default_tuning(p, interpret, cols=q, slices=cb)
     if tuning.cluster not in (1, 2):
         raise ValueError(f"block_gemm_mgpu: Tuning.cluster={tuning.cluster}; allowed: 1, 2")
     if tuning.tile_n not in (64, 128):
         raise ValueError(f"block_gemm_mgpu: Tuning.tile_n={tuning.tile_n}; allowed: 64, 128")
+    if tuning.splits < 1 or cb % tuning.splits:
+        raise ValueError(f"block_gemm_mgpu: Tuning.splits={tuning.splits} must divide the contraction's {cb} slices "
+                         "of 128")
     tn = tuning.tile_n
     rows_step = TILE_M * tuning.cluster  # a cluster's row tiles
     pp, qp, cp = -(-p // rows_step) * rows_step, -(-q // tn) * tn, cb * BLOCK
@@ -172,7 +190,10 @@ def block_gemm_mgpu(qa: jax.Array, a_scale_inv: jax.Array, qb: jax.Array, b_scal
         sb = _pad_to(b_scale_inv.astype(jnp.float32), 0, _num_blocks(qp))  # [ceil(Qp / 128), Cb]
     else:
         sb = _pad_to(b_scale_inv.astype(jnp.float32).T, 1, qp)  # [Cb, Qp]
-    y = _call(a, b, sa, sb, out_dtype=out_dtype, block_scales=block_scales, tuning=tuning, interpret=interpret)
+    kernel_dtype = out_dtype if tuning.splits == 1 else jnp.dtype(jnp.float32)  # partials stay f32
+    y = _call(a, b, sa, sb, out_dtype=kernel_dtype, block_scales=block_scales, tuning=tuning, interpret=interpret)
+    if tuning.splits > 1:
+        y = jnp.sum(y, axis=0).astype(out_dtype)  # [splits, Pp, Qp] -> [Pp, Qp]
     return y[:p, :q] if (pp, qp) != (p, q) else y
 
 
@@ -182,9 +203,9 @@ def _call(a, b, sa, sb, *, out_dtype, block_scales: bool, tuning: Tuning, interp
 
     pp, cp = a.shape
     qp = b.shape[1] if interpret else b.shape[0]
-    cluster, tn = tuning.cluster, tuning.tile_n
-    m_iters, n_iters, k_iters = pp // TILE_M, qp // tn, cp // BLOCK
-    num_tiles = m_iters // cluster * n_iters  # a cluster's tiles: `cluster` row tiles of one column tile
+    cluster, tn, splits = tuning.cluster, tuning.tile_n, tuning.splits
+    m_iters, n_iters, k_iters = pp // TILE_M, qp // tn, cp // BLOCK // splits  # k_iters: the slices of one split
+    num_tiles = m_iters // cluster * n_iters * splits  # a cluster's tiles (`cluster` row tiles of one column tile)
     num_ctas = min((tuning.num_sms or _default_num_sms()) // cluster, num_tiles)
     multicast = ("cluster",) if cluster > 1 else ()
     in_bits = jnp.dtype(a.dtype).itemsize * 8
@@ -204,11 +225,11 @@ def _call(a, b, sa, sb, *, out_dtype, block_scales: bool, tuning: Tuning, interp
         b_spec = plgpu.BlockSpec((BLOCK, tn), lambda k: (k, 0), transforms=(
             plgpu.TilingTransform((8, b_swizzle * 8 // in_bits)), plgpu.SwizzleTransform(b_swizzle)),
                                  collective_axes=multicast)
-        b_cols = lambda b_gmem, cols: b_gmem.at[:, cols]
+        b_cols = lambda b_gmem, cols, depth: b_gmem.at[depth, cols]
         b_operand = lambda b_smem: b_smem
     else:
         b_spec = plgpu.BlockSpec((tn, BLOCK), lambda k: (0, k), transforms=in_transforms, collective_axes=multicast)
-        b_cols = lambda b_gmem, cols: b_gmem.at[cols, :]
+        b_cols = lambda b_gmem, cols, depth: b_gmem.at[cols, depth]
         b_operand = lambda b_smem: b_smem.transpose((1, 0))
 
     def kernel(a_gmem, b_gmem, sa_gmem, sb_gmem, out_gmem, out_smem):
@@ -227,24 +248,26 @@ def _call(a, b, sa, sb, *, out_dtype, block_scales: bool, tuning: Tuning, interp
                 body, grid=(k_iters,), memory_registers=40, in_specs=specs, wg_axis="wg", num_compute_wgs=2,
                 max_concurrent_steps=tuning.stages, compute_context=compute_context)
 
-        def tile_refs(m_idx, n_idx):
+        def tile_refs(m_idx, n_idx, split):
             cols = pl.ds(n_idx * tn, tn)
-            refs = [a_gmem.at[pl.ds(m_idx * TILE_M, TILE_M), :], b_cols(b_gmem, cols),
-                    sa_gmem.at[:, pl.ds(m_idx * 2, 2), :]]
+            depth, slices = pl.ds(split * k_iters * BLOCK, k_iters * BLOCK), pl.ds(split * k_iters, k_iters)
+            refs = [a_gmem.at[pl.ds(m_idx * TILE_M, TILE_M), depth], b_cols(b_gmem, cols, depth),
+                    sa_gmem.at[slices, pl.ds(m_idx * 2, 2), :]]
             if not block_scales:
-                refs.append(sb_gmem.at[:, cols])
+                refs.append(sb_gmem.at[slices, cols])
             return refs
 
         ignore = lambda *_, **__: None  # the allocations do not depend on the bodies
 
         @functools.partial(pl.run_scoped,
-                           allocs=get_pipeline(ignore, ignore).get_allocations(*tile_refs(0, 0)),
+                           allocs=get_pipeline(ignore, ignore).get_allocations(*tile_refs(0, 0, 0)),
                            collective_axes="wg")
         def _scope(allocs):
             @plgpu.nd_loop((num_tiles,), collective_axes="sm")
             def _tile(info):
                 (lin,) = info.index
-                m_cl, n_idx = plgpu.planar_snake(lin, (m_iters // cluster, n_iters), tuning.grid_minor,
+                split = lin % splits  # a tile's splits on neighbouring programs
+                m_cl, n_idx = plgpu.planar_snake(lin // splits, (m_iters // cluster, n_iters), tuning.grid_minor,
                                                  tuning.grid_width)
                 m_idx = m_cl * cluster + cta
                 rows = pl.ds(wg * WG_M, WG_M)
@@ -254,15 +277,16 @@ def _call(a, b, sa, sb, *, out_dtype, block_scales: bool, tuning: Tuning, interp
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's store has read out_smem
                     out_smem[wg] = acc.astype(out_dtype)
                     plgpu.commit_smem()
+                    out_tile = out_gmem if splits == 1 else out_gmem.at[split]  # [splits, Pp, Qp]: this split's
                     plgpu.copy_smem_to_gmem(out_smem.at[wg],
-                                            out_gmem.at[pl.ds(m_idx * TILE_M + wg * WG_M, WG_M),
+                                            out_tile.at[pl.ds(m_idx * TILE_M + wg * WG_M, WG_M),
                                                         pl.ds(n_idx * tn, tn)])
 
                 def body(idx, a_smem, b_smem, sa_smem, *sb_smem_and_acc):
                     (k,) = idx
                     *sb_smem, acc = sb_smem_and_acc
                     if block_scales:
-                        sb = sb_gmem[n_idx * tn // BLOCK, k]  # one scale for the tile's columns (issued before the MMA)
+                        sb = sb_gmem[n_idx * tn // BLOCK, split * k_iters + k]  # one scale for the tile's columns
 
                     def mma(part_ref):
                         plgpu.wgmma(part_ref, a_smem.at[rows], b_operand(b_smem))
@@ -279,7 +303,7 @@ def _call(a, b, sa, sb, *, out_dtype, block_scales: bool, tuning: Tuning, interp
                                  * lax.broadcast_in_dim(sb, (WG_M, tn), (1,)))
                     return acc + part * scale
 
-                get_pipeline(body, compute_context)(*tile_refs(m_idx, n_idx), allocations=allocs)
+                get_pipeline(body, compute_context)(*tile_refs(m_idx, n_idx, split), allocations=allocs)
 
         plgpu.wait_smem_to_gmem(0)
 
@@ -293,7 +317,7 @@ def _call(a, b, sa, sb, *, out_dtype, block_scales: bool, tuning: Tuning, interp
         interpret_params = interpret  # the caller's InterpretGPUParams (e.g. with detect_races)
     return plgpu.kernel(
         kernel,
-        out_type=jax.ShapeDtypeStruct((pp, qp), out_dtype),
+        out_type=jax.ShapeDtypeStruct((pp, qp) if splits == 1 else (splits, pp, qp), out_dtype),
         scratch_types=[plgpu.SMEM((2, WG_M, tn), out_dtype, transforms=out_transforms)],
         grid=(num_ctas,),
         grid_names=("sm",),

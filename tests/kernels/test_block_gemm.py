@@ -13,6 +13,8 @@ scaling runs its three GEMMs through the kernel where ``runs_here`` says so: che
 on the GPU against the emulation.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -117,6 +119,20 @@ def test_tiles_of_64_columns_lower_to_n64_wgmma(mosaic_modules):
         block_gemm_mgpu(*[jnp.zeros(a.shape, a.dtype) for a in args], tuning=Tuning(tile_n=32))
 
 
+def test_split_contraction_lowers_for_cuda(mosaic_modules):
+    """``Tuning.splits`` (split-K) with a decode step's tuning, w_down's shape: one kernel writing f32 partials, and
+    a split count that does not divide the slices refused."""
+    args = [jax.ShapeDtypeStruct(s, d) for s, d in [((256, 8192), jnp.float8_e4m3fn), ((256, 64), jnp.float32),
+                                                       ((2048, 8192), jnp.float8_e4m3fn), ((16, 64), jnp.float32)]]
+    tuning = Tuning(cluster=2, tile_n=64, splits=4)
+    [module] = mosaic_modules(lambda *a: block_gemm_mgpu(*a, out_dtype=jnp.bfloat16, tuning=tuning), *args)
+    assert WGMMA_E4M3.replace(b"n128", b"n64") in module
+    out = jax.eval_shape(lambda *a: block_gemm_mgpu(*a, out_dtype=jnp.bfloat16, tuning=tuning), *args)
+    assert out.shape == (256, 2048) and out.dtype == jnp.bfloat16
+    with pytest.raises(ValueError, match="splits=3 must divide"):
+        block_gemm_mgpu(*[jnp.zeros(a.shape, a.dtype) for a in args], tuning=Tuning(splits=3))
+
+
 def test_shared_memory_budget_is_checked_at_lowering(mosaic_modules):
     """Six stages and an f32 tile need 259 KiB of shared memory, past the 227 KiB a Hopper block gets: lowering
     says so (the default of four fits: the test above)."""
@@ -144,6 +160,21 @@ def test_interpreter_matches_block_gemm(form, tile_n):
     assert got.shape == (p, q) and got.dtype == jnp.float32
     err = np.abs(np.asarray(got) - np.asarray(want))
     assert (err <= 2 * _f32_bound(c, _magnitude(qa, sa, qb, rows))).all(), err.max()
+
+
+@cpu_only
+@pytest.mark.parametrize("form", FORMS)
+def test_interpreter_split_contraction_matches_block_gemm(form):
+    """Split-K through the interpreter: 9 slices in 3 runs of 3, each tile's partials summed after the kernel;
+    against block_gemm within twice f32's bound (the sum's order differs)."""
+    p, q, c = 300, 260, 1100
+    qa, sa, qb, sb, rows = _quantized(p, q, c, form)
+    got = block_gemm_mgpu(qa, sa, qb, sb, jnp.bfloat16, interpret=True, tuning=Tuning(num_sms=2, stages=2, splits=3))
+    want = jax.jit(block.block_gemm)(qa, sa, qb, rows)
+    assert got.shape == (p, q) and got.dtype == jnp.bfloat16
+    err = np.abs(np.asarray(got, np.float32) - np.asarray(want.astype(jnp.bfloat16), np.float32))
+    bf16_ulp = 2.0**-7 * np.abs(np.asarray(want))
+    assert (err <= bf16_ulp + 2 * _f32_bound(c, _magnitude(qa, sa, qb, rows))).all(), err.max()
 
 
 @cpu_only
@@ -199,6 +230,25 @@ def test_gpu_exact_slice_sums_equal_block_gemm(p, q, c, form, cluster, tile_n):
     err = np.abs(np.asarray(got) - np.asarray(want))
     tol = (3 * block.num_blocks(c) + 4) * U * mag  # an FMA's one rounding a slice against two
     assert (err <= tol).all(), f"max err {err.max()}, max err / magnitude {(err / np.maximum(mag, 1e-30)).max()}"
+    got16 = jax.jit(lambda *a: block_gemm_mgpu(*a, jnp.bfloat16, tuning=tuning))(qa, sa, qb, sb)
+    np.testing.assert_array_equal(np.asarray(got16, np.float32), np.asarray(got.astype(jnp.bfloat16), np.float32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("p,q,c,form,tuning", [
+    (256, 2048, 8192, "blocks", Tuning(cluster=2, tile_n=64, splits=4)),  # a decode step's w_down
+    (256, 3072, 2048, "blocks", Tuning(cluster=2, tile_n=64, splits=2)),  # its q|k|v
+    (200, 576, 1536, "rows", Tuning(splits=3)),
+])
+def test_gpu_split_contraction_equals_block_gemm(p, q, c, form, tuning):
+    """Split-K on small-integer operands (exact slice sums): the partials' sum in another order, within the same
+    bound as one run; the BF16 output is that f32 result rounded."""
+    qa, sa, qb, sb, rows = _integers(p, q, c, form)
+    got = jax.jit(lambda *a: block_gemm_mgpu(*a, tuning=tuning))(qa, sa, qb, sb)
+    want = jax.jit(block.block_gemm)(qa, sa, qb, rows)
+    mag = np.asarray(_magnitude(qa, sa, qb, rows))
+    err = np.abs(np.asarray(got) - np.asarray(want))
+    assert (err <= (3 * block.num_blocks(c) + 4) * U * mag).all(), err.max()
     got16 = jax.jit(lambda *a: block_gemm_mgpu(*a, jnp.bfloat16, tuning=tuning))(qa, sa, qb, sb)
     np.testing.assert_array_equal(np.asarray(got16, np.float32), np.asarray(got.astype(jnp.bfloat16), np.float32))
 
@@ -267,13 +317,13 @@ def test_block_linear_writes_a_bf16_input_gradient_from_the_kernel(monkeypatch):
     import re
 
     monkeypatch.setattr(block_kernel, "runs_here", lambda qa, qb: qa.dtype == qb.dtype)
-    args = [jax.ShapeDtypeStruct(s, d) for s, d in (((256, 512), jnp.bfloat16), ((512, 384), jnp.float32),
-                                                     ((256, 384), jnp.bfloat16))]
+    args = [jax.ShapeDtypeStruct(s, d) for s, d in (((384, 512), jnp.bfloat16), ((512, 384), jnp.float32),
+                                                     ((384, 384), jnp.bfloat16))]
     grads = _linear_grads(E4M3_BLOCK, "f8", jnp.bfloat16)
     text = jax.jit(grads).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     outs = re.findall(r'stablehlo\.custom_call @mosaic_gpu_v2\(.*?\) \{.*?\} : \(.*?\) -> tensor<(\d+)x(\d+)x(\w+)>',
                       text)
-    assert sorted(outs) == sorted([("256", "384", "bf16"), ("256", "512", "bf16"), ("512", "384", "f32")])
+    assert sorted(outs) == sorted([("384", "384", "bf16"), ("384", "512", "bf16"), ("512", "384", "f32")])
 
 
 def test_runs_here_is_false_off_a_hopper_gpu():
@@ -301,4 +351,10 @@ def test_a_decode_steps_rows_take_the_small_m_tuning():
     """Up to SMALL_M rows: 2-CTA clusters of 64-column tiles; more rows, or the interpreter (no clusters): Tuning()."""
     assert block_kernel.default_tuning(block_kernel.SMALL_M) == block_kernel.Tuning(cluster=2, tile_n=64)
     assert block_kernel.default_tuning(block_kernel.SMALL_M + 1) == block_kernel.Tuning()
+    # a llama1b decode step (132 multiprocessors off a GPU): q|k|v's 96 tiles and gate|up's 512 run whole, o's 64
+    # tiles too (16 slices each); w_down's 64 split their 64 slices in two
+    small = block_kernel.Tuning(cluster=2, tile_n=64)
+    for cols, slices, splits in ((3072, 16, 1), (16384, 16, 1), (2048, 16, 1), (2048, 64, 2), (2048, 32, 2),
+                                 (2048, 33, 1)):
+        assert block_kernel.default_tuning(256, cols=cols, slices=slices) == dataclasses.replace(small, splits=splits)
     assert block_kernel.default_tuning(64, interpret=True) == block_kernel.Tuning()
