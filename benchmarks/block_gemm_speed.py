@@ -20,8 +20,9 @@ bfloat16`` for BF16 outputs; the emulation then casts its f32 sum):
                FP8 operands to f32, times the two inverse scales (XLA's cuBLASLt FP8 GEMM)
   bf16         ``lax.dot_general`` of BF16 operands
 
-One timed call is one jit holding a ``lax.scan`` over ``--repeats`` GEMMs, each on its own activation (the weight
-is shared, as a layer's is), every output kept; the median of ``--timed`` calls after a warm-up, divided by the
+One timed call is one jit holding an unrolled ``lax.scan`` over ``--repeats`` GEMMs, each on its own activation
+(the weight shared, as a layer's is over a step's microbatches, or with ``--distinct-weights`` one a GEMM, as a decode
+step's layers read theirs from HBM), every output kept; the median of ``--timed`` calls after a warm-up, divided by the
 repeats. Rows report milliseconds a GEMM, TFLOP/s (2 M N K a GEMM), the speedup over the emulation, and each
 path's largest difference from the emulation's output relative to its largest value (the Mosaic paths: the
 same sums, apart from the order and precision of the MMAs' inside a slice; the others: their own quantization
@@ -71,18 +72,21 @@ def _per_tensor(a):
     return q, 1.0 / scale
 
 
-def _inputs(m, n, k, repeats, seed=0):
-    """``repeats`` activations [R, M, K] and one weight [N, K]: BF16 values, their 1 x 128 tile and 128 x 128 block
-    quantizations, and their per-tensor quantizations (E4M3)."""
+def _inputs(m, n, k, repeats, distinct_weights=False, seed=0):
+    """``repeats`` activations [R, M, K] and one weight [N, K] (``distinct_weights``: one a GEMM, [R, N, K]): BF16
+    values, their 1 x 128 tile and 128 x 128 block quantizations, and their per-tensor quantizations (E4M3)."""
     kx, kw = jax.random.split(jax.random.PRNGKey(seed))
     x = jax.random.normal(kx, (repeats, m, k), jnp.bfloat16)
-    w = (jax.random.normal(kw, (n, k), jnp.float32) * 0.05).astype(jnp.bfloat16)
+    w = (jax.random.normal(kw, (repeats if distinct_weights else 1, n, k), jnp.float32) * 0.05).astype(jnp.bfloat16)
     qx, sx = jax.jit(lambda a: block.tile_quantize(a, jnp.float8_e4m3fn))(x)  # [R, M, K], [R, M, Kb]
-    qw, sw = jax.jit(lambda a: block.block_quantize(a, jnp.float8_e4m3fn))(w)  # [N, K], [Nb, Kb]
+    qw, sw = jax.jit(jax.vmap(lambda a: block.block_quantize(a, jnp.float8_e4m3fn)))(w)  # [., N, K], [., Nb, Kb]
     tx, tx_inv = jax.jit(_per_tensor)(x)  # [R, M, K], [R]
     tw, tw_inv = jax.jit(_per_tensor)(w)
-    return {"x": x, "w": w, "qx": qx, "sx": sx, "qw": qw, "sw": sw, "sw_rows": block.block_rows(sw, n),
-            "tx": tx, "tx_inv": tx_inv, "tw": tw, "tw_inv": tw_inv}
+    sw_rows = jax.vmap(lambda s: block.block_rows(s, n))(sw)
+    weights = {"w": w, "qw": qw, "sw": sw, "sw_rows": sw_rows, "tw": tw, "tw_inv": tw_inv}
+    if not distinct_weights:
+        weights = {key: v[0] for key, v in weights.items()}
+    return {"x": x, "qx": qx, "sx": sx, "tx": tx, "tx_inv": tx_inv, **weights}
 
 
 def _one(path, out_dtype, tuning, interpret):
@@ -104,24 +108,25 @@ def _one(path, out_dtype, tuning, interpret):
 
 
 def _scanned(path, out_dtype, tuning, interpret):
-    """One jit: a scan over the activations, every GEMM's output kept ([R, M, N])."""
+    """One jit: an unrolled scan over the activations (and weights, where each GEMM has its own), every GEMM's
+    output kept ([R, M, N]); unrolled, so that no loop's per-iteration cost enters a GEMM's time."""
     one = _one(path, out_dtype, tuning, interpret)
 
     def run(data):
-        per_gemm = ("x", "qx", "sx", "tx", "tx_inv")
+        per_gemm = {k for k, v in data.items() if v.ndim == 3 or k in ("tx_inv", "tw_inv") and v.ndim == 1}
         shared = {k: v for k, v in data.items() if k not in per_gemm}
 
         def step(carry, xs):
             return carry, one({**shared, **xs})
 
-        _, ys = lax.scan(step, 0, {k: data[k] for k in per_gemm})
+        _, ys = lax.scan(step, 0, {k: data[k] for k in per_gemm}, unroll=True)
         return ys
 
     return jax.jit(run)
 
 
-def bench_shape(name, m, n, k, paths, out_dtype, repeats, timed, tunings, interpret):
-    data = _inputs(m, n, k, repeats)
+def bench_shape(name, m, n, k, paths, out_dtype, repeats, timed, tunings, interpret, distinct_weights=False):
+    data = _inputs(m, n, k, repeats, distinct_weights)
     reference = np.asarray(_scanned("emulated", jnp.float32, None, False)(data)[0])
     scale = max(float(np.max(np.abs(reference))), 1e-30)
     flop = 2.0 * m * n * k
@@ -167,6 +172,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tile-n", type=int, default=Tuning.tile_n, help="output columns a tile (128 or 64)")
     p.add_argument("--sweep", action="store_true", help=f"the Mosaic paths over {SWEEP}")
     p.add_argument("--splits", default="1", help="split-K counts each tuning runs with (comma-separated)")
+    p.add_argument("--tile-ns", default="", help=f"--sweep's tile widths (comma-separated; default {SWEEP['tile_n']})")
+    p.add_argument("--distinct-weights", action="store_true",
+                   help="a weight for each GEMM, as a step's layers have (no weight read from L2 after the first)")
     p.add_argument("--check", action="store_true", help="tiny shapes, the kernel through the interpreter (CPU)")
     p.add_argument("--commit", default="",
                    help="the commit that runs (a device's copy of the tree may report an older one)")
@@ -187,8 +195,9 @@ def main(argv: list[str] | None = None) -> None:
             shapes[s] = named[s] if s in named else tuple(int(v) for v in s.split("x"))
         repeats, timed = args.repeats, args.timed
         if args.sweep:
+            sweep = {**SWEEP, **({"tile_n": tuple(map(int, args.tile_ns.split(",")))} if args.tile_ns else {})}
             tunings = [Tuning(stages=s, grid_width=g, cluster=k, tile_n=t)
-                       for s, g, k, t in itertools.product(*SWEEP.values())]
+                       for s, g, k, t in itertools.product(*sweep.values())]
         else:
             tunings = [Tuning(stages=args.stages, grid_width=args.grid_width, cluster=args.cluster,
                               tile_n=args.tile_n)]
@@ -199,7 +208,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for name, (m, n, k) in shapes.items():
         rows += bench_shape(name, m, n, k, paths, jnp.dtype(args.out_dtype), repeats, timed, tunings,
-                            interpret=args.check)
+                            interpret=args.check, distinct_weights=args.distinct_weights)
     commit = args.commit or tree_commit()
     result = {"device": device_name(), "backend": jax.default_backend(), "jax": jax.__version__, "commit": commit,
               "command": " ".join(["python", "benchmarks/block_gemm_speed.py", *argv]),
