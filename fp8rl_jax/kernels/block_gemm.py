@@ -85,22 +85,24 @@ class Tuning:
 # (benchmarks/RESULTS.md, "Block-scaled FP8 on Hopper"); at 8192 rows Tuning() was the fastest of the eight timed
 SMALL_M = 256
 SMALL_M_TUNING = Tuning(cluster=2, tile_n=64)
-SPLIT_MIN_SLICES = 32  # split-K below this many slices left runs too short to fill a pipeline of stages
 
 
 def default_tuning(rows: int, interpret=False, *, cols: int = 0, slices: int = 1) -> Tuning:
     """The tuning ``block_gemm_mgpu`` takes for ``rows`` x ``cols`` outputs over ``slices`` 128-deep slices unless
-    told (the interpreter has no clusters). Up to SMALL_M rows, where the output tiles are fewer than half the
-    multiprocessors and the slices at least SPLIT_MIN_SLICES (a llama1b decode step's w_down: 64 tiles of 128 x 64,
-    64 slices each), the slices are split in two (split-K: ``Tuning.splits``) so that twice the programs run. On an
-    H200 that took w_down from 0.052 to 0.033 ms; o (64 tiles of 16 slices) ran slower split (benchmarks/RESULTS.md,
-    "Block-scaled FP8 on Hopper")."""
+    told (the interpreter has no clusters). Up to SMALL_M rows: SMALL_M_TUNING, whose 64-column tiles double the
+    tiles where 128-column ones would be fewer than the multiprocessors (a llama1b decode step's q|k|v, o and w_down;
+    its gate|up has 256 tiles of 128 columns and keeps them); where even so the tiles are at most half the
+    multiprocessors (o and w_down: 64 tiles), the slices are split in two (split-K: ``Tuning.splits``) so that twice
+    the programs run. Measured on an H200: benchmarks/RESULTS.md, "Block-scaled FP8 on Hopper"."""
     if rows > SMALL_M or interpret:
         return Tuning()
-    tiles = -(-rows // TILE_M) * -(-cols // SMALL_M_TUNING.tile_n)
-    if cols and 2 * tiles <= _default_num_sms() and slices >= SPLIT_MIN_SLICES and slices % 2 == 0:
-        return dataclasses.replace(SMALL_M_TUNING, splits=2)
-    return SMALL_M_TUNING
+    row_tiles, sms = -(-rows // TILE_M), _default_num_sms()
+    tuning = SMALL_M_TUNING
+    if cols and row_tiles * -(-cols // TILE_N) >= sms:
+        tuning = dataclasses.replace(tuning, tile_n=TILE_N)
+    if cols and 2 * row_tiles * -(-cols // tuning.tile_n) <= sms and slices % 2 == 0:
+        tuning = dataclasses.replace(tuning, splits=2)
+    return tuning
 
 
 def _num_blocks(n: int) -> int:

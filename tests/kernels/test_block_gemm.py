@@ -351,10 +351,11 @@ def test_a_decode_steps_rows_take_the_small_m_tuning():
     """Up to SMALL_M rows: 2-CTA clusters of 64-column tiles; more rows, or the interpreter (no clusters): Tuning()."""
     assert block_kernel.default_tuning(block_kernel.SMALL_M) == block_kernel.Tuning(cluster=2, tile_n=64)
     assert block_kernel.default_tuning(block_kernel.SMALL_M + 1) == block_kernel.Tuning()
-    # a llama1b decode step (132 multiprocessors off a GPU): q|k|v's 96 tiles and gate|up's 512 run whole, o's 64
-    # tiles too (16 slices each); w_down's 64 split their 64 slices in two
+    # a llama1b decode step (132 multiprocessors off a GPU): q|k|v's 48 tiles of 128 columns become 96 of 64; o's and
+    # w_down's 64 also split their slices in two; gate|up's 256 tiles of 128 columns stay so
     small = block_kernel.Tuning(cluster=2, tile_n=64)
-    for cols, slices, splits in ((3072, 16, 1), (16384, 16, 1), (2048, 16, 1), (2048, 64, 2), (2048, 32, 2),
-                                 (2048, 33, 1)):
-        assert block_kernel.default_tuning(256, cols=cols, slices=slices) == dataclasses.replace(small, splits=splits)
+    for cols, slices, tuning in ((3072, 16, small), (2048, 16, dataclasses.replace(small, splits=2)),
+                                 (2048, 64, dataclasses.replace(small, splits=2)), (2048, 15, small),
+                                 (16384, 16, dataclasses.replace(small, tile_n=128))):
+        assert block_kernel.default_tuning(256, cols=cols, slices=slices) == tuning, (cols, slices)
     assert block_kernel.default_tuning(64, interpret=True) == block_kernel.Tuning()
