@@ -327,5 +327,6 @@ def _call(a, b, sa, sb, *, out_dtype, block_scales: bool, tuning: Tuning, interp
         num_threads=3,
         thread_name="wg",
         interpret=interpret_params,
-        kernel_name="block_gemm_fp8",
+        # its shape and tuning in the name, so that a profile of a step tells its GEMMs apart
+        kernel_name=f"block_gemm_fp8_{pp}x{qp}x{cp}_n{tn}_c{cluster}_k{splits}",
     )(a, b, sa, sb)

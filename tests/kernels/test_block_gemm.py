@@ -120,13 +120,15 @@ def test_tiles_of_64_columns_lower_to_n64_wgmma(mosaic_modules):
 
 
 def test_split_contraction_lowers_for_cuda(mosaic_modules):
-    """``Tuning.splits`` (split-K) with a decode step's tuning, w_down's shape: one kernel writing f32 partials, and
-    a split count that does not divide the slices refused."""
+    """``Tuning.splits`` (split-K) with a decode step's tuning, w_down's shape: one kernel writing f32 partials,
+    named by its shape and tuning (so a step's profile tells its GEMMs apart), and a split count that does not
+    divide the slices refused."""
     args = [jax.ShapeDtypeStruct(s, d) for s, d in [((256, 8192), jnp.float8_e4m3fn), ((256, 64), jnp.float32),
                                                        ((2048, 8192), jnp.float8_e4m3fn), ((16, 64), jnp.float32)]]
     tuning = Tuning(cluster=2, tile_n=64, splits=4)
     [module] = mosaic_modules(lambda *a: block_gemm_mgpu(*a, out_dtype=jnp.bfloat16, tuning=tuning), *args)
     assert WGMMA_E4M3.replace(b"n128", b"n64") in module
+    assert b"block_gemm_fp8_256x2048x8192_n64_c2_k4" in module
     out = jax.eval_shape(lambda *a: block_gemm_mgpu(*a, out_dtype=jnp.bfloat16, tuning=tuning), *args)
     assert out.shape == (256, 2048) and out.dtype == jnp.bfloat16
     with pytest.raises(ValueError, match="splits=3 must divide"):
