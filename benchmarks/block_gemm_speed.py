@@ -205,9 +205,8 @@ def main(argv: list[str] | None = None) -> None:
         repeats, timed = 2, 1
         tunings = [Tuning(num_sms=2, stages=2)]
     else:
-        shapes = {}
+        shapes, named = {}, {**SHAPES, **MORE_SHAPES}
         for s in args.shapes.split(","):
-            named = {**SHAPES, **MORE_SHAPES}
             shapes[s] = named[s] if s in named else tuple(int(v) for v in s.split("x"))
         repeats, timed = args.repeats, args.timed
         if args.sweep:

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fp8rl_jax import plan
-from fp8rl_jax.bench import fidelity, tree_commit
+from fp8rl_jax.bench import emit, fidelity, tree_commit
 from fp8rl_jax.config import load_config_file
 from fp8rl_jax.fp8 import block
 from fp8rl_jax.model import llama
@@ -68,8 +68,7 @@ def main() -> None:
         jax.block_until_ready(out)
         row = {"form": form, "group_bytes": group_bytes, "ms": 1e3 * (time.perf_counter() - t) / args.repeat,
                "compile_s": compile_s}
-        print(json.dumps(row), flush=True)
-        rows.append(row)
+        emit(rows, row)
     out = {"device": str(jax.devices()[0].device_kind), "commit": tree_commit(),
            "command": "python benchmarks/block_step_speed.py " + " ".join(sys.argv[1:]),
            "shape": f"SmolLM2-135M shapes, random weights, {args.sequences} x {args.width} tokens, one gradient",

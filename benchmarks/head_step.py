@@ -22,7 +22,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from fp8rl_jax.bench import device_name, timeit
+from fp8rl_jax.bench import device_name, emit, timeit
 from fp8rl_jax.fp8.policy import Precision
 from fp8rl_jax.model import fp8_heads, heads, llama
 from fp8rl_jax.model.config import preset
@@ -85,8 +85,7 @@ def main() -> None:
         row = {"variant": variant, "compile_s": compile_s, "step_ms": 1e3 * seconds, "tflops": flops / seconds / 1e12,
                "rows": args.rows, "tokens": args.tokens, "hidden": args.hidden, "vocab": args.vocab, "tied": tied,
                "device": device_name()}
-        print(json.dumps(row), flush=True)
-        rows.append(row)
+        emit(rows, row)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)

@@ -139,3 +139,20 @@ def mosaic_modules():
     """``mosaic_modules(fn, *args)``: the serialized module of each Mosaic GPU kernel in ``fn`` lowered for CUDA on
     this host."""
     return _mosaic_modules
+
+
+def _benchmark_script(name: str):
+    """benchmarks/NAME.py, loaded as a module (a script, not a package module)."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def benchmark_script():
+    """``benchmark_script(name)``: benchmarks/NAME.py loaded as a module, for tests that run a script's ``main``."""
+    return _benchmark_script

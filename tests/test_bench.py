@@ -1,6 +1,5 @@
 """The benchmark entry points run end to end on tiny shapes (the GPU numbers come from the GPU host)."""
 
-import importlib.util
 import json
 import os
 
@@ -185,22 +184,14 @@ def test_e2e_measures_a_mode_and_summarizes_against_the_best_bf16():
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _script(name: str):
-    """benchmarks/NAME.py (a script, not a package module)."""
-    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "benchmarks", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize("m,n,k,block_n,out_dtype", [(5, 40, 256, 16, "float32"), (130, 16, 96, None, "bfloat16")])
-def test_fp8_gemm_benchmark_kernel_against_float64(m, n, k, block_n, out_dtype):
+def test_fp8_gemm_benchmark_kernel_against_float64(m, n, k, block_n, out_dtype, benchmark_script):
     """benchmarks/fp8_gemm.py's weight-streaming kernel (interpreted): rows padded to 64 and columns past N masked
     out; the products of FP8 values are exact in f32, so only the f32 sums' order and the output's rounding part it
     from float64."""
     import jax.numpy as jnp
 
-    bench = _script("fp8_gemm")
+    bench = benchmark_script("fp8_gemm")
     rng = np.random.default_rng(0)
     x, w = (jnp.asarray(rng.normal(size=s) * 40, jnp.float32).astype(jnp.float8_e4m3fn) for s in ((m, k), (n, k)))
     got = bench.fp8_gemm(x, w, jnp.float32(0.5), jnp.float32(0.25), out_dtype, block_n=block_n,
@@ -212,16 +203,16 @@ def test_fp8_gemm_benchmark_kernel_against_float64(m, n, k, block_n, out_dtype):
     np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=rtol, atol=rtol * np.abs(want).max())
 
 
-def test_fp8_gemm_benchmark_runs_interpreted(tmp_path):
+def test_fp8_gemm_benchmark_runs_interpreted(tmp_path, benchmark_script):
     out = tmp_path / "fp8_gemm.json"
-    _script("fp8_gemm").main(["--interpret", "--rows", "5", "--out", str(out)])
+    benchmark_script("fp8_gemm").main(["--interpret", "--rows", "5", "--out", str(out)])
     rows = json.loads(out.read_text())["rows"]
     assert {r["impl"] for r in rows} == {"xla", "pallas_interpret"}
     assert all(r["wall_us_per_gemm"] > 0 and r["max_rel_diff"] < 1e-6 for r in rows)
 
 
-def test_accuracy_study_runs_a_mode_and_writes_table_and_plots(tmp_path):
-    study = _script("accuracy_study")
+def test_accuracy_study_runs_a_mode_and_writes_table_and_plots(tmp_path, benchmark_script):
+    study = benchmark_script("accuracy_study")
     args = ["--config", "configs/tiny.py", "--steps", "2", "--modes", "fp8_e2e_tis", "--parallel", "1",
             "--set", "data.num_eval=4", "--set", "data.eval_every=2", "--workdir", str(tmp_path / "runs"),
             "--out", str(tmp_path / "accuracy.json"), "--docs", str(tmp_path / "docs")]
@@ -272,8 +263,8 @@ def _study(mode_rows: dict[str, dict[int, float]], commit: str) -> dict:
                       for m, seeds in mode_rows.items()}}
 
 
-def test_accuracy_merge_pairs_modes_by_seed_across_studies(tmp_path):
-    merge = _script("accuracy_merge")
+def test_accuracy_merge_pairs_modes_by_seed_across_studies(tmp_path, benchmark_script):
+    merge = benchmark_script("accuracy_merge")
     a = _study({"bf16": {0: 0.80, 1: 0.70}, "fp8_e2e_block": {0: 0.82}}, "c1")
     b = _study({"bf16": {2: 0.90}, "fp8_e2e_block": {1: 0.75, 2: 0.89, 3: 0.5}}, "c2")
     b["modes"]["fp8_e2e_block"]["per_seed"]["3"]["acc_after_step"] = 30  # cut short: not a result
@@ -299,10 +290,10 @@ def test_accuracy_merge_pairs_modes_by_seed_across_studies(tmp_path):
         merge.merge([a, _study({"fp8_e2e_block": {0: 0.5}}, "c3")])
 
 
-def test_every_accuracy_study_mode_is_a_valid_config():
+def test_every_accuracy_study_mode_is_a_valid_config(benchmark_script):
     from fp8rl_jax.config import load_config_file, validate
 
-    study = _script("accuracy_study")
+    study = benchmark_script("accuracy_study")
     assert set(study.DEFAULT_MODES) <= set(study.MODES)
     for overrides in study.MODES.values():
         config = load_config_file(os.path.join(REPO, "configs", "smollm2_arith.py"))
@@ -401,13 +392,10 @@ def test_e2e_packed_mode_with_drawn_lengths():
     assert [s["step"] for s in row["timed_steps"]] == [2] and row["timed_steps"][0]["compile_s"] >= 0
 
 
-def test_scale_summary_builds_scale_json_from_step_records(tmp_path):
+def test_scale_summary_builds_scale_json_from_step_records(tmp_path, benchmark_script):
     """benchmarks/scale_summary.py: the last step of each scale_run.sh run, per phase and per GPU, fp8_e2e over bf16
     under the same mesh, the rollout per GPU against one GPU's; a file that is not a run is refused by name."""
-    path = os.path.join(REPO, "benchmarks", "scale_summary.py")
-    spec = importlib.util.spec_from_file_location("scale_summary", path)
-    summary_module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(summary_module)
+    summary_module = benchmark_script("scale_summary")
 
     def records(step_s, train_s, rollout_tps, peak):
         first = {"time/step": 99.0, "time/rollout": 50.0, "time/score": 9.0, "time/train": 40.0,

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fp8rl_jax.bench import tree_commit
+from fp8rl_jax.bench import emit, tree_commit
 from fp8rl_jax.bench.e2e import LENGTHS_HELP, _value, parse_lengths
 
 
@@ -79,8 +79,7 @@ def run(args) -> list[dict]:
                 code = "timeout"
             row = json.loads(out.read_text())["rows"][0] if code == 0 and out.exists() else {
                 "rollout_devices": split, "load_delay_chunks": delay, "error": f"child exited {code}"}
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+        emit(rows, row)
     return rows
 
 

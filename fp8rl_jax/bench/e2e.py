@@ -57,7 +57,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fp8rl_jax.bench import tree_commit
+from fp8rl_jax.bench import emit, tree_commit
 
 PHASES = ("weights", "rollout", "reward", "score", "train", "calibrate", "step")
 MODES = {  # mode -> (precision.mode, extra XLA flags, config overrides)
@@ -110,8 +110,7 @@ def run(args) -> list[dict]:
     rows = []
     for mode, packing in itertools.product(modes, args.packing):
         row = _child(args, mode, packing)
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+        emit(rows, row)
         if args.out:  # a mode that times out later still leaves the earlier ones
             Path(args.out).write_text(json.dumps(summarize(rows, args), indent=1))
     return rows

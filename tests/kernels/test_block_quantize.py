@@ -126,17 +126,12 @@ def test_gpu_kernels_equal_xla_bit_for_bit(dtype):
                 np.testing.assert_array_equal(np.asarray(g[1]), np.asarray(w[1]))
 
 
-def test_speed_script_runs_interpreted(tmp_path):
+def test_speed_script_runs_interpreted(tmp_path, benchmark_script):
     """benchmarks/block_quantize_speed.py end to end on its tiny tensors (kernel interpreted): every form and
     num_warps asked has a row with a time, and the bytes a form must move."""
-    import importlib.util
     import json
-    import pathlib
 
-    path = pathlib.Path(__file__).parents[2] / "benchmarks" / "block_quantize_speed.py"
-    spec = importlib.util.spec_from_file_location("block_quantize_speed", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = benchmark_script("block_quantize_speed")
     out = tmp_path / "bench.json"
     bench.main(["--check", "--num-warps", "4,8", "--out", str(out)])
     rows = json.loads(out.read_text())["rows"]

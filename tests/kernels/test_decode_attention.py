@@ -856,17 +856,12 @@ def test_gpu_large_fp8_cache_last_layer():
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2e-2, atol=2e-2)
 
 
-def test_benchmark_script_runs_interpreted(tmp_path):
+def test_benchmark_script_runs_interpreted(tmp_path, benchmark_script):
     """benchmarks/decode_attention.py end to end on the tiny shape (kernel interpreted): rows with timings, and the
     kernel's output on the benchmark's data within BF16 rounding of the model's path."""
-    import importlib.util
     import json
-    import pathlib
 
-    path = pathlib.Path(__file__).parents[2] / "benchmarks" / "decode_attention.py"
-    spec = importlib.util.spec_from_file_location("decode_attention_benchmark", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = benchmark_script("decode_attention")
     out = tmp_path / "bench.json"
     bench.main(["--interpret", "--out", str(out), "--fill", "0.5", "--kv", "fp8", "--repeats", "1", "--warmup", "0"])
     rows = json.loads(out.read_text())["rows"]
