@@ -153,7 +153,7 @@ def bench_shape(name, m, n, k, paths, out_dtype, repeats, timed, tunings, interp
             row = {"shape": name, "m": m, "n": n, "k": k, "path": path, "out_dtype": jnp.dtype(out_dtype).name}
             if tuning is not None:
                 row.update(stages=tuning.stages, grid_width=tuning.grid_width, grid_minor=tuning.grid_minor,
-                           cluster=tuning.cluster, tile_n=tuning.tile_n, splits=tuning.splits)
+                           cluster=tuning.cluster, tile_n=tuning.tile_n, splits=tuning.splits, chain=tuning.chain)
                 if -(-k // 128) % tuning.splits:
                     continue  # the split does not divide this shape's slices
             try:
@@ -191,6 +191,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tile-n", type=int, default=Tuning.tile_n, help="output columns a tile (128 or 64)")
     p.add_argument("--sweep", action="store_true", help=f"the Mosaic paths over {SWEEP}")
     p.add_argument("--splits", default="1", help="split-K counts each tuning runs with (comma-separated)")
+    p.add_argument("--chain", default="0", help="Tuning.chain values each tuning runs with (comma-separated 0/1)")
     p.add_argument("--tile-ns", default="", help=f"--sweep's tile widths (comma-separated; default {SWEEP['tile_n']})")
     p.add_argument("--trace", action="store_true",
                    help="also each row's GPU kernel time from a profiler trace (decode-sized GEMMs: launches dominate)")
@@ -222,7 +223,8 @@ def main(argv: list[str] | None = None) -> None:
         else:
             tunings = [Tuning(stages=args.stages, grid_width=args.grid_width, cluster=args.cluster,
                               tile_n=args.tile_n)]
-        tunings = [dataclasses.replace(t, splits=int(s)) for t in tunings for s in args.splits.split(",")]
+        tunings = [dataclasses.replace(t, splits=int(s), chain=bool(int(ch))) for t in tunings
+                   for s in args.splits.split(",") for ch in args.chain.split(",")]
     if not args.check and jax.default_backend() != "gpu":
         sys.exit("block_gemm_speed times a GPU; on this backend run --check")
     t0 = time.time()

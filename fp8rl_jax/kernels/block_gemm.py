@@ -69,7 +69,10 @@ class Tuning:
     leave most multiprocessors idle); ``splits``: 1, or the contraction's slices cut into that many runs, each
     output tile made by ``splits`` programs that write f32 partial tiles [splits, P, Q], summed afterwards by XLA
     (split-K: for a small M whose tiles are fewer than the multiprocessors, e.g. a decode step's w_down: 64 tiles of
-    64 slices each; the partials change the order of the f32 sum over slices: split s's run, then those added)."""
+    64 slices each; the partials change the order of the f32 sum over slices: split s's run, then those added);
+    ``chain``: a CTA's tiles run as one pipeline (``plgpu.PipelinePipeline`` states: the memory warpgroup loads the
+    next tile's first slices while the compute warpgroups finish a tile, where each tile's pipeline otherwise fills
+    and drains), where every CTA has at least two tiles and ``stages`` divides a tile's slices (elsewhere off)."""
 
     stages: int = 4
     grid_minor: int = 1
@@ -78,6 +81,7 @@ class Tuning:
     cluster: int = 1
     tile_n: int = TILE_N
     splits: int = 1
+    chain: bool = False
 
 
 # Up to this many rows (a decode step's 256 slots) the default tuning is SMALL_M_TUNING: on an H200 at 256 rows,
@@ -209,6 +213,7 @@ def _call(a, b, sa, sb, *, out_dtype, block_scales: bool, tuning: Tuning, interp
     m_iters, n_iters, k_iters = pp // TILE_M, qp // tn, cp // BLOCK // splits  # k_iters: the slices of one split
     num_tiles = m_iters // cluster * n_iters * splits  # a cluster's tiles (`cluster` row tiles of one column tile)
     num_ctas = min((tuning.num_sms or _default_num_sms()) // cluster, num_tiles)
+    chained = tuning.chain and k_iters % tuning.stages == 0 and num_tiles >= 2 * num_ctas
     multicast = ("cluster",) if cluster > 1 else ()
     in_bits = jnp.dtype(a.dtype).itemsize * 8
     in_swizzle = plgpu.find_swizzle(BLOCK * in_bits, "fp8 operand")  # 128 bytes: one K slice a swizzle row
@@ -238,7 +243,7 @@ def _call(a, b, sa, sb, *, out_dtype, block_scales: bool, tuning: Tuning, interp
         wg = lax.axis_index("wg")
         cta = lax.axis_index("cluster") if cluster > 1 else 0
 
-        def get_pipeline(body, compute_context):
+        def get_pipeline(body, compute_context, state=None):
             specs = [
                 plgpu.BlockSpec((TILE_M, BLOCK), lambda k: (0, k), transforms=in_transforms),  # qa's slice
                 b_spec,  # qb's slice
@@ -248,7 +253,7 @@ def _call(a, b, sa, sb, *, out_dtype, block_scales: bool, tuning: Tuning, interp
                 specs.append(plgpu.BlockSpec((1, tn), lambda k: (k, 0)))  # qb's row scales
             return plgpu.emit_pipeline_warp_specialized(
                 body, grid=(k_iters,), memory_registers=40, in_specs=specs, wg_axis="wg", num_compute_wgs=2,
-                max_concurrent_steps=tuning.stages, compute_context=compute_context)
+                max_concurrent_steps=tuning.stages, compute_context=compute_context, pipeline_state=state)
 
         def tile_refs(m_idx, n_idx, split):
             cols = pl.ds(n_idx * tn, tn)
@@ -305,7 +310,13 @@ def _call(a, b, sa, sb, *, out_dtype, block_scales: bool, tuning: Tuning, interp
                                  * lax.broadcast_in_dim(sb, (WG_M, tn), (1,)))
                     return acc + part * scale
 
-                get_pipeline(body, compute_context)(*tile_refs(m_idx, n_idx, split), allocations=allocs)
+                state = None
+                if chained:  # this CTA's first tile fills the pipeline, its last drains it
+                    states = plgpu.PipelinePipeline
+                    last = info.local_index == info.num_local_steps - 1
+                    state = jnp.where(info.local_index == 0, int(states.START),
+                                      jnp.where(last, int(states.STOP), int(states.STEADY)))
+                get_pipeline(body, compute_context, state)(*tile_refs(m_idx, n_idx, split), allocations=allocs)
 
         plgpu.wait_smem_to_gmem(0)
 

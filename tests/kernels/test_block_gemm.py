@@ -180,6 +180,33 @@ def test_interpreter_split_contraction_matches_block_gemm(form):
 
 
 @cpu_only
+@pytest.mark.parametrize("stages", [2, 4])
+def test_interpreter_chained_tiles_match_block_gemm(stages):
+    """``Tuning.chain``: each of 2 CTAs runs its 4 or 5 tiles (3 x 3) as one pipeline of 8 slices each, through the
+    interpreter with its race detector on; against block_gemm within twice f32's bound, and no race."""
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+    p, q, c = 300, 260, 1024
+    qa, sa, qb, sb, rows = _quantized(p, q, c, "blocks")
+    params = InterpretGPUParams(uninitialized_memory="zero", detect_races=True)
+    got = block_gemm_mgpu(qa, sa, qb, sb, interpret=params, tuning=Tuning(num_sms=2, stages=stages, chain=True))
+    assert not gpu_callbacks.get_races().races_found
+    want = jax.jit(block.block_gemm)(qa, sa, qb, rows)
+    err = np.abs(np.asarray(got) - np.asarray(want))
+    assert (err <= 2 * _f32_bound(c, _magnitude(qa, sa, qb, rows))).all(), err.max()
+
+
+def test_chained_tiles_lower_for_cuda(mosaic_modules):
+    """``Tuning.chain`` with 2-CTA clusters at a training step's q|k|v shape lowers to one kernel."""
+    args = [jax.ShapeDtypeStruct(s, d) for s, d in [((4096, 2048), jnp.float8_e4m3fn), ((4096, 16), jnp.float32),
+                                                       ((3072, 2048), jnp.float8_e4m3fn), ((24, 16), jnp.float32)]]
+    tuning = Tuning(cluster=2, chain=True)
+    [module] = mosaic_modules(lambda *a: block_gemm_mgpu(*a, out_dtype=jnp.bfloat16, tuning=tuning), *args)
+    assert WGMMA_E4M3 in module
+
+
+@cpu_only
 def test_interpreter_bf16_output_is_the_f32_result_rounded():
     qa, sa, qb, sb, _ = _quantized(130, 200, 256, "blocks", seed=1)
     run = lambda dtype: block_gemm_mgpu(qa, sa, qb, sb, dtype, interpret=True, tuning=Tuning(num_sms=2))
@@ -234,6 +261,21 @@ def test_gpu_exact_slice_sums_equal_block_gemm(p, q, c, form, cluster, tile_n):
     assert (err <= tol).all(), f"max err {err.max()}, max err / magnitude {(err / np.maximum(mag, 1e-30)).max()}"
     got16 = jax.jit(lambda *a: block_gemm_mgpu(*a, jnp.bfloat16, tuning=tuning))(qa, sa, qb, sb)
     np.testing.assert_array_equal(np.asarray(got16, np.float32), np.asarray(got.astype(jnp.bfloat16), np.float32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cluster", [1, 2])
+@pytest.mark.parametrize("p,q,c,form", [(4096, 4096, 4096, "blocks"), (2048, 3072, 2048, "rows")])
+def test_gpu_chained_tiles_equal_block_gemm(p, q, c, form, cluster):
+    """``Tuning.chain`` (a CTA's tiles as one pipeline) on small-integer operands: the same bound as the unchained
+    kernel's exact test."""
+    qa, sa, qb, sb, rows = _integers(p, q, c, form)
+    tuning = Tuning(cluster=cluster, chain=True)
+    got = jax.jit(lambda *a: block_gemm_mgpu(*a, tuning=tuning))(qa, sa, qb, sb)
+    want = jax.jit(block.block_gemm)(qa, sa, qb, rows)
+    mag = np.asarray(_magnitude(qa, sa, qb, rows))
+    err = np.abs(np.asarray(got) - np.asarray(want))
+    assert (err <= (3 * block.num_blocks(c) + 4) * U * mag).all(), err.max()
 
 
 @pytest.mark.gpu
