@@ -2,7 +2,7 @@
 # One GPU session on the lent H100 (or an H200 host): install Transformer Engine and the project's wheels once, then
 # the stages named on the command line. Results land in $OUT (or ./gpu_out).
 #   usage: bash benchmarks/gpu_session.sh [install] [tests] [demo_scaled] [decode] [llama1b:MODE] [rollout1k] [gemm] [train] [e2e] [e2e_xla] [profile] [cluster_nb] [study] [rollout_xla] [rollout_head] [rollout_flags]
-#          [async] [rollout8b] [agreement] [exact] [packed_attention] [e2e8b] [profile8b] [head_step] [headgrad] [multiprocess] [transpose] [swiglu] [fp8gemm] [bgemm] [blinear]...
+#          [async] [rollout8b] [agreement] [exact] [packed_attention] [e2e8b] [profile8b] [head_step] [headgrad] [multiprocess] [transpose] [swiglu] [fp8gemm] [bgemm] [bquant] [blinear]...
 # TE arrives in pieces (see ../shared/gpu/README.md): .gpu/te/wheels + .gpu/install_te.sh, the core wheel's five
 # parts already copied to /root/te by earlier calls; the other wheels in .gpu/wheels; a tokenizer in .gpu/smollm2_tok.
 set -uo pipefail
@@ -63,6 +63,11 @@ EOF
       XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_triton_gemm=false" timeout ${BGEMM_TIMEOUT:-400} python3 \
         benchmarks/block_gemm_speed.py ${BGEMM_ARGS:-} --out "$OUT/block_gemm${BGEMM_TAG:-}_${dev}.json" 2>&1 \
         | grep -v "^W\|Warn" | tee "$OUT/block_gemm${BGEMM_TAG:-}.log" | grep "^{\|rror\|wrote" | cut -c1-400 ;;
+    bquant) # the block quantizer kernel alone at the llama1b train step's sizes, by form and num_warps, with its
+      # kernel time from a profiler trace (benchmarks/block_quantize_speed.py; BQ_ARGS)
+      timeout ${BQ_TIMEOUT:-300} python3 benchmarks/block_quantize_speed.py --trace ${BQ_ARGS:-} \
+        --out "$OUT/block_quantize_${dev}.json" 2>&1 | grep -v "^W\|Warn" | tee "$OUT/block_quantize.log" \
+        | grep "^{\|rror\|wrote" | cut -c1-300 ;;
     blinear) # one linear's forward + backward at llama1b's training shapes: BF16, per-tensor and block-scaled FP8, the
       # block path's GEMMs and its quantizers apart (benchmarks/block_linear_speed.py; BL_ARGS)
       timeout ${BL_TIMEOUT:-240} python3 benchmarks/block_linear_speed.py ${BL_ARGS:-} --out "$OUT/block_linear_${dev}.json" \

@@ -124,3 +124,22 @@ def test_gpu_kernels_equal_xla_bit_for_bit(dtype):
             if g is not None:
                 np.testing.assert_array_equal(_bits(g[0]), _bits(w[0]))
                 np.testing.assert_array_equal(np.asarray(g[1]), np.asarray(w[1]))
+
+
+def test_speed_script_runs_interpreted(tmp_path):
+    """benchmarks/block_quantize_speed.py end to end on its tiny tensors (kernel interpreted): every form and
+    num_warps asked has a row with a time, and the bytes a form must move."""
+    import importlib.util
+    import json
+    import pathlib
+
+    path = pathlib.Path(__file__).parents[2] / "benchmarks" / "block_quantize_speed.py"
+    spec = importlib.util.spec_from_file_location("block_quantize_speed", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "bench.json"
+    bench.main(["--check", "--num-warps", "4,8", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 2 * (3 + 1) and all(r["ms"] > 0 for r in rows)
+    both = next(r for r in rows if r["tensor"] == "x" and r["form"] == "both")
+    assert both["bytes"] == 256 * 256 * 2 + 2 * (256 * 256 + 256 * 2 * 4)  # BF16 read, two FP8 forms and scales
