@@ -40,7 +40,6 @@ import itertools
 import json
 import os
 import sys
-import tempfile
 import time
 
 if "--xla_gpu_enable_triton_gemm" not in os.environ.get("XLA_FLAGS", ""):
@@ -130,11 +129,7 @@ def _scanned(path, out_dtype, tuning, interpret):
 def _kernel_ms(fn, data, repeats) -> dict:
     """The GPU's own time a GEMM in one call of ``fn``, from a profiler trace: every kernel (``kernel_ms``: the
     per-tensor path's scaling fusion included) and the GEMM kernels alone (``gemm_kernel_ms``); no launch gaps."""
-    with tempfile.TemporaryDirectory() as d:
-        jax.profiler.start_trace(d)
-        jax.block_until_ready(fn(data))
-        jax.profiler.stop_trace()
-        summary = trace.summarize_trace(d)
+    summary = trace.trace_one_call(fn, data)
     if "error" in summary:
         return {"kernel_ms_error": summary["error"]}
     gemm = summary["families"].get("gemm", {}).get("ms", 0.0)

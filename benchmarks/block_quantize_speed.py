@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
@@ -53,11 +52,7 @@ def moved_bytes(p: int, c: int, dtype, form: str) -> int:
 
 
 def _kernel_ms(fn, a) -> dict:
-    with tempfile.TemporaryDirectory() as d:
-        jax.profiler.start_trace(d)
-        jax.block_until_ready(fn(a))
-        jax.profiler.stop_trace()
-        summary = trace.summarize_trace(d)
+    summary = trace.trace_one_call(fn, a)
     if "error" in summary:
         return {"kernel_ms_error": summary["error"]}
     return {"kernel_ms": round(summary["total_kernel_ms"], 4), "kernels": summary["kernels"]}

@@ -492,3 +492,31 @@ def test_bench_async_measures_the_split_and_keeps_each_steps_time(tmp_path):
     expected = row["response_length_mean"] * row["sequences"] * 2 / row["seconds"] / 8
     assert row["tokens_per_s_per_gpu"] == pytest.approx(expected)
     assert 0 < row["staleness_mean"] <= 1 and row["weight_update_bytes"] < row["weight_update_bf16_bytes"]
+
+
+def test_a_trace_sums_gpu_kernels_by_name_family_and_busy_time(tmp_path):
+    """``bench.trace.summarize_trace`` on a hand-made trace: only the GPU process's kernels count, overlapping
+    kernels count once in the busy time, the gap between them is idle; on this CPU ``trace_one_call`` finds no GPU
+    kernel and says so."""
+    import gzip
+
+    import jax.numpy as jnp
+
+    from fp8rl_jax.bench import trace
+
+    events = [
+        {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+        {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}},
+        {"ph": "X", "pid": 1, "name": "block_gemm_fp8_256x2048x8192_n64_c2_k2", "ts": 0, "dur": 100},
+        {"ph": "X", "pid": 1, "name": "block_tile_quantize", "ts": 50, "dur": 100},  # overlaps the GEMM by 50 us
+        {"ph": "X", "pid": 1, "name": "loop_add_fusion", "ts": 250, "dur": 50},  # after 100 us idle
+        {"ph": "X", "pid": 2, "name": "host work", "ts": 0, "dur": 1000},
+    ]
+    (tmp_path / "run").mkdir()
+    with gzip.open(tmp_path / "run" / "x.trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    summary = trace.summarize_trace(str(tmp_path))
+    assert summary["total_kernel_ms"] == 0.25 and summary["kernels"] == 3
+    assert summary["span_ms"] == 0.3 and summary["busy_ms"] == 0.2 and summary["idle_ms"] == 0.1
+    assert {f: v["ms"] for f, v in summary["families"].items()} == {"gemm": 0.1, "fp8_cast_amax": 0.1, "fusion": 0.05}
+    assert "error" in trace.trace_one_call(lambda a: a + 1, jnp.ones(3))

@@ -222,17 +222,9 @@ def _temp_bytes(jitted, *args) -> int | None:
 
 def _profile_chunk(engine, params, state, chunk: int) -> dict:
     """One ``generate_steps`` chunk under ``jax.profiler``: kernel, busy and idle milliseconds per decode step."""
-    import tempfile
+    from fp8rl_jax.bench.trace import trace_one_call
 
-    import jax
-
-    from fp8rl_jax.bench.trace import summarize_trace
-
-    with tempfile.TemporaryDirectory() as d:
-        jax.profiler.start_trace(d)
-        jax.block_until_ready(engine.generate_steps(params, state, chunk))
-        jax.profiler.stop_trace()
-        summary = summarize_trace(d, top=40)
+    summary = trace_one_call(engine.generate_steps, params, state, chunk, top=40)
     if "error" in summary:
         return summary
     per_step = {f"{k}_per_step": round(summary[k] / chunk, 4)

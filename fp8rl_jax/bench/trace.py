@@ -13,6 +13,7 @@ import glob
 import gzip
 import json
 import os
+import tempfile
 
 FAMILIES = (  # first match wins; names are lower-cased kernel names
     ("gemm", ("gemm", "cublas", "cutlass", "sm90_xmma", "nvjet", "triton_gemm", "dot")),
@@ -72,3 +73,15 @@ def summarize_trace(trace_dir: str, top: int = 25) -> dict:
         "top": [{"name": n[:160], "ms": round(ms, 3), "calls": count[n], "share": round(ms / total, 3),
                  "family": family(n)} for n, ms in by_name.most_common(top)],
     }
+
+
+def trace_one_call(fn, *args, top: int = 25) -> dict:
+    """``summarize_trace`` of one call of ``fn(*args)`` (compiled beforehand by the caller), traced by
+    ``jax.profiler`` into a temporary directory: the GPU's own kernel time, without launch gaps."""
+    import jax
+
+    with tempfile.TemporaryDirectory() as d:
+        jax.profiler.start_trace(d)
+        jax.block_until_ready(fn(*args))
+        jax.profiler.stop_trace()
+        return summarize_trace(d, top=top)
