@@ -148,7 +148,8 @@ def bench_shape(name, m, n, k, paths, out_dtype, repeats, timed, tunings, interp
             row = {"shape": name, "m": m, "n": n, "k": k, "path": path, "out_dtype": jnp.dtype(out_dtype).name}
             if tuning is not None:
                 row.update(stages=tuning.stages, grid_width=tuning.grid_width, grid_minor=tuning.grid_minor,
-                           cluster=tuning.cluster, tile_n=tuning.tile_n, splits=tuning.splits)
+                           cluster=tuning.cluster, tile_n=tuning.tile_n, splits=tuning.splits, chain=tuning.chain,
+                           pair=tuning.pair)
                 if -(-k // 128) % tuning.splits:
                     continue  # the split does not divide this shape's slices
             try:
@@ -186,6 +187,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tile-n", type=int, default=Tuning.tile_n, help="output columns a tile (128 or 64)")
     p.add_argument("--sweep", action="store_true", help=f"the Mosaic paths over {SWEEP}")
     p.add_argument("--splits", default="1", help="split-K counts each tuning runs with (comma-separated)")
+    p.add_argument("--variants", default="plain",
+                   help="kernel variants each tuning runs as (comma-separated): plain, chain (Tuning.chain), pair "
+                        "(Tuning.pair, at 2 stages: a stage holds two slices), pair+chain")
     p.add_argument("--tile-ns", default="", help=f"--sweep's tile widths (comma-separated; default {SWEEP['tile_n']})")
     p.add_argument("--trace", action="store_true",
                    help="also each row's GPU kernel time from a profiler trace (decode-sized GEMMs: launches dominate)")
@@ -216,7 +220,10 @@ def main(argv: list[str] | None = None) -> None:
         else:
             tunings = [Tuning(stages=args.stages, grid_width=args.grid_width, cluster=args.cluster,
                               tile_n=args.tile_n)]
-        tunings = [dataclasses.replace(t, splits=int(s)) for t in tunings for s in args.splits.split(",")]
+        variants = [dict(chain="chain" in v, pair="pair" in v, **({"stages": 2} if "pair" in v else {}))
+                    for v in args.variants.split(",")]
+        tunings = list(dict.fromkeys(dataclasses.replace(t, splits=int(s), **v) for t in tunings
+                                     for s in args.splits.split(",") for v in variants))
     if not args.check and jax.default_backend() != "gpu":
         sys.exit("block_gemm_speed times a GPU; on this backend run --check")
     t0 = time.time()

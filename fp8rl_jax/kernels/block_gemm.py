@@ -29,7 +29,9 @@ adds ``part * (sa[:, None] * sb)`` into its running f32 tile (64 registers each 
 runs on the tensor cores meanwhile. The epilogue writes the tile (f32 or BF16) to shared memory and stores it with TMA
 while the next tile's loads already stream in. Sizes that the 128 tiles do not divide are padded with zeros in the
 wrapper (a zero adds nothing, as in block_gemm; the padding is a copy of the operands, only where needed); scales are
-transposed there ([Cb, P]: one TMA row a slice).
+transposed there ([Cb, P]: one TMA row a slice). Two variants are opt-in (``Tuning.chain``: a CTA's tiles as one
+pipeline, no fill and drain between them; ``Tuning.pair``: two slices a pipeline step, the second's MMA running
+while the first's product is added), for the training shapes where the kernel trails cuBLASLt's per-tensor GEMM.
 
 What it assumes. A Hopper GPU (sm_90a: wgmma; Blackwell's MMA is tcgen05, another kernel), one device (a
 ``pallas_call`` is opaque to XLA's partitioner: under a mesh it would need a ``shard_map``), f32 scales, and 194
@@ -69,7 +71,14 @@ class Tuning:
     leave most multiprocessors idle); ``splits``: 1, or the contraction's slices cut into that many runs, each
     output tile made by ``splits`` programs that write f32 partial tiles [splits, P, Q], summed afterwards by XLA
     (split-K: for a small M whose tiles are fewer than the multiprocessors, e.g. a decode step's w_down: 64 tiles of
-    64 slices each; the partials change the order of the f32 sum over slices: split s's run, then those added)."""
+    64 slices each; the partials change the order of the f32 sum over slices: split s's run, then those added);
+    ``chain``: a CTA's tiles run as one pipeline (``plgpu.PipelinePipeline`` states: the memory warpgroup loads the
+    next tile's first slices while the compute warpgroups finish a tile, where each tile's pipeline otherwise fills
+    and drains), where every CTA has at least two tiles (elsewhere off); ``stages`` must divide a tile's steps;
+    ``pair``: two slices a pipeline step, their two MMAs issued at once, so that the second runs on the tensor cores
+    while the first's product is scaled and added (the contraction padded with a zero slice where its runs are odd;
+    a stage then holds two slices, 65 KiB at 128 columns: 2 stages fit, 3 exceed shared memory by a few bytes even
+    with a BF16 output)."""
 
     stages: int = 4
     grid_minor: int = 1
@@ -78,6 +87,8 @@ class Tuning:
     cluster: int = 1
     tile_n: int = TILE_N
     splits: int = 1
+    chain: bool = False
+    pair: bool = False
 
 
 # Up to this many rows (a decode step's 256 slots) the default tuning is SMALL_M_TUNING: on an H200 at 256 rows,
@@ -181,17 +192,19 @@ def block_gemm_mgpu(qa: jax.Array, a_scale_inv: jax.Array, qb: jax.Array, b_scal
                          "of 128")
     tn = tuning.tile_n
     rows_step = TILE_M * tuning.cluster  # a cluster's row tiles
+    if tuning.pair and (cb // tuning.splits) % 2:
+        cb += tuning.splits  # a zero slice more a run, so that each run's slices pair up (zeros add nothing)
     pp, qp, cp = -(-p // rows_step) * rows_step, -(-q // tn) * tn, cb * BLOCK
     a = _pad_to(_pad_to(qa, 0, pp), 1, cp)
     b = _pad_to(_pad_to(qb, 0, qp), 1, cp)
     if interpret:  # the interpreter's wgmma takes no transposed operand: qb as [C, Q] there (the MMA wants [Q, C])
         b = b.T
     # [P, Cb] -> [Cb, Pp / 64, 64]: a slice's scales of one warpgroup's 64 rows are one contiguous row
-    sa = _pad_to(a_scale_inv.astype(jnp.float32).T, 1, pp).reshape(cb, pp // WG_M, WG_M)
+    sa = _pad_to(_pad_to(a_scale_inv.astype(jnp.float32).T, 0, cb), 1, pp).reshape(cb, pp // WG_M, WG_M)
     if block_scales:
-        sb = _pad_to(b_scale_inv.astype(jnp.float32), 0, _num_blocks(qp))  # [ceil(Qp / 128), Cb]
+        sb = _pad_to(_pad_to(b_scale_inv.astype(jnp.float32), 0, _num_blocks(qp)), 1, cb)  # [ceil(Qp / 128), Cb]
     else:
-        sb = _pad_to(b_scale_inv.astype(jnp.float32).T, 1, qp)  # [Cb, Qp]
+        sb = _pad_to(_pad_to(b_scale_inv.astype(jnp.float32).T, 0, cb), 1, qp)  # [Cb, Qp]
     kernel_dtype = out_dtype if tuning.splits == 1 else jnp.dtype(jnp.float32)  # partials stay f32
     y = _call(a, b, sa, sb, out_dtype=kernel_dtype, block_scales=block_scales, tuning=tuning, interpret=interpret)
     if tuning.splits > 1:
@@ -206,9 +219,15 @@ def _call(a, b, sa, sb, *, out_dtype, block_scales: bool, tuning: Tuning, interp
     pp, cp = a.shape
     qp = b.shape[1] if interpret else b.shape[0]
     cluster, tn, splits = tuning.cluster, tuning.tile_n, tuning.splits
-    m_iters, n_iters, k_iters = pp // TILE_M, qp // tn, cp // BLOCK // splits  # k_iters: the slices of one split
+    step = 2 if tuning.pair else 1  # slices a pipeline step
+    # k_iters: the pipeline steps of one split (its slices / step)
+    m_iters, n_iters, k_iters = pp // TILE_M, qp // tn, cp // BLOCK // splits // step
     num_tiles = m_iters // cluster * n_iters * splits  # a cluster's tiles (`cluster` row tiles of one column tile)
     num_ctas = min((tuning.num_sms or _default_num_sms()) // cluster, num_tiles)
+    if tuning.chain and k_iters % tuning.stages:
+        raise ValueError(f"block_gemm_mgpu: Tuning.chain needs stages={tuning.stages} to divide a tile's {k_iters} "
+                         "pipeline steps")
+    chained = tuning.chain and num_tiles >= 2 * num_ctas  # a CTA with one tile has nothing to chain
     multicast = ("cluster",) if cluster > 1 else ()
     in_bits = jnp.dtype(a.dtype).itemsize * 8
     in_swizzle = plgpu.find_swizzle(BLOCK * in_bits, "fp8 operand")  # 128 bytes: one K slice a swizzle row
@@ -224,35 +243,37 @@ def _call(a, b, sa, sb, *, out_dtype, block_scales: bool, tuning: Tuning, interp
     # [K, N] view); the interpreter gets qb as [C, Q] and its [128 K, 128 columns] slices (see block_gemm_mgpu)
     if interpret:
         b_swizzle = plgpu.find_swizzle(tn * in_bits, "fp8 operand")  # its minor axis: tn columns
-        b_spec = plgpu.BlockSpec((BLOCK, tn), lambda k: (k, 0), transforms=(
+        b_spec = plgpu.BlockSpec((step * BLOCK, tn), lambda k: (k, 0), transforms=(
             plgpu.TilingTransform((8, b_swizzle * 8 // in_bits)), plgpu.SwizzleTransform(b_swizzle)),
                                  collective_axes=multicast)
         b_cols = lambda b_gmem, cols, depth: b_gmem.at[depth, cols]
-        b_operand = lambda b_smem: b_smem
+        b_operand = lambda b_smem, j: b_smem.at[pl.ds(j * BLOCK, BLOCK)] if step > 1 else b_smem
     else:
-        b_spec = plgpu.BlockSpec((tn, BLOCK), lambda k: (0, k), transforms=in_transforms, collective_axes=multicast)
+        b_spec = plgpu.BlockSpec((tn, step * BLOCK), lambda k: (0, k), transforms=in_transforms,
+                                 collective_axes=multicast)
         b_cols = lambda b_gmem, cols, depth: b_gmem.at[cols, depth]
-        b_operand = lambda b_smem: b_smem.transpose((1, 0))
+        b_operand = lambda b_smem, j: (b_smem.at[:, pl.ds(j * BLOCK, BLOCK)] if step > 1 else b_smem).transpose((1, 0))
 
     def kernel(a_gmem, b_gmem, sa_gmem, sb_gmem, out_gmem, out_smem):
         wg = lax.axis_index("wg")
         cta = lax.axis_index("cluster") if cluster > 1 else 0
 
-        def get_pipeline(body, compute_context):
+        def get_pipeline(body, compute_context, state=None):
             specs = [
-                plgpu.BlockSpec((TILE_M, BLOCK), lambda k: (0, k), transforms=in_transforms),  # qa's slice
-                b_spec,  # qb's slice
-                plgpu.BlockSpec((1, 2, WG_M), lambda k: (k, 0, 0)),  # qa's row scales
+                plgpu.BlockSpec((TILE_M, step * BLOCK), lambda k: (0, k), transforms=in_transforms),  # qa's slices
+                b_spec,  # qb's slices
+                plgpu.BlockSpec((step, 2, WG_M), lambda k: (k, 0, 0)),  # qa's row scales
             ]
             if not block_scales:
-                specs.append(plgpu.BlockSpec((1, tn), lambda k: (k, 0)))  # qb's row scales
+                specs.append(plgpu.BlockSpec((step, tn), lambda k: (k, 0)))  # qb's row scales
             return plgpu.emit_pipeline_warp_specialized(
                 body, grid=(k_iters,), memory_registers=40, in_specs=specs, wg_axis="wg", num_compute_wgs=2,
-                max_concurrent_steps=tuning.stages, compute_context=compute_context)
+                max_concurrent_steps=tuning.stages, compute_context=compute_context, pipeline_state=state)
 
         def tile_refs(m_idx, n_idx, split):
             cols = pl.ds(n_idx * tn, tn)
-            depth, slices = pl.ds(split * k_iters * BLOCK, k_iters * BLOCK), pl.ds(split * k_iters, k_iters)
+            run = k_iters * step  # a split's slices
+            depth, slices = pl.ds(split * run * BLOCK, run * BLOCK), pl.ds(split * run, run)
             refs = [a_gmem.at[pl.ds(m_idx * TILE_M, TILE_M), depth], b_cols(b_gmem, cols, depth),
                     sa_gmem.at[slices, pl.ds(m_idx * 2, 2), :]]
             if not block_scales:
@@ -287,25 +308,39 @@ def _call(a, b, sa, sb, *, out_dtype, block_scales: bool, tuning: Tuning, interp
                 def body(idx, a_smem, b_smem, sa_smem, *sb_smem_and_acc):
                     (k,) = idx
                     *sb_smem, acc = sb_smem_and_acc
-                    if block_scales:
-                        sb = sb_gmem[n_idx * tn // BLOCK, split * k_iters + k]  # one scale for the tile's columns
 
-                    def mma(part_ref):
-                        plgpu.wgmma(part_ref, a_smem.at[rows], b_operand(b_smem))
-                        return part_ref[...]
+                    if block_scales:  # one scale a slice for the tile's columns, loaded before the MMAs wait
+                        col = n_idx * tn // BLOCK
+                        first = split * k_iters + k if step == 1 else (split * k_iters + k) * step
+                        sbs = [sb_gmem[col, first + j if j else first] for j in range(step)]
 
-                    part = pl.run_scoped(mma, plgpu.ACC((WG_M, tn), jnp.float32))
-                    sa = cast(sa_smem[0, wg], plgpu.Layout.WGMMA.reduce(1))  # [64] this warpgroup's rows
-                    if block_scales:
-                        scale = lax.broadcast_in_dim(sa * sb, (WG_M, tn), (0,))
-                    else:
+                    def scale_of(j):  # slice j of this step: [WG_M, tn] products of row and column scales
+                        sa = cast(sa_smem[j, wg], plgpu.Layout.WGMMA.reduce(1))  # [64] this warpgroup's rows
+                        if block_scales:
+                            return lax.broadcast_in_dim(sa * sbs[j], (WG_M, tn), (0,))
                         (sb_ref,) = sb_smem
-                        sb = cast(sb_ref[0], plgpu.Layout.WGMMA.reduce(0))  # [128] the tile's columns
-                        scale = (lax.broadcast_in_dim(sa, (WG_M, tn), (0,))
-                                 * lax.broadcast_in_dim(sb, (WG_M, tn), (1,)))
-                    return acc + part * scale
+                        sb = cast(sb_ref[j], plgpu.Layout.WGMMA.reduce(0))  # [tn] the tile's columns
+                        return lax.broadcast_in_dim(sa, (WG_M, tn), (0,)) * lax.broadcast_in_dim(sb, (WG_M, tn), (1,))
 
-                get_pipeline(body, compute_context)(*tile_refs(m_idx, n_idx, split), allocations=allocs)
+                    def mma(*part_refs):  # every slice's MMA issued, then each product added as it completes
+                        for j, part_ref in enumerate(part_refs):
+                            a_part = a_smem.at[rows, pl.ds(j * BLOCK, BLOCK)] if step > 1 else a_smem.at[rows]
+                            plgpu.wgmma(part_ref, a_part, b_operand(b_smem, j))
+                        out = acc
+                        for j, part_ref in enumerate(part_refs):
+                            part = plgpu.wgmma_accumulator_load(part_ref, wait_n=step - 1 - j)
+                            out = out + part * scale_of(j)
+                        return out
+
+                    return pl.run_scoped(mma, *[plgpu.ACC((WG_M, tn), jnp.float32)] * step)
+
+                state = None
+                if chained:  # this CTA's first tile fills the pipeline, its last drains it
+                    states = plgpu.PipelinePipeline
+                    last = info.local_index == info.num_local_steps - 1
+                    state = jnp.where(info.local_index == 0, int(states.START),
+                                      jnp.where(last, int(states.STOP), int(states.STEADY)))
+                get_pipeline(body, compute_context, state)(*tile_refs(m_idx, n_idx, split), allocations=allocs)
 
         plgpu.wait_smem_to_gmem(0)
 

@@ -180,6 +180,75 @@ def test_interpreter_split_contraction_matches_block_gemm(form):
 
 
 @cpu_only
+@pytest.mark.parametrize("stages", [2, 4])
+def test_interpreter_chained_tiles_match_block_gemm(stages):
+    """``Tuning.chain``: each of 2 CTAs runs its 4 or 5 tiles (3 x 3) as one pipeline of 8 slices each, through the
+    interpreter with its race detector on; against block_gemm within twice f32's bound, and no race."""
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+    p, q, c = 300, 260, 1024
+    qa, sa, qb, sb, rows = _quantized(p, q, c, "blocks")
+    params = InterpretGPUParams(uninitialized_memory="zero", detect_races=True)
+    got = block_gemm_mgpu(qa, sa, qb, sb, interpret=params, tuning=Tuning(num_sms=2, stages=stages, chain=True))
+    assert not gpu_callbacks.get_races().races_found
+    want = jax.jit(block.block_gemm)(qa, sa, qb, rows)
+    err = np.abs(np.asarray(got) - np.asarray(want))
+    assert (err <= 2 * _f32_bound(c, _magnitude(qa, sa, qb, rows))).all(), err.max()
+
+
+@cpu_only
+@pytest.mark.parametrize("c,tuning,form", [
+    (1100, Tuning(num_sms=2, stages=2, pair=True, splits=3), "blocks"),  # runs of 3 slices, each padded to 4
+    (1024, Tuning(num_sms=2, stages=2, pair=True, chain=True, tile_n=64), "rows"),
+], ids=["split_odd_runs", "chained_64_columns"])
+def test_interpreter_paired_slices_match_block_gemm(c, tuning, form):
+    """``Tuning.pair`` (two slices a pipeline step, the second's MMA running while the first's product is added)
+    through the interpreter with its race detector on: against block_gemm within twice f32's bound, and no race."""
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+    qa, sa, qb, sb, rows = _quantized(300, 260, c, form)
+    params = InterpretGPUParams(uninitialized_memory="zero", detect_races=True)
+    got = block_gemm_mgpu(qa, sa, qb, sb, interpret=params, tuning=tuning)
+    assert not gpu_callbacks.get_races().races_found
+    want = jax.jit(block.block_gemm)(qa, sa, qb, rows)
+    err = np.abs(np.asarray(got) - np.asarray(want))
+    assert (err <= 2 * _f32_bound(c, _magnitude(qa, sa, qb, rows))).all(), err.max()
+
+
+def test_paired_slices_lower_to_two_mma_groups(mosaic_modules):
+    """``Tuning.pair`` lowers to two wgmma groups a step, the first waited for while the second runs (a wait for
+    one group in flight, then for none); a third stage of two slices no longer fits in shared memory."""
+    from jax._src.interpreters import mlir as jax_mlir
+    from jax._src.lib.mlir import ir
+
+    args = [jax.ShapeDtypeStruct(s, d) for s, d in [((4096, 2048), jnp.float8_e4m3fn), ((4096, 16), jnp.float32),
+                                                       ((3072, 2048), jnp.float8_e4m3fn), ((24, 16), jnp.float32)]]
+    [module] = mosaic_modules(lambda *a: block_gemm_mgpu(*a, tuning=Tuning(cluster=2, pair=True, stages=2)), *args)
+    context = jax_mlir.make_ir_context()
+    context.allow_unregistered_dialects = True
+    with context:
+        text = ir.Module.parse(module).operation.get_asm(enable_debug_info=False)
+    waits = [line for line in text.splitlines() if "nvvm.wgmma.wait.group.sync.aligned" in line]
+    assert len(waits) == 2 and "group = 1" in waits[0] and "group = 0" in waits[1], waits
+    with pytest.raises(Exception, match="shared memory"):
+        mosaic_modules(lambda *a: block_gemm_mgpu(*a, jnp.bfloat16, tuning=Tuning(pair=True, stages=3)), *args)
+
+
+def test_chained_tiles_lower_for_cuda(mosaic_modules):
+    """``Tuning.chain`` with 2-CTA clusters at a training step's q|k|v shape lowers to one kernel; stages that do
+    not divide a tile's steps are refused."""
+    args = [jax.ShapeDtypeStruct(s, d) for s, d in [((4096, 2048), jnp.float8_e4m3fn), ((4096, 16), jnp.float32),
+                                                       ((3072, 2048), jnp.float8_e4m3fn), ((24, 16), jnp.float32)]]
+    tuning = Tuning(cluster=2, chain=True)
+    [module] = mosaic_modules(lambda *a: block_gemm_mgpu(*a, out_dtype=jnp.bfloat16, tuning=tuning), *args)
+    assert WGMMA_E4M3 in module
+    with pytest.raises(ValueError, match="chain needs stages=3 to divide a tile's 16"):
+        mosaic_modules(lambda *a: block_gemm_mgpu(*a, tuning=Tuning(chain=True, stages=3)), *args)
+
+
+@cpu_only
 def test_interpreter_bf16_output_is_the_f32_result_rounded():
     qa, sa, qb, sb, _ = _quantized(130, 200, 256, "blocks", seed=1)
     run = lambda dtype: block_gemm_mgpu(qa, sa, qb, sb, dtype, interpret=True, tuning=Tuning(num_sms=2))
@@ -234,6 +303,24 @@ def test_gpu_exact_slice_sums_equal_block_gemm(p, q, c, form, cluster, tile_n):
     assert (err <= tol).all(), f"max err {err.max()}, max err / magnitude {(err / np.maximum(mag, 1e-30)).max()}"
     got16 = jax.jit(lambda *a: block_gemm_mgpu(*a, jnp.bfloat16, tuning=tuning))(qa, sa, qb, sb)
     np.testing.assert_array_equal(np.asarray(got16, np.float32), np.asarray(got.astype(jnp.bfloat16), np.float32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", [dict(chain=True), dict(pair=True, stages=2),
+                                     dict(pair=True, stages=2, chain=True)], ids=["chain", "pair", "pair_chain"])
+@pytest.mark.parametrize("cluster", [1, 2])
+@pytest.mark.parametrize("p,q,c,form", [(4096, 4096, 4096, "blocks"), (2048, 3072, 2048, "rows"),
+                                        (200, 576, 1536 + 128, "blocks")])
+def test_gpu_kernel_variants_equal_block_gemm(p, q, c, form, cluster, variant):
+    """``Tuning.chain`` (a CTA's tiles as one pipeline) and ``Tuning.pair`` (two slices a step; 13 slices: one zero
+    slice added) on small-integer operands: the same bound as the plain kernel's exact test."""
+    qa, sa, qb, sb, rows = _integers(p, q, c, form)
+    tuning = Tuning(cluster=cluster, **variant)
+    got = jax.jit(lambda *a: block_gemm_mgpu(*a, tuning=tuning))(qa, sa, qb, sb)
+    want = jax.jit(block.block_gemm)(qa, sa, qb, rows)
+    mag = np.asarray(_magnitude(qa, sa, qb, rows))
+    err = np.abs(np.asarray(got) - np.asarray(want))
+    assert (err <= (3 * block.num_blocks(c) + 4) * U * mag).all(), err.max()
 
 
 @pytest.mark.gpu
