@@ -316,6 +316,10 @@ def test_gpu_kernel_variants_equal_block_gemm(p, q, c, form, cluster, variant):
     slice added) on small-integer operands: the same bound as the plain kernel's exact test."""
     qa, sa, qb, sb, rows = _integers(p, q, c, form)
     tuning = Tuning(cluster=cluster, **variant)
+    if tuning.chain and -(-block.num_blocks(c) // (1 + tuning.pair)) % tuning.stages:  # 13 slices: 13 or 7 steps
+        with pytest.raises(ValueError, match="Tuning.chain needs stages"):
+            block_gemm_mgpu(qa, sa, qb, sb, tuning=tuning)
+        return
     got = jax.jit(lambda *a: block_gemm_mgpu(*a, tuning=tuning))(qa, sa, qb, sb)
     want = jax.jit(block.block_gemm)(qa, sa, qb, rows)
     mag = np.asarray(_magnitude(qa, sa, qb, rows))
@@ -437,9 +441,13 @@ def test_gpu_block_linear_runs_the_kernel_and_matches_the_emulation(monkeypatch,
 
 
 def test_a_decode_steps_rows_take_the_small_m_tuning():
-    """Up to SMALL_M rows: 2-CTA clusters of 64-column tiles; more rows, or the interpreter (no clusters): Tuning()."""
+    """Up to SMALL_M rows: 2-CTA clusters of 64-column tiles; more rows: slices in pairs, tiles chained where the 2
+    stages divide a tile's steps; the interpreter (no clusters): Tuning()."""
     assert block_kernel.default_tuning(block_kernel.SMALL_M) == block_kernel.Tuning(cluster=2, tile_n=64)
-    assert block_kernel.default_tuning(block_kernel.SMALL_M + 1) == block_kernel.Tuning()
+    large = block_kernel.Tuning(stages=2, pair=True)
+    for slices, chain in ((16, True), (64, True), (320, True), (15, True), (13, False), (14, False), (1, False)):
+        assert block_kernel.default_tuning(block_kernel.SMALL_M + 1, slices=slices) == dataclasses.replace(
+            large, chain=chain), slices
     # a llama1b decode step (132 multiprocessors off a GPU): q|k|v's 48 tiles of 128 columns become 96 of 64; o's and
     # w_down's 64 also split their slices in two; gate|up's 256 tiles of 128 columns stay so
     small = block_kernel.Tuning(cluster=2, tile_n=64)
