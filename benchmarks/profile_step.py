@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 
+from fp8rl_jax.bench import tree_commit
 from fp8rl_jax.bench.trace import summarize_trace
 
 GRAPHS_FLAG = "--xla_enable_command_buffers_during_profiling=true"
@@ -123,6 +124,7 @@ def main(argv=None) -> None:
                 code = "timeout"
             results[mode] = json.load(open(one)) if code == 0 and os.path.exists(one) else {"error": f"exit {code}"}
             results[mode]["xla_flags"] = env["XLA_FLAGS"]
+            results[mode]["commit"] = tree_commit()
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
         for phase in ("decode", "train"):

@@ -370,5 +370,6 @@ def _call(a, b, sa, sb, *, out_dtype, block_scales: bool, tuning: Tuning, interp
         thread_name="wg",
         interpret=interpret_params,
         # its shape and tuning in the name, so that a profile of a step tells its GEMMs apart
-        kernel_name=f"block_gemm_fp8_{pp}x{qp}x{cp}_n{tn}_c{cluster}_k{splits}",
+        kernel_name=(f"block_gemm_fp8_{pp}x{qp}x{cp}_n{tn}_c{cluster}_k{splits}"
+                     f"{'_pair' * tuning.pair}{'_chain' * chained}"),
     )(a, b, sa, sb)

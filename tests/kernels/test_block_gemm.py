@@ -237,13 +237,16 @@ def test_paired_slices_lower_to_two_mma_groups(mosaic_modules):
 
 
 def test_chained_tiles_lower_for_cuda(mosaic_modules):
-    """``Tuning.chain`` with 2-CTA clusters at a training step's q|k|v shape lowers to one kernel; stages that do
-    not divide a tile's steps are refused."""
+    """``Tuning.chain`` with 2-CTA clusters at a training step's q|k|v shape lowers to one kernel, and so does the
+    default there (pair and chain, named so); stages that do not divide a tile's steps are refused."""
     args = [jax.ShapeDtypeStruct(s, d) for s, d in [((4096, 2048), jnp.float8_e4m3fn), ((4096, 16), jnp.float32),
                                                        ((3072, 2048), jnp.float8_e4m3fn), ((24, 16), jnp.float32)]]
     tuning = Tuning(cluster=2, chain=True)
     [module] = mosaic_modules(lambda *a: block_gemm_mgpu(*a, out_dtype=jnp.bfloat16, tuning=tuning), *args)
     assert WGMMA_E4M3 in module
+    # the default at these rows (LARGE_M_TUNING): slices in pairs, tiles chained, both in the kernel's name
+    [module] = mosaic_modules(lambda *a: block_gemm_mgpu(*a, out_dtype=jnp.bfloat16), *args)
+    assert b"block_gemm_fp8_4096x3072x2048_n128_c1_k1_pair_chain" in module
     with pytest.raises(ValueError, match="chain needs stages=3 to divide a tile's 16"):
         mosaic_modules(lambda *a: block_gemm_mgpu(*a, tuning=Tuning(chain=True, stages=3)), *args)
 
