@@ -29,9 +29,10 @@ adds ``part * (sa[:, None] * sb)`` into its running f32 tile (64 registers each 
 runs on the tensor cores meanwhile. The epilogue writes the tile (f32 or BF16) to shared memory and stores it with TMA
 while the next tile's loads already stream in. Sizes that the 128 tiles do not divide are padded with zeros in the
 wrapper (a zero adds nothing, as in block_gemm; the padding is a copy of the operands, only where needed); scales are
-transposed there ([Cb, P]: one TMA row a slice). Two variants are opt-in (``Tuning.chain``: a CTA's tiles as one
-pipeline, no fill and drain between them; ``Tuning.pair``: two slices a pipeline step, the second's MMA running
-while the first's product is added), for the training shapes where the kernel trails cuBLASLt's per-tensor GEMM.
+transposed there ([Cb, P]: one TMA row a slice). Two variants (``Tuning.chain``: a CTA's tiles as one pipeline, no
+fill and drain between them; ``Tuning.pair``: two slices a pipeline step, the second's MMA running while the first's
+product is added) are the default above a decode step's rows (``default_tuning``), where the kernel trails
+cuBLASLt's per-tensor GEMM.
 
 What it assumes. A Hopper GPU (sm_90a: wgmma; Blackwell's MMA is tcgen05, another kernel), one device (a
 ``pallas_call`` is opaque to XLA's partitioner: under a mesh it would need a ``shard_map``), f32 scales, and 194
