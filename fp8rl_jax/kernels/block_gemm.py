@@ -99,7 +99,7 @@ SMALL_M = 256
 SMALL_M_TUNING = Tuning(cluster=2, tile_n=64)
 # More rows: two slices a pipeline step, a CTA's tiles chained where 2 stages divide a tile's steps (the slices, made
 # even, a multiple of 4). At llama1b's training shapes on an H200 (40960 rows; q|k|v, gate|up, w_down) the GEMM took
-# 0.447, 2.48 and 1.12 ms so against 0.502, 2.77 and 1.19 with Tuning(); without the chain 0.474, 2.62, 1.18
+# 0.447, 2.48 and 1.12 ms so against 0.488, 2.77 and 1.22 with Tuning(); without the chain 0.474, 2.62, 1.18
 LARGE_M_TUNING = Tuning(stages=2, pair=True)
 
 
