@@ -97,9 +97,9 @@ class Tuning:
 # (benchmarks/RESULTS.md, "Block-scaled FP8 on Hopper"); at 8192 rows Tuning() was the fastest of the eight timed
 SMALL_M = 256
 SMALL_M_TUNING = Tuning(cluster=2, tile_n=64)
-# More rows: two slices a pipeline step, a CTA's tiles chained where 2 stages divide a tile's steps (the slices, made
-# even, a multiple of 4). At llama1b's training shapes on an H200 (40960 rows; q|k|v, gate|up, w_down) the GEMM took
-# 0.447, 2.48 and 1.12 ms so against 0.488, 2.77 and 1.22 with Tuning(); without the chain 0.474, 2.62, 1.18
+# More rows: two slices a pipeline step, a CTA's tiles chained where the stages divide a tile's steps. At llama1b's
+# training shapes on an H200 (40960 rows; q|k|v, gate|up, w_down) the GEMM took 0.447, 2.48 and 1.12 ms so against
+# 0.488, 2.77 and 1.22 with Tuning(); without the chain 0.474, 2.62, 1.18
 LARGE_M_TUNING = Tuning(stages=2, pair=True)
 
 
@@ -114,7 +114,8 @@ def default_tuning(rows: int, interpret=False, *, cols: int = 0, slices: int = 1
     if interpret:
         return Tuning()
     if rows > SMALL_M:
-        return dataclasses.replace(LARGE_M_TUNING, chain=(slices + slices % 2) % 4 == 0)
+        steps = -(-slices // 2)  # a tile's pipeline steps: its slices in pairs (an odd run padded with a zero slice)
+        return dataclasses.replace(LARGE_M_TUNING, chain=steps % LARGE_M_TUNING.stages == 0)
     row_tiles, sms = -(-rows // TILE_M), _default_num_sms()
     tuning = SMALL_M_TUNING
     if cols and row_tiles * -(-cols // TILE_N) >= sms:
@@ -319,8 +320,8 @@ def _call(a, b, sa, sb, *, out_dtype, block_scales: bool, tuning: Tuning, interp
 
                     if block_scales:  # one scale a slice for the tile's columns, loaded before the MMAs wait
                         col = n_idx * tn // BLOCK
-                        first = split * k_iters + k if step == 1 else (split * k_iters + k) * step
-                        sbs = [sb_gmem[col, first + j if j else first] for j in range(step)]
+                        first = (split * k_iters + k) * step  # this step's first slice
+                        sbs = [sb_gmem[col, first + j] for j in range(step)]
 
                     def scale_of(j):  # slice j of this step: [WG_M, tn] products of row and column scales
                         sa = cast(sa_smem[j, wg], plgpu.Layout.WGMMA.reduce(1))  # [64] this warpgroup's rows
