@@ -15,6 +15,10 @@ bfloat16`` for BF16 outputs; the emulation then casts its f32 sum):
 
   mosaic       ``kernels.block_gemm.block_gemm_mgpu``, the weight's scales as 128 x 128 blocks (fprop, dgrad)
   mosaic_rows  the same kernel with one scale per weight row (the form the wgrad's second operand has)
+  cublaslt     ``kernels.cublaslt.block_gemm_cublaslt``: cuBLASLt's block-scaled FP8 GEMM (an XLA FFI call; its
+               library from ``--cublaslt-lib``, ``$FP8RL_CUBLASLT_LIB`` or a build into ``$FP8RL_CACHE/kernels``),
+               the weight's scales as 128 x 128 blocks
+  cublaslt_rows  the same with one scale per weight row
   emulated     ``fp8.block.block_gemm`` (the ``xla`` backend's block-scaled GEMM today: batched 128-deep dots)
   fp8_tensor   one scale per tensor (each activation's and the weight's current amax): ``lax.dot_general`` of the
                FP8 operands to f32, times the two inverse scales (XLA's cuBLASLt FP8 GEMM)
@@ -54,13 +58,15 @@ from jax import lax  # noqa: E402
 
 from fp8rl_jax.bench import device_name, emit, error_text, timeit, trace, tree_commit  # noqa: E402
 from fp8rl_jax.fp8 import block  # noqa: E402
-from fp8rl_jax.kernels.block_gemm import Tuning, block_gemm_mgpu  # noqa: E402
+from fp8rl_jax.kernels import cublaslt  # noqa: E402
+from fp8rl_jax.kernels.block_gemm import Tuning, block_gemm_mgpu, default_tuning  # noqa: E402
 
 SHAPES = {"square4k": (4096, 4096, 4096), "llama1b": (8192, 2048, 2048), "smollm2": (16384, 576, 1536),
           "decode_qkv": (256, 3072, 2048), "decode_down": (256, 2048, 8192)}  # a llama1b decode step's (256 slots)
 MORE_SHAPES = {"decode_o": (256, 2048, 2048), "decode_gate_up": (256, 16384, 2048)}  # by name only
 CHECK_SHAPES = {"tiny": (256, 256, 384), "odd": (200, 300, 300)}
-PATHS = ("mosaic", "mosaic_rows", "emulated", "fp8_tensor", "bf16")
+PATHS = ("mosaic", "mosaic_rows", "cublaslt", "cublaslt_rows", "emulated", "fp8_tensor", "bf16")
+DEFAULT_PATHS = ("mosaic", "mosaic_rows", "emulated", "fp8_tensor", "bf16")
 SWEEP = {"stages": (3, 4), "grid_width": (8,), "cluster": (1, 2), "tile_n": (128, 64)}  # --sweep: the Mosaic paths'
 CONTRACT = (((1,), (1,)), ((), ()))  # [M, K] . [N, K] over K
 E4M3_MAX = 448.0
@@ -98,6 +104,10 @@ def _one(path, out_dtype, tuning, interpret):
     if path == "mosaic_rows":
         return lambda d: block_gemm_mgpu(d["qx"], d["sx"], d["qw"], d["sw_rows"], out_dtype, tuning=tuning,
                                          interpret=interpret)
+    if path == "cublaslt":
+        return lambda d: cublaslt.block_gemm_cublaslt(d["qx"], d["sx"], d["qw"], d["sw"], out_dtype)
+    if path == "cublaslt_rows":
+        return lambda d: cublaslt.block_gemm_cublaslt(d["qx"], d["sx"], d["qw"], d["sw_rows"], out_dtype)
     if path == "emulated":
         return lambda d: block.block_gemm(d["qx"], d["sx"], d["qw"], d["sw_rows"]).astype(out_dtype)
     if path == "fp8_tensor":
@@ -177,7 +187,11 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
     p.add_argument("--shapes", default=",".join(SHAPES), help=f"of {list(SHAPES)}, or MxNxK")
-    p.add_argument("--paths", default=",".join(PATHS))
+    p.add_argument("--paths", default=",".join(DEFAULT_PATHS), help=f"of {PATHS}")
+    p.add_argument("--cublaslt-lib", default="", help="the cuBLASLt paths' built library (else $FP8RL_CUBLASLT_LIB, "
+                   "else built into $FP8RL_CACHE/kernels)")
+    p.add_argument("--default-tuning", action="store_true",
+                   help="the Mosaic paths with default_tuning's choice for each shape (not --stages etc.)")
     p.add_argument("--out-dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--repeats", type=int, default=10, help="GEMMs in one timed call (a scan)")
     p.add_argument("--timed", type=int, default=5, help="timed calls (median)")
@@ -226,9 +240,17 @@ def main(argv: list[str] | None = None) -> None:
                                      for s in args.splits.split(",") for v in variants))
     if not args.check and jax.default_backend() != "gpu":
         sys.exit("block_gemm_speed times a GPU; on this backend run --check")
+    if any(path.startswith("cublaslt") for path in paths):
+        if args.cublaslt_lib:
+            os.environ[cublaslt.ENV_LIB] = args.cublaslt_lib
+        from fp8rl_jax.model.assets import cache_dir
+
+        cublaslt.register(cache_dir() / "kernels")
     t0 = time.time()
     rows = []
     for name, (m, n, k) in shapes.items():
+        if args.default_tuning and not args.check:
+            tunings = [default_tuning(m, cols=n, slices=-(-k // 128))]
         rows += bench_shape(name, m, n, k, paths, jnp.dtype(args.out_dtype), repeats, timed, tunings,
                             interpret=args.check, distinct_weights=args.distinct_weights, trace=args.trace)
     commit = args.commit or tree_commit()

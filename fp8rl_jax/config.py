@@ -61,6 +61,10 @@ def base_config() -> ml_collections.ConfigDict:
     # block (1 x 128 activation / gradient tiles, 128 x 128 weight blocks, current, all three GEMMs; xla backend, sizes
     # padded to multiples of 128; DeepSeek-V3's recipe with fp8_format=e4m3: docs/accuracy.md, "Where FP8 loses")
     c.precision.scaling = "tensor"
+    # block scaling's GEMMs on a Hopper GPU: mosaic (kernels.block_gemm) | cublaslt (cuBLAS's block-scaled FP8 through
+    # an XLA FFI call, built on first use into $FP8RL_CACHE/kernels: a C++ compiler and cuBLAS's headers; or
+    # $FP8RL_CUBLASLT_LIB). Speed of each: benchmarks/RESULTS.md, "Block-scaled FP8 on Hopper"
+    c.precision.block_gemm = "mosaic"
     # the GEMMs of each FP8 linear that run in FP8, the others in BF16 with f32 sums: fprop (the forward), dgrad (the
     # input's gradient), wgrad (the weight's); fewer than three need backend=xla; without fprop both forwards stay
     # BF16, the rollout's too (fp8_e2e: the same forward in both). For ablations: docs/accuracy.md, "Where FP8 loses"
@@ -285,6 +289,7 @@ def validate(c: ml_collections.ConfigDict, known_rewards: Callable[[], Sequence[
     one_of(c, "precision.amax_compute_algo", ("max", "most_recent"))
     one_of(c, "precision.fp8_format", ("hybrid", "e4m3"))
     one_of(c, "precision.scaling", ("tensor", "rowwise", "block"))
+    one_of(c, "precision.block_gemm", ("mosaic", "cublaslt"))
     check(c.precision.scaling == "tensor" or c.precision.backend == "xla", "precision.scaling", c.precision.scaling,
           f"tensor, or {c.precision.scaling} with precision.backend=xla (Transformer Engine scales per tensor here)")
     gemms = listed(c, "precision.fp8_gemms", str, "a non-empty subset of fprop, dgrad, wgrad")

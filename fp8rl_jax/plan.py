@@ -120,7 +120,9 @@ def run_precision(config, role: str) -> Precision:
     fp8 = fp8 and (role == "train" or "fprop" in gemms)  # a rollout is forwards only
     recipe = Fp8Recipe(margin=p.margin, amax_history_len=p.amax_history_len,
                        amax_compute_algo=p.amax_compute_algo, fp8_format=p.fp8_format, scaling=p.scaling,
-                       fp8_gemms=gemms)
+                       fp8_gemms=gemms, block_gemm=p.block_gemm)
+    if fp8 and recipe.scaling == "block" and recipe.block_gemm == "cublaslt" and jax.default_backend() == "gpu":
+        _register_cublaslt()
     return Precision(
         backend=resolve_backend(p.backend) if fp8 else "bf16",
         recipe=recipe,
@@ -136,6 +138,18 @@ def run_precision(config, role: str) -> Precision:
         residual_in_gemm=p.residual_in_gemm,
         attention=p.attention,
     )
+
+
+def _register_cublaslt() -> None:
+    """The cuBLASLt block GEMM's FFI target, once a process: ``$FP8RL_CUBLASLT_LIB``, or the library in the model
+    cache's ``kernels`` folder, built there on first use (a C++ compiler and cuBLAS's headers: kernels.cublaslt)."""
+    from fp8rl_jax.kernels import cublaslt
+    from fp8rl_jax.model.assets import cache_dir
+
+    try:
+        cublaslt.register(cache_dir() / "kernels")
+    except (RuntimeError, FileNotFoundError, ValueError) as e:
+        raise ConfigError(f"precision.block_gemm=cublaslt: {e}") from e
 
 
 def streaming(config) -> bool:

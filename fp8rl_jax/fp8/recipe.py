@@ -79,6 +79,9 @@ Fp8LinearState = dict[str, Fp8Meta]  # {"x": Fp8Meta, "kernel": Fp8Meta, "grad":
 # mantissa with an unbounded exponent (``numerics.mantissa_rounded``), what power-of-2 scales reach at best
 SCALINGS = ("tensor", "rowwise", "current", "block", "mantissa")
 GEMMS = ("fprop", "dgrad", "wgrad")  # y = x w, dx = g w^T, dw = x^T g
+# block scaling's GEMM on a Hopper GPU: the Mosaic GPU kernel (kernels.block_gemm) or cuBLASLt's block-scaled FP8
+# (kernels.cublaslt, an XLA FFI call; registered by plan.py); elsewhere both are block.block_gemm's emulation
+BLOCK_GEMMS = ("mosaic", "cublaslt")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,10 +101,13 @@ class Fp8Recipe:
     scaling: str = "tensor"
     # the GEMMs that run in FP8, the rest on compute-dtype operands (f32 accumulation): a subset of GEMMS, in order
     fp8_gemms: tuple[str, ...] = GEMMS
+    block_gemm: str = "mosaic"  # of BLOCK_GEMMS: who runs block scaling's GEMMs on a Hopper GPU
 
     def __post_init__(self):
         if self.scaling not in SCALINGS:
             raise ValueError(f"scaling={self.scaling!r}; allowed: {SCALINGS}")
+        if self.block_gemm not in BLOCK_GEMMS:
+            raise ValueError(f"block_gemm={self.block_gemm!r}; allowed: {BLOCK_GEMMS}")
         gemms = tuple(self.fp8_gemms)
         if not gemms or any(g not in GEMMS for g in gemms) or len(set(gemms)) != len(gemms):
             raise ValueError(f"fp8_gemms={self.fp8_gemms!r}; allowed: a non-empty subset of {GEMMS}")

@@ -59,6 +59,7 @@ from fp8rl_jax.fp8.recipe import (
     scale_from_amax,
 )
 from fp8rl_jax.kernels import block_gemm as block_kernel
+from fp8rl_jax.kernels import cublaslt
 from fp8rl_jax.numerics import mantissa_rounded
 from fp8rl_jax.parallel import fsdp
 
@@ -168,15 +169,20 @@ def _rowwise_quantize(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
     return quantize(x, scale[..., None], dtype), 1.0 / scale
 
 
-def _block_gemm(qa: jax.Array, sa: jax.Array, qb: jax.Array, sb: jax.Array, form: str, out_dtype=None) -> jax.Array:
-    """``block.block_gemm`` -> [P, Q] in ``out_dtype`` (default f32): by ``kernels.block_gemm``'s Mosaic GPU kernel
-    where it runs (``block_kernel.runs_here``: float8 operands of one type on a Hopper GPU, no mesh of several
-    devices), else by block_gemm's XLA emulation. ``sb``: one row of scales per row of qb [Q, Cb], or a weight's
-    128 x 128 block scales [ceil(Q / 128), Cb]. The kernel sums each 128-deep slice in the tensor cores'
-    accumulator (DeepGEMM's precision: fewer bits than the emulation's f32 sums, section "Block-scaled FP8" of
-    docs/accuracy.md); the scaled slices are added in f32 by both, in the same order."""
-    if form == "f8" and block_kernel.runs_here(qa, qb):
-        kernel_dtype = out_dtype if jnp.dtype(out_dtype or jnp.float32) == jnp.bfloat16 else jnp.float32
+def _block_gemm(qa: jax.Array, sa: jax.Array, qb: jax.Array, sb: jax.Array, form: str, out_dtype=None,
+                impl: str = "mosaic") -> jax.Array:
+    """``block.block_gemm`` -> [P, Q] in ``out_dtype`` (default f32): on a Hopper GPU outside a mesh of several
+    devices by ``impl`` (``Fp8Recipe.block_gemm``), where it runs: ``mosaic``, ``kernels.block_gemm``'s Mosaic GPU
+    kernel (float8 operands of one type: ``block_kernel.runs_here``), or ``cublaslt``, cuBLASLt's block-scaled FP8
+    GEMM (its FFI target registered, not two E5M2 operands: ``cublaslt.runs_here``); else block_gemm's XLA
+    emulation. ``sb``: one row of scales per row of qb [Q, Cb], or a weight's 128 x 128 block scales
+    [ceil(Q / 128), Cb]. Both GPU paths sum each 128-deep slice in the tensor cores' accumulator (DeepGEMM's
+    precision: fewer bits than the emulation's f32 sums, section "Block-scaled FP8" of docs/accuracy.md) and add the
+    scaled slices in f32."""
+    kernel_dtype = out_dtype if jnp.dtype(out_dtype or jnp.float32) == jnp.bfloat16 else jnp.float32
+    if form == "f8" and impl == "cublaslt" and cublaslt.runs_here(qa, qb, kernel_dtype):
+        y = cublaslt.block_gemm_cublaslt(qa, sa, qb, sb, kernel_dtype)
+    elif form == "f8" and impl == "mosaic" and block_kernel.runs_here(qa, qb):
         y = block_kernel.block_gemm_mgpu(qa, sa, qb, sb, kernel_dtype)
     else:
         y = block.block_gemm(qa, sa, qb, block.block_rows(sb, qb.shape[0]))
@@ -208,7 +214,8 @@ def prequantized_matmul(
                          "input itself")
     if recipe.scaling == "block":  # x_scale unused: each 1 x 128 tile of x has its own current scale
         (qx, sx), _ = block.tile_quantize_both(x, recipe.fwd_dtype, cols=False)
-        y = _block_gemm(gemm_operand(qx, recipe.fwd_dtype, form), sx, qw, kernel.scale_inv, form, out_dtype)
+        y = _block_gemm(gemm_operand(qx, recipe.fwd_dtype, form), sx, qw, kernel.scale_inv, form, out_dtype,
+                        recipe.block_gemm)
     elif recipe.scaling in ("current", "mantissa"):  # x_scale unused: x's own amax, or no scale (sx 1)
         qx, sx = _quantized(x, recipe.fwd_dtype, recipe.scaling)
         # [M, K] . [N, K] -> [M, N]
@@ -348,7 +355,8 @@ def _dgrad(g: jax.Array, w: jax.Array, kinds, recipe: Fp8Recipe, form: str, s_g,
     if kinds[0] == "tile":  # g in 1 x 128 tiles along N, w in 128 x 128 blocks
         qg, sg = g_tiles[0] if g_tiles else block.tile_quantize(g, bwd)
         qw, sw = block.block_quantize(w, fwd)
-        return _block_gemm(gemm_operand(qg, bwd, form), sg, gemm_operand(qw, fwd, form), sw, form, x_dtype)
+        return _block_gemm(gemm_operand(qg, bwd, form), sg, gemm_operand(qw, fwd, form), sw, form, x_dtype,
+                           recipe.block_gemm)
     qg, sg = _quantized(g, bwd, kinds[0], s_g)
     qw, sw = _quantized(w, fwd, kinds[1], s_w)
     # [M, N] . [N, K] -> [M, K], laid out as the standard path's (the same sums in the same order)
@@ -362,7 +370,8 @@ def _wgrad(x: jax.Array, g: jax.Array, kinds, recipe: Fp8Recipe, form: str, s_x,
     if kinds[0] == "tile":  # x and g in 128 x 1 tiles: 1 x 128 tiles of their transposes, along the tokens
         _, (qx, sx) = block.tile_quantize_both(x, fwd, rows=False)
         qg, sg = (g_tiles or block.tile_quantize_both(g, bwd, rows=False))[1]
-        return _block_gemm(gemm_operand(qx, fwd, form), sx, gemm_operand(qg, bwd, form), sg, form)
+        return _block_gemm(gemm_operand(qx, fwd, form), sx, gemm_operand(qg, bwd, form), sg, form,
+                           impl=recipe.block_gemm)
     qx, sx = _quantized(x, fwd, kinds[0], s_x)
     qg, sg = _quantized(g, bwd, kinds[1], s_g)
     # [M, K]^T . [M, N] -> [K, N]
