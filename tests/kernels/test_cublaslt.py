@@ -89,11 +89,11 @@ def test_lowers_for_cuda_to_one_ffi_call(p, q, c, form, out_dtype):
 
 
 def test_rows_of_odd_bytes_are_padded_to_16():
-    """A contraction (2000 -> 2000: whole 16 bytes; 1000 -> 1008) and an output row (Q=150 f32 -> 152) that are not
-    whole 16 bytes: zeros after the end, the output cut back to [P, Q]."""
+    """A contraction (1000 -> 1008) and an output row (Q=150 f32 -> 152) that are not whole 16 bytes, and rows P that
+    are no multiple of 4 (130 -> 132): zeros after the end, the output cut back to [P, Q]."""
     qa, sa, qb, sb, _ = _operands(130, 150, 1000, "rows")
     text = _cuda_text(lambda *a: cublaslt.block_gemm_cublaslt(*a), qa, sa, qb, sb)
-    assert "tensor<130x1008xf8E4M3FN>" in text and "tensor<152x1008xf8E4M3FN>" in text
+    assert "tensor<132x1008xf8E4M3FN>" in text and "tensor<152x1008xf8E4M3FN>" in text
     out = jax.eval_shape(cublaslt.block_gemm_cublaslt, qa, sa, qb, sb)
     assert out.shape == (130, 150)
 
@@ -193,7 +193,8 @@ def cublaslt_registered(tmp_path_factory):
 GPU_CASES = [  # p, q, c, form
     (128, 128, 128, "blocks"),
     (200, 576, 1536, "blocks"),  # SmolLM2-ish: rows that are no multiple of 128 or 4
-    (130, 576, 1536, "rows"),
+    (130, 576, 1536, "rows"),  # P no multiple of 4: padded
+    (130, 576, 1536, "blocks"),
     (576, 1536, 2000, "rows"),  # a wgrad's shape (C = tokens, no multiple of 128)
     (64, 150, 1000, "rows"),  # rows of odd bytes: padded
     (4096, 4096, 4096, "blocks"),

@@ -9,8 +9,8 @@ scales). Operands: qa [P, C] and qb [Q, C], E4M3 or E5M2 (cuBLAS multiplies E4M3
 E5M2); qa scaled per row and slice ([P, Cb]), qb per row and slice ([Q, Cb]) or per 128 x 128 block ([ceil(Q/128),
 Cb]). The wrapper lays the scales out as cuBLASLt reads them (transposed, their minor axis padded to a multiple of 4,
 the layout Transformer Engine calls GEMM-ready). cuBLAS's FP8 GEMM wants rows of whole 16 bytes (C, and Q of the
-output): other sizes are padded with zeros there (a copy; a zero adds nothing; 128 divides neither pad, so the scales
-keep their shapes).
+output), and P a multiple of 4: other sizes are padded with zeros there (a copy; a zero adds nothing; no pad crosses a
+128 boundary, so the scales keep their shapes).
 
 The library. ``build`` compiles ``block_gemm.cc`` with the host's C++ compiler against the XLA FFI headers that
 jaxlib ships (``jax.ffi.include_dir()``) and cuBLAS's and CUDA's headers (the ``nvidia-cublas`` and
@@ -203,16 +203,20 @@ def block_gemm_cublaslt(qa: jax.Array, a_scale_inv: jax.Array, qb: jax.Array, b_
         raise ValueError(f"b_scale_inv must be [Q, Cb] = {(q, cb)} or [ceil(Q/128), Cb] = {(_blocks(q), cb)}, "
                          f"not {b_scale_inv.shape}")
     sa = jnp.pad(a_scale_inv.astype(jnp.float32).T, ((0, 0), (0, _round_up(p, 4) - p)))  # [Cb, round_up(P, 4)]
-    # rows of whole 16 bytes: C for both operands, Q for the output (zeros; the pads stay inside the last block)
+    # rows of whole 16 bytes: C for both operands, Q for the output (zeros; the pads stay inside the last block);
+    # and P a multiple of 4 (cuBLASLt found no algorithm for 130 rows of 1 x 128 tiles on an H200)
     cp, qp = _round_up(c, ALIGN_BYTES), _round_up(q, ALIGN_BYTES // jnp.dtype(out_dtype).itemsize)
+    pp = _round_up(p, 4)
+    if cp != c or pp != p:
+        qa = jnp.pad(qa, ((0, pp - p), (0, cp - c)))
     if cp != c:
-        qa, qb = jnp.pad(qa, ((0, 0), (0, cp - c))), jnp.pad(qb, ((0, 0), (0, cp - c)))
+        qb = jnp.pad(qb, ((0, 0), (0, cp - c)))
     if qp != q:
         qb = jnp.pad(qb, ((0, qp - q), (0, 0)))
         if not weight_blocks:
             sb = jnp.pad(sb, ((0, 0), (0, _round_up(qp, 4) - sb.shape[1])))
     out, _ = jax.ffi.ffi_call(
         TARGET,
-        (jax.ShapeDtypeStruct((p, qp), jnp.dtype(out_dtype)), jax.ShapeDtypeStruct((WORKSPACE_BYTES,), jnp.uint8)),
+        (jax.ShapeDtypeStruct((pp, qp), jnp.dtype(out_dtype)), jax.ShapeDtypeStruct((WORKSPACE_BYTES,), jnp.uint8)),
     )(qa, sa, qb, sb, weight_blocks=np.int32(weight_blocks))
-    return out if qp == q else out[:, :q]
+    return out if (pp, qp) == (p, q) else out[:p, :q]
