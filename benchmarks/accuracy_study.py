@@ -44,6 +44,9 @@ MODES = {
     "fp8_rollout_tis": {"precision.mode": "fp8_rollout", "rl.is_correction": "tis"},
     "fp8_e2e": {"precision.mode": "fp8_e2e", "rl.is_correction": "none"},
     "fp8_e2e_tis": {"precision.mode": "fp8_e2e", "rl.is_correction": "tis"},
+    # per-tensor delayed scaling on the xla backend (fp8_e2e is Transformer Engine's where it is installed): the
+    # per-tensor form in the block study's setting, without TE
+    "fp8_e2e_xla": {"precision.mode": "fp8_e2e", "precision.backend": "xla", "rl.is_correction": "none"},
     # asynchronous GRPO: every batch sampled up to one update ahead (rollout.max_staleness), TIS against the
     # sampling version's logprobs; fp8_e2e_tis is its synchronous pair
     "fp8_e2e_tis_stale1": {"precision.mode": "fp8_e2e", "rl.is_correction": "tis", "rollout.max_staleness": 1},
