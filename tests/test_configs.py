@@ -42,6 +42,7 @@ def test_every_config_loads_and_validates(path, tmp_path):
         ("precision.bf16_linears", ("w_down,w_up",), "config.precision.bf16_linears"),
         ("precision.scaling", "blockwise", "config.precision.scaling='blockwise'"),
         ("precision.attention", "flash", "config.precision.attention='flash'"),
+        ("precision.block_gemm", "cutlass", "config.precision.block_gemm='cutlass'"),
         # rowwise is built in the xla backend only; the default backend (auto) may pick te
         ("precision.scaling", "rowwise", "rowwise with precision.backend=xla"),
         ("precision.fp8_gemms", ("fprop,bwd",), "a non-empty subset of fprop, dgrad, wgrad"),
@@ -131,3 +132,19 @@ def test_num_layers_cuts_a_preset_and_is_refused_for_a_file_model():
     config.model.num_layers = 4
     with pytest.raises(ConfigError, match="num_layers=4 is invalid; allowed: 0 with model.source='smollm2'"):
         validate(config)
+
+
+def test_block_gemm_is_the_recipes_and_registers_nothing_off_a_gpu(monkeypatch):
+    """``precision.block_gemm`` reaches both recipes; the cuBLASLt FFI target is registered on a GPU only (plan.py),
+    so a CPU run with block_gemm=cublaslt runs the emulation and needs no compiler."""
+    from fp8rl_jax.kernels import cublaslt
+    from fp8rl_jax.plan import run_precision
+
+    config = base_config()
+    config.precision.backend = "xla"
+    config.precision.scaling = "block"
+    config.precision.block_gemm = "cublaslt"
+    validate(config)
+    monkeypatch.setattr(cublaslt, "register", lambda *a, **k: pytest.fail("registered off a GPU"))
+    assert run_precision(config, "train").recipe.block_gemm == "cublaslt"
+    assert run_precision(config, "rollout").recipe.block_gemm == "cublaslt"

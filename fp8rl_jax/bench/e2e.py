@@ -78,8 +78,8 @@ MODES = {  # mode -> (precision.mode, extra XLA flags, config overrides)
                       {"precision.backend": "xla", "precision.scaling": "block", "precision.fp8_format": "e4m3"}),
     # the same with cuBLASLt's block-scaled FP8 GEMMs (kernels.cublaslt)
     "fp8_e2e_block_cublaslt": ("fp8_e2e", "--xla_gpu_enable_triton_gemm=false",
-                               {"precision.backend": "xla", "precision.scaling": "block", "precision.fp8_format": "e4m3",
-                                "precision.block_gemm": "cublaslt"}),
+                               {"precision.backend": "xla", "precision.scaling": "block",
+                                "precision.fp8_format": "e4m3", "precision.block_gemm": "cublaslt"}),
 }
 # dense BF16 tensor-core peaks (TFLOP/s) by device kind prefix; FP8 doubles them on Hopper
 BF16_PEAK_TFLOPS = {"NVIDIA H100": 989.4, "NVIDIA H200": 989.4, "NVIDIA GH200": 989.4}

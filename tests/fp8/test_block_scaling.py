@@ -272,6 +272,8 @@ def test_block_scaling_is_validated():
         Precision(backend="te", recipe=BLOCK)
     with pytest.raises(ValueError, match="scaling"):
         Fp8Recipe(scaling="blocks")
+    with pytest.raises(ValueError, match="block_gemm='cutlass'"):
+        Fp8Recipe(scaling="block", block_gemm="cutlass")
     c = config_lib.base_config()
     c.precision.scaling = "block"
     c.precision.backend = "xla"

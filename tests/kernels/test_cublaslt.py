@@ -257,6 +257,6 @@ def test_gpu_block_linear_through_cublaslt_equals_the_emulation(fmt, cublaslt_re
 
     got = grads(Fp8Recipe(scaling="block", fp8_format=fmt, block_gemm="cublaslt"), "f8")
     want = grads(Fp8Recipe(scaling="block", fp8_format=fmt), "f32")
-    for name, a, b in zip(("y", "dx", "dw"), got, want):
+    for name, a, b in zip(("y", "dx", "dw"), got, want, strict=True):
         scale = np.max(np.abs(b))
         assert np.max(np.abs(a - b)) <= 2.0**-7 * scale, (name, np.max(np.abs(a - b)) / scale)
