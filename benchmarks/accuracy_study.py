@@ -62,6 +62,10 @@ MODES = {
     # finer scaling: per token x per output channel in the forward (xla backend only)
     "fp8_e2e_rowwise_tis": {"precision.mode": "fp8_e2e", "precision.backend": "xla", "precision.scaling": "rowwise",
                             "rl.is_correction": "tis"},
+    # the same without TIS, as fp8_e2e_block and fp8_e2e_xla run: whether a finer forward scaling other than block's
+    # 1 x 128 tiles lifts the weights as block's forward does (docs/accuracy.md, "Block-scaled FP8")
+    "fp8_e2e_rowwise": {"precision.mode": "fp8_e2e", "precision.backend": "xla", "precision.scaling": "rowwise",
+                        "rl.is_correction": "none"},
     # block scaling (DeepSeek-V3's recipe: 1x128 activation tiles, 128x128 weight blocks, E4M3 both ways; xla
     # backend), alone and with the head's backward in BF16: the fidelity probe's two best FP8 end-to-end forms
     "fp8_e2e_block": {"precision.mode": "fp8_e2e", "precision.backend": "xla", "precision.scaling": "block",

@@ -149,7 +149,9 @@ def _register_cublaslt() -> None:
     try:
         cublaslt.register(cache_dir() / "kernels")
     except (RuntimeError, FileNotFoundError, ValueError) as e:
-        raise ConfigError(f"precision.block_gemm=cublaslt: {e}") from e
+        raise ConfigError(f"precision.block_gemm=cublaslt: {e}. Or build it where a compiler is (python -m "
+                          "fp8rl_jax.kernels.cublaslt --out DIR) and set $FP8RL_CUBLASLT_LIB to the path it "
+                          "prints") from e
 
 
 def streaming(config) -> bool:

@@ -148,3 +148,24 @@ def test_block_gemm_is_the_recipes_and_registers_nothing_off_a_gpu(monkeypatch):
     monkeypatch.setattr(cublaslt, "register", lambda *a, **k: pytest.fail("registered off a GPU"))
     assert run_precision(config, "train").recipe.block_gemm == "cublaslt"
     assert run_precision(config, "rollout").recipe.block_gemm == "cublaslt"
+
+
+def test_block_gemm_cublaslt_that_cannot_load_is_a_config_error_with_the_way_out(monkeypatch):
+    """On a GPU the run registers the handler at start-up; where it can neither build nor load, the error names the
+    key, the reason and the prebuild command."""
+    from fp8rl_jax import plan
+    from fp8rl_jax.kernels import cublaslt
+
+    config = base_config()
+    config.precision.backend = "xla"
+    config.precision.scaling = "block"
+    config.precision.block_gemm = "cublaslt"
+
+    def no_compiler(*a, **k):
+        raise RuntimeError("building the cuBLASLt block GEMM needs a C++ compiler: 'g++' is not on PATH (set CXX)")
+
+    monkeypatch.setattr(cublaslt, "register", no_compiler)
+    monkeypatch.setattr(plan.jax, "default_backend", lambda: "gpu")
+    message = r"precision.block_gemm=cublaslt: .*C\+\+ compiler.*fp8rl_jax.kernels.cublaslt"
+    with pytest.raises(ConfigError, match=message):
+        plan.run_precision(config, "train")

@@ -174,8 +174,9 @@ def _block_gemm(qa: jax.Array, sa: jax.Array, qb: jax.Array, sb: jax.Array, form
     """``block.block_gemm`` -> [P, Q] in ``out_dtype`` (default f32): on a Hopper GPU outside a mesh of several
     devices by ``impl`` (``Fp8Recipe.block_gemm``) where it runs: ``cublaslt``, cuBLASLt's block-scaled FP8 GEMM
     (its FFI target registered, not two E5M2 operands: ``cublaslt.runs_here``), else ``kernels.block_gemm``'s Mosaic
-    GPU kernel (float8 operands of one type: ``block_kernel.runs_here``); elsewhere block_gemm's XLA emulation. ``sb``: one row of scales per row of qb [Q, Cb], or a weight's 128 x 128 block scales
-    [ceil(Q / 128), Cb]. Both GPU paths sum each 128-deep slice in the tensor cores' accumulator (DeepGEMM's
+    GPU kernel (float8 operands of one type: ``block_kernel.runs_here``); elsewhere block_gemm's XLA emulation.
+    ``sb``: one row of scales per row of qb [Q, Cb], or a weight's 128 x 128 block scales [ceil(Q / 128), Cb].
+    Both GPU paths sum each 128-deep slice in the tensor cores' accumulator (DeepGEMM's
     precision: fewer bits than the emulation's f32 sums, section "Block-scaled FP8" of docs/accuracy.md) and add the
     scaled slices in f32."""
     kernel_dtype = out_dtype if jnp.dtype(out_dtype or jnp.float32) == jnp.bfloat16 else jnp.float32

@@ -138,6 +138,15 @@ def test_register_names_what_is_missing(tmp_path, monkeypatch):
         cublaslt.build(tmp_path)
 
 
+def test_prebuild_command_names_what_is_missing(tmp_path, monkeypatch, capsys):
+    """``python -m fp8rl_jax.kernels.cublaslt --out DIR``: exit 1 with the reason where it cannot build."""
+    from fp8rl_jax.kernels.cublaslt.__main__ import main
+
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    assert main(["--out", str(tmp_path)]) == 1
+    assert "needs a C++ compiler" in capsys.readouterr().err
+
+
 def test_library_name_follows_the_source():
     assert re.fullmatch(r"libfp8rl_cublaslt_[0-9a-f]{12}\.so", cublaslt.library_name())
 
