@@ -60,6 +60,8 @@ import numpy as np
 from fp8rl_jax.bench import emit, tree_commit
 
 PHASES = ("weights", "rollout", "reward", "score", "train", "calibrate", "step")
+# block scaling (1 x 128 tiles, 128 x 128 weight blocks, E4M3 throughout) on the xla backend
+BLOCK = {"precision.backend": "xla", "precision.scaling": "block", "precision.fp8_format": "e4m3"}
 MODES = {  # mode -> (precision.mode, extra XLA flags, config overrides)
     "bf16": ("bf16", "", {}),
     "bf16_cublas": ("bf16", "--xla_gpu_enable_triton_gemm=false", {}),
@@ -73,13 +75,11 @@ MODES = {  # mode -> (precision.mode, extra XLA flags, config overrides)
     "fp8_e2e_cublas": ("fp8_e2e", "--xla_gpu_enable_triton_gemm=false", {}),
     # XLA's own FP8 GEMMs (cuBLASLt), its fusions around them (casts and amaxes inside the producers' kernels)
     "fp8_e2e_xla": ("fp8_e2e", "--xla_gpu_enable_triton_gemm=false", {"precision.backend": "xla"}),
-    # block scaling (1 x 128 tiles, 128 x 128 weight blocks, E4M3 throughout): kernels.block_gemm on a Hopper GPU
-    "fp8_e2e_block": ("fp8_e2e", "--xla_gpu_enable_triton_gemm=false",
-                      {"precision.backend": "xla", "precision.scaling": "block", "precision.fp8_format": "e4m3"}),
+    # block scaling: kernels.block_gemm on a Hopper GPU
+    "fp8_e2e_block": ("fp8_e2e", "--xla_gpu_enable_triton_gemm=false", BLOCK),
     # the same with cuBLASLt's block-scaled FP8 GEMMs (kernels.cublaslt)
     "fp8_e2e_block_cublaslt": ("fp8_e2e", "--xla_gpu_enable_triton_gemm=false",
-                               {"precision.backend": "xla", "precision.scaling": "block",
-                                "precision.fp8_format": "e4m3", "precision.block_gemm": "cublaslt"}),
+                               {**BLOCK, "precision.block_gemm": "cublaslt"}),
 }
 # dense BF16 tensor-core peaks (TFLOP/s) by device kind prefix; FP8 doubles them on Hopper
 BF16_PEAK_TFLOPS = {"NVIDIA H100": 989.4, "NVIDIA H200": 989.4, "NVIDIA GH200": 989.4}

@@ -147,17 +147,21 @@ def _one_fp8_type(qa: jax.Array, qb: jax.Array) -> bool:
     return qa.dtype == qb.dtype and jnp.dtype(qa.dtype) in [jnp.dtype(t) for t in FP8_TYPES]
 
 
-def runs_here(qa: jax.Array, qb: jax.Array) -> bool:
-    """Whether ``block_gemm_mgpu`` runs for operands like these in this trace: a Hopper GPU (sm_90), no mesh of
-    several devices (a ``pallas_call`` has no partitioning rule: under one, XLA would gather its operands), and two
-    2-D FP8 operands of one type (the kernel's one wgmma type)."""
-    if jax.default_backend() != "gpu" or qa.ndim != 2 or qb.ndim != 2 or not _one_fp8_type(qa, qb):
-        return False
-    if getattr(jax.devices()[0], "compute_capability", None) != "9.0":
+def one_hopper() -> bool:
+    """Whether this trace is on a Hopper GPU (sm_90) outside a mesh of several devices: where a hand-written GEMM
+    (a ``pallas_call``, an FFI call: neither has a partitioning rule, so under a mesh XLA would gather its operands)
+    may run."""
+    if jax.default_backend() != "gpu" or getattr(jax.devices()[0], "compute_capability", None) != "9.0":
         return False
     from fp8rl_jax.parallel import rules
 
     return rules.active_mesh() is None
+
+
+def runs_here(qa: jax.Array, qb: jax.Array) -> bool:
+    """Whether ``block_gemm_mgpu`` runs for operands like these in this trace: ``one_hopper``, and two 2-D FP8
+    operands of one type (the kernel's one wgmma type)."""
+    return qa.ndim == 2 and qb.ndim == 2 and _one_fp8_type(qa, qb) and one_hopper()
 
 
 # a jitted function: a program that calls it many times (a rollout's unrolled layers) lowers each kernel signature

@@ -147,11 +147,6 @@ def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
-@functools.cache
-def _hopper() -> bool:
-    return jax.default_backend() == "gpu" and getattr(jax.devices()[0], "compute_capability", None) == "9.0"
-
-
 def refusal(qa: jax.Array, qb: jax.Array, out_dtype=jnp.float32) -> str | None:
     """Why cuBLASLt's block-scaled GEMM cannot take these operands (None: it can): 2-D FP8 operands of one
     contraction size, not both E5M2, an f32 or BF16 output."""
@@ -169,13 +164,11 @@ def refusal(qa: jax.Array, qb: jax.Array, out_dtype=jnp.float32) -> str | None:
 
 
 def runs_here(qa: jax.Array, qb: jax.Array, out_dtype=jnp.float32) -> bool:
-    """Whether ``block_gemm_cublaslt`` runs for these operands in this trace: the target registered, a Hopper GPU,
-    no mesh of several devices (an FFI call has no partitioning rule), operands it takes (``refusal``)."""
-    if not registered() or not _hopper() or refusal(qa, qb, out_dtype) is not None:
-        return False
-    from fp8rl_jax.parallel import rules
+    """Whether ``block_gemm_cublaslt`` runs for these operands in this trace: the target registered, operands it
+    takes (``refusal``), a Hopper GPU outside a mesh of several devices (``kernels.block_gemm.one_hopper``)."""
+    from fp8rl_jax.kernels.block_gemm import one_hopper
 
-    return rules.active_mesh() is None
+    return registered() and refusal(qa, qb, out_dtype) is None and one_hopper()
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype",))
@@ -193,28 +186,24 @@ def block_gemm_cublaslt(qa: jax.Array, a_scale_inv: jax.Array, qb: jax.Array, b_
         raise ValueError(f"block_gemm_cublaslt takes {reason}")
     if a_scale_inv.shape != (p, cb):
         raise ValueError(f"a_scale_inv must be [P, ceil(C/128)] = {(p, cb)}, not {a_scale_inv.shape}")
+    # rows of whole 16 bytes: C for both operands, Q for the output; and P a multiple of 4 (cuBLASLt found no
+    # algorithm for 130 rows of 1 x 128 tiles on an H200). Zeros; no pad crosses a 128 boundary
+    cp, qp = _round_up(c, ALIGN_BYTES), _round_up(q, ALIGN_BYTES // jnp.dtype(out_dtype).itemsize)
+    pp = _round_up(p, 4)
     if b_scale_inv.shape == (_blocks(q), cb):
         weight_blocks = 1  # (also Q <= 128 with one row of blocks: then both forms are one)
-        sb = jnp.pad(b_scale_inv.astype(jnp.float32), ((0, 0), (0, _round_up(cb, 4) - cb)))
+        sb = jnp.pad(b_scale_inv.astype(jnp.float32), ((0, 0), (0, _round_up(cb, 4) - cb)))  # [Qb, round_up(Cb, 4)]
     elif b_scale_inv.shape == (q, cb):
         weight_blocks = 0
-        sb = jnp.pad(b_scale_inv.astype(jnp.float32).T, ((0, 0), (0, _round_up(q, 4) - q)))
+        sb = jnp.pad(b_scale_inv.astype(jnp.float32).T, ((0, 0), (0, _round_up(qp, 4) - q)))  # [Cb, round_up(Qp, 4)]
     else:
         raise ValueError(f"b_scale_inv must be [Q, Cb] = {(q, cb)} or [ceil(Q/128), Cb] = {(_blocks(q), cb)}, "
                          f"not {b_scale_inv.shape}")
-    sa = jnp.pad(a_scale_inv.astype(jnp.float32).T, ((0, 0), (0, _round_up(p, 4) - p)))  # [Cb, round_up(P, 4)]
-    # rows of whole 16 bytes: C for both operands, Q for the output (zeros; the pads stay inside the last block);
-    # and P a multiple of 4 (cuBLASLt found no algorithm for 130 rows of 1 x 128 tiles on an H200)
-    cp, qp = _round_up(c, ALIGN_BYTES), _round_up(q, ALIGN_BYTES // jnp.dtype(out_dtype).itemsize)
-    pp = _round_up(p, 4)
-    if cp != c or pp != p:
+    sa = jnp.pad(a_scale_inv.astype(jnp.float32).T, ((0, 0), (0, pp - p)))  # [Cb, Pp]
+    if (pp, cp) != (p, c):
         qa = jnp.pad(qa, ((0, pp - p), (0, cp - c)))
-    if cp != c:
-        qb = jnp.pad(qb, ((0, 0), (0, cp - c)))
-    if qp != q:
-        qb = jnp.pad(qb, ((0, qp - q), (0, 0)))
-        if not weight_blocks:
-            sb = jnp.pad(sb, ((0, 0), (0, _round_up(qp, 4) - sb.shape[1])))
+    if (qp, cp) != (q, c):
+        qb = jnp.pad(qb, ((0, qp - q), (0, cp - c)))
     out, _ = jax.ffi.ffi_call(
         TARGET,
         (jax.ShapeDtypeStruct((pp, qp), jnp.dtype(out_dtype)), jax.ShapeDtypeStruct((WORKSPACE_BYTES,), jnp.uint8)),
