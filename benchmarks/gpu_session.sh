@@ -66,19 +66,20 @@ EOF
     cublaslt) # cuBLASLt's block-scaled FP8 GEMM (kernels/cublaslt): its library (.gpu/cublaslt, built where cuBLAS's
       # headers are: the image has no compiler headers for it) into the model cache, where the e2e children find it;
       # its GPU tests; its kernel time against the Mosaic kernel (default tuning), per-tensor FP8 and BF16 at llama1b's
-      # training shapes (fprop/dgrad BF16 out; the wgrad's form f32 out) and decode shapes (256 slots)
+      # training shapes (fprop/dgrad BF16 out; the wgrad's form f32 out) and decode shapes (256 slots, unless
+      # CL_DECODE=0); CL_ALGOS: each of the heuristic's first N algorithms
       lib=.gpu/cublaslt/$(python3 -c "from fp8rl_jax.kernels import cublaslt; print(cublaslt.library_name())")
       [ -f "$lib" ] && mkdir -p "$FP8RL_CACHE/kernels" && cp "$lib" "$FP8RL_CACHE/kernels/"
       timeout ${CL_TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_cublaslt.py 2>&1 \
         | tee "$OUT/cublaslt_tests.log" | tail -15
       bg=(python3 benchmarks/block_gemm_speed.py --commit "${FP8RL_COMMIT:-}" --distinct-weights --trace --default-tuning
-          --repeats 4)
+          --repeats 4 --cublaslt-algos ${CL_ALGOS:-1})
       timeout 240 "${bg[@]}" --shapes 40960x3072x2048,40960x16384x2048,40960x2048x8192 --out-dtype bfloat16 \
         --paths cublaslt,mosaic,fp8_tensor,bf16 --out "$OUT/block_gemm_cublaslt_train_${dev}.json" 2>&1 \
         | grep "^{\|rror\|wrote" | cut -c1-330
       timeout 150 "${bg[@]}" --shapes 2048x16384x40960,8192x2048x40960 --paths cublaslt_rows,mosaic_rows,fp8_tensor \
         --out "$OUT/block_gemm_cublaslt_wgrad_${dev}.json" 2>&1 | grep "^{\|rror\|wrote" | cut -c1-330
-      timeout 150 "${bg[@]}" --shapes decode_qkv,decode_o,decode_gate_up,decode_down --out-dtype bfloat16 \
+      [ "${CL_DECODE:-1}" = 0 ] || timeout 150 "${bg[@]}" --shapes decode_qkv,decode_o,decode_gate_up,decode_down --out-dtype bfloat16 \
         --paths cublaslt,mosaic,fp8_tensor,bf16 --out "$OUT/block_gemm_cublaslt_decode_${dev}.json" 2>&1 \
         | grep "^{\|rror\|wrote" | cut -c1-330 ;;
     bquant) # the block quantizer kernel alone at the llama1b train step's sizes, by form and num_warps, with its

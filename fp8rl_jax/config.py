@@ -63,7 +63,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.precision.scaling = "tensor"
     # block scaling's GEMMs on a Hopper GPU: mosaic (kernels.block_gemm) | cublaslt (cuBLAS's block-scaled FP8 through
     # an XLA FFI call, built on first use into $FP8RL_CACHE/kernels: a C++ compiler and cuBLAS's headers; or
-    # $FP8RL_CUBLASLT_LIB). Speed of each: benchmarks/RESULTS.md, "Block-scaled FP8 on Hopper"
+    # $FP8RL_CUBLASLT_LIB) | auto (cublaslt above a decode step's 256 rows, mosaic up to them; mosaic alone, with a
+    # warning, where the cuBLASLt library can neither build nor load). Speed of each: benchmarks/RESULTS.md,
+    # "Block-scaled FP8 on Hopper"
     c.precision.block_gemm = "mosaic"
     # the GEMMs of each FP8 linear that run in FP8, the others in BF16 with f32 sums: fprop (the forward), dgrad (the
     # input's gradient), wgrad (the weight's); fewer than three need backend=xla; without fprop both forwards stay
@@ -289,7 +291,7 @@ def validate(c: ml_collections.ConfigDict, known_rewards: Callable[[], Sequence[
     one_of(c, "precision.amax_compute_algo", ("max", "most_recent"))
     one_of(c, "precision.fp8_format", ("hybrid", "e4m3"))
     one_of(c, "precision.scaling", ("tensor", "rowwise", "block"))
-    one_of(c, "precision.block_gemm", ("mosaic", "cublaslt"))
+    one_of(c, "precision.block_gemm", ("mosaic", "cublaslt", "auto"))
     check(c.precision.scaling == "tensor" or c.precision.backend == "xla", "precision.scaling", c.precision.scaling,
           f"tensor, or {c.precision.scaling} with precision.backend=xla (Transformer Engine scales per tensor here)")
     gemms = listed(c, "precision.fp8_gemms", str, "a non-empty subset of fprop, dgrad, wgrad")

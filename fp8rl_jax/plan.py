@@ -9,6 +9,8 @@ read in one place; nothing below the trainer reads the config.
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 
 from fp8rl_jax.config_values import config_list
@@ -121,8 +123,8 @@ def run_precision(config, role: str) -> Precision:
     recipe = Fp8Recipe(margin=p.margin, amax_history_len=p.amax_history_len,
                        amax_compute_algo=p.amax_compute_algo, fp8_format=p.fp8_format, scaling=p.scaling,
                        fp8_gemms=gemms, block_gemm=p.block_gemm)
-    if fp8 and recipe.scaling == "block" and recipe.block_gemm == "cublaslt" and jax.default_backend() == "gpu":
-        _register_cublaslt()
+    if fp8 and recipe.scaling == "block" and recipe.block_gemm != "mosaic" and jax.default_backend() == "gpu":
+        _register_cublaslt(required=recipe.block_gemm == "cublaslt")
     return Precision(
         backend=resolve_backend(p.backend) if fp8 else "bf16",
         recipe=recipe,
@@ -140,18 +142,23 @@ def run_precision(config, role: str) -> Precision:
     )
 
 
-def _register_cublaslt() -> None:
+def _register_cublaslt(required: bool) -> None:
     """The cuBLASLt block GEMM's FFI target, once a process: ``$FP8RL_CUBLASLT_LIB``, or the library in the model
-    cache's ``kernels`` folder, built there on first use (a C++ compiler and cuBLAS's headers: kernels.cublaslt)."""
+    cache's ``kernels`` folder, built there on first use (a C++ compiler and cuBLAS's headers: kernels.cublaslt).
+    Where it can neither build nor load: a ConfigError for ``block_gemm=cublaslt`` (``required``), a warning for
+    ``auto``, whose GEMMs then all run on the Mosaic kernel (``fp8.xla._block_gemm`` asks ``cublaslt.runs_here``)."""
     from fp8rl_jax.kernels import cublaslt
     from fp8rl_jax.model.assets import cache_dir
 
     try:
         cublaslt.register(cache_dir() / "kernels")
     except (RuntimeError, FileNotFoundError, ValueError) as e:
-        raise ConfigError(f"precision.block_gemm=cublaslt: {e}. Or build it where a compiler is (python -m "
-                          "fp8rl_jax.kernels.cublaslt --out DIR) and set $FP8RL_CUBLASLT_LIB to the path it "
-                          "prints") from e
+        way_out = ("build it where a compiler is (python -m fp8rl_jax.kernels.cublaslt --out DIR) and set "
+                   "$FP8RL_CUBLASLT_LIB to the path it prints")
+        if required:
+            raise ConfigError(f"precision.block_gemm=cublaslt: {e}. Or {way_out}") from e
+        warnings.warn(f"precision.block_gemm=auto: no cuBLASLt block GEMM ({e}); every block GEMM runs on the Mosaic "
+                      f"kernel. To have it, {way_out}", stacklevel=2)
 
 
 def streaming(config) -> bool:

@@ -169,3 +169,6 @@ def test_block_gemm_cublaslt_that_cannot_load_is_a_config_error_with_the_way_out
     message = r"precision.block_gemm=cublaslt: .*C\+\+ compiler.*fp8rl_jax.kernels.cublaslt"
     with pytest.raises(ConfigError, match=message):
         plan.run_precision(config, "train")
+    config.precision.block_gemm = "auto"  # auto runs on without it: the Mosaic kernel, and a warning that says so
+    with pytest.warns(UserWarning, match=r"block_gemm=auto: no cuBLASLt .*Mosaic.*fp8rl_jax.kernels.cublaslt"):
+        assert plan.run_precision(config, "train").recipe.block_gemm == "auto"

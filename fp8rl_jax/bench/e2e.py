@@ -80,6 +80,8 @@ MODES = {  # mode -> (precision.mode, extra XLA flags, config overrides)
     # the same with cuBLASLt's block-scaled FP8 GEMMs (kernels.cublaslt)
     "fp8_e2e_block_cublaslt": ("fp8_e2e", "--xla_gpu_enable_triton_gemm=false",
                                {**BLOCK, "precision.block_gemm": "cublaslt"}),
+    # cuBLASLt above a decode step's rows, the Mosaic kernel up to them (precision.block_gemm=auto)
+    "fp8_e2e_block_auto": ("fp8_e2e", "--xla_gpu_enable_triton_gemm=false", {**BLOCK, "precision.block_gemm": "auto"}),
 }
 # dense BF16 tensor-core peaks (TFLOP/s) by device kind prefix; FP8 doubles them on Hopper
 BF16_PEAK_TFLOPS = {"NVIDIA H100": 989.4, "NVIDIA H200": 989.4, "NVIDIA GH200": 989.4}

@@ -79,9 +79,11 @@ Fp8LinearState = dict[str, Fp8Meta]  # {"x": Fp8Meta, "kernel": Fp8Meta, "grad":
 # mantissa with an unbounded exponent (``numerics.mantissa_rounded``), what power-of-2 scales reach at best
 SCALINGS = ("tensor", "rowwise", "current", "block", "mantissa")
 GEMMS = ("fprop", "dgrad", "wgrad")  # y = x w, dx = g w^T, dw = x^T g
-# block scaling's GEMM on a Hopper GPU: the Mosaic GPU kernel (kernels.block_gemm) or cuBLASLt's block-scaled FP8
-# (kernels.cublaslt, an XLA FFI call; registered by plan.py); elsewhere both are block.block_gemm's emulation
-BLOCK_GEMMS = ("mosaic", "cublaslt")
+# block scaling's GEMM on a Hopper GPU: the Mosaic GPU kernel (kernels.block_gemm), cuBLASLt's block-scaled FP8
+# (kernels.cublaslt, an XLA FFI call; registered by plan.py), or auto: cuBLASLt above a decode step's rows
+# (kernels.block_gemm.SMALL_M), the Mosaic kernel's small-row tunings up to them; elsewhere all are block.block_gemm's
+# emulation
+BLOCK_GEMMS = ("mosaic", "cublaslt", "auto")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -172,15 +172,17 @@ def _rowwise_quantize(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
 def _block_gemm(qa: jax.Array, sa: jax.Array, qb: jax.Array, sb: jax.Array, form: str, out_dtype=None,
                 impl: str = "mosaic") -> jax.Array:
     """``block.block_gemm`` -> [P, Q] in ``out_dtype`` (default f32): on a Hopper GPU outside a mesh of several
-    devices by ``impl`` (``Fp8Recipe.block_gemm``) where it runs: ``cublaslt``, cuBLASLt's block-scaled FP8 GEMM
-    (its FFI target registered, not two E5M2 operands: ``cublaslt.runs_here``), else ``kernels.block_gemm``'s Mosaic
-    GPU kernel (float8 operands of one type: ``block_kernel.runs_here``); elsewhere block_gemm's XLA emulation.
+    devices by ``impl`` (``Fp8Recipe.block_gemm``) where it runs: ``cublaslt`` (and ``auto`` above a decode step's
+    ``block_kernel.SMALL_M`` rows), cuBLASLt's block-scaled FP8 GEMM (its FFI target registered, not two E5M2
+    operands: ``cublaslt.runs_here``), else ``kernels.block_gemm``'s Mosaic GPU kernel (float8 operands of one type:
+    ``block_kernel.runs_here``); elsewhere block_gemm's XLA emulation.
     ``sb``: one row of scales per row of qb [Q, Cb], or a weight's 128 x 128 block scales [ceil(Q / 128), Cb].
     Both GPU paths sum each 128-deep slice in the tensor cores' accumulator (DeepGEMM's
     precision: fewer bits than the emulation's f32 sums, section "Block-scaled FP8" of docs/accuracy.md) and add the
     scaled slices in f32."""
     kernel_dtype = out_dtype if jnp.dtype(out_dtype or jnp.float32) == jnp.bfloat16 else jnp.float32
-    if form == "f8" and impl == "cublaslt" and cublaslt.runs_here(qa, qb, kernel_dtype):
+    cublas = impl == "cublaslt" or (impl == "auto" and qa.shape[0] > block_kernel.SMALL_M)
+    if form == "f8" and cublas and cublaslt.runs_here(qa, qb, kernel_dtype):
         y = cublaslt.block_gemm_cublaslt(qa, sa, qb, sb, kernel_dtype)
     elif form == "f8" and block_kernel.runs_here(qa, qb):
         y = block_kernel.block_gemm_mgpu(qa, sa, qb, sb, kernel_dtype)

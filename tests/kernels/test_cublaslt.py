@@ -117,6 +117,9 @@ def test_bad_input_is_named():
         cublaslt.block_gemm_cublaslt(qa, sa, qb, sb, jnp.float16)
     with pytest.raises(ValueError, match="one contraction size"):
         cublaslt.block_gemm_cublaslt(qa, sa, qb[:, :128], sb[:, :1])
+    with pytest.raises(ValueError, match=r"algo must be in \[0, 16\)"):
+        cublaslt.block_gemm_cublaslt(qa, sa, qb, sb, algo=16)
+    assert "algo = 3 : i32" in _cuda_text(lambda *a: cublaslt.block_gemm_cublaslt(*a, algo=3), qa, sa, qb, sb)
 
 
 def test_runs_here_only_where_registered_on_hopper():
@@ -185,6 +188,25 @@ def test_block_linear_lowers_its_gemms_to_cublaslt(monkeypatch):
 
         text = _cuda_text(run, x, w, g)
         assert text.count(f"@{cublaslt.TARGET}(") == 3, fmt
+
+
+@pytest.mark.parametrize("rows,calls", [(256, 1), (384, 3)])
+def test_auto_takes_cublaslt_above_a_decode_steps_rows(monkeypatch, rows, calls):
+    """``block_gemm='auto'``: cuBLASLt for a GEMM of more than ``block_gemm.SMALL_M`` rows, the Mosaic kernel (here,
+    off a GPU, the emulation) up to them. At 256 tokens only the wgrad (576 rows: the kernel's K) takes cuBLASLt."""
+    monkeypatch.setattr(cublaslt, "runs_here", lambda qa, qb, out_dtype=jnp.float32: True)
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(rows, 576)), jnp.float32)
+    w = jnp.asarray(0.05 * rng.normal(size=(576, 1536)), jnp.float32)
+    g = jnp.asarray(1e-3 * rng.normal(size=(rows, 1536)), jnp.float32)
+    recipe = Fp8Recipe(scaling="block", fp8_format="e4m3", block_gemm="auto")
+    state = init_linear_state(recipe)
+
+    def run(x, w, g):
+        y, vjp = jax.vjp(lambda x, w: xla.fp8_matmul(x, w, state, recipe, jnp.float32, "f8"), x, w)
+        return (y, *vjp(g))
+
+    assert _cuda_text(run, x, w, g).count(f"@{cublaslt.TARGET}(") == calls
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -43,6 +43,7 @@ TARGET = "fp8rl_block_gemm_cublaslt"
 SYMBOL = "Fp8rlBlockGemmCublasLt"
 SOURCE = Path(__file__).with_name("block_gemm.cc")
 WORKSPACE_BYTES = 32 << 20  # block_gemm.cc's kWorkspaceBytes
+MAX_ALGOS = 16  # block_gemm.cc's kMaxAlgos
 BLOCK = 128
 ALIGN_BYTES = 16  # cuBLAS FP8: leading dimensions a multiple of 16 bytes
 ENV_LIB = "FP8RL_CUBLASLT_LIB"
@@ -171,13 +172,15 @@ def runs_here(qa: jax.Array, qb: jax.Array, out_dtype=jnp.float32) -> bool:
     return registered() and refusal(qa, qb, out_dtype) is None and one_hopper()
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype",))
+@functools.partial(jax.jit, static_argnames=("out_dtype", "algo"))
 def block_gemm_cublaslt(qa: jax.Array, a_scale_inv: jax.Array, qb: jax.Array, b_scale_inv: jax.Array,
-                        out_dtype=jnp.float32) -> jax.Array:
+                        out_dtype=jnp.float32, algo: int = 0) -> jax.Array:
     """``block.block_gemm(qa, a_scale_inv, qb, b_scale_inv)`` -> [P, Q] in ``out_dtype`` (f32 or BF16; the sum is
     f32 either way), by cuBLASLt. qa [P, C], qb [Q, C] FP8; a_scale_inv [P, Cb] f32; b_scale_inv [Q, Cb] (per-row
-    scales) or [ceil(Q / 128), Cb] (a weight's 128 x 128 blocks), Cb = ceil(C / 128). Needs ``register()`` first;
-    lowers for CUDA only."""
+    scales) or [ceil(Q / 128), Cb] (a weight's 128 x 128 blocks), Cb = ceil(C / 128). ``algo``: the rank of the
+    algorithm among cuBLASLt's heuristic's candidates (0, its pick; fewer than ``MAX_ALGOS``; a rank it does not
+    offer fails at run time, naming how many it does): ``benchmarks/block_gemm_speed.py --cublaslt-algos`` times
+    them. Needs ``register()`` first; lowers for CUDA only."""
     p, c = qa.shape
     q = qb.shape[0]
     cb = _blocks(c)
@@ -204,8 +207,10 @@ def block_gemm_cublaslt(qa: jax.Array, a_scale_inv: jax.Array, qb: jax.Array, b_
         qa = jnp.pad(qa, ((0, pp - p), (0, cp - c)))
     if (qp, cp) != (q, c):
         qb = jnp.pad(qb, ((0, qp - q), (0, cp - c)))
+    if not 0 <= algo < MAX_ALGOS:
+        raise ValueError(f"algo must be in [0, {MAX_ALGOS}), not {algo}")
     out, _ = jax.ffi.ffi_call(
         TARGET,
         (jax.ShapeDtypeStruct((pp, qp), jnp.dtype(out_dtype)), jax.ShapeDtypeStruct((WORKSPACE_BYTES,), jnp.uint8)),
-    )(qa, sa, qb, sb, weight_blocks=np.int32(weight_blocks))
+    )(qa, sa, qb, sb, weight_blocks=np.int32(weight_blocks), algo=np.int32(algo))
     return out if (pp, qp) == (p, q) else out[:p, :q]

@@ -26,6 +26,7 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr size_t kWorkspaceBytes = size_t{32} << 20;  // fp8rl_jax.kernels.cublaslt.WORKSPACE_BYTES
+constexpr int kMaxAlgos = 16;  // the heuristic's candidates the ``algo`` attribute may pick among
 
 std::string Describe(const char* what, cublasStatus_t status) {
   return std::string("fp8rl cuBLASLt block GEMM: ") + what + " failed: " + cublasLtGetStatusString(status);
@@ -55,8 +56,9 @@ cublasStatus_t HandleFor(cudaStream_t stream, cublasLtHandle_t* handle) {
   return status;
 }
 
-// The algorithm cuBLASLt's heuristic picks, once a problem (shapes, types, scale mode, handle).
-using ProblemKey = std::array<int64_t, 8>;
+// The algorithm cuBLASLt's heuristic ranks ``algo``-th (0: its pick), once a problem (shapes, types, scale mode,
+// handle, rank).
+using ProblemKey = std::array<int64_t, 9>;
 std::mutex algos_mutex;
 std::map<ProblemKey, cublasLtMatmulAlgo_t> algos;
 
@@ -83,7 +85,7 @@ int64_t RoundUp(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
 ffi::Error BlockGemm(cudaStream_t stream, ffi::AnyBuffer qa, ffi::Buffer<ffi::F32> sa, ffi::AnyBuffer qb,
                      ffi::Buffer<ffi::F32> sb, ffi::Result<ffi::AnyBuffer> out,
-                     ffi::Result<ffi::Buffer<ffi::U8>> workspace, int32_t weight_blocks) {
+                     ffi::Result<ffi::Buffer<ffi::U8>> workspace, int32_t weight_blocks, int32_t algo_rank) {
   auto invalid = [](std::string message) {
     return ffi::Error(ffi::ErrorCode::kInvalidArgument, "fp8rl cuBLASLt block GEMM: " + message);
   };
@@ -101,6 +103,7 @@ ffi::Error BlockGemm(cudaStream_t stream, ffi::AnyBuffer qa, ffi::Buffer<ffi::F3
     return invalid("scales of the wrong size (the wrapper lays them out)");
   }
   if (workspace->element_count() < kWorkspaceBytes) return invalid("workspace too small");
+  if (algo_rank < 0 || algo_rank >= kMaxAlgos) return invalid("algo must be in [0, " + std::to_string(kMaxAlgos) + ")");
   cudaDataType_t a_type, b_type, d_type;
   if (!CudaType(qb.element_type(), &a_type) || !CudaType(qa.element_type(), &b_type) ||
       !CudaType(out->element_type(), &d_type) || a_type == CUDA_R_32F || a_type == CUDA_R_16BF ||
@@ -137,7 +140,7 @@ ffi::Error BlockGemm(cudaStream_t stream, ffi::AnyBuffer qa, ffi::Buffer<ffi::F3
   FP8RL_CHECK_CUBLAS("layout D", cublasLtMatrixLayoutCreate(&d_layout.value, d_type, q, p, q));
 
   const ProblemKey key = {p, q, c, a_type, b_type, d_type, weight_blocks,
-                          static_cast<int64_t>(reinterpret_cast<intptr_t>(handle))};
+                          static_cast<int64_t>(reinterpret_cast<intptr_t>(handle)), algo_rank};
   cublasLtMatmulAlgo_t algo;
   bool known;
   {
@@ -152,18 +155,23 @@ ffi::Error BlockGemm(cudaStream_t stream, ffi::AnyBuffer qa, ffi::Buffer<ffi::F3
     const uint64_t bytes = kWorkspaceBytes;
     FP8RL_CHECK_CUBLAS("set MAX_WORKSPACE_BYTES", cublasLtMatmulPreferenceSetAttribute(
                                                       pref.value, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &bytes, sizeof(bytes)));
-    cublasLtMatmulHeuristicResult_t result = {};
+    std::array<cublasLtMatmulHeuristicResult_t, kMaxAlgos> results = {};
     int found = 0;
     FP8RL_CHECK_CUBLAS("cublasLtMatmulAlgoGetHeuristic",
                        cublasLtMatmulAlgoGetHeuristic(handle, desc.value, a_layout.value, b_layout.value, d_layout.value,
-                                                      d_layout.value, pref.value, 1, &result, &found));
+                                                      d_layout.value, pref.value, algo_rank + 1, results.data(), &found));
     if (found == 0) {
       return ffi::Error(ffi::ErrorCode::kUnimplemented,
                         "fp8rl cuBLASLt block GEMM: cuBLASLt has no block-scaled FP8 algorithm for P=" +
                             std::to_string(p) + " Q=" + std::to_string(q) + " C=" + std::to_string(c) +
                             " on this GPU (Hopper and cuBLAS >= 12.9 have them)");
     }
-    algo = result.algo;
+    if (algo_rank >= found) {
+      return ffi::Error(ffi::ErrorCode::kNotFound, "fp8rl cuBLASLt block GEMM: algo=" + std::to_string(algo_rank) +
+                                                       ", but cuBLASLt offers " + std::to_string(found) +
+                                                       " algorithms for this problem");
+    }
+    algo = results[algo_rank].algo;
     std::lock_guard<std::mutex> lock(algos_mutex);
     algos.emplace(key, algo);
   }
@@ -187,5 +195,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Fp8rlBlockGemmCublasLt, BlockGemm,
                                   .Arg<ffi::Buffer<ffi::F32>>()    // sb
                                   .Ret<ffi::AnyBuffer>()           // out [P, Q]
                                   .Ret<ffi::Buffer<ffi::U8>>()     // cuBLASLt's workspace
-                                  .Attr<int32_t>("weight_blocks"),
+                                  .Attr<int32_t>("weight_blocks")
+                                  .Attr<int32_t>("algo"),                 // the heuristic's rank: 0, its pick
                               {ffi::Traits::kCmdBufferCompatible});
