@@ -81,6 +81,12 @@ MODES = {
     "fp8_e2e_block_backward": {"precision.mode": "fp8_e2e", "precision.backend": "xla", "precision.scaling": "block",
                                "precision.fp8_format": "e4m3", "precision.fp8_gemms": ("dgrad", "wgrad"),
                                "rl.is_correction": "none"},
+    # the forward alone in FP8 as the other scalings make it (BF16 input and weight gradients, as
+    # fp8_e2e_block_fprop): whether training through any FP8 forward lifts the weights, or block's alone
+    "fp8_e2e_rowwise_fprop": {"precision.mode": "fp8_e2e", "precision.backend": "xla", "precision.scaling": "rowwise",
+                              "precision.fp8_gemms": ("fprop",), "rl.is_correction": "none"},
+    "fp8_e2e_xla_fprop": {"precision.mode": "fp8_e2e", "precision.backend": "xla", "precision.fp8_gemms": ("fprop",),
+                          "rl.is_correction": "none"},
     # the BF16 head's backward GEMMs in BF16 too (precision.lm_head_grad_fp8 off: the earlier default,
     # whose study called the default fp8_e2e_headgrad)
     "fp8_e2e_bf16_head_grad": {"precision.mode": "fp8_e2e", "precision.lm_head_grad_fp8": False,
