@@ -66,7 +66,7 @@ def base_config() -> ml_collections.ConfigDict:
     # $FP8RL_CUBLASLT_LIB) | auto (cublaslt above a decode step's 256 rows, mosaic up to them; mosaic alone, with a
     # warning, where the cuBLASLt library can neither build nor load). Speed of each: benchmarks/RESULTS.md,
     # "Block-scaled FP8 on Hopper"
-    c.precision.block_gemm = "mosaic"
+    c.precision.block_gemm = "auto"
     # the GEMMs of each FP8 linear that run in FP8, the others in BF16 with f32 sums: fprop (the forward), dgrad (the
     # input's gradient), wgrad (the weight's); fewer than three need backend=xla; without fprop both forwards stay
     # BF16, the rollout's too (fp8_e2e: the same forward in both). For ablations: docs/accuracy.md, "Where FP8 loses"

@@ -75,13 +75,13 @@ MODES = {  # mode -> (precision.mode, extra XLA flags, config overrides)
     "fp8_e2e_cublas": ("fp8_e2e", "--xla_gpu_enable_triton_gemm=false", {}),
     # XLA's own FP8 GEMMs (cuBLASLt), its fusions around them (casts and amaxes inside the producers' kernels)
     "fp8_e2e_xla": ("fp8_e2e", "--xla_gpu_enable_triton_gemm=false", {"precision.backend": "xla"}),
-    # block scaling: kernels.block_gemm on a Hopper GPU
+    # block scaling: on a Hopper GPU cuBLASLt above a decode step's rows, kernels.block_gemm up to them
+    # (precision.block_gemm=auto); then each of the two alone
     "fp8_e2e_block": ("fp8_e2e", "--xla_gpu_enable_triton_gemm=false", BLOCK),
-    # the same with cuBLASLt's block-scaled FP8 GEMMs (kernels.cublaslt)
+    "fp8_e2e_block_mosaic": ("fp8_e2e", "--xla_gpu_enable_triton_gemm=false",
+                             {**BLOCK, "precision.block_gemm": "mosaic"}),
     "fp8_e2e_block_cublaslt": ("fp8_e2e", "--xla_gpu_enable_triton_gemm=false",
                                {**BLOCK, "precision.block_gemm": "cublaslt"}),
-    # cuBLASLt above a decode step's rows, the Mosaic kernel up to them (precision.block_gemm=auto)
-    "fp8_e2e_block_auto": ("fp8_e2e", "--xla_gpu_enable_triton_gemm=false", {**BLOCK, "precision.block_gemm": "auto"}),
 }
 # dense BF16 tensor-core peaks (TFLOP/s) by device kind prefix; FP8 doubles them on Hopper
 BF16_PEAK_TFLOPS = {"NVIDIA H100": 989.4, "NVIDIA H200": 989.4, "NVIDIA GH200": 989.4}

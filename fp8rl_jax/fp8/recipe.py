@@ -103,7 +103,7 @@ class Fp8Recipe:
     scaling: str = "tensor"
     # the GEMMs that run in FP8, the rest on compute-dtype operands (f32 accumulation): a subset of GEMMS, in order
     fp8_gemms: tuple[str, ...] = GEMMS
-    block_gemm: str = "mosaic"  # of BLOCK_GEMMS: who runs block scaling's GEMMs on a Hopper GPU
+    block_gemm: str = "auto"  # of BLOCK_GEMMS: who runs block scaling's GEMMs on a Hopper GPU
 
     def __post_init__(self):
         if self.scaling not in SCALINGS:

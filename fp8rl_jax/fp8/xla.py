@@ -170,7 +170,7 @@ def _rowwise_quantize(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
 
 
 def _block_gemm(qa: jax.Array, sa: jax.Array, qb: jax.Array, sb: jax.Array, form: str, out_dtype=None,
-                impl: str = "mosaic") -> jax.Array:
+                impl: str = "auto") -> jax.Array:
     """``block.block_gemm`` -> [P, Q] in ``out_dtype`` (default f32): on a Hopper GPU outside a mesh of several
     devices by ``impl`` (``Fp8Recipe.block_gemm``) where it runs: ``cublaslt`` (and ``auto`` above a decode step's
     ``block_kernel.SMALL_M`` rows), cuBLASLt's block-scaled FP8 GEMM (its FFI target registered, not two E5M2

@@ -373,7 +373,7 @@ def test_gpu_quantized_data_within_fp8_accumulation_of_block_gemm(p, q, c, form)
 # ----------------------------------------------------------------------------------------------------------
 # the FP8 linear under block scaling: its fprop, dgrad and wgrad through the kernel
 
-E4M3_BLOCK = Fp8Recipe(scaling="block", fp8_format="e4m3")
+E4M3_BLOCK = Fp8Recipe(scaling="block", fp8_format="e4m3", block_gemm="mosaic")  # the kernel under test
 
 
 def _linear_operands(m=300, k=576, n=1536, seed=0):
@@ -396,7 +396,8 @@ def _linear_grads(recipe, form=None, out_dtype=jnp.float32):
     return run
 
 
-@pytest.mark.parametrize("recipe,kernels", [(E4M3_BLOCK, 3), (Fp8Recipe(scaling="block"), 1)], ids=["e4m3", "hybrid"])
+@pytest.mark.parametrize("recipe,kernels", [(E4M3_BLOCK, 3), (Fp8Recipe(scaling="block", block_gemm="mosaic"), 1)],
+                         ids=["e4m3", "hybrid"])
 def test_block_linear_lowers_its_gemms_to_the_kernel(monkeypatch, recipe, kernels, mosaic_modules):
     """Where ``runs_here`` holds (a Hopper GPU, no mesh of several devices), the linear's fprop, dgrad and wgrad are
     the kernel, lowered for CUDA on this host; E5M2 gradients (``hybrid``) meet E4M3 operands in the dgrad and the

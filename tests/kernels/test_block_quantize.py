@@ -91,7 +91,7 @@ def test_block_linear_backward_quantizes_through_the_kernels(monkeypatch, triton
     """Where the kernel fits, a block-scaled linear quantizes x in its forward, g's two forms and x's wgrad form in
     its backward, each with one kernel call (three in all)."""
     monkeypatch.setattr(block_quantize, "fits", lambda a: a.ndim == 2 and a.shape[0] % 128 == a.shape[1] % 128 == 0)
-    recipe = Fp8Recipe(scaling="block", fp8_format="e4m3")
+    recipe = Fp8Recipe(scaling="block", fp8_format="e4m3", block_gemm="mosaic")
     state = init_linear_state(recipe)
 
     def grads(x, w, g):
