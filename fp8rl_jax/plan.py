@@ -152,7 +152,7 @@ def _register_cublaslt(required: bool) -> None:
 
     try:
         cublaslt.register(cache_dir() / "kernels")
-    except (RuntimeError, FileNotFoundError, ValueError) as e:
+    except (RuntimeError, OSError, ValueError) as e:  # OSError: FileNotFoundError, a library that will not load
         way_out = ("build it where a compiler is (python -m fp8rl_jax.kernels.cublaslt --out DIR) and set "
                    "$FP8RL_CUBLASLT_LIB to the path it prints")
         if required:
