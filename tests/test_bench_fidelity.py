@@ -1,5 +1,7 @@
 """``bench fidelity``'s pieces on CPU: its forms, its metrics (figures derived by hand), one form on a tiny model."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -26,6 +28,11 @@ def test_forms_are_the_knobs_they_name():
     assert not table["mantissa_e4m3_head_bf16"][1].lm_head_grad_fp8 and table["mantissa_e4m3"][1].lm_head_grad_fp8
     assert table["fprop_only"][1].recipe.fp8_gemms == ("fprop",) and not table["fprop_only"][1].lm_head_grad_fp8
     assert table["head_only"][1].lm_head_grad_fp8 and len(table["head_only"][1].bf16_linears) == 4
+    for name, gemms in (("block_fprop_only", ("fprop",)), ("block_backward_only", ("dgrad", "wgrad"))):
+        assert table[name][1].recipe == dataclasses.replace(fidelity.BLOCK_E4M3, fp8_gemms=gemms)
+    rowwise = table["rowwise_fprop_only"][1]
+    assert rowwise.recipe.scaling == "rowwise" and rowwise.recipe.fp8_gemms == ("fprop",)
+    assert not rowwise.lm_head_grad_fp8 and not table["block_fprop_only"][1].lm_head_grad_fp8
     assert table["bf16_down"][1].bf16_linears == ("w_down",)
     assert not table["head_bf16"][1].lm_head_grad_fp8 and table["head_fp8"][1].lm_head_fp8
     assert all(p.backend in ("xla", "bf16") for _, p in table.values())

@@ -78,6 +78,15 @@ def forms(base: Precision) -> dict[str, tuple[str, Precision]]:
                        recipe(fp8_gemms=("wgrad",)).replace(**bf16_head)),
         "backward_only": ("the blocks' dgrad and wgrad in FP8 (BF16 forward), the head BF16",
                           recipe(fp8_gemms=("dgrad", "wgrad")).replace(**bf16_head)),
+        # the same split under the finer scalings, as the study's fp8_e2e_block_fprop, _block_backward and
+        # _rowwise_fprop ran them
+        "block_fprop_only": ("block's forward alone (BF16 dgrad and wgrad), the head BF16",
+                             base.replace(recipe=dataclasses.replace(BLOCK_E4M3, fp8_gemms=("fprop",)), **bf16_head)),
+        "block_backward_only": ("block's dgrad and wgrad alone (BF16 forward), the head BF16",
+                                base.replace(recipe=dataclasses.replace(BLOCK_E4M3, fp8_gemms=("dgrad", "wgrad")),
+                                             **bf16_head)),
+        "rowwise_fprop_only": ("rowwise's forward alone (BF16 dgrad and wgrad), the head BF16",
+                               recipe(scaling="rowwise", fp8_gemms=("fprop",)).replace(**bf16_head)),
         "head_fp8": ("the LM head in FP8 both ways (lm_head_fp8)", base.replace(lm_head_fp8=True)),
         "bf16_ends": ("the first and the last block in BF16", base.replace(bf16_first_layers=1, bf16_last_layers=1)),
         "block_head_bf16": ("block, the LM head all BF16", base.replace(recipe=BLOCK_E4M3, **bf16_head)),
