@@ -141,6 +141,29 @@ def test_register_names_what_is_missing(tmp_path, monkeypatch):
         cublaslt.build(tmp_path)
 
 
+def test_a_library_of_another_interface_is_refused_at_registration(tmp_path, monkeypatch):
+    """A prebuilt library (``$FP8RL_CUBLASLT_LIB``) from an older handler source, which lacks the ``algo``
+    attribute, fails at start-up naming the rebuild, not in the first step's FFI call."""
+
+    class OldLibrary:  # what ctypes finds in a library without the ABI symbol: only the handler
+        Fp8rlBlockGemmCublasLt = object()
+
+    class Library(OldLibrary):
+        @staticmethod
+        def Fp8rlBlockGemmCublasLtAbi():
+            return cublaslt.ABI + 1
+
+    old = tmp_path / "libold.so"
+    old.write_bytes(b"")
+    monkeypatch.setenv(cublaslt.ENV_LIB, str(old))
+    monkeypatch.setattr(cublaslt, "_preload_cublaslt", lambda: None)
+    for library, found in ((OldLibrary, 1), (Library, cublaslt.ABI + 1)):
+        monkeypatch.setattr(cublaslt.ctypes, "CDLL", lambda path, library=library: library())
+        with pytest.raises(RuntimeError, match=f"interface {found}, this one's {cublaslt.ABI}.*kernels.cublaslt --out"):
+            cublaslt.register()
+    assert not cublaslt.registered()
+
+
 def test_prebuild_command_names_what_is_missing(tmp_path, monkeypatch, capsys):
     """``python -m fp8rl_jax.kernels.cublaslt --out DIR``: exit 1 with the reason where it cannot build."""
     from fp8rl_jax.kernels.cublaslt.__main__ import main
@@ -167,6 +190,7 @@ def test_handler_builds_where_headers_are(tmp_path):
             pytest.skip(str(e).splitlines()[0][:200])
         raise
     assert path.name == cublaslt.library_name() and cublaslt.SYMBOL.encode() in path.read_bytes()
+    assert cublaslt.ABI_SYMBOL.encode() in path.read_bytes()
     assert cublaslt.build(tmp_path) == path  # kept, not rebuilt
 
 

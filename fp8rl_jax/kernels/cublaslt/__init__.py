@@ -16,8 +16,8 @@ The library. ``build`` compiles ``block_gemm.cc`` with the host's C++ compiler a
 jaxlib ships (``jax.ffi.include_dir()``) and cuBLAS's and CUDA's headers (the ``nvidia-cublas`` and
 ``nvidia-cuda-runtime`` wheels that ``jax[cuda13]`` installs, or ``$CUDA_HOME``); the file's name carries a hash of
 the source, so an edited handler is never mistaken for a built one. ``register`` loads one (``$FP8RL_CUBLASLT_LIB``,
-or the newest build in the folder it is given: the project's cache, ``plan.py``) and registers the FFI target
-once a process; ``block_gemm_cublaslt`` calls it. The handler caches one cuBLASLt handle a stream and the heuristic's
+or the newest build in the folder it is given: the project's cache, ``plan.py``), refuses one whose interface
+(``ABI``: its operands and attributes) is not this source's, and registers the FFI target once a process; ``block_gemm_cublaslt`` calls it. The handler caches one cuBLASLt handle a stream and the heuristic's
 algorithm a problem, and is safe inside XLA's command buffers (no allocation, no synchronization: the workspace is
 an output XLA allocates).
 """
@@ -41,6 +41,8 @@ import numpy as np
 
 TARGET = "fp8rl_block_gemm_cublaslt"
 SYMBOL = "Fp8rlBlockGemmCublasLt"
+ABI_SYMBOL = "Fp8rlBlockGemmCublasLtAbi"
+ABI = 2  # block_gemm.cc's Fp8rlBlockGemmCublasLtAbi(): 2 since the ``algo`` attribute
 SOURCE = Path(__file__).with_name("block_gemm.cc")
 WORKSPACE_BYTES = 32 << 20  # block_gemm.cc's kWorkspaceBytes
 MAX_ALGOS = 16  # block_gemm.cc's kMaxAlgos
@@ -130,7 +132,12 @@ def register(lib_dir: str | os.PathLike | None = None, *, build_missing: bool = 
     if not os.path.exists(path):
         raise FileNotFoundError(f"${ENV_LIB}={path}: no such file")
     _preload_cublaslt()
-    handler = getattr(ctypes.CDLL(path), SYMBOL)
+    lib = ctypes.CDLL(path)
+    abi = getattr(lib, ABI_SYMBOL)() if hasattr(lib, ABI_SYMBOL) else 1
+    if abi != ABI:
+        raise RuntimeError(f"{path} is the cuBLASLt block GEMM of another fp8rl_jax (its interface {abi}, this one's "
+                           f"{ABI}): rebuild it (python -m fp8rl_jax.kernels.cublaslt --out DIR)")
+    handler = getattr(lib, SYMBOL)
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(handler), platform="CUDA")
     _registered[TARGET] = path
     return path

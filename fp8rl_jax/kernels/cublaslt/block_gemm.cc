@@ -186,6 +186,10 @@ ffi::Error BlockGemm(cudaStream_t stream, ffi::AnyBuffer qa, ffi::Buffer<ffi::F3
 
 }  // namespace
 
+// The handler's interface (its operands and attributes): fp8rl_jax.kernels.cublaslt.ABI, which register() checks, so
+// that a library built from an older source fails at start-up, not in the first step.
+extern "C" int Fp8rlBlockGemmCublasLtAbi() { return 2; }
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Fp8rlBlockGemmCublasLt, BlockGemm,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
