@@ -16,7 +16,7 @@ The library. ``build`` compiles ``block_gemm.cc`` with the host's C++ compiler a
 jaxlib ships (``jax.ffi.include_dir()``) and cuBLAS's and CUDA's headers (the ``nvidia-cublas`` and
 ``nvidia-cuda-runtime`` wheels that ``jax[cuda13]`` installs, or ``$CUDA_HOME``); the file's name carries a hash of
 the source, so an edited handler is never mistaken for a built one. ``register`` loads one (``$FP8RL_CUBLASLT_LIB``,
-or the newest build in the folder it is given: the project's cache, ``plan.py``), refuses one whose interface
+or this source's build in the folder it is given: the project's cache, ``plan.py``), refuses one whose interface
 (``ABI``: its operands and attributes) is not this source's, and registers the FFI target once a process;
 ``block_gemm_cublaslt`` calls it. The handler caches one cuBLASLt handle a stream and the heuristic's algorithm a
 problem, and is safe inside XLA's command buffers (no allocation, no synchronization: the workspace is
