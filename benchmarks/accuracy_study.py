@@ -81,6 +81,14 @@ MODES = {
     "fp8_e2e_block_backward": {"precision.mode": "fp8_e2e", "precision.backend": "xla", "precision.scaling": "block",
                                "precision.fp8_format": "e4m3", "precision.fp8_gemms": ("dgrad", "wgrad"),
                                "rl.is_correction": "none"},
+    # the two halves of block's forward apart (precision.block_forward), each alone as fp8_e2e_block_fprop: the
+    # weight one scale an output channel with the input's 1 x 128 tiles, or the input one scale a token with the
+    # weight's 128 x 128 blocks; which of them lifts the weights where rowwise's forward (both halves per row) does not
+    **{f"fp8_e2e_block_fprop_{half}": {"precision.mode": "fp8_e2e", "precision.backend": "xla",
+                                       "precision.scaling": "block", "precision.fp8_format": "e4m3",
+                                       "precision.fp8_gemms": ("fprop",), "precision.block_forward": half,
+                                       "rl.is_correction": "none"}
+       for half in ("tiles_channels", "tokens_blocks")},
     # the forward alone in FP8 as the other scalings make it (BF16 input and weight gradients, as
     # fp8_e2e_block_fprop): whether training through any FP8 forward lifts the weights, or block's alone
     "fp8_e2e_rowwise_fprop": {"precision.mode": "fp8_e2e", "precision.backend": "xla", "precision.scaling": "rowwise",

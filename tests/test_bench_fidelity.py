@@ -30,6 +30,8 @@ def test_forms_are_the_knobs_they_name():
     assert table["head_only"][1].lm_head_grad_fp8 and len(table["head_only"][1].bf16_linears) == 4
     for name, gemms in (("block_fprop_only", ("fprop",)), ("block_backward_only", ("dgrad", "wgrad"))):
         assert table[name][1].recipe == dataclasses.replace(fidelity.BLOCK_E4M3, fp8_gemms=gemms)
+    assert table["block_fprop_tokens_blocks"][1].recipe.block_forward == "tokens_blocks"
+    assert table["block_fprop_tiles_channels"][1].recipe.fp8_gemms == ("fprop",)
     rowwise = table["rowwise_fprop_only"][1]
     assert rowwise.recipe.scaling == "rowwise" and rowwise.recipe.fp8_gemms == ("fprop",)
     assert not rowwise.lm_head_grad_fp8 and not table["block_fprop_only"][1].lm_head_grad_fp8

@@ -87,6 +87,11 @@ def forms(base: Precision) -> dict[str, tuple[str, Precision]]:
                                              **bf16_head)),
         "rowwise_fprop_only": ("rowwise's forward alone (BF16 dgrad and wgrad), the head BF16",
                                recipe(scaling="rowwise", fp8_gemms=("fprop",)).replace(**bf16_head)),
+        # block's forward halves (precision.block_forward), each alone as block_fprop_only
+        **{f"block_fprop_{half}": (f"block's forward alone with block_forward={half}, the head BF16",
+                                   base.replace(recipe=dataclasses.replace(BLOCK_E4M3, fp8_gemms=("fprop",),
+                                                                           block_forward=half), **bf16_head))
+           for half in ("tiles_channels", "tokens_blocks")},
         "head_fp8": ("the LM head in FP8 both ways (lm_head_fp8)", base.replace(lm_head_fp8=True)),
         "bf16_ends": ("the first and the last block in BF16", base.replace(bf16_first_layers=1, bf16_last_layers=1)),
         "block_head_bf16": ("block, the LM head all BF16", base.replace(recipe=BLOCK_E4M3, **bf16_head)),

@@ -84,6 +84,11 @@ GEMMS = ("fprop", "dgrad", "wgrad")  # y = x w, dx = g w^T, dw = x^T g
 # (kernels.block_gemm.SMALL_M), the Mosaic kernel's small-row tunings up to them; elsewhere all are block.block_gemm's
 # emulation
 BLOCK_GEMMS = ("mosaic", "cublaslt", "auto")
+# block scaling's forward operands, the rollout's and the training forward's (an ablation: which half of block's
+# forward does what rowwise's does not; the backward keeps block's tiles): tiles_blocks, DeepSeek-V3's (the input in
+# 1 x 128 tiles, the weight in 128 x 128 blocks); tiles_channels (the weight one scale per output channel, as
+# rowwise's); tokens_blocks (the input one scale per token, as rowwise's)
+BLOCK_FORWARDS = ("tiles_blocks", "tiles_channels", "tokens_blocks")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,12 +109,18 @@ class Fp8Recipe:
     # the GEMMs that run in FP8, the rest on compute-dtype operands (f32 accumulation): a subset of GEMMS, in order
     fp8_gemms: tuple[str, ...] = GEMMS
     block_gemm: str = "auto"  # of BLOCK_GEMMS: who runs block scaling's GEMMs on a Hopper GPU
+    block_forward: str = "tiles_blocks"  # of BLOCK_FORWARDS: block scaling's forward operands (an ablation)
 
     def __post_init__(self):
         if self.scaling not in SCALINGS:
             raise ValueError(f"scaling={self.scaling!r}; allowed: {SCALINGS}")
         if self.block_gemm not in BLOCK_GEMMS:
             raise ValueError(f"block_gemm={self.block_gemm!r}; allowed: {BLOCK_GEMMS}")
+        if self.block_forward not in BLOCK_FORWARDS:
+            raise ValueError(f"block_forward={self.block_forward!r}; allowed: {BLOCK_FORWARDS}")
+        if self.block_forward != "tiles_blocks" and self.scaling != "block":
+            raise ValueError(f"block_forward={self.block_forward!r} is a form of block scaling, not of "
+                             f"scaling={self.scaling!r}")
         gemms = tuple(self.fp8_gemms)
         if not gemms or any(g not in GEMMS for g in gemms) or len(set(gemms)) != len(gemms):
             raise ValueError(f"fp8_gemms={self.fp8_gemms!r}; allowed: a non-empty subset of {GEMMS}")

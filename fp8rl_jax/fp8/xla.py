@@ -134,7 +134,8 @@ def quantize_kernel(kernel: jax.Array, kernel_meta, recipe: Fp8Recipe, form: str
     """[K, N] kernel -> FP8 [N, K] with its delayed scale (``scale_inv`` a scalar), stored in ``form``'s dtype (see
     ``gemm_form``). With ``rowwise`` scaling each output channel n gets its own current scale
     ``fp8_max / amax(kernel[:, n])`` (``scale_inv`` [N]); with ``current`` one scale from the kernel's own amax
-    (a scalar); with ``block`` one per 128 x 128 block (``scale_inv`` [ceil(N/128), ceil(K/128)]); with ``mantissa``
+    (a scalar); with ``block`` one per 128 x 128 block (``scale_inv`` [ceil(N/128), ceil(K/128)]; with
+    ``block_forward='tiles_channels'`` one per output channel, laid [N, ceil(K/128)]); with ``mantissa``
     no scale (``scale_inv`` 1), the values ``numerics.mantissa_rounded``, always in the ``f32`` form.
 
     ``gather``: ``kernel`` is one layer's FSDP-sharded master with this ``PartitionSpec`` (``parallel.fsdp``): each
@@ -146,7 +147,10 @@ def quantize_kernel(kernel: jax.Array, kernel_meta, recipe: Fp8Recipe, form: str
         raise ValueError(f"fp8_gemms={recipe.fp8_gemms}: the forward is not FP8, so there is no FP8 kernel to make")
     if recipe.scaling in ("current", "block", "mantissa"):
         nk = jnp.swapaxes(kernel if gather is None else fsdp.gather_bits(kernel, gather), -1, -2)  # [N, K]
-        data, scale_inv = _quantized(nk, recipe.fwd_dtype, recipe.scaling)
+        if recipe.block_forward == "tiles_channels":  # one scale an output channel, laid [N, Kb] as a block GEMM reads
+            data, scale_inv = _per_row_of_slices(nk, recipe.fwd_dtype)
+        else:
+            data, scale_inv = _quantized(nk, recipe.fwd_dtype, recipe.scaling)
         return QuantizedKernel(gemm_operand(data, recipe.fwd_dtype, _recipe_form(recipe, form)), scale_inv)
     if recipe.scaling == "rowwise":
         # [N, K], [N]: the per-channel amaxes of a sharded kernel are reduced over its shards (an all-reduce of [N])
@@ -167,6 +171,14 @@ def _rowwise_quantize(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
     row_amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1)
     scale = scale_from_amax(row_amax, 1.0, fp8_max(dtype))
     return quantize(x, scale[..., None], dtype), 1.0 / scale
+
+
+def _per_row_of_slices(a: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+    """``a`` [..., R, C] with one current scale a row (``_rowwise_quantize``), its inverse repeated for each 128-wide
+    slice of C: (FP8 values, [..., R, ceil(C / 128)]), the form in which block scaling's GEMMs take per-row scales.
+    ``Fp8Recipe.block_forward``'s per-channel weights and per-token inputs."""
+    data, scale_inv = _rowwise_quantize(a, dtype)
+    return data, jnp.broadcast_to(scale_inv[..., None], (*scale_inv.shape, block.num_blocks(a.shape[-1])))
 
 
 def _block_gemm(qa: jax.Array, sa: jax.Array, qb: jax.Array, sb: jax.Array, form: str, out_dtype=None,
@@ -214,8 +226,11 @@ def prequantized_matmul(
     if jnp.dtype(x.dtype).itemsize == 1 and recipe.scaling != "tensor":
         raise ValueError(f"a pre-quantized FP8 input has its delayed scale; {recipe.scaling} scaling quantizes the "
                          "input itself")
-    if recipe.scaling == "block":  # x_scale unused: each 1 x 128 tile of x has its own current scale
-        (qx, sx), _ = block.tile_quantize_both(x, recipe.fwd_dtype, cols=False)
+    if recipe.scaling == "block":  # x_scale unused: each 1 x 128 tile of x (or its row) has its own current scale
+        if recipe.block_forward == "tokens_blocks":
+            qx, sx = _per_row_of_slices(x, recipe.fwd_dtype)
+        else:
+            (qx, sx), _ = block.tile_quantize_both(x, recipe.fwd_dtype, cols=False)
         y = _block_gemm(gemm_operand(qx, recipe.fwd_dtype, form), sx, qw, kernel.scale_inv, form, out_dtype,
                         recipe.block_gemm)
     elif recipe.scaling in ("current", "mantissa"):  # x_scale unused: x's own amax, or no scale (sx 1)

@@ -219,6 +219,40 @@ def test_rollout_kernel_is_the_training_forward(operands):
     np.testing.assert_array_equal(np.asarray(rollout), np.asarray(train))
 
 
+def ref_rows(a: np.ndarray, dtype, slices: int):
+    """One scale a row of a [P, C] (a single tile as wide as the row): (q [P, C], its inverse scale repeated for each
+    of ``slices`` 128-wide slices, [P, slices])."""
+    q, inv = ref_tiles(a, dtype, T=a.shape[1])
+    return q, np.repeat(inv, slices, axis=1)
+
+
+@pytest.mark.parametrize("form", ["tiles_channels", "tokens_blocks"])
+def test_forward_halves_match_reference_and_the_rollout(operands, form):
+    """``block_forward``'s ablations: one half of DeepSeek-V3's forward as rowwise makes it (the weight per output
+    channel, or the input per token), the other half as block scaling does, summed per 128-wide slice as block's
+    GEMM is; the rollout's pre-quantized kernel gives the training forward bit for bit."""
+    x, w, g = operands
+    recipe = Fp8Recipe(scaling="block", fp8_format="e4m3", block_forward=form, fp8_gemms=("fprop",))
+    state = init_linear_state(recipe)
+    kernel = jax.jit(lambda w: xla.quantize_kernel(w, state["kernel"], recipe))(w)
+    rollout, train = jax.jit(lambda x, w, k: (xla.prequantized_matmul(x, k, state["x"]["scale"], recipe),
+                                              xla.fp8_matmul(x, w, state, recipe, jnp.float32)))(x, w, kernel)
+    kb = -(-K // T)
+    if form == "tiles_channels":
+        qx, sx = ref_tiles(x, E4M3)
+        qw, sw = ref_rows(w.T, E4M3, kb)  # [N, K], [N, Kb]
+        assert kernel.scale_inv.shape == (N, kb)
+    else:
+        qx, sx = ref_rows(x, E4M3, kb)
+        qw, sw_blocks = ref_blocks(w.T, E4M3)
+        sw = rows(sw_blocks, N)
+    np.testing.assert_array_equal(np.asarray(kernel.data, np.float32), qw.astype(np.float32))
+    ref, bound = ref_gemm(qx, sx, qw, sw)
+    err = np.abs(np.asarray(train) - ref)
+    assert (err <= bound).all(), float((err / bound).max())
+    np.testing.assert_array_equal(np.asarray(rollout), np.asarray(train))
+
+
 @pytest.mark.parametrize(("recipe", "width"), [(BLOCK, 128), (Fp8Recipe(scaling="block"), 128), (BLOCK, 32)],
                          ids=["e4m3-128", "hybrid-128", "e4m3-32"], indirect=["width"])
 def test_backward_matches_reference(operands, recipe, width):
@@ -274,10 +308,19 @@ def test_block_scaling_is_validated():
         Fp8Recipe(scaling="blocks")
     with pytest.raises(ValueError, match="block_gemm='cutlass'"):
         Fp8Recipe(scaling="block", block_gemm="cutlass")
+    with pytest.raises(ValueError, match="block_forward='tiles'"):
+        Fp8Recipe(scaling="block", block_forward="tiles")
+    with pytest.raises(ValueError, match="a form of block scaling, not of scaling='rowwise'"):
+        Fp8Recipe(scaling="rowwise", block_forward="tokens_blocks")
     c = config_lib.base_config()
     c.precision.scaling = "block"
     c.precision.backend = "xla"
     config_lib.validate(c, training=False)
     c.precision.backend = "auto"
     with pytest.raises(ConfigError, match="precision.scaling"):
+        config_lib.validate(c, training=False)
+    c.precision.backend, c.precision.block_forward = "xla", "tiles_channels"
+    config_lib.validate(c, training=False)
+    c.precision.scaling = "tensor"
+    with pytest.raises(ConfigError, match="precision.block_forward='tiles_channels' is invalid"):
         config_lib.validate(c, training=False)
