@@ -106,9 +106,9 @@ def _one(path, out_dtype, tuning, interpret):
         return lambda d: block_gemm_mgpu(d["qx"], d["sx"], d["qw"], d["sw_rows"], out_dtype, tuning=tuning,
                                          interpret=interpret)
     if path == "cublaslt":
-        return lambda d: cublaslt.block_gemm_cublaslt(d["qx"], d["sx"], d["qw"], d["sw"], out_dtype, tuning or 0)
+        return lambda d: cublaslt.block_gemm_cublaslt(d["qx"], d["sx"], d["qw"], d["sw"], out_dtype, tuning)
     if path == "cublaslt_rows":
-        return lambda d: cublaslt.block_gemm_cublaslt(d["qx"], d["sx"], d["qw"], d["sw_rows"], out_dtype, tuning or 0)
+        return lambda d: cublaslt.block_gemm_cublaslt(d["qx"], d["sx"], d["qw"], d["sw_rows"], out_dtype, tuning)
     if path == "emulated":
         return lambda d: block.block_gemm(d["qx"], d["sx"], d["qw"], d["sw_rows"]).astype(out_dtype)
     if path == "fp8_tensor":

@@ -55,6 +55,8 @@ def forms(base: Precision) -> dict[str, tuple[str, Precision]]:
     r = base.recipe
     recipe = lambda **kw: base.replace(recipe=dataclasses.replace(r, **kw))  # noqa: E731
     bf16_head = dict(lm_head_grad_fp8=False, lm_head_recompute_fp8=False)
+    # block scaling (DeepSeek-V3's) with some of its GEMMs, or its forward in another form, the head all BF16
+    block_part = lambda **kw: base.replace(recipe=dataclasses.replace(BLOCK_E4M3, **kw), **bf16_head)  # noqa: E731
     out = {
         "bf16": ("BF16 GEMMs, no FP8 (the baseline's precision)", Precision(compute_dtype=base.compute_dtype)),
         "tensor": ("per-tensor delayed scaling, E4M3 fwd / E5M2 grads (fp8_e2e; TE's DelayedScaling, emulated)", base),
@@ -81,20 +83,18 @@ def forms(base: Precision) -> dict[str, tuple[str, Precision]]:
         # the same split under the finer scalings, as the study's fp8_e2e_block_fprop, _block_backward and
         # _rowwise_fprop ran them
         "block_fprop_only": ("block's forward alone (BF16 dgrad and wgrad), the head BF16",
-                             base.replace(recipe=dataclasses.replace(BLOCK_E4M3, fp8_gemms=("fprop",)), **bf16_head)),
+                             block_part(fp8_gemms=("fprop",))),
         "block_backward_only": ("block's dgrad and wgrad alone (BF16 forward), the head BF16",
-                                base.replace(recipe=dataclasses.replace(BLOCK_E4M3, fp8_gemms=("dgrad", "wgrad")),
-                                             **bf16_head)),
+                                block_part(fp8_gemms=("dgrad", "wgrad"))),
         "rowwise_fprop_only": ("rowwise's forward alone (BF16 dgrad and wgrad), the head BF16",
                                recipe(scaling="rowwise", fp8_gemms=("fprop",)).replace(**bf16_head)),
         # block's forward halves (precision.block_forward), each alone as block_fprop_only
         **{f"block_fprop_{half}": (f"block's forward alone with block_forward={half}, the head BF16",
-                                   base.replace(recipe=dataclasses.replace(BLOCK_E4M3, fp8_gemms=("fprop",),
-                                                                           block_forward=half), **bf16_head))
+                                   block_part(fp8_gemms=("fprop",), block_forward=half))
            for half in ("tiles_channels", "tokens_blocks")},
         "head_fp8": ("the LM head in FP8 both ways (lm_head_fp8)", base.replace(lm_head_fp8=True)),
         "bf16_ends": ("the first and the last block in BF16", base.replace(bf16_first_layers=1, bf16_last_layers=1)),
-        "block_head_bf16": ("block, the LM head all BF16", base.replace(recipe=BLOCK_E4M3, **bf16_head)),
+        "block_head_bf16": ("block, the LM head all BF16", block_part()),
         # the floor (probe only): every block GEMM operand rounded to the format's mantissa with an unbounded
         # exponent, the best power-of-2 scales of any granularity can do (not a bound for f32 scales, which put each
         # group's amax on 448 exactly); the head's backward GEMMs stay per-tensor delayed, as under block scaling

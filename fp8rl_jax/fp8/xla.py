@@ -25,10 +25,11 @@ The other forms of an ``Fp8Recipe`` (``current`` and ``block`` scaling, or fewer
 ``_general_matmul_fn``: every GEMM quantizes its two operands from their high-precision values as its form says
 (``_BACKWARD_KINDS``), and a GEMM outside ``fp8_gemms`` runs on compute-dtype operands with f32 accumulation. It
 keeps x and the master kernel as residuals (an emulation: the bytes are not the point). Under ``block`` scaling a
-GEMM is ``block.block_gemm``, f32 accumulation per 128-wide slice of its contraction axis, run by the Mosaic GPU
-kernel ``kernels.block_gemm`` on a Hopper GPU outside a mesh of several devices (``_block_gemm``); a pre-quantized
-kernel then carries [ceil(N/128), ceil(K/128)] scales. ``tensor`` and ``rowwise`` with all three GEMMs in FP8 keep the
-path above, unchanged.
+GEMM is ``block.block_gemm``, f32 accumulation per 128-wide slice of its contraction axis, run on a Hopper GPU
+outside a mesh of several devices by cuBLASLt or the Mosaic GPU kernel ``kernels.block_gemm``, as
+``Fp8Recipe.block_gemm`` says (``_block_gemm``); a pre-quantized kernel then carries [ceil(N/128), ceil(K/128)]
+scales ([N, ceil(K/128)] under ``block_forward='tiles_channels'``). ``tensor`` and ``rowwise`` with all three GEMMs
+in FP8 keep the path above, unchanged.
 
 ``mantissa`` scaling (the fidelity probe's only; no config accepts it) takes that path too, as ``current`` does, with
 no scale: each operand is ``numerics.mantissa_rounded`` (the format's 3 or 2 mantissa bits, f32's exponent range),
