@@ -196,14 +196,16 @@ def test_handler_builds_where_headers_are(tmp_path):
 
 def test_block_linear_lowers_its_gemms_to_cublaslt(monkeypatch):
     """The FP8 linear under block scaling with ``block_gemm='cublaslt'``, lowered for CUDA where the target runs:
-    fprop, dgrad and wgrad are one FFI call each, for E4M3 and for HYBRID's E5M2 gradients (mixed types)."""
+    fprop, dgrad and wgrad are one FFI call each, for E4M3 and for HYBRID's E5M2 gradients (mixed types), and for
+    ``block_forward``'s halves (per-row scales on one side of the forward)."""
     monkeypatch.setattr(cublaslt, "runs_here", lambda qa, qb, out_dtype=jnp.float32: True)
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.normal(size=(256, 576)), jnp.float32)
     w = jnp.asarray(0.05 * rng.normal(size=(576, 1536)), jnp.float32)
     g = jnp.asarray(1e-3 * rng.normal(size=(256, 1536)), jnp.float32)
-    for fmt in ("e4m3", "hybrid"):
-        recipe = Fp8Recipe(scaling="block", fp8_format=fmt, block_gemm="cublaslt")
+    for fmt, forward in (("e4m3", "tiles_blocks"), ("hybrid", "tiles_blocks"), ("e4m3", "tiles_channels"),
+                         ("e4m3", "tokens_blocks")):
+        recipe = Fp8Recipe(scaling="block", fp8_format=fmt, block_forward=forward, block_gemm="cublaslt")
         state = init_linear_state(recipe)
 
         def run(x, w, g, recipe=recipe, state=state):
@@ -211,7 +213,7 @@ def test_block_linear_lowers_its_gemms_to_cublaslt(monkeypatch):
             return (y, *vjp(g))
 
         text = _cuda_text(run, x, w, g)
-        assert text.count(f"@{cublaslt.TARGET}(") == 3, fmt
+        assert text.count(f"@{cublaslt.TARGET}(") == 3, (fmt, forward)
 
 
 @pytest.mark.parametrize("rows,calls", [(256, 1), (384, 3)])
@@ -292,10 +294,15 @@ def test_gpu_quantized_data_within_fp8_accumulation_of_exact_sums(p, q, c, form,
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["e4m3", "hybrid"])
-def test_gpu_block_linear_through_cublaslt_equals_the_emulation(fmt, cublaslt_registered):
+@pytest.mark.parametrize("fmt,forward,gemm", [
+    ("e4m3", "tiles_blocks", "cublaslt"), ("hybrid", "tiles_blocks", "cublaslt"),
+    ("e4m3", "tiles_channels", "cublaslt"), ("e4m3", "tokens_blocks", "cublaslt"),
+    ("e4m3", "tiles_channels", "mosaic"), ("e4m3", "tokens_blocks", "mosaic")])
+def test_gpu_block_linear_through_cublaslt_equals_the_emulation(fmt, forward, gemm, cublaslt_registered):
     """y, dx and dw of the FP8 linear with ``block_gemm='cublaslt'`` against the same linear's XLA emulation (the
-    ``f32`` form: exact products, f32 sums), within the FP8 MMA's precision of their magnitudes."""
+    ``f32`` form: exact products, f32 sums), within the FP8 MMA's precision of their magnitudes; ``block_forward``'s
+    halves (a weight's scales per output channel, or an input's per token: per-row scales in the forward's GEMM)
+    through either kernel too."""
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.normal(size=(300, 576)), jnp.float32).at[3, 4].set(3000.0)
     w = jnp.asarray(0.05 * rng.normal(size=(576, 1536)), jnp.float32)
@@ -308,10 +315,13 @@ def test_gpu_block_linear_through_cublaslt_equals_the_emulation(fmt, cublaslt_re
             y, vjp = jax.vjp(lambda x, w: xla.fp8_matmul(x, w, state, recipe, jnp.float32, form), x, w)
             return (y, *vjp(g))
 
-        return [np.asarray(t) for t in jax.jit(run)(x, w, g)]
+        return [np.asarray(t) for t in jax.jit(run)(x, w, g)], jax.jit(run).lower(x, w, g).as_text()
 
-    got = grads(Fp8Recipe(scaling="block", fp8_format=fmt, block_gemm="cublaslt"), "f8")
-    want = grads(Fp8Recipe(scaling="block", fp8_format=fmt), "f32")
+    (got, text), (want, _) = (
+        grads(Fp8Recipe(scaling="block", fp8_format=fmt, block_forward=forward, block_gemm=gemm), "f8"),
+        grads(Fp8Recipe(scaling="block", fp8_format=fmt, block_forward=forward), "f32"))
+    target = f"@{cublaslt.TARGET}(" if gemm == "cublaslt" else "custom_call @mosaic_gpu"
+    assert text.count(target) == 3, (target, text.count(target))
     for name, a, b in zip(("y", "dx", "dw"), got, want, strict=True):
         scale = np.max(np.abs(b))
         assert np.max(np.abs(a - b)) <= 2.0**-7 * scale, (name, np.max(np.abs(a - b)) / scale)
