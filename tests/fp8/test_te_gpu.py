@@ -133,7 +133,9 @@ def test_residual_add_is_the_fp8_gemms_c_operand(m, k):
     got = into(r, x, qk)
     want = r + jax.jit(lambda x, qk: te.prequantized_matmul(x, qk, s, RECIPE, out_dtype=jnp.float32))(x, qk)
     print(f"M={m} K={k}: into vs TE + add {_rel(got, want):.2e}")
-    assert _rel(got, want) < 1e-3
+    # two cuBLASLt algorithms sum K products in their own order inside the FP8 MMA (about 14 bits kept): 1.16e-3 at
+    # K = 8192 on an H200 (below 1e-3 on the H100); a lost residual or scale would be of order 1
+    assert _rel(got, want) < 2e-3
 
 
 def test_model_with_te_matches_xla_backend():
