@@ -9,6 +9,8 @@ read in one place; nothing below the trainer reads the config.
 
 from __future__ import annotations
 
+import functools
+import os
 import warnings
 
 import jax
@@ -148,17 +150,30 @@ def _register_cublaslt(required: bool) -> None:
     Where it can neither build nor load: a ConfigError for ``block_gemm=cublaslt`` (``required``), a warning for
     ``auto``, whose GEMMs then all run on the Mosaic kernel (``fp8.xla._block_gemm`` asks ``cublaslt.runs_here``)."""
     from fp8rl_jax.kernels import cublaslt
+
+    e = _cublaslt_failure(os.environ.get(cublaslt.ENV_LIB))
+    if e is None:
+        return
+    way_out = ("build it where a compiler is (python -m fp8rl_jax.kernels.cublaslt --out DIR) and set "
+               "$FP8RL_CUBLASLT_LIB to the path it prints")
+    if required:
+        raise ConfigError(f"precision.block_gemm=cublaslt: {e}. Or {way_out}") from e
+    warnings.warn(f"precision.block_gemm=auto: no cuBLASLt block GEMM ({e}); every block GEMM runs on the Mosaic "
+                  f"kernel. To have it, {way_out}", stacklevel=2)
+
+
+@functools.cache
+def _cublaslt_failure(library: str | None) -> Exception | None:
+    """What stopped ``cublaslt.register``, or None: tried once a process for each ``$FP8RL_CUBLASLT_LIB``
+    (``library``), so the rollout's and the trainer's precisions do not build or load it twice."""
+    from fp8rl_jax.kernels import cublaslt
     from fp8rl_jax.model.assets import cache_dir
 
     try:
         cublaslt.register(cache_dir() / "kernels")
     except (RuntimeError, OSError, ValueError) as e:  # OSError: FileNotFoundError, a library that will not load
-        way_out = ("build it where a compiler is (python -m fp8rl_jax.kernels.cublaslt --out DIR) and set "
-                   "$FP8RL_CUBLASLT_LIB to the path it prints")
-        if required:
-            raise ConfigError(f"precision.block_gemm=cublaslt: {e}. Or {way_out}") from e
-        warnings.warn(f"precision.block_gemm=auto: no cuBLASLt block GEMM ({e}); every block GEMM runs on the Mosaic "
-                      f"kernel. To have it, {way_out}", stacklevel=2)
+        return e
+    return None
 
 
 def streaming(config) -> bool:

@@ -161,14 +161,26 @@ def test_block_gemm_cublaslt_that_cannot_load_is_a_config_error_with_the_way_out
     config.precision.scaling = "block"
     config.precision.block_gemm = "cublaslt"
 
+    tries = []
+
     def no_compiler(*a, **k):
+        tries.append(a)
         raise RuntimeError("building the cuBLASLt block GEMM needs a C++ compiler: 'g++' is not on PATH (set CXX)")
 
     monkeypatch.setattr(cublaslt, "register", no_compiler)
     monkeypatch.setattr(plan.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setenv(cublaslt.ENV_LIB, "")
+    plan._cublaslt_failure.cache_clear()
     message = r"precision.block_gemm=cublaslt: .*C\+\+ compiler.*fp8rl_jax.kernels.cublaslt"
     with pytest.raises(ConfigError, match=message):
         plan.run_precision(config, "train")
     config.precision.block_gemm = "auto"  # auto runs on without it: the Mosaic kernel, and a warning that says so
     with pytest.warns(UserWarning, match=r"block_gemm=auto: no cuBLASLt .*Mosaic.*fp8rl_jax.kernels.cublaslt"):
         assert plan.run_precision(config, "train").recipe.block_gemm == "auto"
+        assert plan.run_precision(config, "rollout").recipe.block_gemm == "auto"
+    assert len(tries) == 1  # the build is tried once a process, not again for each role
+    monkeypatch.setenv(cublaslt.ENV_LIB, "/elsewhere/lib.so")  # another library: tried again
+    with pytest.warns(UserWarning, match="block_gemm=auto: no cuBLASLt"):
+        plan.run_precision(config, "train")
+    assert len(tries) == 2
+    plan._cublaslt_failure.cache_clear()
