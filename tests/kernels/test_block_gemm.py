@@ -19,63 +19,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax import lax
+from block_operands import U, f32_bound, integers, magnitude, quantized
 
 from fp8rl_jax.fp8 import block, xla
 from fp8rl_jax.fp8.recipe import Fp8Recipe, init_linear_state
 from fp8rl_jax.kernels import block_gemm as block_kernel
 from fp8rl_jax.kernels.block_gemm import Tuning, block_gemm_mgpu
 
-U = 2.0**-24
 WGMMA_E4M3 = b"wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3"
 FORMS = ("blocks", "rows_of_blocks", "rows")  # b's scales: a weight's blocks, the same as rows, any per-row scales
-
-
-def _quantized(p, q, c, form, seed=0):
-    """Block-scaled operands of random data with a few massive values: (qa, sa, qb, sb in ``form``, sb as rows)."""
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(p, c)).astype(np.float32)
-    x.flat[rng.choice(x.size, 3, replace=False)] = [3000.0, -1200.0, 800.0]
-    w = (rng.normal(size=(q, c)) * 0.05).astype(np.float32)
-    qa, sa = block.tile_quantize(jnp.asarray(x), jnp.float8_e4m3fn)
-    if form == "rows":  # the wgrad's second operand: 1 x 128 tiles of its own
-        qb, sb = block.tile_quantize(jnp.asarray(w), jnp.float8_e4m3fn)
-        return qa, sa, qb, sb, sb
-    qb, sw = block.block_quantize(jnp.asarray(w), jnp.float8_e4m3fn)
-    rows = block.block_rows(sw, q)
-    return qa, sa, qb, (sw if form == "blocks" else rows), rows
-
-
-def _integers(p, q, c, form, seed=0):
-    """Operands in {-4, ..., 4} (every slice's sum of 128 products is an integer below 2**11: exact in any
-    accumulator) and random positive scales: (qa, sa, qb, sb in ``form``, sb as rows)."""
-    rng = np.random.default_rng(seed)
-    cb = block.num_blocks(c)
-    qa = jnp.asarray(rng.integers(-4, 5, (p, c)), jnp.float32).astype(jnp.float8_e4m3fn)
-    qb = jnp.asarray(rng.integers(-4, 5, (q, c)), jnp.float32).astype(jnp.float8_e4m3fn)
-    sa = jnp.asarray(rng.uniform(0.5, 2.0, (p, cb)) * 2.0 ** rng.integers(-8, 8, (p, cb)), jnp.float32)
-    if form == "rows":
-        sb = jnp.asarray(rng.uniform(0.5, 2.0, (q, cb)), jnp.float32)
-        return qa, sa, qb, sb, sb
-    sw = jnp.asarray(rng.uniform(0.5, 2.0, (block.num_blocks(q), cb)), jnp.float32)
-    rows = block.block_rows(sw, q)
-    return qa, sa, qb, (sw if form == "blocks" else rows), rows
-
-
-def _abs(q):
-    """|q| of FP8 values, exactly (the sign bit cleared)."""
-    return lax.bitcast_convert_type(lax.bitcast_convert_type(q, jnp.uint8) & jnp.uint8(0x7F), q.dtype)
-
-
-def _magnitude(qa, sa, qb, sb_rows):
-    """sum over slices of |qa| . |qb|^T * |sa sb| (the scale of f32's rounding errors), in f32."""
-    with jax.default_matmul_precision("highest"):
-        return jax.jit(block.block_gemm)(_abs(qa).astype(jnp.float32), sa, _abs(qb).astype(jnp.float32), sb_rows)
-
-
-def _f32_bound(c, mag):
-    """f32 summation's bound on |y - y_exact| (tests/fp8/test_block_scaling.py), per element."""
-    return (block.BLOCK + block.num_blocks(c) + 3) * U * np.asarray(mag)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -156,12 +108,12 @@ def test_interpreter_matches_block_gemm(form, tile_n):
     through 2 stages, sizes padded on every axis) against block_gemm on this CPU: both sum in f32, so within twice
     f32's bound."""
     p, q, c = 300, 260, 1100
-    qa, sa, qb, sb, rows = _quantized(p, q, c, form)
+    qa, sa, qb, sb, rows = quantized(p, q, c, form)
     got = block_gemm_mgpu(qa, sa, qb, sb, interpret=True, tuning=Tuning(num_sms=2, stages=2, tile_n=tile_n))
     want = jax.jit(block.block_gemm)(qa, sa, qb, rows)
     assert got.shape == (p, q) and got.dtype == jnp.float32
     err = np.abs(np.asarray(got) - np.asarray(want))
-    assert (err <= 2 * _f32_bound(c, _magnitude(qa, sa, qb, rows))).all(), err.max()
+    assert (err <= 2 * f32_bound(c, magnitude(qa, sa, qb, rows))).all(), err.max()
 
 
 @cpu_only
@@ -170,13 +122,13 @@ def test_interpreter_split_contraction_matches_block_gemm(form):
     """Split-K through the interpreter: 9 slices in 3 runs of 3, each tile's partials summed after the kernel;
     against block_gemm within twice f32's bound (the sum's order differs)."""
     p, q, c = 300, 260, 1100
-    qa, sa, qb, sb, rows = _quantized(p, q, c, form)
+    qa, sa, qb, sb, rows = quantized(p, q, c, form)
     got = block_gemm_mgpu(qa, sa, qb, sb, jnp.bfloat16, interpret=True, tuning=Tuning(num_sms=2, stages=2, splits=3))
     want = jax.jit(block.block_gemm)(qa, sa, qb, rows)
     assert got.shape == (p, q) and got.dtype == jnp.bfloat16
     err = np.abs(np.asarray(got, np.float32) - np.asarray(want.astype(jnp.bfloat16), np.float32))
     bf16_ulp = 2.0**-7 * np.abs(np.asarray(want))
-    assert (err <= bf16_ulp + 2 * _f32_bound(c, _magnitude(qa, sa, qb, rows))).all(), err.max()
+    assert (err <= bf16_ulp + 2 * f32_bound(c, magnitude(qa, sa, qb, rows))).all(), err.max()
 
 
 @cpu_only
@@ -188,13 +140,13 @@ def test_interpreter_chained_tiles_match_block_gemm(stages):
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
     p, q, c = 300, 260, 1024
-    qa, sa, qb, sb, rows = _quantized(p, q, c, "blocks")
+    qa, sa, qb, sb, rows = quantized(p, q, c, "blocks")
     params = InterpretGPUParams(uninitialized_memory="zero", detect_races=True)
     got = block_gemm_mgpu(qa, sa, qb, sb, interpret=params, tuning=Tuning(num_sms=2, stages=stages, chain=True))
     assert not gpu_callbacks.get_races().races_found
     want = jax.jit(block.block_gemm)(qa, sa, qb, rows)
     err = np.abs(np.asarray(got) - np.asarray(want))
-    assert (err <= 2 * _f32_bound(c, _magnitude(qa, sa, qb, rows))).all(), err.max()
+    assert (err <= 2 * f32_bound(c, magnitude(qa, sa, qb, rows))).all(), err.max()
 
 
 @cpu_only
@@ -208,13 +160,13 @@ def test_interpreter_paired_slices_match_block_gemm(c, tuning, form):
     from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
-    qa, sa, qb, sb, rows = _quantized(300, 260, c, form)
+    qa, sa, qb, sb, rows = quantized(300, 260, c, form)
     params = InterpretGPUParams(uninitialized_memory="zero", detect_races=True)
     got = block_gemm_mgpu(qa, sa, qb, sb, interpret=params, tuning=tuning)
     assert not gpu_callbacks.get_races().races_found
     want = jax.jit(block.block_gemm)(qa, sa, qb, rows)
     err = np.abs(np.asarray(got) - np.asarray(want))
-    assert (err <= 2 * _f32_bound(c, _magnitude(qa, sa, qb, rows))).all(), err.max()
+    assert (err <= 2 * f32_bound(c, magnitude(qa, sa, qb, rows))).all(), err.max()
 
 
 def test_paired_slices_lower_to_two_mma_groups(mosaic_modules):
@@ -253,7 +205,7 @@ def test_chained_tiles_lower_for_cuda(mosaic_modules):
 
 @cpu_only
 def test_interpreter_bf16_output_is_the_f32_result_rounded():
-    qa, sa, qb, sb, _ = _quantized(130, 200, 256, "blocks", seed=1)
+    qa, sa, qb, sb, _ = quantized(130, 200, 256, "blocks", seed=1)
     run = lambda dtype: block_gemm_mgpu(qa, sa, qb, sb, dtype, interpret=True, tuning=Tuning(num_sms=2))
     got = run(jnp.bfloat16)
     assert got.dtype == jnp.bfloat16 and got.shape == (130, 200)
@@ -262,7 +214,7 @@ def test_interpreter_bf16_output_is_the_f32_result_rounded():
 
 
 def test_bad_input_is_named():
-    qa, sa, qb, sb, rows = _quantized(64, 64, 256, "blocks")
+    qa, sa, qb, sb, rows = quantized(64, 64, 256, "blocks")
     with pytest.raises(ValueError, match="FP8"):
         block_gemm_mgpu(qa.astype(jnp.bfloat16), sa, qb, sb)
     with pytest.raises(ValueError, match="FP8"):
@@ -295,12 +247,12 @@ def test_gpu_exact_slice_sums_equal_block_gemm(p, q, c, form, cluster, tile_n):
     """Small-integer operands: every slice's MMA sum is exact in the kernel as in the emulation, so the two add the
     same scaled partial sums in the same order and differ only where one contracts ``acc + part * scale`` into an
     FMA (at most one f32 rounding of each product); then BF16 output is that f32 result rounded."""
-    qa, sa, qb, sb, rows = _integers(p, q, c, form)
+    qa, sa, qb, sb, rows = integers(p, q, c, form)
     tuning = Tuning(cluster=cluster, tile_n=tile_n)
     got = jax.jit(lambda *a: block_gemm_mgpu(*a, tuning=tuning))(qa, sa, qb, sb)
     want = jax.jit(block.block_gemm)(qa, sa, qb, rows)
     assert got.shape == (p, q) and got.dtype == jnp.float32
-    mag = np.asarray(_magnitude(qa, sa, qb, rows))
+    mag = np.asarray(magnitude(qa, sa, qb, rows))
     err = np.abs(np.asarray(got) - np.asarray(want))
     tol = (3 * block.num_blocks(c) + 4) * U * mag  # an FMA's one rounding a slice against two
     assert (err <= tol).all(), f"max err {err.max()}, max err / magnitude {(err / np.maximum(mag, 1e-30)).max()}"
@@ -317,7 +269,7 @@ def test_gpu_exact_slice_sums_equal_block_gemm(p, q, c, form, cluster, tile_n):
 def test_gpu_kernel_variants_equal_block_gemm(p, q, c, form, cluster, variant):
     """``Tuning.chain`` (a CTA's tiles as one pipeline) and ``Tuning.pair`` (two slices a step; 13 slices: one zero
     slice added) on small-integer operands: the same bound as the plain kernel's exact test."""
-    qa, sa, qb, sb, rows = _integers(p, q, c, form)
+    qa, sa, qb, sb, rows = integers(p, q, c, form)
     tuning = Tuning(cluster=cluster, **variant)
     if tuning.chain and -(-block.num_blocks(c) // (1 + tuning.pair)) % tuning.stages:  # 13 slices: 13 or 7 steps
         with pytest.raises(ValueError, match="Tuning.chain needs stages"):
@@ -325,7 +277,7 @@ def test_gpu_kernel_variants_equal_block_gemm(p, q, c, form, cluster, variant):
         return
     got = jax.jit(lambda *a: block_gemm_mgpu(*a, tuning=tuning))(qa, sa, qb, sb)
     want = jax.jit(block.block_gemm)(qa, sa, qb, rows)
-    mag = np.asarray(_magnitude(qa, sa, qb, rows))
+    mag = np.asarray(magnitude(qa, sa, qb, rows))
     err = np.abs(np.asarray(got) - np.asarray(want))
     assert (err <= (3 * block.num_blocks(c) + 4) * U * mag).all(), err.max()
 
@@ -339,10 +291,10 @@ def test_gpu_kernel_variants_equal_block_gemm(p, q, c, form, cluster, variant):
 def test_gpu_split_contraction_equals_block_gemm(p, q, c, form, tuning):
     """Split-K on small-integer operands (exact slice sums): the partials' sum in another order, within the same
     bound as one run; the BF16 output is that f32 result rounded."""
-    qa, sa, qb, sb, rows = _integers(p, q, c, form)
+    qa, sa, qb, sb, rows = integers(p, q, c, form)
     got = jax.jit(lambda *a: block_gemm_mgpu(*a, tuning=tuning))(qa, sa, qb, sb)
     want = jax.jit(block.block_gemm)(qa, sa, qb, rows)
-    mag = np.asarray(_magnitude(qa, sa, qb, rows))
+    mag = np.asarray(magnitude(qa, sa, qb, rows))
     err = np.abs(np.asarray(got) - np.asarray(want))
     assert (err <= (3 * block.num_blocks(c) + 4) * U * mag).all(), err.max()
     got16 = jax.jit(lambda *a: block_gemm_mgpu(*a, jnp.bfloat16, tuning=tuning))(qa, sa, qb, sb)
@@ -357,17 +309,17 @@ def test_gpu_quantized_data_within_fp8_accumulation_of_block_gemm(p, q, c, form)
     sums a slice: within 2**-8 of the magnitude (a loose bound on 13-bit sums of 32 aligned products a step; the
     H100 gave 0.9e-3 to 1.3e-3 here). The emulation's precision on the GPU is that of the GEMM XLA picks: f32's
     on the H100 for some of these shapes (4e-7), the kernel's for others (equal errors): only reported."""
-    qa, sa, qb, sb, rows = _quantized(p, q, c, form)
+    qa, sa, qb, sb, rows = quantized(p, q, c, form)
     got = np.asarray(jax.jit(block_gemm_mgpu)(qa, sa, qb, sb))
     emulated = np.asarray(jax.jit(block.block_gemm)(qa, sa, qb, rows))
     with jax.default_matmul_precision("highest"):
         exact = np.asarray(jax.jit(block.block_gemm)(qa.astype(jnp.float32), sa, qb.astype(jnp.float32), rows))
-    mag = np.asarray(_magnitude(qa, sa, qb, rows))
+    mag = np.asarray(magnitude(qa, sa, qb, rows))
     err, err_emulated = np.abs(got - exact), np.abs(emulated - exact)
     relative = lambda e: (e / np.maximum(mag, 1e-30)).max()
     note = (f"max err / magnitude: kernel {relative(err):.3g}, emulation {relative(err_emulated):.3g}; max err "
             f"{err.max():.3g} against {err_emulated.max():.3g}")
-    assert (err <= 2.0**-8 * mag + _f32_bound(c, mag)).all(), note
+    assert (err <= 2.0**-8 * mag + f32_bound(c, mag)).all(), note
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -17,44 +17,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from block_operands import U, integers, magnitude, quantized
 
 from fp8rl_jax.fp8 import block, xla
 from fp8rl_jax.fp8.recipe import Fp8Recipe, init_linear_state
 from fp8rl_jax.kernels import cublaslt
-
-U = 2.0**-24
-
-
-def _operands(p, q, c, form, *, integers=False, b_dtype=jnp.float8_e4m3fn, seed=0):
-    """(qa, sa, qb, sb in ``form``, sb as rows): ``form`` blocks (a weight's 128 x 128 scales) or rows (1 x 128
-    tiles). ``integers``: values in {-4..4} (every slice's sum exact) with random scales; else quantized random data
-    with a few massive values."""
-    rng = np.random.default_rng(seed)
-    cb = block.num_blocks(c)
-    if integers:
-        qa = jnp.asarray(rng.integers(-4, 5, (p, c)), jnp.float32).astype(jnp.float8_e4m3fn)
-        qb = jnp.asarray(rng.integers(-4, 5, (q, c)), jnp.float32).astype(b_dtype)
-        sa = jnp.asarray(rng.uniform(0.5, 2.0, (p, cb)) * 2.0 ** rng.integers(-8, 8, (p, cb)), jnp.float32)
-        shape = (q, cb) if form == "rows" else (block.num_blocks(q), cb)
-        sb = jnp.asarray(rng.uniform(0.5, 2.0, shape), jnp.float32)
-    else:
-        x = rng.normal(size=(p, c)).astype(np.float32)
-        x.flat[rng.choice(x.size, 3, replace=False)] = [3000.0, -1200.0, 800.0]
-        w = (rng.normal(size=(q, c)) * 0.05).astype(np.float32)
-        qa, sa = block.tile_quantize(jnp.asarray(x), jnp.float8_e4m3fn)
-        quantize = block.tile_quantize if form == "rows" else block.block_quantize
-        qb, sb = quantize(jnp.asarray(w), b_dtype)
-    rows = sb if form == "rows" else block.block_rows(sb, q)
-    return qa, sa, qb, sb, rows
-
-
-def _abs(q):
-    return jnp.abs(q.astype(jnp.float32))
-
-
-def _magnitude(qa, sa, qb, rows):
-    with jax.default_matmul_precision("highest"):
-        return np.asarray(jax.jit(block.block_gemm)(_abs(qa), sa, _abs(qb), rows))
 
 
 def _cuda_text(fn, *args) -> str:
@@ -71,7 +38,7 @@ def _cuda_text(fn, *args) -> str:
     (4096, 2048, 8192, "blocks", jnp.bfloat16),
 ])
 def test_lowers_for_cuda_to_one_ffi_call(p, q, c, form, out_dtype):
-    qa, sa, qb, sb, _ = _operands(p, q, c, form)
+    qa, sa, qb, sb, _ = quantized(p, q, c, form)
     text = _cuda_text(lambda *a: cublaslt.block_gemm_cublaslt(*a, out_dtype), qa, sa, qb, sb)
     calls = re.findall(r"stablehlo.custom_call @(\w+)\((.*?)\).*?-> \((.*?)\)", text)
     assert [name for name, _, _ in calls] == [cublaslt.TARGET]
@@ -91,7 +58,7 @@ def test_lowers_for_cuda_to_one_ffi_call(p, q, c, form, out_dtype):
 def test_rows_of_odd_bytes_are_padded_to_16():
     """A contraction (1000 -> 1008) and an output row (Q=150 f32 -> 152) that are not whole 16 bytes, and rows P that
     are no multiple of 4 (130 -> 132): zeros after the end, the output cut back to [P, Q]."""
-    qa, sa, qb, sb, _ = _operands(130, 150, 1000, "rows")
+    qa, sa, qb, sb, _ = quantized(130, 150, 1000, "rows")
     text = _cuda_text(lambda *a: cublaslt.block_gemm_cublaslt(*a), qa, sa, qb, sb)
     assert "tensor<132x1008xf8E4M3FN>" in text and "tensor<152x1008xf8E4M3FN>" in text
     out = jax.eval_shape(cublaslt.block_gemm_cublaslt, qa, sa, qb, sb)
@@ -99,14 +66,14 @@ def test_rows_of_odd_bytes_are_padded_to_16():
 
 
 def test_mixed_fp8_types_lower_and_two_e5m2_are_refused():
-    qa, sa, qb, sb, _ = _operands(128, 256, 256, "rows", b_dtype=jnp.float8_e5m2)
+    qa, sa, qb, sb, _ = quantized(128, 256, 256, "rows", b_dtype=jnp.float8_e5m2)
     assert cublaslt.TARGET in _cuda_text(cublaslt.block_gemm_cublaslt, qa, sa, qb, sb)
     with pytest.raises(ValueError, match="not two E5M2"):
         cublaslt.block_gemm_cublaslt(qa.astype(jnp.float8_e5m2), sa, qb, sb)
 
 
 def test_bad_input_is_named():
-    qa, sa, qb, sb, _ = _operands(128, 256, 256, "blocks")
+    qa, sa, qb, sb, _ = quantized(128, 256, 256, "blocks")
     with pytest.raises(ValueError, match="FP8 operands"):
         cublaslt.block_gemm_cublaslt(qa.astype(jnp.bfloat16), sa, qb, sb)
     with pytest.raises(ValueError, match="a_scale_inv must be"):
@@ -123,7 +90,7 @@ def test_bad_input_is_named():
 
 
 def test_runs_here_only_where_registered_on_hopper():
-    qa, _, qb, _, _ = _operands(128, 256, 256, "blocks")
+    qa, _, qb, _, _ = quantized(128, 256, 256, "blocks")
     assert not cublaslt.runs_here(qa, qb)  # this host: no registration, no Hopper GPU
 
 
@@ -266,10 +233,10 @@ def test_gpu_exact_slice_sums_equal_block_gemm(p, q, c, form, b_dtype, cublaslt_
     """Small-integer operands: the slice sums are exact, so cuBLASLt and the emulation differ by f32 roundings of the
     scaled partial sums alone; BF16 output is the f32 result rounded (to one BF16 step: cuBLASLt may round its own
     f32 sum in another order)."""
-    qa, sa, qb, sb, rows = _operands(p, q, c, form, integers=True, b_dtype=b_dtype)
+    qa, sa, qb, sb, rows = integers(p, q, c, form, b_dtype=b_dtype)
     got = np.asarray(cublaslt.block_gemm_cublaslt(qa, sa, qb, sb))
     want = np.asarray(jax.jit(block.block_gemm)(qa, sa, qb, rows))
-    mag = _magnitude(qa, sa, qb, rows)
+    mag = magnitude(qa, sa, qb, rows)
     err = np.abs(got - want)
     tol = (3 * block.num_blocks(c) + 4) * U * mag
     assert got.shape == (p, q)
@@ -283,11 +250,11 @@ def test_gpu_exact_slice_sums_equal_block_gemm(p, q, c, form, b_dtype, cublaslt_
 def test_gpu_quantized_data_within_fp8_accumulation_of_exact_sums(p, q, c, form, cublaslt_registered):
     """Block-quantized random data with massive values against f32 products and sums: within Hopper's FP8 MMA
     precision (2**-8 of the magnitude, the Mosaic kernel's bound: tests/kernels/test_block_gemm.py)."""
-    qa, sa, qb, sb, rows = _operands(p, q, c, form)
+    qa, sa, qb, sb, rows = quantized(p, q, c, form)
     got = np.asarray(cublaslt.block_gemm_cublaslt(qa, sa, qb, sb))
     with jax.default_matmul_precision("highest"):
         exact = np.asarray(jax.jit(block.block_gemm)(qa.astype(jnp.float32), sa, qb.astype(jnp.float32), rows))
-    mag = _magnitude(qa, sa, qb, rows)
+    mag = magnitude(qa, sa, qb, rows)
     err = np.abs(got - exact)
     bound = 2.0**-8 * mag + (block.BLOCK + block.num_blocks(c) + 3) * U * mag
     assert (err <= bound).all(), f"max err / magnitude {(err / np.maximum(mag, 1e-30)).max():.3g}"
