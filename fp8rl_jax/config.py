@@ -91,6 +91,9 @@ def base_config() -> ml_collections.ConfigDict:
     # wo's and w_down's residual adds inside their FP8 GEMMs (cuBLASLt's C operand) instead of an add kernel each:
     # a faster rollout on the H100 (benchmarks/RESULTS.md, "Rollout throughput")
     c.precision.residual_in_gemm = True
+    # training's MLP as one custom VJP whose backward makes the SwiGLU's gradient and its FP8 operands in one kernel
+    # (the te backend with per-tensor scaling; the xla backend with block scaling); off: the two linears' autodiff
+    c.precision.fused_mlp = True
     c.precision.kv_margin = 0
     # scoring and training attention: auto (GPU: cuDNN flash attention, Pallas' beside a Transformer Engine on
     # another cuDNN; else xla) | cudnn | pallas | xla (the masked einsum: [T, T] scores in memory)
@@ -348,6 +351,7 @@ def validate(c: ml_collections.ConfigDict, known_rewards: Callable[[], Sequence[
               "which would read the cache written under the old ones")
     check(isinstance(c.precision.residual_in_gemm, bool), "precision.residual_in_gemm", c.precision.residual_in_gemm,
           "True or False")
+    check(isinstance(c.precision.fused_mlp, bool), "precision.fused_mlp", c.precision.fused_mlp, "True or False")
     check(not c.rollout.exact or c.precision.mode in ("bf16", "fp8_e2e"), "rollout.exact", c.rollout.exact,
           f"False with precision.mode={c.precision.mode!r}: the exact sampler is the trainer's forward, so the "
           f"rollout and training precisions must be one (bf16 or fp8_e2e)")

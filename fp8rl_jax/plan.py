@@ -140,6 +140,7 @@ def run_precision(config, role: str) -> Precision:
         lm_head_recompute_fp8=p.lm_head_recompute_fp8 and fp8,
         kv_cache_dtype=p.kv_cache_dtype if fp8 else p.compute_dtype,
         residual_in_gemm=p.residual_in_gemm,
+        fused_mlp=p.fused_mlp,
         attention=p.attention,
     )
 
@@ -148,7 +149,7 @@ def _register_cublaslt(required: bool) -> None:
     """The cuBLASLt block GEMM's FFI target, once a process: ``$FP8RL_CUBLASLT_LIB``, or the library in the model
     cache's ``kernels`` folder, built there on first use (a C++ compiler and cuBLAS's headers: kernels.cublaslt).
     Where it can neither build nor load: a ConfigError for ``block_gemm=cublaslt`` (``required``), a warning for
-    ``auto``, whose GEMMs then all run on the Mosaic kernel (``fp8.xla._block_gemm`` asks ``cublaslt.runs_here``)."""
+    ``auto``, whose GEMMs then all run on the Mosaic kernel (``fp8.xla.block_gemm`` asks ``cublaslt.runs_here``)."""
     from fp8rl_jax.kernels import cublaslt
 
     e = _cublaslt_failure(os.environ.get(cublaslt.ENV_LIB))

@@ -18,6 +18,8 @@ then ``--steps`` timed steps whose phase times (``time/weights``: the sampler's 
                    GEMMs (``precision.residual_in_gemm`` off, the earlier default)
     fp8_e2e_cublas fp8_e2e with its BF16 GEMMs (head, BF16 blocks) on cuBLAS, as bf16_cublas's
     fp8_e2e_xla    fp8_e2e on the xla backend (XLA's FP8 GEMMs and fusions, no TE), cuBLAS for the rest
+    fp8_e2e_block  block scaling on the xla backend (``precision.scaling=block``, E4M3); ``_mosaic`` and
+                   ``_cublaslt`` with one block GEMM alone, ``_unfused`` with ``precision.fused_mlp`` off
 
 Train throughput counts model FLOPs only (``6 x`` the GEMM parameters per trained token plus causal attention;
 remat's recomputation is not counted), MFU is against the device's dense BF16 peak for every mode. The rollout's
@@ -82,6 +84,8 @@ MODES = {  # mode -> (precision.mode, extra XLA flags, config overrides)
                              {**BLOCK, "precision.block_gemm": "mosaic"}),
     "fp8_e2e_block_cublaslt": ("fp8_e2e", "--xla_gpu_enable_triton_gemm=false",
                                {**BLOCK, "precision.block_gemm": "cublaslt"}),
+    # block scaling's MLP as the two linears' autodiff (precision.fused_mlp off)
+    "fp8_e2e_block_unfused": ("fp8_e2e", "--xla_gpu_enable_triton_gemm=false", {**BLOCK, "precision.fused_mlp": False}),
 }
 # dense BF16 tensor-core peaks (TFLOP/s) by device kind prefix; FP8 doubles them on Hopper
 BF16_PEAK_TFLOPS = {"NVIDIA H100": 989.4, "NVIDIA H200": 989.4, "NVIDIA GH200": 989.4}

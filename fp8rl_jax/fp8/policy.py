@@ -43,6 +43,10 @@ class Precision:
       Scoring and training keep TE's GEMM and the add: there it gained nothing in the train phase and, with scoring
       on XLA's GEMM too, moved the rollout/scoring agreement and broke the exact sampler's bit-for-bit contract
       (benchmarks/RESULTS.md, "Rollout throughput").
+    fused_mlp: training's and scoring's MLP as one custom VJP where it applies (``model.llama._fused_mlp``: the te
+      backend's ``te.fp8_swiglu_mlp``, block scaling's ``block_mlp.block_swiglu_mlp``): the same forward as the two
+      linears', a backward whose SwiGLU gradient and FP8 operands come from one kernel. Off: the two ``linear``
+      calls and autodiff between them.
     attention: the full-sequence (no-cache) attention of scoring and training: ``xla`` (the masked einsum, the
       [T, S] scores in memory), ``cudnn`` (cuDNN's fused flash attention through ``jax.nn.dot_product_attention``,
       GPU, BF16), ``pallas`` (JAX's Pallas Triton flash attention, GPU) or ``auto`` (a GPU: cudnn, or pallas
@@ -61,6 +65,7 @@ class Precision:
     lm_head_recompute_fp8: bool = False
     kv_cache_dtype: str = "bfloat16"
     residual_in_gemm: bool = True
+    fused_mlp: bool = True
     attention: str = "auto"
 
     def __post_init__(self):

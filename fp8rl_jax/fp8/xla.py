@@ -23,11 +23,11 @@ one byte each).
 
 The other forms of an ``Fp8Recipe`` (``current`` and ``block`` scaling, or fewer GEMMs in FP8: ``fp8_gemms``) take
 ``_general_matmul_fn``: every GEMM quantizes its two operands from their high-precision values as its form says
-(``_BACKWARD_KINDS``), and a GEMM outside ``fp8_gemms`` runs on compute-dtype operands with f32 accumulation. It
+(``BACKWARD_KINDS``), and a GEMM outside ``fp8_gemms`` runs on compute-dtype operands with f32 accumulation. It
 keeps x and the master kernel as residuals (an emulation: the bytes are not the point). Under ``block`` scaling a
 GEMM is ``block.block_gemm``, f32 accumulation per 128-wide slice of its contraction axis, run on a Hopper GPU
 outside a mesh of several devices by cuBLASLt or the Mosaic GPU kernel ``kernels.block_gemm``, as
-``Fp8Recipe.block_gemm`` says (``_block_gemm``); a pre-quantized kernel then carries [ceil(N/128), ceil(K/128)]
+``Fp8Recipe.block_gemm`` says (``block_gemm``); a pre-quantized kernel then carries [ceil(N/128), ceil(K/128)]
 scales ([N, ceil(K/128)] under ``block_forward='tiles_channels'``). ``tensor`` and ``rowwise`` with all three GEMMs
 in FP8 keep the path above, unchanged.
 
@@ -182,8 +182,8 @@ def _per_row_of_slices(a: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
     return data, jnp.broadcast_to(scale_inv[..., None], (*scale_inv.shape, block.num_blocks(a.shape[-1])))
 
 
-def _block_gemm(qa: jax.Array, sa: jax.Array, qb: jax.Array, sb: jax.Array, form: str, out_dtype=None,
-                impl: str = "auto") -> jax.Array:
+def block_gemm(qa: jax.Array, sa: jax.Array, qb: jax.Array, sb: jax.Array, form: str, out_dtype=None,
+               impl: str = "auto") -> jax.Array:
     """``block.block_gemm`` -> [P, Q] in ``out_dtype`` (default f32): on a Hopper GPU outside a mesh of several
     devices by ``impl`` (``Fp8Recipe.block_gemm``) where it runs: ``cublaslt`` (and ``auto`` above a decode step's
     ``block_kernel.SMALL_M`` rows), cuBLASLt's block-scaled FP8 GEMM (its FFI target registered, not two E5M2
@@ -232,8 +232,8 @@ def prequantized_matmul(
             qx, sx = _per_row_of_slices(x, recipe.fwd_dtype)
         else:
             (qx, sx), _ = block.tile_quantize_both(x, recipe.fwd_dtype, cols=False)
-        y = _block_gemm(gemm_operand(qx, recipe.fwd_dtype, form), sx, qw, kernel.scale_inv, form, out_dtype,
-                        recipe.block_gemm)
+        y = block_gemm(gemm_operand(qx, recipe.fwd_dtype, form), sx, qw, kernel.scale_inv, form, out_dtype,
+                       recipe.block_gemm)
     elif recipe.scaling in ("current", "mantissa"):  # x_scale unused: x's own amax, or no scale (sx 1)
         qx, sx = _quantized(x, recipe.fwd_dtype, recipe.scaling)
         # [M, K] . [N, K] -> [M, N]
@@ -337,7 +337,7 @@ def _fp8_matmul_fn(x_dtype, w_dtype, out_dtype, recipe: Fp8Recipe, form: str, ga
 # the tensor's own amax; "tile": 1 x 128 tiles along the contraction axis (N for dgrad, the tokens for wgrad);
 # "block": 128 x 128; "mantissa": no scale, the value rounded to the format's mantissa (the probe's floor). rowwise
 # scales the forward only, as the standard path does.
-_BACKWARD_KINDS = {
+BACKWARD_KINDS = {
     "tensor": {"dgrad": ("delayed", "delayed"), "wgrad": ("delayed", "delayed")},
     "rowwise": {"dgrad": ("delayed", "delayed"), "wgrad": ("delayed", "delayed")},
     "current": {"dgrad": ("current", "current"), "wgrad": ("current", "current")},
@@ -347,7 +347,7 @@ _BACKWARD_KINDS = {
 
 
 def _quantized(t: jax.Array, dtype, kind: str, delayed_scale: jax.Array | None = None):
-    """``t`` [..., P, C] quantized as ``kind`` says (``_BACKWARD_KINDS``): (FP8 values, inverse scales) with the
+    """``t`` [..., P, C] quantized as ``kind`` says (``BACKWARD_KINDS``): (FP8 values, inverse scales) with the
     scales [..., 1, 1] (per tensor), [..., P, Cb] (tiles) or [..., Pb, Cb] (blocks). ``mantissa``: the values
     ``mantissa_rounded`` (f32, not FP8) and inverse scales 1 [..., 1, 1]."""
     if kind == "mantissa":
@@ -364,32 +364,32 @@ def _quantized(t: jax.Array, dtype, kind: str, delayed_scale: jax.Array | None =
     return quantize(t, scale, dtype), 1.0 / scale
 
 
-def _dgrad(g: jax.Array, w: jax.Array, kinds, recipe: Fp8Recipe, form: str, s_g, s_w, g_tiles=None,
+def dgrad(g: jax.Array, w: jax.Array, kinds, recipe: Fp8Recipe, form: str, s_g, s_w, g_tiles=None,
            x_dtype=None) -> jax.Array:
-    """dx [M, K] = g [M, N] . w [K, N]^T in FP8, the operands quantized as ``kinds`` says (``_BACKWARD_KINDS``).
+    """dx [M, K] = g [M, N] . w [K, N]^T in FP8, the operands quantized as ``kinds`` says (``BACKWARD_KINDS``).
     ``g_tiles``: g's two tile forms already made (``block.tile_quantize_both``). ``x_dtype``: dx's dtype, which the
     block GEMM writes itself (the f32 sum rounded once, as ``astype`` would)."""
     fwd, bwd = recipe.fwd_dtype, recipe.bwd_dtype
     if kinds[0] == "tile":  # g in 1 x 128 tiles along N, w in 128 x 128 blocks
         qg, sg = g_tiles[0] if g_tiles else block.tile_quantize(g, bwd)
         qw, sw = block.block_quantize(w, fwd)
-        return _block_gemm(gemm_operand(qg, bwd, form), sg, gemm_operand(qw, fwd, form), sw, form, x_dtype,
-                           recipe.block_gemm)
+        return block_gemm(gemm_operand(qg, bwd, form), sg, gemm_operand(qw, fwd, form), sw, form, x_dtype,
+                          recipe.block_gemm)
     qg, sg = _quantized(g, bwd, kinds[0], s_g)
     qw, sw = _quantized(w, fwd, kinds[1], s_w)
     # [M, N] . [N, K] -> [M, K], laid out as the standard path's (the same sums in the same order)
     return _mm(gemm_operand(qg, bwd, form), gemm_operand(jnp.swapaxes(qw, 0, 1), fwd, form), 1, 0) * (sg * sw)
 
 
-def _wgrad(x: jax.Array, g: jax.Array, kinds, recipe: Fp8Recipe, form: str, s_x, s_g, g_tiles=None) -> jax.Array:
+def wgrad(x: jax.Array, g: jax.Array, kinds, recipe: Fp8Recipe, form: str, s_x, s_g, g_tiles=None) -> jax.Array:
     """dw [K, N] = x [M, K]^T . g [M, N] in FP8, the operands quantized as ``kinds`` says. ``g_tiles``: as
-    ``_dgrad``'s."""
+    ``dgrad``'s."""
     fwd, bwd = recipe.fwd_dtype, recipe.bwd_dtype
     if kinds[0] == "tile":  # x and g in 128 x 1 tiles: 1 x 128 tiles of their transposes, along the tokens
         _, (qx, sx) = block.tile_quantize_both(x, fwd, rows=False)
         qg, sg = (g_tiles or block.tile_quantize_both(g, bwd, rows=False))[1]
-        return _block_gemm(gemm_operand(qx, fwd, form), sx, gemm_operand(qg, bwd, form), sg, form,
-                           impl=recipe.block_gemm)
+        return block_gemm(gemm_operand(qx, fwd, form), sx, gemm_operand(qg, bwd, form), sg, form,
+                          impl=recipe.block_gemm)
     qx, sx = _quantized(x, fwd, kinds[0], s_x)
     qg, sg = _quantized(g, bwd, kinds[1], s_g)
     # [M, K]^T . [M, N] -> [K, N]
@@ -414,8 +414,8 @@ def _unobserved(t: jax.Array) -> jax.Array:
 def _general_matmul_fn(x_dtype, w_dtype, out_dtype, recipe: Fp8Recipe, form: str, gather: P | None = None):
     """``fp8_matmul`` for the recipes outside the standard path (``Fp8Recipe.standard``): the same contract (the
     cotangent of the state carries the call's three amaxes), the forward ``prequantized_matmul``'s, the backward
-    GEMMs' operands quantized as ``_BACKWARD_KINDS`` says; a GEMM left out of ``fp8_gemms`` is ``_wide_gemm``."""
-    kinds = _BACKWARD_KINDS[recipe.scaling]
+    GEMMs' operands quantized as ``BACKWARD_KINDS`` says; a GEMM left out of ``fp8_gemms`` is ``_wide_gemm``."""
+    kinds = BACKWARD_KINDS[recipe.scaling]
     observe = amax if recipe.delayed else _unobserved
 
     @jax.custom_vjp
@@ -440,11 +440,11 @@ def _general_matmul_fn(x_dtype, w_dtype, out_dtype, recipe: Fp8Recipe, form: str
         if recipe.scaling == "block" and {"dgrad", "wgrad"} <= set(recipe.fp8_gemms):
             g_tiles = block.tile_quantize_both(g, recipe.bwd_dtype)
         if "dgrad" in recipe.fp8_gemms:
-            dx = _dgrad(g, w, kinds["dgrad"], recipe, form, s_g, s_w, g_tiles, x_dtype)
+            dx = dgrad(g, w, kinds["dgrad"], recipe, form, s_g, s_w, g_tiles, x_dtype)
         else:  # dx [M, K] = g [M, N] . w [K, N]^T
             dx = _wide_gemm(g, w, x_dtype, form)
         if "wgrad" in recipe.fp8_gemms:
-            dw = _wgrad(x, g, kinds["wgrad"], recipe, form, s_x, s_g, g_tiles)
+            dw = wgrad(x, g, kinds["wgrad"], recipe, form, s_x, s_g, g_tiles)
         else:  # dw [K, N] = x^T [K, M] . g^T [N, M]^T
             dw = _wide_gemm(jnp.swapaxes(x, 0, 1), jnp.swapaxes(g, 0, 1), x_dtype, form)
         return _cotangents(dx.astype(x_dtype), dw.astype(w_dtype), gather, kernel_amax,

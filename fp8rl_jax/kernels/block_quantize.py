@@ -69,6 +69,20 @@ def _scales(amax: jax.Array, limit: float) -> tuple[jax.Array, jax.Array]:
     return scale, 1.0 / scale
 
 
+def row_tiles(t: jax.Array, limit: float, dtype) -> tuple[jax.Array, jax.Array]:
+    """A [128, 128] f32 block inside a kernel in 1 x 128 tiles, a scale a row: (FP8 values [128, 128], inverse
+    scales [128])."""
+    scale, inv = _scales(jnp.max(jnp.abs(t), axis=1), limit)
+    return quantize(t, scale[:, None], dtype), inv
+
+
+def col_tiles(t: jax.Array, limit: float, dtype) -> tuple[jax.Array, jax.Array]:
+    """The same block in 128 x 1 tiles, a scale a column, written transposed: (FP8 values [128, 128] of ``t.T``,
+    inverse scales [128])."""
+    scale, inv = _scales(jnp.max(jnp.abs(t), axis=0), limit)
+    return quantize(t, scale[None, :], dtype).T, inv
+
+
 def quantize_tiles(a: jax.Array, dtype, *, rows: bool = True, cols: bool = True, interpret: bool = False,
                    num_warps: int = NUM_WARPS):
     """``a`` [P, C] -> ``[q, row_inv_t]`` (with ``rows``: ``a`` in 1 x 128 tiles along C, ``dtype`` [P, C], and the
@@ -91,16 +105,13 @@ def quantize_tiles(a: jax.Array, dtype, *, rows: bool = True, cols: bool = True,
 
     def kernel(a_ref, *out):
         t = a_ref[...].astype(jnp.float32)  # [128, 128]
-        mag = jnp.abs(t)
         if rows:
             q_ref, inv_ref, *out = out
-            scale, inv = _scales(jnp.max(mag, axis=1), limit)  # [128]: a scale a row
-            q_ref[...] = quantize(t, scale[:, None], dtype)
+            q_ref[...], inv = row_tiles(t, limit, dtype)
             inv_ref[...] = inv[None, :]
         if cols:
             qt_ref, inv_ref = out
-            scale, inv = _scales(jnp.max(mag, axis=0), limit)  # [128]: a scale a column
-            qt_ref[...] = quantize(t, scale[None, :], dtype).T
+            qt_ref[...], inv = col_tiles(t, limit, dtype)
             inv_ref[...] = inv[None, :]
 
     return pl.pallas_call(

@@ -40,14 +40,15 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from fp8rl_jax.numerics import amax, quantize
+from fp8rl_jax.kernels.block_quantize import TILE, col_tiles, row_tiles
+from fp8rl_jax.numerics import amax, fp8_max, quantize
 
 IMPLS = ("auto", "pallas", "pallas_interpret", "xla")
 BLOCK = (32, 64)  # tokens, intermediate columns per program (H100 sweep: benchmarks/swiglu_grad.py)
 NUM_WARPS = 4
 
 
-def _math(gate: jax.Array, up: jax.Array, g_h: jax.Array):
+def swiglu_math(gate: jax.Array, up: jax.Array, g_h: jax.Array):
     """h, dgate, dup in f32 from the gate, the up and the gradient of h."""
     gate, up, g_h = (a.astype(jnp.float32) for a in (gate, up, g_h))
     s = 1.0 / (1.0 + jnp.exp(-gate))
@@ -72,7 +73,7 @@ def swiglu_grad_fp8(gate_up: jax.Array, g_h: jax.Array, h_scale: jax.Array, g_sc
     if impl == "auto":
         impl = "pallas" if jax.default_backend() == "gpu" and divides else "xla"
     if impl == "xla":
-        h, dgate, dup = _math(gate_up[:, :f], gate_up[:, f:], g_h)
+        h, dgate, dup = swiglu_math(gate_up[:, :f], gate_up[:, f:], g_h)
         g = jnp.concatenate([dgate, dup], axis=1)
         qh, qg = quantize(h, h_scale, h_dtype), quantize(g, g_scale, g_dtype)
         return qh.T, qg, qg.T, amax(h), amax(g)
@@ -91,7 +92,7 @@ def _pallas(gate_up, g_h, h_scale, g_scale, h_dtype, g_dtype, *, block, num_warp
         i, j = pl.program_id(0), pl.program_id(1)
         rows, cols = pl.ds(i * bm, bm), pl.ds(j * bf, bf)
         up_cols = pl.ds(f + j * bf, bf)
-        h, dgate, dup = _math(gate_up_ref[rows, cols], gate_up_ref[rows, up_cols], g_h_ref[rows, cols])
+        h, dgate, dup = swiglu_math(gate_up_ref[rows, cols], gate_up_ref[rows, up_cols], g_h_ref[rows, cols])
         s_h, s_g = scales_ref[0], scales_ref[1]
         qh, qdgate, qdup = quantize(h, s_h, h_dtype), quantize(dgate, s_g, g_dtype), quantize(dup, s_g, g_dtype)
         qh_t_ref[cols, rows] = qh.T
@@ -118,3 +119,47 @@ def _pallas(gate_up, g_h, h_scale, g_scale, h_dtype, g_dtype, *, block, num_warp
     )(jnp.stack([h_scale, g_scale]), gate_up, g_h)
     return qh_t, qg, qg_t, jnp.max(amax_h), jnp.max(amax_g)
 
+
+
+def swiglu_grad_tiles(gate_up: jax.Array, g_h: jax.Array, h_dtype, g_dtype, *, interpret: bool = False,
+                      num_warps: int = 8):
+    """Block scaling's FP8 operands of an MLP's backward GEMMs from one read of ``gate_up`` [M, 2F] and ``g_h`` [M, F]
+    (128 dividing M and F): h in 128 x 1 tiles along the tokens, written transposed (the down projection's weight
+    gradient), and [dgate | dup] in 1 x 128 tiles along its columns (the gate/up linear's data gradient) and in
+    128 x 1 tiles, written transposed (its weight gradient), each tile scaled by its own amax as
+    ``block_quantize.quantize_tiles`` scales it. Returns ``(qh_t [F, M], sh [M / 128, F], qg [M, 2F], sg [2F / 128,
+    M], qg_t [2F, M], sg_t [M / 128, 2F])``: values and inverse scales laid as ``quantize_tiles`` lays them
+    (``fp8.block_mlp`` turns them into ``block.tile_quantize_both``'s forms). A program holds one [128, 128] block of
+    the gate, the up and g_h (grid ``(M / 128, F / 128)``)."""
+    m, f = g_h.shape
+    if gate_up.shape != (m, 2 * f) or m % TILE or f % TILE:
+        raise ValueError(f"swiglu_grad_tiles takes gate_up [M, 2F] and g_h [M, F] with 128 dividing M and F, not "
+                         f"{list(gate_up.shape)} and {list(g_h.shape)}")
+    h_dtype, g_dtype = jnp.dtype(h_dtype), jnp.dtype(g_dtype)
+    h_limit, g_limit = float(fp8_max(h_dtype)), float(fp8_max(g_dtype))
+    nf = f // TILE
+
+    def kernel(gate_up_ref, g_h_ref, qh_t_ref, sh_ref, qg_ref, sg_ref, qg_t_ref, sg_t_ref):
+        i, j = pl.program_id(0), pl.program_id(1)
+        rows, cols, up_cols = pl.ds(i * TILE, TILE), pl.ds(j * TILE, TILE), pl.ds(f + j * TILE, TILE)
+        h, dgate, dup = swiglu_math(gate_up_ref[rows, cols], gate_up_ref[rows, up_cols], g_h_ref[rows, cols])
+        qh_t_ref[cols, rows], inv = col_tiles(h, h_limit, h_dtype)
+        sh_ref[pl.ds(i, 1), cols] = inv[None, :]
+        for part, at, column_block in ((dgate, cols, j), (dup, up_cols, nf + j)):
+            qg_ref[rows, at], inv = row_tiles(part, g_limit, g_dtype)
+            sg_ref[pl.ds(column_block, 1), rows] = inv[None, :]
+            qg_t_ref[at, rows], inv = col_tiles(part, g_limit, g_dtype)
+            sg_t_ref[pl.ds(i, 1), at] = inv[None, :]
+
+    return pl.pallas_call(
+        kernel,
+        grid=(m // TILE, nf),
+        out_shape=(
+            jax.ShapeDtypeStruct((f, m), h_dtype), jax.ShapeDtypeStruct((m // TILE, f), jnp.float32),
+            jax.ShapeDtypeStruct((m, 2 * f), g_dtype), jax.ShapeDtypeStruct((2 * nf, m), jnp.float32),
+            jax.ShapeDtypeStruct((2 * f, m), g_dtype), jax.ShapeDtypeStruct((m // TILE, 2 * f), jnp.float32),
+        ),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name="swiglu_grad_tiles",
+    )(gate_up, g_h)

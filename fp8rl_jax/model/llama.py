@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from fp8rl_jax.fp8 import block_mlp, te
 from fp8rl_jax.fp8 import kv as kvq
 from fp8rl_jax.fp8.linear import linear
 from fp8rl_jax.fp8.policy import Precision
@@ -232,12 +233,11 @@ def _block(x, layer, fp8, idx, positions, cache, kv_scales, config: LlamaConfig,
     x = linear(attn.reshape(b, t, c.q_size), layer["wo"], fp8.get("wo"), precision, residual=x)
 
     h = rms_norm(x, layer["mlp_norm"], eps, precision.dtype)
-    if _fused_mlp(layer, fp8, precision, fused_shards):
-        from fp8rl_jax.fp8 import te  # the te backend's MLP in one custom VJP: its forward is the two linears'
-
-        # [B, T, D] -> [B T, D] -> [B, T, D]
-        y = te.fp8_swiglu_mlp(h.reshape(-1, c.hidden_size).astype(precision.dtype), layer["w_gate_up"],
-                              layer["w_down"], fp8["w_gate_up"], fp8["w_down"], precision.recipe, x.dtype)
+    fused = _fused_mlp(layer, fp8, precision, fused_shards)
+    if fused:  # the MLP in one custom VJP, whose forward is the two linears'
+        mlp = te.fp8_swiglu_mlp if fused == "te" else block_mlp.block_swiglu_mlp  # [B, T, D] -> [B T, D] -> [B, T, D]
+        y = mlp(h.reshape(-1, c.hidden_size).astype(precision.dtype), layer["w_gate_up"], layer["w_down"],
+                fp8["w_gate_up"], fp8["w_down"], precision.recipe, x.dtype)
         return x + y.reshape(x.shape), cache, kv_amax
     # [B, T, D] -> [B, T, 2F]
     gate, up = _split_fused(linear(h, layer["w_gate_up"], fp8.get("w_gate_up"), precision),
@@ -304,12 +304,18 @@ def _decode_output(wo, wo_state, precision: Precision) -> dict:
     return {"out_scale": wo_state["x"]["scale"], "out_dtype": precision.recipe.fwd_dtype}
 
 
-def _fused_mlp(layer, fp8, precision: Precision, fused_shards: int) -> bool:
-    """The te backend's training forward with both MLP kernels made once for the update (``TrainKernel``: one
-    device) takes ``te.fp8_swiglu_mlp``, whose backward makes the SwiGLU's gradient and its FP8 operands in one
-    kernel; everything else (the rollout, BF16, the xla backend, FSDP) runs the two ``linear`` calls."""
-    return (precision.fp8 and precision.backend == "te" and fused_shards == 1
-            and all(isinstance(layer.get(n), TrainKernel) and fp8.get(n) is not None for n in ("w_gate_up", "w_down")))
+def _fused_mlp(layer, fp8, precision: Precision, fused_shards: int) -> str | None:
+    """The MLP in one custom VJP whose backward makes the SwiGLU's gradient and its FP8 operands in one kernel:
+    ``te`` (``te.fp8_swiglu_mlp``: both kernels made once for the update, ``TrainKernel``), ``block``
+    (``block_mlp.block_swiglu_mlp``: block scaling on the xla backend, whole kernels); None (two ``linear`` calls)
+    for the rollout's pre-quantized kernels, BF16, FSDP and tensor-parallel shards of the fused gate/up."""
+    names = ("w_gate_up", "w_down")
+    if not (precision.fp8 and precision.fused_mlp and fused_shards == 1 and all(fp8.get(n) is not None for n in names)):
+        return None
+    if precision.backend == "te" and all(isinstance(layer.get(n), TrainKernel) for n in names):
+        return "te"
+    whole = all(isinstance(layer.get(n), (jax.Array, TrainKernel)) for n in names)
+    return "block" if precision.backend == "xla" and block_mlp.fused(precision.recipe) and whole else None
 
 
 def _remat(body, remat: str):

@@ -1,7 +1,7 @@
 """The block-scaled FP8 GEMM by cuBLASLt on Hopper: ``fp8.block.block_gemm`` as one ``cublasLtMatmul`` call with
 cuBLAS's own block scale modes (cuBLAS >= 12.9, sm_90: ``VEC128_32F`` for 1 x 128 tiles, ``BLK128x128_32F`` for a
 weight's 128 x 128 blocks), through an XLA FFI handler (``block_gemm.cc``; ``jax.ffi``). The other Hopper path beside
-``kernels.block_gemm``'s Mosaic GPU kernel; ``precision.block_gemm`` picks one (``fp8.xla._block_gemm``).
+``kernels.block_gemm``'s Mosaic GPU kernel; ``precision.block_gemm`` picks one (``fp8.xla.block_gemm``).
 
 What it computes: the same sum as ``block.block_gemm``: each 128-deep slice of the contraction summed by the tensor
 cores, multiplied by its two scales and added to an f32 accumulator (cuBLASLt has no fast accumulation with block

@@ -1,0 +1,117 @@
+"""The MLP ``down(silu(gate) * up)`` under block scaling as one differentiable function (``block_swiglu_mlp``).
+
+Why. Through two ``xla.fp8_matmul`` calls the backward of a block-scaled MLP writes the SwiGLU's gradient
+[dgate | dup] (an [M, 2F] BF16 array, XLA's autodiff of ``silu(gate) * up``) and reads it again to quantize it in
+its two tile forms, and writes h (recomputed) to quantize it for the down projection's weight gradient: about 7.7 GB
+a layer and microbatch at llama1b's training shapes, where the operands themselves are 3.7. Here one kernel
+(``kernels.swiglu_grad.swiglu_grad_tiles``) reads the gate/up output and the gradient of h once and writes those
+three FP8 operands, as ``te.fp8_swiglu_mlp`` does for per-tensor scaling.
+
+What it computes. The forward is the two linears' forwards, bit for bit (the rollout runs them as two ``linear``
+calls: the same quantizers, the same GEMMs). The backward is the two linears' block backward (``xla.BACKWARD_KINDS``:
+1 x 128 gradient tiles with the weight's blocks for the data gradients, 128 x 1 tiles of both operands for the weight
+gradients), except that h, dgate and dup are ``swiglu_math``'s f32 values of the same inputs, where autodiff rounds
+each op to BF16: a value near an FP8 rounding boundary may land on its neighbour (as in the te backend's MLP).
+Where the kernel does not run (off a GPU, a mesh of several devices, sizes 128 does not divide) the same values go
+through ``block.tile_quantize_both``'s XLA form: the same tiles, bit for bit, as the kernel's on the values each has.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from fp8rl_jax.fp8 import block, xla
+from fp8rl_jax.fp8.recipe import Fp8LinearState, Fp8Recipe, observations
+from fp8rl_jax.fp8.xla import TrainKernel
+from fp8rl_jax.kernels import block_quantize
+from fp8rl_jax.kernels.swiglu_grad import swiglu_grad_tiles, swiglu_math
+
+IMPLS = ("auto", "pallas", "pallas_interpret", "xla")
+
+
+def swiglu_grad_tiles_any(gate_up: jax.Array, g_h: jax.Array, h_dtype, g_dtype, impl: str = "auto"):
+    """h's weight-gradient form and [dgate | dup]'s two forms in ``block.tile_quantize_both``'s layout: ``((qh_t [F,
+    M], sh [F, Mb]), ((qg [M, 2F], sg [M, 2Fb]), (qg_t [2F, M], sg_t [2F, Mb])))``. ``impl``: ``pallas`` (the
+    kernel, GPU), ``pallas_interpret`` (tests), ``xla``, ``auto`` (pallas where ``block_quantize.fits`` both
+    inputs)."""
+    if impl not in IMPLS:
+        raise ValueError(f"swiglu_grad_tiles impl={impl!r}; allowed: {IMPLS}")
+    if impl == "auto":
+        impl = "pallas" if block_quantize.fits(gate_up) and block_quantize.fits(g_h) else "xla"
+    if impl == "xla":
+        f = g_h.shape[1]
+        h, dgate, dup = swiglu_math(gate_up[:, :f], gate_up[:, f:], g_h)
+        _, h_cols = block.tile_quantize_both(h, h_dtype, rows=False, impl="xla")
+        return h_cols, block.tile_quantize_both(jnp.concatenate([dgate, dup], axis=1), g_dtype, impl="xla")
+    qh_t, sh, qg, sg, qg_t, sg_t = swiglu_grad_tiles(gate_up, g_h, h_dtype, g_dtype,
+                                                     interpret=impl == "pallas_interpret")
+    return (qh_t, sh.T), ((qg, sg.T), (qg_t, sg_t.T))
+
+
+def fused(recipe: Fp8Recipe) -> bool:
+    """Whether a recipe's MLP takes ``block_swiglu_mlp``: block scaling with all three GEMMs in FP8."""
+    return recipe.scaling == "block" and set(recipe.fp8_gemms) == {"fprop", "dgrad", "wgrad"}
+
+
+@functools.cache
+def _block_swiglu_mlp_fn(x_dtype, out_dtype, recipe: Fp8Recipe, form: str, impl: str):
+    fwd_dtype, bwd_dtype = recipe.fwd_dtype, recipe.bwd_dtype
+    kinds = xla.BACKWARD_KINDS["block"]
+
+    def forward(x, w_gate_up, w_down, st_gu, st_down):
+        # the two linears' forwards exactly (``_general_matmul_fn``'s: the rollout's arithmetic on its operands)
+        gate_up = xla.prequantized_matmul(x, xla.quantize_kernel(w_gate_up, st_gu["kernel"], recipe, form),
+                                          st_gu["x"]["scale"], recipe, form, out_dtype=x_dtype)
+        gate, up = jnp.split(gate_up, 2, axis=-1)
+        # h in BF16 as the second linear receives it: without the barrier XLA may fold this rounding into the
+        # quantizer's upcast (its excess precision), where the rollout's program rounds
+        h = jax.lax.optimization_barrier((jax.nn.silu(gate) * up).astype(x_dtype))
+        y = xla.prequantized_matmul(h, xla.quantize_kernel(w_down, st_down["kernel"], recipe, form),
+                                    st_down["x"]["scale"], recipe, form, out_dtype=out_dtype)
+        return y.astype(out_dtype), gate_up
+
+    @jax.custom_vjp
+    def mlp(x, w_gate_up, w_down, st_gu, st_down):
+        return forward(x, w_gate_up, w_down, st_gu, st_down)[0]
+
+    def fwd(x, w_gate_up, w_down, st_gu, st_down):
+        y, gate_up = forward(x, w_gate_up, w_down, st_gu, st_down)
+        return y, (x, gate_up, w_gate_up, w_down, st_gu, st_down)
+
+    def bwd(residuals, g):
+        x, gate_up, w_gate_up, w_down, st_gu, st_down = residuals
+        none = jnp.zeros((), jnp.float32)  # block scaling observes nothing into the states (``Fp8Recipe.delayed``)
+        g_tiles = block.tile_quantize_both(g, bwd_dtype)
+        # g_h [M, F] = g [M, D] . w_down [F, D]^T
+        g_h = xla.dgrad(g, w_down, kinds["dgrad"], recipe, form, none, none, g_tiles, x_dtype)
+        (qh_t, sh), gu_tiles = swiglu_grad_tiles_any(gate_up, g_h.astype(x_dtype), fwd_dtype, bwd_dtype, impl)
+        # dw_down [F, D] = h^T [F, M] . g^T [D, M]^T
+        qg_t, sg_t = g_tiles[1]
+        d_down = xla.block_gemm(xla.gemm_operand(qh_t, fwd_dtype, form), sh, xla.gemm_operand(qg_t, bwd_dtype, form),
+                                sg_t, form, impl=recipe.block_gemm)
+        # dx [M, D] = g_gu [M, 2F] . w_gate_up [D, 2F]^T;  dw_gate_up [D, 2F] = x^T g_gu
+        dx = xla.dgrad(None, w_gate_up, kinds["dgrad"], recipe, form, none, none, gu_tiles, x_dtype)
+        d_gu = xla.wgrad(x, None, kinds["wgrad"], recipe, form, none, none, gu_tiles)
+        return (dx.astype(x_dtype), d_gu.astype(w_gate_up.dtype), d_down.astype(w_down.dtype),
+                observations(st_gu, none, none, none), observations(st_down, none, none, none))
+
+    mlp.defvjp(fwd, bwd)
+    return mlp
+
+
+def block_swiglu_mlp(x: jax.Array, w_gate_up: jax.Array | TrainKernel, w_down: jax.Array | TrainKernel,
+                     st_gu: Fp8LinearState, st_down: Fp8LinearState, recipe: Fp8Recipe, out_dtype=None,
+                     form: str | None = None, impl: str = "auto") -> jax.Array:
+    """``down(silu(gate) * up)`` of ``x`` [M, D] with block-scaled FP8 linears (``fused(recipe)``): ``w_gate_up`` [D,
+    2F] (gate | up) and ``w_down`` [F, D], whole masters on one device (a ``TrainKernel``'s master: the te backend's
+    FP8 operands are not block scaling's). Returns [M, D] in ``out_dtype`` (default ``x.dtype``); the gradients go
+    to ``x`` and the masters. ``impl``: the SwiGLU backward's kernel (``swiglu_grad_tiles_any``)."""
+    w_gate_up, w_down = (w.master if isinstance(w, TrainKernel) else w for w in (w_gate_up, w_down))
+    if not fused(recipe):
+        raise ValueError(f"block_swiglu_mlp takes block scaling with all three GEMMs in FP8, not {recipe}")
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    fn = _block_swiglu_mlp_fn(jnp.dtype(x.dtype), out_dtype, recipe, xla.gemm_form(form), impl)
+    return fn(x, w_gate_up, w_down, st_gu, st_down)
