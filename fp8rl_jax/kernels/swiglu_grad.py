@@ -26,6 +26,11 @@ tile of the gate, of the up and of g_h, and stores q(dgate), q(dup) row-major, q
 maximum of those, a few MB). ``impl="xla"``: the same arithmetic as XLA ops (CPU, and shapes the blocks do not
 divide).
 
+Block scaling (``swiglu_grad_tiles``, for ``fp8.block_mlp``): the same arithmetic, each operand quantized in its
+tiles instead of with a delayed scale (``kernels.block_quantize``'s ``row_tiles`` and ``col_tiles``): h in 128 x 1
+tiles along the tokens, transposed, and [dgate | dup] in 1 x 128 tiles and in 128 x 1 tiles, transposed. A program
+holds one [128, 128] block of the gate, the up and g_h, so it has every amax its tiles need.
+
 Measured on the H100 (``benchmarks/swiglu_grad.py``): it moves its bytes at 1.6-1.7 TB/s. Neither what
 is transposed (the FP8 tiles, the f32 values before quantizing, the BF16 inputs with the arithmetic done again, or
 32-bit words of four tokens' FP8 values), nor several row tiles per program with the next tile's loads issued
