@@ -7,6 +7,10 @@ at a llama1b microbatch's shape (32 x 1,184 tokens, F = 8,192) unless told other
 
 Each entry: the median of ``--runs`` calls of one jitted function (``fp8rl_jax.bench.timeit``) and the bytes it
 must move (the gate/up output and g_h read; q(h) token-minor, q(dgate_up) in both layouts written) per second.
+
+``--block-scaling``: block scaling's kernel instead (``swiglu_grad_tiles``, through ``fp8.block_mlp``) over
+``--warps``, against the two linears' route it replaces (autodiff's BF16 gradient, then block scaling's quantizer
+kernels on it and on h) and against its XLA form.
 """
 
 from __future__ import annotations
@@ -36,6 +40,35 @@ def before(gate_up, g_h, s_h, s_g):
     return transpose_bytes(qh), qg, transpose_bytes(qg), amax(h), amax(dgu)
 
 
+def block_rows(gate_up, g_h, warps: list[int], runs: int) -> list[dict]:
+    """Block scaling's SwiGLU backward: the two linears' route, the XLA form and the kernel at each of ``warps``."""
+    from fp8rl_jax.fp8 import block, block_mlp
+    from fp8rl_jax.kernels.swiglu_grad import swiglu_grad_tiles
+
+    m, f = g_h.shape
+    nbytes = m * f * (2 * 2 + 2) + m * f + 2 * 2 * m * f  # read gate_up, g_h; write h's tiles, dgate_up's two forms
+
+    def two_linears(gate_up, g_h):
+        h, vjp = jax.vjp(lambda gu: jax.nn.silu(gu[:, :f]) * gu[:, f:], gate_up)
+        return block.tile_quantize_both(h, E4M3, rows=False), block.tile_quantize_both(vjp(g_h)[0], E4M3)
+
+    fns = {"two linears (autodiff BF16, then the quantizer kernels on dgate_up and h)": two_linears,
+           "xla form": lambda a, b: block_mlp.swiglu_grad_tiles_any(a, b, E4M3, E4M3, "xla")}
+    fns.update({f"pallas, {w} warps": (lambda a, b, w=w: swiglu_grad_tiles(a, b, E4M3, E4M3, num_warps=w))
+                for w in warps})
+    rows = []
+    for name, fn in fns.items():
+        row = {"impl": name}
+        try:
+            sec = timeit(jax.jit(fn), gate_up, g_h, repeats=runs)
+            row.update(ms=sec * 1e3, tb_s=nbytes / sec / 1e12)
+        except Exception as e:  # a launch Triton refuses: say so, go on
+            row["error"] = str(e)[:300]
+        print(json.dumps(row))
+        rows.append(row)
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", type=int, default=32 * 1184)
@@ -43,6 +76,8 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=10)
     p.add_argument("--configs", default="",
                    help="block shapes and warps instead of CONFIGS', e.g. 16x64:4,32x64:8 (tokens x columns:warps)")
+    p.add_argument("--block-scaling", action="store_true", help="block scaling's kernel (module docstring)")
+    p.add_argument("--warps", default="4,8,16", help="--block-scaling's num_warps values")
     p.add_argument("--out", default="")
     args = p.parse_args()
     configs = CONFIGS
@@ -53,14 +88,27 @@ def main() -> None:
     k = jax.random.split(jax.random.PRNGKey(0), 2)
     gate_up = (jax.random.normal(k[0], (m, 2 * f), jnp.float32) * 2).astype(jnp.bfloat16)
     g_h = (jax.random.normal(k[1], (m, f), jnp.float32) * 1e-3).astype(jnp.bfloat16)
-    s_h, s_g = jnp.float32(448 / 30), jnp.float32(57344 / 0.05)
     nbytes = m * f * (2 * 2 + 2) + m * f + 2 * 2 * m * f  # read gate_up, g_h; write q(h)^T, q(dgate_up) x2
     out = {"device": device_name(), "tokens": m, "intermediate": f, "bytes": nbytes, "rows": []}
+    if args.block_scaling:
+        out["bytes"] = m * f * 11
+        out["rows"] = block_rows(gate_up, g_h, [int(w) for w in args.warps.split(",")], args.runs)
+    else:
+        per_tensor_rows(out, gate_up, g_h, configs, args.runs)
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump(out, fh, indent=1)
+
+
+def per_tensor_rows(out: dict, gate_up, g_h, configs, runs: int) -> None:
+    """The te backend's kernel over block shapes and warps against its XLA form and what it replaced."""
+    nbytes = out["bytes"]
+    s_h, s_g = jnp.float32(448 / 30), jnp.float32(57344 / 0.05)
     ref = jax.jit(lambda a, b: swiglu_grad_fp8(a, b, s_h, s_g, E4M3, E5M2, impl="xla"))(gate_up, g_h)
     for name, fn in (("before (autodiff BF16 + XLA quantize/amax + byte transposes)", before),
                      ("xla form of the kernel", lambda a, b, s, t: swiglu_grad_fp8(a, b, s, t, E4M3, E5M2,
                                                                                      impl="xla"))):
-        sec = timeit(jax.jit(lambda a, b, fn=fn: fn(a, b, s_h, s_g)), gate_up, g_h, repeats=args.runs)
+        sec = timeit(jax.jit(lambda a, b, fn=fn: fn(a, b, s_h, s_g)), gate_up, g_h, repeats=runs)
         row = {"impl": name, "ms": sec * 1e3, "tb_s": nbytes / sec / 1e12}
         print(json.dumps(row))
         out["rows"].append(row)
@@ -72,16 +120,13 @@ def main() -> None:
             got = fn(gate_up, g_h)
             same = [float(np.mean(np.asarray(a[:512, :512].astype(jnp.float32) == b[:512, :512].astype(jnp.float32))))
                     for a, b in zip(got[:3], ref[:3], strict=True)]
-            sec = timeit(fn, gate_up, g_h, repeats=args.runs)
+            sec = timeit(fn, gate_up, g_h, repeats=runs)
             row.update(ms=sec * 1e3, tb_s=nbytes / sec / 1e12, equal_to_xla_form=min(same),
                        amax_rel=[abs(float(a) / float(b) - 1) for a, b in zip(got[3:], ref[3:], strict=True)])
         except Exception as e:  # a config Triton refuses: say so, go on
             row["error"] = str(e)[:300]
         print(json.dumps(row))
         out["rows"].append(row)
-    if args.out:
-        with open(args.out, "w") as fh:
-            json.dump(out, fh, indent=1)
 
 
 if __name__ == "__main__":
