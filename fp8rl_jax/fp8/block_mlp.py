@@ -29,16 +29,14 @@ from fp8rl_jax.fp8.xla import TrainKernel
 from fp8rl_jax.kernels import block_quantize
 from fp8rl_jax.kernels.swiglu_grad import swiglu_grad_tiles, swiglu_math
 
-IMPLS = ("auto", "pallas", "pallas_interpret", "xla")
-
 
 def swiglu_grad_tiles_any(gate_up: jax.Array, g_h: jax.Array, h_dtype, g_dtype, impl: str = "auto"):
     """h's weight-gradient form and [dgate | dup]'s two forms in ``block.tile_quantize_both``'s layout: ``((qh_t [F,
     M], sh [F, Mb]), ((qg [M, 2F], sg [M, 2Fb]), (qg_t [2F, M], sg_t [2F, Mb])))``. ``impl``: ``pallas`` (the
     kernel, GPU), ``pallas_interpret`` (tests), ``xla``, ``auto`` (pallas where ``block_quantize.fits`` both
     inputs)."""
-    if impl not in IMPLS:
-        raise ValueError(f"swiglu_grad_tiles impl={impl!r}; allowed: {IMPLS}")
+    if impl not in block.IMPLS:
+        raise ValueError(f"swiglu_grad_tiles impl={impl!r}; allowed: {block.IMPLS}")
     if impl == "auto":
         impl = "pallas" if block_quantize.fits(gate_up) and block_quantize.fits(g_h) else "xla"
     if impl == "xla":
