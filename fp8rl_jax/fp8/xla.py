@@ -365,7 +365,7 @@ def _quantized(t: jax.Array, dtype, kind: str, delayed_scale: jax.Array | None =
 
 
 def dgrad(g: jax.Array, w: jax.Array, kinds, recipe: Fp8Recipe, form: str, s_g, s_w, g_tiles=None,
-           x_dtype=None) -> jax.Array:
+          x_dtype=None) -> jax.Array:
     """dx [M, K] = g [M, N] . w [K, N]^T in FP8, the operands quantized as ``kinds`` says (``BACKWARD_KINDS``).
     ``g_tiles``: g's two tile forms already made (``block.tile_quantize_both``). ``x_dtype``: dx's dtype, which the
     block GEMM writes itself (the f32 sum rounded once, as ``astype`` would)."""
