@@ -197,6 +197,8 @@ def block_gemm_cublaslt(qa: jax.Array, a_scale_inv: jax.Array, qb: jax.Array, b_
         raise ValueError(f"block_gemm_cublaslt takes {reason}")
     if a_scale_inv.shape != (p, cb):
         raise ValueError(f"a_scale_inv must be [P, ceil(C/128)] = {(p, cb)}, not {a_scale_inv.shape}")
+    if not 0 <= algo < MAX_ALGOS:
+        raise ValueError(f"algo must be in [0, {MAX_ALGOS}), not {algo}")
     # rows of whole 16 bytes: C for both operands, Q for the output; and P a multiple of 4 (cuBLASLt found no
     # algorithm for 130 rows of 1 x 128 tiles on an H200). Zeros; no pad crosses a 128 boundary
     cp, qp = _round_up(c, ALIGN_BYTES), _round_up(q, ALIGN_BYTES // jnp.dtype(out_dtype).itemsize)
@@ -215,8 +217,6 @@ def block_gemm_cublaslt(qa: jax.Array, a_scale_inv: jax.Array, qb: jax.Array, b_
         qa = jnp.pad(qa, ((0, pp - p), (0, cp - c)))
     if (qp, cp) != (q, c):
         qb = jnp.pad(qb, ((0, qp - q), (0, cp - c)))
-    if not 0 <= algo < MAX_ALGOS:
-        raise ValueError(f"algo must be in [0, {MAX_ALGOS}), not {algo}")
     out, _ = jax.ffi.ffi_call(
         TARGET,
         (jax.ShapeDtypeStruct((pp, qp), jnp.dtype(out_dtype)), jax.ShapeDtypeStruct((WORKSPACE_BYTES,), jnp.uint8)),
