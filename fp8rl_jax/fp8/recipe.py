@@ -81,8 +81,8 @@ SCALINGS = ("tensor", "rowwise", "current", "block", "mantissa")
 GEMMS = ("fprop", "dgrad", "wgrad")  # y = x w, dx = g w^T, dw = x^T g
 # block scaling's GEMM on a Hopper GPU: the Mosaic GPU kernel (kernels.block_gemm), cuBLASLt's block-scaled FP8
 # (kernels.cublaslt, an XLA FFI call; registered by plan.py), or auto: cuBLASLt above a decode step's rows
-# (kernels.block_gemm.SMALL_M), the Mosaic kernel's small-row tunings up to them; elsewhere all are block.block_gemm's
-# emulation
+# (kernels.block_gemm.SMALL_M) and where 128 x 128 tiles fill the GPU, the Mosaic kernel's small-row tunings for the
+# rest (kernels.block_gemm.prefers_cublaslt); elsewhere all are block.block_gemm's emulation
 BLOCK_GEMMS = ("mosaic", "cublaslt", "auto")
 # block scaling's forward operands, the rollout's and the training forward's (an ablation: which half of block's
 # forward does what rowwise's does not; the backward keeps block's tiles): tiles_blocks, DeepSeek-V3's (the input in

@@ -185,8 +185,8 @@ def _per_row_of_slices(a: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
 def block_gemm(qa: jax.Array, sa: jax.Array, qb: jax.Array, sb: jax.Array, form: str, out_dtype=None,
                impl: str = "auto") -> jax.Array:
     """``block.block_gemm`` -> [P, Q] in ``out_dtype`` (default f32): on a Hopper GPU outside a mesh of several
-    devices by ``impl`` (``Fp8Recipe.block_gemm``) where it runs: ``cublaslt`` (and ``auto`` above a decode step's
-    ``block_kernel.SMALL_M`` rows), cuBLASLt's block-scaled FP8 GEMM (its FFI target registered, not two E5M2
+    devices by ``impl`` (``Fp8Recipe.block_gemm``) where it runs: ``cublaslt`` (and ``auto`` where
+    ``block_kernel.prefers_cublaslt``), cuBLASLt's block-scaled FP8 GEMM (its FFI target registered, not two E5M2
     operands: ``cublaslt.runs_here``), else ``kernels.block_gemm``'s Mosaic GPU kernel (float8 operands of one type:
     ``block_kernel.runs_here``); elsewhere block_gemm's XLA emulation.
     ``sb``: one row of scales per row of qb [Q, Cb], or a weight's 128 x 128 block scales [ceil(Q / 128), Cb].
@@ -194,7 +194,7 @@ def block_gemm(qa: jax.Array, sa: jax.Array, qb: jax.Array, sb: jax.Array, form:
     precision: fewer bits than the emulation's f32 sums, section "Block-scaled FP8" of docs/accuracy.md) and add the
     scaled slices in f32."""
     kernel_dtype = out_dtype if jnp.dtype(out_dtype or jnp.float32) == jnp.bfloat16 else jnp.float32
-    cublas = impl == "cublaslt" or (impl == "auto" and qa.shape[0] > block_kernel.SMALL_M)
+    cublas = impl == "cublaslt" or (impl == "auto" and block_kernel.prefers_cublaslt(qa.shape[0], qb.shape[0]))
     if form == "f8" and cublas and cublaslt.runs_here(qa, qb, kernel_dtype):
         y = cublaslt.block_gemm_cublaslt(qa, sa, qb, sb, kernel_dtype)
     elif form == "f8" and block_kernel.runs_here(qa, qb):

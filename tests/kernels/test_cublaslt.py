@@ -183,15 +183,17 @@ def test_block_linear_lowers_its_gemms_to_cublaslt(monkeypatch):
         assert text.count(f"@{cublaslt.TARGET}(") == 3, (fmt, forward)
 
 
-@pytest.mark.parametrize("rows,calls", [(256, 1), (384, 3)])
-def test_auto_takes_cublaslt_above_a_decode_steps_rows(monkeypatch, rows, calls):
-    """``block_gemm='auto'``: cuBLASLt for a GEMM of more than ``block_gemm.SMALL_M`` rows, the Mosaic kernel (here,
-    off a GPU, the emulation) up to them. At 256 tokens only the wgrad (576 rows: the kernel's K) takes cuBLASLt."""
+@pytest.mark.parametrize("rows,n,calls", [(256, 1536, 1), (384, 1536, 3), (256, 66 * 128, 2)])
+def test_auto_takes_cublaslt_above_a_decode_steps_rows(monkeypatch, rows, n, calls):
+    """``block_gemm='auto'``: cuBLASLt for a GEMM of more than ``block_gemm.SMALL_M`` rows, and of fewer where its
+    128 x 128 tiles fill the GPU's 132 multiprocessors (2 x 66 at 256 x 8448), the Mosaic kernel (here, off a GPU,
+    the emulation) for the rest. At 256 tokens and 1536 columns only the wgrad (576 rows: the kernel's K) takes
+    cuBLASLt."""
     monkeypatch.setattr(cublaslt, "runs_here", lambda qa, qb, out_dtype=jnp.float32: True)
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.normal(size=(rows, 576)), jnp.float32)
-    w = jnp.asarray(0.05 * rng.normal(size=(576, 1536)), jnp.float32)
-    g = jnp.asarray(1e-3 * rng.normal(size=(rows, 1536)), jnp.float32)
+    w = jnp.asarray(0.05 * rng.normal(size=(576, n)), jnp.float32)
+    g = jnp.asarray(1e-3 * rng.normal(size=(rows, n)), jnp.float32)
     recipe = Fp8Recipe(scaling="block", fp8_format="e4m3", block_gemm="auto")
     state = init_linear_state(recipe)
 
