@@ -59,42 +59,43 @@ def _block_swiglu_mlp_fn(x_dtype, out_dtype, recipe: Fp8Recipe, form: str, impl:
     fwd_dtype, bwd_dtype = recipe.fwd_dtype, recipe.bwd_dtype
     kinds = xla.BACKWARD_KINDS["block"]
 
-    def forward(x, w_gate_up, w_down, st_gu, st_down):
+    def forward(x, w_gate_up, w_down, st_gu, st_down, hoisted):
         # the two linears' forwards exactly (``_general_matmul_fn``'s: the rollout's arithmetic on its operands)
-        gate_up = xla.prequantized_matmul(x, xla.quantize_kernel(w_gate_up, st_gu["kernel"], recipe, form),
-                                          st_gu["x"]["scale"], recipe, form, out_dtype=x_dtype)
+        q_gu, q_down = (xla.hoisted_nk(h, recipe, form) or xla.quantize_kernel(w, st["kernel"], recipe, form)
+                        for h, w, st in zip(hoisted, (w_gate_up, w_down), (st_gu, st_down), strict=True))
+        gate_up = xla.prequantized_matmul(x, q_gu, st_gu["x"]["scale"], recipe, form, out_dtype=x_dtype)
         gate, up = jnp.split(gate_up, 2, axis=-1)
         # h in BF16 as the second linear receives it: without the barrier XLA may fold this rounding into the
         # quantizer's upcast (its excess precision), where the rollout's program rounds
         h = jax.lax.optimization_barrier((jax.nn.silu(gate) * up).astype(x_dtype))
-        y = xla.prequantized_matmul(h, xla.quantize_kernel(w_down, st_down["kernel"], recipe, form),
-                                    st_down["x"]["scale"], recipe, form, out_dtype=out_dtype)
+        y = xla.prequantized_matmul(h, q_down, st_down["x"]["scale"], recipe, form, out_dtype=out_dtype)
         return y.astype(out_dtype), gate_up
 
     @jax.custom_vjp
-    def mlp(x, w_gate_up, w_down, st_gu, st_down):
-        return forward(x, w_gate_up, w_down, st_gu, st_down)[0]
+    def mlp(x, w_gate_up, w_down, st_gu, st_down, hoisted):
+        return forward(x, w_gate_up, w_down, st_gu, st_down, hoisted)[0]
 
-    def fwd(x, w_gate_up, w_down, st_gu, st_down):
-        y, gate_up = forward(x, w_gate_up, w_down, st_gu, st_down)
-        return y, (x, gate_up, w_gate_up, w_down, st_gu, st_down)
+    def fwd(x, w_gate_up, w_down, st_gu, st_down, hoisted):
+        y, gate_up = forward(x, w_gate_up, w_down, st_gu, st_down, hoisted)
+        return y, (x, gate_up, w_gate_up, w_down, st_gu, st_down, hoisted)
 
     def bwd(residuals, g):
-        x, gate_up, w_gate_up, w_down, st_gu, st_down = residuals
+        x, gate_up, w_gate_up, w_down, st_gu, st_down, hoisted = residuals
+        gu_blocks, down_blocks = (xla.hoisted_kn(h) for h in hoisted)
         none = jnp.zeros((), jnp.float32)  # block scaling observes nothing into the states (``Fp8Recipe.delayed``)
         g_tiles = block.tile_quantize_both(g, bwd_dtype)
         # g_h [M, F] = g [M, D] . w_down [F, D]^T
-        g_h = xla.dgrad(g, w_down, kinds["dgrad"], recipe, form, none, none, g_tiles, x_dtype)
+        g_h = xla.dgrad(g, w_down, kinds["dgrad"], recipe, form, none, none, g_tiles, x_dtype, down_blocks)
         (qh_t, sh), gu_tiles = swiglu_grad_tiles_any(gate_up, g_h, fwd_dtype, bwd_dtype, impl)
         # dw_down [F, D] = h^T [F, M] . g^T [D, M]^T
         qg_t, sg_t = g_tiles[1]
         d_down = xla.block_gemm(xla.gemm_operand(qh_t, fwd_dtype, form), sh, xla.gemm_operand(qg_t, bwd_dtype, form),
                                 sg_t, form, impl=recipe.block_gemm)
         # dx [M, D] = g_gu [M, 2F] . w_gate_up [D, 2F]^T;  dw_gate_up [D, 2F] = x^T g_gu
-        dx = xla.dgrad(None, w_gate_up, kinds["dgrad"], recipe, form, none, none, gu_tiles, x_dtype)
+        dx = xla.dgrad(None, w_gate_up, kinds["dgrad"], recipe, form, none, none, gu_tiles, x_dtype, gu_blocks)
         d_gu = xla.wgrad(x, None, kinds["wgrad"], recipe, form, none, none, gu_tiles)
         return (dx.astype(x_dtype), d_gu.astype(w_gate_up.dtype), d_down.astype(w_down.dtype),
-                observations(st_gu, none, none, none), observations(st_down, none, none, none))
+                observations(st_gu, none, none, none), observations(st_down, none, none, none), None)
 
     mlp.defvjp(fwd, bwd)
     return mlp
@@ -104,12 +105,15 @@ def block_swiglu_mlp(x: jax.Array, w_gate_up: jax.Array | TrainKernel, w_down: j
                      st_gu: Fp8LinearState, st_down: Fp8LinearState, recipe: Fp8Recipe, out_dtype=None,
                      form: str | None = None, impl: str = "auto") -> jax.Array:
     """``down(silu(gate) * up)`` of ``x`` [M, D] with block-scaled FP8 linears (``fused(recipe)``): ``w_gate_up`` [D,
-    2F] (gate | up) and ``w_down`` [F, D], whole masters on one device (a ``TrainKernel``'s master: the te backend's
-    FP8 operands are not block scaling's). Returns [M, D] in ``out_dtype`` (default ``x.dtype``); the gradients go
-    to ``x`` and the masters. ``impl``: the SwiGLU backward's kernel (``swiglu_grad_tiles_any``)."""
+    2F] (gate | up) and ``w_down`` [F, D], whole masters on one device, or ``TrainKernel``s whose FP8 blocks were
+    made once for the update (``xla.block_kernel_for_update``; a te backend's is taken for its master). Returns
+    [M, D] in ``out_dtype`` (default ``x.dtype``); the gradients go to ``x`` and the masters. ``impl``: the SwiGLU
+    backward's kernel (``swiglu_grad_tiles_any``)."""
+    hoisted = tuple((w.kn, w.nk, w.scale_inv) if isinstance(w, TrainKernel) and w.scale_inv is not None else None
+                    for w in (w_gate_up, w_down))
     w_gate_up, w_down = (w.master if isinstance(w, TrainKernel) else w for w in (w_gate_up, w_down))
     if not fused(recipe):
         raise ValueError(f"block_swiglu_mlp takes block scaling with all three GEMMs in FP8, not {recipe}")
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     fn = _block_swiglu_mlp_fn(jnp.dtype(x.dtype), out_dtype, recipe, xla.gemm_form(form), impl)
-    return fn(x, w_gate_up, w_down, st_gu, st_down)
+    return fn(x, w_gate_up, w_down, st_gu, st_down, hoisted)

@@ -57,8 +57,8 @@ def linear(
     A ``QuantizedKernel`` (rollout weights quantized once per RL step) needs only the input's scale.
     An ``FsdpKernel`` (a block's FSDP-sharded master, ``parallel.fsdp``) is gathered in the GEMM's precision: its
     shards quantized (FP8) or cast (BF16) where they are, then their bits gathered.
-    A ``TrainKernel`` (te backend: the master and its FP8 operands made once per optimizer update) differentiates
-    into its master.
+    A ``TrainKernel`` (the master and its FP8 operands made once per optimizer update: the te backend's, or block
+    scaling's on the xla backend) differentiates into its master.
     ``kernel_nk``: ``kernel`` is stored [N, K] (a tied embedding table used as the head) and is contracted as it
     is: handed over as a transposed [K, N] view, a BF16 table is converted whole to f32 by XLA:CPU at every call.
     An FP8 ``x`` is the input already quantized with this linear's input scale (the decode attention kernel
@@ -76,8 +76,9 @@ def linear(
     else:
         x = x.astype(dtype)
     gather = None
-    if isinstance(kernel, TrainKernel) and not (fp8_state is not None and precision.fp8 and precision.backend == "te"):
-        kernel = kernel.master  # its FP8 operands are for the te backend's FP8 GEMMs only
+    if isinstance(kernel, TrainKernel) and not (fp8_state is not None and precision.fp8 and (
+            precision.backend == "te" if kernel.scale_inv is None else precision.backend == "xla")):
+        kernel = kernel.master  # its FP8 operands are for the FP8 GEMMs of the backend that made them
     if isinstance(kernel, FsdpKernel):
         if kernel_nk:
             raise TypeError("an FsdpKernel is a block's [K, N] kernel; kernel_nk does not apply")

@@ -114,16 +114,18 @@ class QuantizedKernel:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class TrainKernel:
-    """A block kernel for one optimizer update (the te backend's): the f32 master [K, N], whose gradient training
-    wants, and its FP8 operands made once for all the update's microbatches (``te.quantize_for_update``): ``kn``
-    [K, N] for the dgrad, ``nk`` [N, K] for the forward, and the master's ``amax``. The weights do not change between
-    an update's microbatches; quantizing, transposing and reducing them in every microbatch (twice under remat)
-    repeats that work."""
+    """A block kernel for one optimizer update: the f32 master [K, N], whose gradient training wants, and its FP8
+    operands made once for all the update's microbatches: ``kn`` [K, N] for the dgrad, ``nk`` [N, K] for the
+    forward, and the master's ``amax``. The weights do not change between an update's microbatches; quantizing,
+    transposing and reducing them in every microbatch (twice under remat) repeats that work. The te backend's
+    (``te.quantize_for_update``: per-tensor delayed scaling, ``scale_inv`` None) or block scaling's on the xla
+    backend (``block_kernel_for_update``: ``scale_inv`` nk's inverse block scales [Nb, Kb], kn's their transpose)."""
 
     master: jax.Array
     kn: jax.Array
     nk: jax.Array
     amax: jax.Array
+    scale_inv: jax.Array | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -163,6 +165,27 @@ def quantize_kernel(kernel: jax.Array, kernel_meta, recipe: Fp8Recipe, form: str
     q = quantize(kernel, scale, recipe.fwd_dtype)  # [K, N]
     data = jnp.swapaxes(q, -1, -2) if gather is None else fsdp.gather_transposed(q, gather)
     return QuantizedKernel(gemm_operand(data, recipe.fwd_dtype, gemm_form(form)), 1.0 / scale.astype(jnp.float32))
+
+
+def hoists_block_kernels(recipe: Fp8Recipe) -> bool:
+    """Whether a recipe's block kernels are made once per optimizer update (``block_kernel_for_update``): block
+    scaling with the weight in 128 x 128 blocks for the forward and the dgrad (``block_forward='tiles_blocks'``)."""
+    return (recipe.scaling == "block" and recipe.block_forward == "tiles_blocks"
+            and {"fprop", "dgrad"} <= set(recipe.fp8_gemms))
+
+
+def block_kernel_for_update(kernel: jax.Array, recipe: Fp8Recipe) -> TrainKernel:
+    """``kernel`` [K, N] (or stacked [L, K, N]) with block scaling's FP8 operands made once for an optimizer update
+    (``hoists_block_kernels``): ``nk`` [N, K] the forward's, the bits ``quantize_kernel`` makes, and ``kn`` [K, N] the
+    dgrad's, the bits ``block.block_quantize(kernel)`` makes (the same blocks, transposed), both in FP8; ``scale_inv``
+    nk's [Nb, Kb]; ``amax`` nothing observed (block scaling reads no delayed scale)."""
+    if not hoists_block_kernels(recipe):
+        raise ValueError(f"block kernels are made once per update for block scaling's tiles_blocks forward with an "
+                         f"FP8 dgrad, not for {recipe}")
+    if kernel.ndim == 3:
+        return jax.vmap(lambda k: block_kernel_for_update(k, recipe))(kernel)
+    nk, scale_inv = block.block_quantize(jnp.swapaxes(kernel, -1, -2), recipe.fwd_dtype)
+    return TrainKernel(kernel, jnp.swapaxes(nk, -1, -2), nk, _unobserved(kernel), scale_inv)
 
 
 def _rowwise_quantize(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
@@ -365,14 +388,15 @@ def _quantized(t: jax.Array, dtype, kind: str, delayed_scale: jax.Array | None =
 
 
 def dgrad(g: jax.Array, w: jax.Array, kinds, recipe: Fp8Recipe, form: str, s_g, s_w, g_tiles=None,
-          x_dtype=None) -> jax.Array:
+          x_dtype=None, w_blocks=None) -> jax.Array:
     """dx [M, K] = g [M, N] . w [K, N]^T in FP8, the operands quantized as ``kinds`` says (``BACKWARD_KINDS``).
     ``g_tiles``: g's two tile forms already made (``block.tile_quantize_both``). ``x_dtype``: dx's dtype, which the
-    block GEMM writes itself (the f32 sum rounded once, as ``astype`` would)."""
+    block GEMM writes itself (the f32 sum rounded once, as ``astype`` would). ``w_blocks``: w's 128 x 128 blocks
+    already made, (FP8 [K, N], inverse scales [Kb, Nb]) (``block_kernel_for_update``)."""
     fwd, bwd = recipe.fwd_dtype, recipe.bwd_dtype
     if kinds[0] == "tile":  # g in 1 x 128 tiles along N, w in 128 x 128 blocks
         qg, sg = g_tiles[0] if g_tiles else block.tile_quantize(g, bwd)
-        qw, sw = block.block_quantize(w, fwd)
+        qw, sw = w_blocks or block.block_quantize(w, fwd)
         return block_gemm(gemm_operand(qg, bwd, form), sg, gemm_operand(qw, fwd, form), sw, form, x_dtype,
                           recipe.block_gemm)
     qg, sg = _quantized(g, bwd, kinds[0], s_g)
@@ -419,43 +443,60 @@ def _general_matmul_fn(x_dtype, w_dtype, out_dtype, recipe: Fp8Recipe, form: str
     observe = amax if recipe.delayed else _unobserved
 
     @jax.custom_vjp
-    def f(x, kernel, state, kernel_amax):
-        y, _ = fwd(x, kernel, state, kernel_amax)
+    def f(x, kernel, state, kernel_amax, hoisted):
+        y, _ = fwd(x, kernel, state, kernel_amax, hoisted)
         return y
 
-    def fwd(x, kernel, state, kernel_amax):
+    def fwd(x, kernel, state, kernel_amax, hoisted):
         w = kernel if gather is None else fsdp.gather_bits(kernel, gather)  # [K, N]: the whole master
         if "fprop" in recipe.fp8_gemms:  # the rollout's arithmetic on the rollout's operands
-            y = prequantized_matmul(x, quantize_kernel(w, state["kernel"], recipe, form), state["x"]["scale"],
-                                    recipe, form, out_dtype=out_dtype)
+            qw = hoisted_nk(hoisted, recipe, form) or quantize_kernel(w, state["kernel"], recipe, form)
+            y = prequantized_matmul(x, qw, state["x"]["scale"], recipe, form, out_dtype=out_dtype)
         else:
             y = _wide_gemm(x, jnp.swapaxes(w, 0, 1), x_dtype, form)  # [M, K] . [N, K] -> [M, N]
         amax_w = kernel_amax if kernel_amax is not None and recipe.delayed else observe(kernel)
-        return y.astype(out_dtype), (x, w, state, observe(x), amax_w, kernel_amax)
+        return y.astype(out_dtype), (x, w, state, observe(x), amax_w, kernel_amax, hoisted)
 
     def bwd(residuals, g):
-        x, w, state, amax_x, amax_w, kernel_amax = residuals
+        x, w, state, amax_x, amax_w, kernel_amax, hoisted = residuals
         s_x, s_w, s_g = (state[r]["scale"] for r in ("x", "kernel", "grad"))
         g_tiles = None  # block scaling, both backward GEMMs in FP8: g's two tile forms from one read
         if recipe.scaling == "block" and {"dgrad", "wgrad"} <= set(recipe.fp8_gemms):
             g_tiles = block.tile_quantize_both(g, recipe.bwd_dtype)
         if "dgrad" in recipe.fp8_gemms:
-            dx = dgrad(g, w, kinds["dgrad"], recipe, form, s_g, s_w, g_tiles, x_dtype)
+            dx = dgrad(g, w, kinds["dgrad"], recipe, form, s_g, s_w, g_tiles, x_dtype, hoisted_kn(hoisted))
         else:  # dx [M, K] = g [M, N] . w [K, N]^T
             dx = _wide_gemm(g, w, x_dtype, form)
         if "wgrad" in recipe.fp8_gemms:
             dw = wgrad(x, g, kinds["wgrad"], recipe, form, s_x, s_g, g_tiles)
         else:  # dw [K, N] = x^T [K, M] . g^T [N, M]^T
             dw = _wide_gemm(jnp.swapaxes(x, 0, 1), jnp.swapaxes(g, 0, 1), x_dtype, form)
-        return _cotangents(dx.astype(x_dtype), dw.astype(w_dtype), gather, kernel_amax,
-                           observations(state, amax_x, amax_w, observe(g)))
+        return (*_cotangents(dx.astype(x_dtype), dw.astype(w_dtype), gather, kernel_amax,
+                             observations(state, amax_x, amax_w, observe(g))), None)
 
     f.defvjp(fwd, bwd)
     return f
 
 
+def hoisted_nk(hoisted, recipe: Fp8Recipe, form: str) -> QuantizedKernel | None:
+    """``hoisted`` (a ``block_kernel_for_update`` kernel's ``(kn, nk, scale_inv)``, or None): the forward's operand as
+    ``quantize_kernel`` returns it."""
+    if hoisted is None:
+        return None
+    _, nk, scale_inv = hoisted
+    return QuantizedKernel(gemm_operand(nk, recipe.fwd_dtype, form), scale_inv)
+
+
+def hoisted_kn(hoisted):
+    """The dgrad's operand as ``block.block_quantize`` returns it (``dgrad``'s ``w_blocks``), or None."""
+    if hoisted is None:
+        return None
+    kn, _, scale_inv = hoisted
+    return kn, jnp.swapaxes(scale_inv, -1, -2)
+
+
 def fp8_matmul(
-    x: jax.Array, kernel: jax.Array, state: Fp8LinearState, recipe: Fp8Recipe, out_dtype=None,
+    x: jax.Array, kernel: jax.Array | TrainKernel, state: Fp8LinearState, recipe: Fp8Recipe, out_dtype=None,
     form: str | None = None, *, gather: P | None = None, kernel_amax: jax.Array | None = None,
 ) -> jax.Array:
     """Differentiable FP8 ``x [M, K] @ kernel [K, N]`` -> [M, N] in ``out_dtype`` (default ``x.dtype``).
@@ -464,9 +505,18 @@ def fp8_matmul(
     ``form``: the GEMM form (``gemm_form``; None = this platform's). ``gather``: ``kernel`` is FSDP-sharded with
     this ``PartitionSpec``; its shards are quantized where they are and gathered as FP8 bits, and its gradient is
     reduce-scattered back (``parallel.fsdp``). ``kernel_amax``: the kernel's global amax where the caller has it
-    already (observed as is; otherwise reduced here).
+    already (observed as is; otherwise reduced here). A ``TrainKernel`` (``block_kernel_for_update``) brings block
+    scaling's FP8 operands made once for the update; the gradient goes to its master.
     """
     out_dtype = jnp.dtype(out_dtype or x.dtype)
+    hoisted = None
+    if isinstance(kernel, TrainKernel):
+        if gather is not None or kernel.scale_inv is None or not hoists_block_kernels(recipe):
+            raise ValueError(f"a TrainKernel here is block scaling's whole kernel (block_kernel_for_update), for "
+                             f"{recipe} with gather={gather}")
+        kernel, hoisted = kernel.master, (kernel.kn, kernel.nk, kernel.scale_inv)
     make = _fp8_matmul_fn if recipe.standard else _general_matmul_fn
     fn = make(jnp.dtype(x.dtype), jnp.dtype(kernel.dtype), out_dtype, recipe, _recipe_form(recipe, form), gather)
-    return fn(x, kernel, state, kernel_amax)
+    if make is _fp8_matmul_fn:
+        return fn(x, kernel, state, kernel_amax)
+    return fn(x, kernel, state, kernel_amax, hoisted)

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from fp8rl_jax.fp8 import block_mlp, te
+from fp8rl_jax.fp8 import block_mlp, te, xla
 from fp8rl_jax.fp8 import kv as kvq
 from fp8rl_jax.fp8.linear import linear
 from fp8rl_jax.fp8.policy import Precision
@@ -132,24 +132,28 @@ def block_segments(params: Params, precision: Precision, num_layers: int):
 
 
 def update_kernels(params: Params, fp8_state: dict | None, config: LlamaConfig, precision: Precision) -> dict | None:
-    """The FP8 block kernels of all layers quantized once for an optimizer update (``te.quantize_for_update``):
-    ``{name: {"kn", "nk", "amax"}}`` stacked over the layers (``forward_hidden`` makes each layer's ``TrainKernel``
-    with its master from ``params``, so that gradients flow into ``params``). None where it does not apply: not the
-    te backend, no FP8 blocks, per-layer (rollout) params, or FSDP (sharded kernels are quantized and gathered per
-    layer)."""
+    """The FP8 block kernels of all layers quantized once for an optimizer update: ``{name: {"kn", "nk", "amax",
+    "scale_inv"}}`` stacked over the layers (``forward_hidden`` makes each layer's ``TrainKernel`` with its master
+    from ``params``, so that gradients flow into ``params``). The te backend's (``te.quantize_for_update``) or block
+    scaling's on the xla backend (``xla.block_kernel_for_update``, where ``xla.hoists_block_kernels``). None where it
+    does not apply: another recipe on the xla backend, no FP8 blocks, per-layer (rollout) params, or FSDP (sharded
+    kernels are quantized and gathered per layer)."""
     blocks = params.get("blocks")
-    if (precision.backend != "te" or fp8_state is None or "blocks" not in fp8_state or fsdp.active()
+    hoists = precision.backend == "te" or (precision.backend == "xla" and precision.fp8
+                                           and xla.hoists_block_kernels(precision.recipe))
+    if (not hoists or fp8_state is None or "blocks" not in fp8_state or fsdp.active()
             or not isinstance(blocks, dict) or not any(fp8 for _, _, fp8 in precision.segments(config.num_layers))):
         return None
-    from fp8rl_jax.fp8 import te
-
     out = {}
     for name in LINEARS:
         if name in precision.bf16_linears or name not in blocks:
             continue
-        q = te.quantize_for_update(lax.stop_gradient(blocks[name]), fp8_state["blocks"][name]["kernel"]["scale"],
-                                   precision.recipe)
-        out[name] = {"kn": q.kn, "nk": q.nk, "amax": q.amax}
+        kernel = lax.stop_gradient(blocks[name])
+        if precision.backend == "te":
+            q = te.quantize_for_update(kernel, fp8_state["blocks"][name]["kernel"]["scale"], precision.recipe)
+        else:
+            q = xla.block_kernel_for_update(kernel, precision.recipe)
+        out[name] = {"kn": q.kn, "nk": q.nk, "amax": q.amax, "scale_inv": q.scale_inv}
     return out
 
 

@@ -386,7 +386,8 @@ def make_train_step(model: LlamaConfig, precision: Precision, optimizer: optax.G
         else:
             num_sequences = jnp.float32(minibatch["tokens"].shape[0] * minibatch["tokens"].shape[1])
         params, fp8_state, kv_scales = state["params"], state["fp8_state"], state["kv_scales"]
-        # the FP8 block kernels quantized once for this update, not in every microbatch (te backend, one device)
+        # the FP8 block kernels quantized once for this update, not in every microbatch (te backend or block scaling,
+        # no FSDP)
         hoisted = llama.update_kernels(params, fp8_state, model, precision)
         grads, observed, loss, metrics, old_logp = (accumulate_packed if packed else accumulate)(
             minibatch, params, fp8_state, kv_scales, num_tokens, num_sequences, hoisted)

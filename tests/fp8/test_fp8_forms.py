@@ -67,7 +67,7 @@ def test_general_path_equals_the_standard_one(operands, recipe):
     dt = jnp.dtype(jnp.float32)
     general = xla._general_matmul_fn(dt, dt, dt, recipe, xla.gemm_form())
     run = jax.jit(lambda x, w, g: (_call(lambda a, b, s: xla.fp8_matmul(a, b, s, recipe), x, w, g, state),
-                                   _call(lambda a, b, s: general(a, b, s, None), x, w, g, state)))
+                                   _call(lambda a, b, s: general(a, b, s, None, None), x, w, g, state)))
     standard, other = run(x, w, g)
     for a, b in zip(jax.tree.leaves(standard), jax.tree.leaves(other), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

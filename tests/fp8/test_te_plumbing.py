@@ -254,7 +254,7 @@ def test_fused_mlp_runs_in_the_model_step_with_kernels_made_once(fake_te):
         assert np.corrcoef(a.ravel(), b.ravel())[0, 1] > 0.99, name
 
 
-def test_update_kernels_apply_to_the_te_backend_only():
+def test_update_kernels_need_the_te_backend_or_block_scaling():
     llama, config, params, _, precision, state = tiny_model()
     assert llama.update_kernels(params, state, config, precision.replace(backend="xla")) is None
     assert llama.update_kernels(params, None, config, precision) is None
