@@ -58,12 +58,12 @@ def _kernel_ms(fn, a) -> dict:
     return {"kernel_ms": round(summary["total_kernel_ms"], 4), "kernels": summary["kernels"]}
 
 
-def bench(name, p, c, dtype, form, num_warps, timed, interpret, with_trace) -> dict:
+def bench(name, p, c, dtype, form, num_warps, timed, interpret, with_trace, block_rows=128) -> dict:
     row = {"tensor": name, "shape": [p, c], "dtype": jnp.dtype(dtype).name, "form": form, "num_warps": num_warps,
-           "bytes": moved_bytes(p, c, dtype, form)}
+           "block_rows": block_rows, "bytes": moved_bytes(p, c, dtype, form)}
     a = jax.random.normal(jax.random.PRNGKey(0), (p, c), jnp.float32).astype(dtype)
     fn = jax.jit(lambda a: quantize_tiles(a, E4M3, rows=form in ("rows", "both"), cols=form in ("cols", "both"),
-                                          interpret=interpret, num_warps=num_warps))
+                                          interpret=interpret, num_warps=num_warps, block_rows=block_rows))
     try:
         ms = timeit(fn, a, repeats=timed) * 1e3
     except Exception as e:  # a kernel that does not compile at this num_warps: recorded, the rest runs
@@ -83,12 +83,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tensors", default=",".join(TENSORS), help=f"of {list(TENSORS)}")
     p.add_argument("--num-warps", default="4,8,16", help="the kernel's num_warps values (comma-separated)")
     p.add_argument("--timed", type=int, default=10, help="timed calls (median)")
+    p.add_argument("--tokens", type=int, default=TOKENS, help="the rows (256: a decode step's)")
+    p.add_argument("--forms", default="", help="only these forms (rows, cols, both), e.g. rows")
+    p.add_argument("--block-rows", default="128", help="rows a program holds (below 128: the rows form alone)")
     p.add_argument("--trace", action="store_true", help="also each row's GPU kernel time from a profiler trace")
     p.add_argument("--check", action="store_true", help="tiny shapes, the kernel through Pallas' interpreter")
     p.add_argument("--commit", default="", help="the commit that runs (a device's copy may report an older one)")
     argv = sys.argv[1:] if argv is None else argv
     args = p.parse_args(argv)
-    table, tokens = (CHECK_TENSORS, 256) if args.check else (TENSORS, TOKENS)
+    table, tokens = (CHECK_TENSORS, 256) if args.check else (TENSORS, args.tokens)
     names = list(table) if args.check else args.tensors.split(",")
     for name in names:
         if name not in table:
@@ -99,9 +102,14 @@ def main(argv: list[str] | None = None) -> None:
     for name in names:
         cols, dtype, forms = table[name]
         for form in forms:
-            for warps in map(int, args.num_warps.split(",")):
-                emit(rows, bench(name, tokens, cols, dtype, form, warps, 1 if args.check else args.timed,
-                                 args.check, args.trace))
+            if args.forms and form not in args.forms.split(","):
+                continue
+            for block_rows in map(int, args.block_rows.split(",")):
+                if block_rows != 128 and form != "rows":
+                    continue
+                for warps in map(int, args.num_warps.split(",")):
+                    emit(rows, bench(name, tokens, cols, dtype, form, warps, 1 if args.check else args.timed,
+                                     args.check, args.trace, block_rows))
     result = {"device": device_name(), "backend": jax.default_backend(), "jax": jax.__version__,
               "commit": args.commit or tree_commit(),
               "command": " ".join(["python", "benchmarks/block_quantize_speed.py", *argv]),

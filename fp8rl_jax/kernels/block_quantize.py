@@ -70,8 +70,8 @@ def _scales(amax: jax.Array, limit: float) -> tuple[jax.Array, jax.Array]:
 
 
 def row_tiles(t: jax.Array, limit: float, dtype) -> tuple[jax.Array, jax.Array]:
-    """A [128, 128] f32 block inside a kernel in 1 x 128 tiles, a scale a row: (FP8 values [128, 128], inverse
-    scales [128])."""
+    """A [R, 128] f32 block inside a kernel in 1 x 128 tiles, a scale a row: (FP8 values [R, 128], inverse
+    scales [R])."""
     scale, inv = _scales(jnp.max(jnp.abs(t), axis=1), limit)
     return quantize(t, scale[:, None], dtype), inv
 
@@ -84,27 +84,32 @@ def col_tiles(t: jax.Array, limit: float, dtype) -> tuple[jax.Array, jax.Array]:
 
 
 def quantize_tiles(a: jax.Array, dtype, *, rows: bool = True, cols: bool = True, interpret: bool = False,
-                   num_warps: int = NUM_WARPS):
+                   num_warps: int = NUM_WARPS, block_rows: int = TILE):
     """``a`` [P, C] -> ``[q, row_inv_t]`` (with ``rows``: ``a`` in 1 x 128 tiles along C, ``dtype`` [P, C], and the
     tiles' inverse scales laid [C / 128, P]) followed by ``[qt, col_inv]`` (with ``cols``: ``a`` in 128 x 1 tiles
-    along P, written transposed [C, P], and their inverse scales [P / 128, C]), from one read of ``a``."""
+    along P, written transposed [C, P], and their inverse scales [P / 128, C]), from one read of ``a``.
+    ``block_rows``: the rows a program holds (a power of 2 dividing P; below 128 for the rows form alone, whose tiles
+    span one row: more programs for a decode step's few rows)."""
     _check(a)
     if not (rows or cols):
         raise ValueError("quantize_tiles: ask for rows, cols or both")
     p, c = a.shape
+    if block_rows != TILE and (cols or block_rows > TILE or block_rows & (block_rows - 1) or p % block_rows):
+        raise ValueError(f"quantize_tiles block_rows={block_rows}: below 128 it takes the rows form alone, a power of "
+                         f"2 dividing the {p} rows")
     dtype = jnp.dtype(dtype)
     limit = float(fp8_max(dtype))
-    tile = pl.BlockSpec((TILE, TILE), lambda i, j: (i, j))
+    tile = pl.BlockSpec((block_rows, TILE), lambda i, j: (i, j))
     out_specs, out_shape = [], []
     if rows:
-        out_specs += [tile, pl.BlockSpec((1, TILE), lambda i, j: (j, i))]
+        out_specs += [tile, pl.BlockSpec((1, block_rows), lambda i, j: (j, i))]
         out_shape += [jax.ShapeDtypeStruct((p, c), dtype), jax.ShapeDtypeStruct((c // TILE, p), jnp.float32)]
     if cols:
         out_specs += [pl.BlockSpec((TILE, TILE), lambda i, j: (j, i)), pl.BlockSpec((1, TILE), lambda i, j: (i, j))]
         out_shape += [jax.ShapeDtypeStruct((c, p), dtype), jax.ShapeDtypeStruct((p // TILE, c), jnp.float32)]
 
     def kernel(a_ref, *out):
-        t = a_ref[...].astype(jnp.float32)  # [128, 128]
+        t = a_ref[...].astype(jnp.float32)  # [block_rows, 128]
         if rows:
             q_ref, inv_ref, *out = out
             q_ref[...], inv = row_tiles(t, limit, dtype)
@@ -116,7 +121,7 @@ def quantize_tiles(a: jax.Array, dtype, *, rows: bool = True, cols: bool = True,
 
     return pl.pallas_call(
         kernel,
-        grid=(p // TILE, c // TILE),
+        grid=(p // block_rows, c // TILE),
         in_specs=[tile],
         out_specs=out_specs,
         out_shape=out_shape,

@@ -67,6 +67,19 @@ def test_rows_alone_and_the_scales_edges():
         block_quantize.quantize_tiles(jnp.asarray(a), jnp.float8_e4m3fn, rows=False, cols=False, interpret=True)
 
 
+@pytest.mark.parametrize("block_rows", [16, 64])
+def test_rows_alone_in_fewer_rows_a_program(block_rows):
+    """The forward's form from programs of ``block_rows`` rows: the same bits; other forms and sizes refused."""
+    a = _data(256, 384)
+    got = block_quantize.quantize_tiles(a, jnp.float8_e4m3fn, cols=False, interpret=True, block_rows=block_rows)
+    want = block_quantize.quantize_tiles(a, jnp.float8_e4m3fn, cols=False, interpret=True)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(g.astype(jnp.float32)), np.asarray(w.astype(jnp.float32)))
+    for kwargs in ({"block_rows": block_rows}, {"block_rows": 48, "cols": False}, {"block_rows": 512, "cols": False}):
+        with pytest.raises(ValueError, match="block_rows"):
+            block_quantize.quantize_tiles(a, jnp.float8_e4m3fn, interpret=True, **kwargs)
+
+
 def test_auto_takes_xla_off_the_gpu_and_for_sizes_128_does_not_divide():
     assert not block_quantize.fits(_data(200, 256))
     assert block_quantize.fits(_data(256, 256)) == (jax.default_backend() == "gpu")
@@ -124,6 +137,12 @@ def test_gpu_kernels_equal_xla_bit_for_bit(dtype):
             if g is not None:
                 np.testing.assert_array_equal(_bits(g[0]), _bits(w[0]))
                 np.testing.assert_array_equal(np.asarray(g[1]), np.asarray(w[1]))
+    (rq, rs), _ = jax.jit(functools.partial(block.tile_quantize_both, dtype=dtype, cols=False, impl="xla"))(a)
+    for block_rows in (16, 32, 64):  # the rows form from programs of fewer rows
+        q, s_t = jax.jit(functools.partial(block_quantize.quantize_tiles, dtype=dtype, cols=False,
+                                           block_rows=block_rows))(a)
+        np.testing.assert_array_equal(_bits(q), _bits(rq))
+        np.testing.assert_array_equal(np.asarray(s_t).T, np.asarray(rs))
 
 
 def test_speed_script_runs_interpreted(tmp_path, benchmark_script):
