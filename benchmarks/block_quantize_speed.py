@@ -85,7 +85,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--timed", type=int, default=10, help="timed calls (median)")
     p.add_argument("--tokens", type=int, default=TOKENS, help="the rows (256: a decode step's)")
     p.add_argument("--forms", default="", help="only these forms (rows, cols, both), e.g. rows")
-    p.add_argument("--block-rows", default="128", help="rows a program holds (below 128: the rows form alone)")
+    p.add_argument("--block-rows", default="128",
+                   help="rows a program holds (below 128: the rows form alone; the kernel's default is by size)")
     p.add_argument("--trace", action="store_true", help="also each row's GPU kernel time from a profiler trace")
     p.add_argument("--check", action="store_true", help="tiny shapes, the kernel through Pallas' interpreter")
     p.add_argument("--commit", default="", help="the commit that runs (a device's copy may report an older one)")

@@ -38,6 +38,10 @@ from fp8rl_jax.numerics import fp8_max, quantize
 
 TILE = 128  # block.BLOCK
 NUM_WARPS = 8
+# The rows form alone of at most SMALL_ROWS rows (a decode step's 256 slots) takes programs of SMALL_ROWS_BLOCK rows:
+# a [256, 2048] input in 1 x 128 tiles took 1 us of kernel time so on an H200 against 2 with [128, 128] programs, and
+# [256, 8192] 2 us either way (benchmarks/RESULTS.md, "Block-scaled FP8 on Hopper")
+SMALL_ROWS, SMALL_ROWS_BLOCK = 256, 32
 
 
 def fits(a: jax.Array) -> bool:
@@ -84,16 +88,19 @@ def col_tiles(t: jax.Array, limit: float, dtype) -> tuple[jax.Array, jax.Array]:
 
 
 def quantize_tiles(a: jax.Array, dtype, *, rows: bool = True, cols: bool = True, interpret: bool = False,
-                   num_warps: int = NUM_WARPS, block_rows: int = TILE):
+                   num_warps: int = NUM_WARPS, block_rows: int | None = None):
     """``a`` [P, C] -> ``[q, row_inv_t]`` (with ``rows``: ``a`` in 1 x 128 tiles along C, ``dtype`` [P, C], and the
     tiles' inverse scales laid [C / 128, P]) followed by ``[qt, col_inv]`` (with ``cols``: ``a`` in 128 x 1 tiles
     along P, written transposed [C, P], and their inverse scales [P / 128, C]), from one read of ``a``.
     ``block_rows``: the rows a program holds (a power of 2 dividing P; below 128 for the rows form alone, whose tiles
-    span one row: more programs for a decode step's few rows)."""
+    span one row: more programs for a decode step's few rows); None: SMALL_ROWS_BLOCK for the rows form alone of at
+    most SMALL_ROWS rows, else 128."""
     _check(a)
     if not (rows or cols):
         raise ValueError("quantize_tiles: ask for rows, cols or both")
     p, c = a.shape
+    if block_rows is None:
+        block_rows = SMALL_ROWS_BLOCK if not cols and p <= SMALL_ROWS else TILE
     if block_rows != TILE and (cols or block_rows > TILE or block_rows & (block_rows - 1) or p % block_rows):
         raise ValueError(f"quantize_tiles block_rows={block_rows}: below 128 it takes the rows form alone, a power of "
                          f"2 dividing the {p} rows")

@@ -72,8 +72,11 @@ def test_rows_alone_in_fewer_rows_a_program(block_rows):
     """The forward's form from programs of ``block_rows`` rows: the same bits; other forms and sizes refused."""
     a = _data(256, 384)
     got = block_quantize.quantize_tiles(a, jnp.float8_e4m3fn, cols=False, interpret=True, block_rows=block_rows)
-    want = block_quantize.quantize_tiles(a, jnp.float8_e4m3fn, cols=False, interpret=True)
+    want = block_quantize.quantize_tiles(a, jnp.float8_e4m3fn, cols=False, interpret=True, block_rows=128)
     for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(g.astype(jnp.float32)), np.asarray(w.astype(jnp.float32)))
+    by_default = block_quantize.quantize_tiles(a, jnp.float8_e4m3fn, cols=False, interpret=True)  # 256 rows: 32
+    for g, w in zip(by_default, want, strict=True):
         np.testing.assert_array_equal(np.asarray(g.astype(jnp.float32)), np.asarray(w.astype(jnp.float32)))
     for kwargs in ({"block_rows": block_rows}, {"block_rows": 48, "cols": False}, {"block_rows": 512, "cols": False}):
         with pytest.raises(ValueError, match="block_rows"):
