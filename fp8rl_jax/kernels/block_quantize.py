@@ -23,7 +23,8 @@ trainer may quantize one tensor each way. Through Pallas' interpreter the divisi
 The kernel (Pallas, Triton backend, as ``kernels.transpose``). Grid ``(P / 128, C / 128)``: a program holds one
 [128, 128] block, takes its 128 row maxima and its 128 column maxima, and stores the forms asked for (the second
 transposed) with their inverse scales (laid [C / 128, P] and [P / 128, C]: a program writes one contiguous row of
-each). ``fits`` says where it runs: a GPU, sizes that 128 divides, no mesh of several devices (a ``pallas_call``
+each). The forward's form alone at a decode step's few rows takes programs of fewer rows (``SMALL_ROWS_BLOCK``),
+whose 1 x 128 tiles need no more. ``fits`` says where it runs: a GPU, sizes that 128 divides, no mesh of several devices (a ``pallas_call``
 has no partitioning rule); elsewhere ``block.tile_quantize_both`` takes XLA's form.
 """
 
