@@ -20,12 +20,12 @@ ulp away from XLA's (numpy's, correctly rounded, matched it instead), so it is n
 equal those XLA makes wherever the kernel does not run (sizes 128 does not divide, a mesh), since a rollout and a
 trainer may quantize one tensor each way. Through Pallas' interpreter the division is XLA's on that platform.
 
-The kernel (Pallas, Triton backend, as ``kernels.transpose``). Grid ``(P / 128, C / 128)``: a program holds one
-[128, 128] block, takes its 128 row maxima and its 128 column maxima, and stores the forms asked for (the second
-transposed) with their inverse scales (laid [C / 128, P] and [P / 128, C]: a program writes one contiguous row of
-each). The forward's form alone at a decode step's few rows takes programs of fewer rows (``SMALL_ROWS_BLOCK``),
-whose 1 x 128 tiles need no more. ``fits`` says where it runs: a GPU, sizes that 128 divides, no mesh of several devices (a ``pallas_call``
-has no partitioning rule); elsewhere ``block.tile_quantize_both`` takes XLA's form.
+The kernel (Pallas, Triton backend, as ``kernels.transpose``). Grid ``(P / 128, C / 128)``: a program holds one [128,
+128] block, takes its 128 row maxima and its 128 column maxima, and stores the forms asked for (the second transposed)
+with their inverse scales (laid [C / 128, P] and [P / 128, C]: a program writes one contiguous row of each). The
+forward's form alone at a decode step's few rows takes programs of fewer rows (``SMALL_ROWS_BLOCK``), whose 1 x 128
+tiles need no more. ``fits`` says where it runs: a GPU, sizes that 128 divides, no mesh of several devices (a
+``pallas_call`` has no partitioning rule); elsewhere ``block.tile_quantize_both`` takes XLA's form.
 """
 
 from __future__ import annotations
