@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from fp8rl_jax.fp8 import block, xla
 from fp8rl_jax.fp8.recipe import GEMMS, Fp8LinearState, Fp8Recipe, observations
-from fp8rl_jax.fp8.xla import TrainKernel
+from fp8rl_jax.fp8.train_kernel import TrainKernel
 from fp8rl_jax.kernels import block_quantize
 from fp8rl_jax.kernels.swiglu_grad import swiglu_grad_tiles, swiglu_math
 
@@ -106,7 +106,7 @@ def block_swiglu_mlp(x: jax.Array, w_gate_up: jax.Array | TrainKernel, w_down: j
                      form: str | None = None, impl: str = "auto") -> jax.Array:
     """``down(silu(gate) * up)`` of ``x`` [M, D] with block-scaled FP8 linears (``fused(recipe)``): ``w_gate_up`` [D,
     2F] (gate | up) and ``w_down`` [F, D], whole masters on one device, or ``TrainKernel``s whose FP8 blocks were
-    made once for the update (``xla.block_kernel_for_update``; a te backend's is taken for its master). Returns
+    made once for the update (``train_kernel.block_kernel_for_update``; a te backend's is taken for its master). Returns
     [M, D] in ``out_dtype`` (default ``x.dtype``); the gradients go to ``x`` and the masters. ``impl``: the SwiGLU
     backward's kernel (``swiglu_grad_tiles_any``)."""
     hoisted = tuple((w.kn, w.nk, w.scale_inv) if isinstance(w, TrainKernel) and w.scale_inv is not None else None

@@ -13,7 +13,8 @@ from jax import lax
 from fp8rl_jax.fp8 import xla
 from fp8rl_jax.fp8.policy import Precision
 from fp8rl_jax.fp8.recipe import Fp8LinearState
-from fp8rl_jax.fp8.xla import QuantizedKernel, TrainKernel
+from fp8rl_jax.fp8.train_kernel import TrainKernel
+from fp8rl_jax.fp8.xla import QuantizedKernel
 from fp8rl_jax.parallel import fsdp, mesh
 from fp8rl_jax.parallel.fsdp import FsdpKernel
 

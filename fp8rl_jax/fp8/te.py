@@ -40,7 +40,8 @@ from jax.sharding import PartitionSpec as P
 
 from fp8rl_jax.fp8 import xla
 from fp8rl_jax.fp8.recipe import Fp8LinearState, Fp8Recipe, amax, observations, quantize, quantize_input
-from fp8rl_jax.fp8.xla import QuantizedKernel, TrainKernel
+from fp8rl_jax.fp8.train_kernel import TrainKernel
+from fp8rl_jax.fp8.xla import QuantizedKernel
 from fp8rl_jax.kernels.swiglu_grad import swiglu_grad_fp8
 from fp8rl_jax.kernels.transpose import transpose_bytes
 from fp8rl_jax.parallel import fsdp

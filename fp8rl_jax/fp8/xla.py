@@ -59,6 +59,7 @@ from fp8rl_jax.fp8.recipe import (
     rounded,
     scale_from_amax,
 )
+from fp8rl_jax.fp8.train_kernel import TrainKernel, hoists_block_kernels
 from fp8rl_jax.kernels import block_gemm as block_kernel
 from fp8rl_jax.kernels import cublaslt
 from fp8rl_jax.numerics import mantissa_rounded
@@ -111,27 +112,6 @@ class QuantizedKernel:
         return (*lead, k, n)
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class TrainKernel:
-    """A block kernel for one optimizer update: the f32 master [K, N], whose gradient training wants, and its FP8
-    operands made once for all the update's microbatches: ``kn`` [K, N] for the dgrad, ``nk`` [N, K] for the
-    forward, and the master's ``amax``. The weights do not change between an update's microbatches; quantizing,
-    transposing and reducing them in every microbatch (twice under remat) repeats that work. The te backend's
-    (``te.quantize_for_update``: per-tensor delayed scaling, ``scale_inv`` None) or block scaling's on the xla
-    backend (``block_kernel_for_update``: ``scale_inv`` nk's inverse block scales [Nb, Kb], kn's their transpose)."""
-
-    master: jax.Array
-    kn: jax.Array
-    nk: jax.Array
-    amax: jax.Array
-    scale_inv: jax.Array | None = None
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self.master.shape
-
-
 def quantize_kernel(kernel: jax.Array, kernel_meta, recipe: Fp8Recipe, form: str | None = None,
                     gather: P | None = None) -> QuantizedKernel:
     """[K, N] kernel -> FP8 [N, K] with its delayed scale (``scale_inv`` a scalar), stored in ``form``'s dtype (see
@@ -165,27 +145,6 @@ def quantize_kernel(kernel: jax.Array, kernel_meta, recipe: Fp8Recipe, form: str
     q = quantize(kernel, scale, recipe.fwd_dtype)  # [K, N]
     data = jnp.swapaxes(q, -1, -2) if gather is None else fsdp.gather_transposed(q, gather)
     return QuantizedKernel(gemm_operand(data, recipe.fwd_dtype, gemm_form(form)), 1.0 / scale.astype(jnp.float32))
-
-
-def hoists_block_kernels(recipe: Fp8Recipe) -> bool:
-    """Whether a recipe's block kernels are made once per optimizer update (``block_kernel_for_update``): block
-    scaling with the weight in 128 x 128 blocks for the forward and the dgrad (``block_forward='tiles_blocks'``)."""
-    return (recipe.scaling == "block" and recipe.block_forward == "tiles_blocks"
-            and {"fprop", "dgrad"} <= set(recipe.fp8_gemms))
-
-
-def block_kernel_for_update(kernel: jax.Array, recipe: Fp8Recipe) -> TrainKernel:
-    """``kernel`` [K, N] (or stacked [L, K, N]) with block scaling's FP8 operands made once for an optimizer update
-    (``hoists_block_kernels``): ``nk`` [N, K] the forward's, the bits ``quantize_kernel`` makes, and ``kn`` [K, N] the
-    dgrad's, the bits ``block.block_quantize(kernel)`` makes (the same blocks, transposed), both in FP8; ``scale_inv``
-    nk's [Nb, Kb]; ``amax`` nothing observed (block scaling reads no delayed scale)."""
-    if not hoists_block_kernels(recipe):
-        raise ValueError(f"block kernels are made once per update for block scaling's tiles_blocks forward with an "
-                         f"FP8 dgrad, not for {recipe}")
-    if kernel.ndim == 3:
-        return jax.vmap(lambda k: block_kernel_for_update(k, recipe))(kernel)
-    nk, scale_inv = block.block_quantize(jnp.swapaxes(kernel, -1, -2), recipe.fwd_dtype)
-    return TrainKernel(kernel, jnp.swapaxes(nk, -1, -2), nk, _unobserved(kernel), scale_inv)
 
 
 def _rowwise_quantize(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:

@@ -34,12 +34,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from fp8rl_jax.fp8 import block_mlp, te, xla
+from fp8rl_jax.fp8 import block_mlp, te, train_kernel
 from fp8rl_jax.fp8 import kv as kvq
 from fp8rl_jax.fp8.linear import linear
 from fp8rl_jax.fp8.policy import Precision
 from fp8rl_jax.fp8.recipe import init_linear_state
-from fp8rl_jax.fp8.xla import QuantizedKernel, TrainKernel
+from fp8rl_jax.fp8.train_kernel import TrainKernel
+from fp8rl_jax.fp8.xla import QuantizedKernel
 from fp8rl_jax.kernels import decode_attention as decode_kernel
 from fp8rl_jax.kernels.decode_attention import DEFAULT_TUNING, DecodeTuning
 from fp8rl_jax.model.attention import attention, flash_attention, resolve_attention
@@ -132,27 +133,21 @@ def block_segments(params: Params, precision: Precision, num_layers: int):
 
 
 def update_kernels(params: Params, fp8_state: dict | None, config: LlamaConfig, precision: Precision) -> dict | None:
-    """The FP8 block kernels of all layers quantized once for an optimizer update: ``{name: {"kn", "nk", "amax",
-    "scale_inv"}}`` stacked over the layers (``forward_hidden`` makes each layer's ``TrainKernel`` with its master
-    from ``params``, so that gradients flow into ``params``). The te backend's (``te.quantize_for_update``) or block
-    scaling's on the xla backend (``xla.block_kernel_for_update``, where ``xla.hoists_block_kernels``). None where it
-    does not apply: another recipe on the xla backend, no FP8 blocks, per-layer (rollout) params, or FSDP (sharded
-    kernels are quantized and gathered per layer)."""
-    blocks = params.get("blocks")
-    hoists = precision.backend == "te" or (precision.backend == "xla" and precision.fp8
-                                           and xla.hoists_block_kernels(precision.recipe))
-    if (not hoists or fp8_state is None or "blocks" not in fp8_state or fsdp.active()
-            or not isinstance(blocks, dict) or not any(fp8 for _, _, fp8 in precision.segments(config.num_layers))):
+    """The FP8 block kernels of all layers quantized once for an optimizer update (``fp8.train_kernel``): ``{name:
+    {"kn", "nk", "amax", "scale_inv"}}`` stacked over the layers (``forward_hidden`` makes each layer's
+    ``TrainKernel`` with its master from ``params``, so that gradients flow into ``params``). None where it does not
+    apply: neither the te backend nor block scaling (``hoists_block_kernels``), no FP8 blocks, per-layer (rollout)
+    params, or FSDP (sharded kernels are quantized and gathered per layer)."""
+    blocks, te_backend = params.get("blocks"), precision.backend == "te"
+    if (not (te_backend or precision.fp8 and train_kernel.hoists_block_kernels(precision.recipe)) or fp8_state is None
+            or "blocks" not in fp8_state or fsdp.active() or not isinstance(blocks, dict)
+            or not any(fp8 for _, _, fp8 in precision.segments(config.num_layers))):
         return None
     out = {}
-    for name in LINEARS:
-        if name in precision.bf16_linears or name not in blocks:
-            continue
-        kernel = lax.stop_gradient(blocks[name])
-        if precision.backend == "te":
-            q = te.quantize_for_update(kernel, fp8_state["blocks"][name]["kernel"]["scale"], precision.recipe)
-        else:
-            q = xla.block_kernel_for_update(kernel, precision.recipe)
+    for name in (n for n in LINEARS if n not in precision.bf16_linears and n in blocks):
+        kernel, recipe = lax.stop_gradient(blocks[name]), precision.recipe
+        q = (te.quantize_for_update(kernel, fp8_state["blocks"][name]["kernel"]["scale"], recipe) if te_backend
+             else train_kernel.block_kernel_for_update(kernel, recipe))
         out[name] = {"kn": q.kn, "nk": q.nk, "amax": q.amax, "scale_inv": q.scale_inv}
     return out
 

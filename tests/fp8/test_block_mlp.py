@@ -11,7 +11,8 @@ import pytest
 from fp8rl_jax.fp8 import block_mlp, xla
 from fp8rl_jax.fp8.policy import Precision
 from fp8rl_jax.fp8.recipe import Fp8Recipe, init_linear_state
-from fp8rl_jax.fp8.xla import QuantizedKernel, TrainKernel
+from fp8rl_jax.fp8.train_kernel import TrainKernel
+from fp8rl_jax.fp8.xla import QuantizedKernel
 from fp8rl_jax.kernels import block_quantize
 from fp8rl_jax.model import llama
 

@@ -1,15 +1,16 @@
-"""Block scaling's kernels made once per optimizer update on the xla backend (``xla.block_kernel_for_update``,
-``llama.update_kernels``): the bits each microbatch made before, and the same training step, bit for bit."""
+"""Block scaling's kernels made once per optimizer update on the xla backend
+(``train_kernel.block_kernel_for_update``, ``llama.update_kernels``): the bits each microbatch made before, and the
+same training step, bit for bit."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fp8rl_jax.fp8 import block, xla
+from fp8rl_jax.fp8 import block, train_kernel, xla
 from fp8rl_jax.fp8.policy import Precision
 from fp8rl_jax.fp8.recipe import Fp8Recipe, init_linear_state
-from fp8rl_jax.fp8.xla import TrainKernel
+from fp8rl_jax.fp8.train_kernel import TrainKernel
 from fp8rl_jax.model import llama
 from fp8rl_jax.model.config import preset
 
@@ -25,7 +26,7 @@ def test_the_forms_are_the_per_call_bits():
     """``nk`` and its scales are ``quantize_kernel``'s (the forward's), ``kn`` with the transposed scales is
     ``block.block_quantize``'s (the dgrad's); stacked layers quantize as each layer alone; other recipes refused."""
     w = _kernel((3, 200, 300))  # sizes 128 does not divide: padded blocks
-    hoisted = xla.block_kernel_for_update(w, BLOCK)
+    hoisted = train_kernel.block_kernel_for_update(w, BLOCK)
     assert hoisted.nk.shape == (3, 300, 200) and hoisted.nk.dtype == jnp.float8_e4m3fn
     for i in range(3):
         forward = xla.quantize_kernel(w[i], init_linear_state(BLOCK)["kernel"], BLOCK, "f8")
@@ -37,7 +38,7 @@ def test_the_forms_are_the_per_call_bits():
     for recipe in (Fp8Recipe(), Fp8Recipe(scaling="block", block_forward="tokens_blocks"),
                    Fp8Recipe(scaling="block", fp8_gemms=("fprop", "wgrad"))):
         with pytest.raises(ValueError, match="once per update"):
-            xla.block_kernel_for_update(w, recipe)
+            train_kernel.block_kernel_for_update(w, recipe)
 
 
 def test_a_linear_with_them_is_the_linear_with_its_master():
@@ -54,7 +55,7 @@ def test_a_linear_with_them_is_the_linear_with_its_master():
         y, vjp = jax.vjp(f, x, w)
         return (y, *vjp(g))
 
-    hoisted = xla.block_kernel_for_update(w, BLOCK)
+    hoisted = train_kernel.block_kernel_for_update(w, BLOCK)
     with_master = jax.jit(lambda: run(lambda w: w))()
     with_hoisted = jax.jit(lambda: run(lambda w: TrainKernel(w, hoisted.kn, hoisted.nk, hoisted.amax,
                                                              hoisted.scale_inv)))()
