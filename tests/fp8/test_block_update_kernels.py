@@ -83,13 +83,9 @@ def test_the_training_step_with_them_is_the_same():
     assert hoisted["w_down"]["nk"].shape == (2, 128, 256) and hoisted["w_down"]["scale_inv"].shape == (2, 1, 2)
     assert llama.update_kernels(params, state, config, Precision(backend="xla")) is None
 
-    def loss(params, state, hoisted):
-        hidden, _, _ = llama.forward_hidden(params, tokens, jnp.broadcast_to(jnp.arange(64), tokens.shape),
-                                            config=config, precision=precision, fp8_state=state, remat="full",
-                                            update_kernels=hoisted)
-        return jnp.sum(hidden.astype(jnp.float32) ** 2)
+    from test_te_plumbing import hoisted_loss
 
-    grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+    grad = jax.jit(jax.value_and_grad(hoisted_loss(config, precision, tokens), argnums=(0, 1)))
     (l0, g0), (l1, g1) = grad(params, state, None), grad(params, state, hoisted)
     assert float(l0) == float(l1)
     for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1), strict=True):

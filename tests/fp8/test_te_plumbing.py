@@ -149,6 +149,20 @@ def tiny_model(tokens_shape=(2, 16), **sizes):
     return llama, config, params, tokens, precision, state
 
 
+def hoisted_loss(config, precision, tokens):
+    """``(params, fp8_state, update_kernels) -> loss``: a sum of squares of ``forward_hidden``'s output under full
+    remat, with the kernels made once for the update (``llama.update_kernels``) or, given None, in every forward."""
+    from fp8rl_jax.model import llama
+
+    def loss(params, state, hoisted):
+        hidden, _, _ = llama.forward_hidden(params, tokens, jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape),
+                                            config=config, precision=precision, fp8_state=state, remat="full",
+                                            update_kernels=hoisted)
+        return jnp.sum(hidden.astype(jnp.float32) ** 2)
+
+    return loss
+
+
 def test_kernels_quantized_once_per_update_give_the_same_step(fake_te, monkeypatch):
     """``llama.update_kernels``: the FP8 operands made once for an update give the same loss, gradients (into the
     masters) and FP8 observations as quantizing the kernels in every forward, and the forward really reads them.
@@ -159,13 +173,7 @@ def test_kernels_quantized_once_per_update_give_the_same_step(fake_te, monkeypat
     assert set(hoisted) == {"wqkv", "wo", "w_gate_up", "w_down"}
     assert hoisted["w_down"]["nk"].shape == (3, 64, 128) and hoisted["w_down"]["nk"].dtype == jnp.float8_e4m3fn
 
-    def loss(params, state, hoisted):
-        hidden, _, _ = llama.forward_hidden(params, tokens, jnp.broadcast_to(jnp.arange(16), tokens.shape),
-                                            config=config, precision=precision, fp8_state=state, remat="full",
-                                            update_kernels=hoisted)
-        return jnp.sum(hidden.astype(jnp.float32) ** 2)
-
-    grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+    grad = jax.jit(jax.value_and_grad(hoisted_loss(config, precision, tokens), argnums=(0, 1)))
     (l0, (g0, o0)), (l1, (g1, o1)) = grad(params, state, None), grad(params, state, hoisted)
     assert float(l0) == float(l1)
     for a, b in zip(jax.tree.leaves((g0, o0)), jax.tree.leaves((g1, o1)), strict=True):
@@ -238,12 +246,7 @@ def test_fused_mlp_runs_in_the_model_step_with_kernels_made_once(fake_te):
     llama, config, params, tokens, precision, state = tiny_model()
     hoisted = llama.update_kernels(params, state, config, precision)
 
-    def loss(params, state, hoisted):
-        hidden, _, _ = llama.forward_hidden(params, tokens, jnp.broadcast_to(jnp.arange(16), tokens.shape),
-                                            config=config, precision=precision, fp8_state=state, remat="full",
-                                            update_kernels=hoisted)
-        return jnp.sum(hidden.astype(jnp.float32) ** 2)
-
+    loss = hoisted_loss(config, precision, tokens)
     grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)), compiler_options={"xla_allow_excess_precision": False})
     assert "name=fp8_swiglu_mlp" not in str(jax.make_jaxpr(loss)(params, state, None))
     assert "name=fp8_swiglu_mlp" in str(jax.make_jaxpr(loss)(params, state, hoisted))
