@@ -130,7 +130,7 @@ def prefers_cublaslt(rows: int, cols: int) -> bool:
     rather than this kernel: above SMALL_M rows, and at fewer rows where 128 x 128 tiles already fill the
     multiprocessors, so that the small-row tuning's narrower tiles and split slices have nothing to add. On an H200 a
     decode step's gate|up (256 x 16384 x 2048, 256 tiles) took 0.0177 ms in cuBLASLt and 0.0215 here; its q|k|v, o
-    and w_down (24 to 48 tiles) were faster here (benchmarks/RESULTS.md, "Block-scaled FP8 on Hopper")."""
+    and w_down (32 to 48 tiles) were faster here (benchmarks/RESULTS.md, "Block-scaled FP8 on Hopper")."""
     return rows > SMALL_M or -(-rows // TILE_M) * -(-cols // TILE_N) >= _default_num_sms()
 
 

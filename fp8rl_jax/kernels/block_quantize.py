@@ -40,8 +40,8 @@ from fp8rl_jax.numerics import fp8_max, quantize
 TILE = 128  # block.BLOCK
 NUM_WARPS = 8
 # The rows form alone of at most SMALL_ROWS rows (a decode step's 256 slots) takes programs of SMALL_ROWS_BLOCK rows:
-# a [256, 2048] input in 1 x 128 tiles took 1 us of kernel time so on an H200 against 2 with [128, 128] programs, and
-# [256, 8192] 2 us either way (benchmarks/RESULTS.md, "Block-scaled FP8 on Hopper")
+# on an H200 a [256, 2048] input's 1 x 128 tiles took 1 us of kernel time this way against 2 with [128, 128] programs,
+# and [256, 8192]'s 2 us either way (benchmarks/RESULTS.md, "Block-scaled FP8 on Hopper")
 SMALL_ROWS, SMALL_ROWS_BLOCK = 256, 32
 
 
