@@ -31,7 +31,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from fp8rl_jax.bench import device_name, emit, error_text, timeit, trace, tree_commit  # noqa: E402
-from fp8rl_jax.kernels.block_quantize import quantize_tiles  # noqa: E402
+from fp8rl_jax.kernels.block_quantize import TILE, quantize_tiles  # noqa: E402
 
 TOKENS = 40960
 TENSORS = {  # name -> (columns, dtype, the forms the step asks: "rows", "cols" or "both")
@@ -58,7 +58,7 @@ def _kernel_ms(fn, a) -> dict:
     return {"kernel_ms": round(summary["total_kernel_ms"], 4), "kernels": summary["kernels"]}
 
 
-def bench(name, p, c, dtype, form, num_warps, timed, interpret, with_trace, block_rows=128) -> dict:
+def bench(name, p, c, dtype, form, num_warps, timed, interpret, with_trace, block_rows=TILE) -> dict:
     row = {"tensor": name, "shape": [p, c], "dtype": jnp.dtype(dtype).name, "form": form, "num_warps": num_warps,
            "block_rows": block_rows, "bytes": moved_bytes(p, c, dtype, form)}
     a = jax.random.normal(jax.random.PRNGKey(0), (p, c), jnp.float32).astype(dtype)
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--timed", type=int, default=10, help="timed calls (median)")
     p.add_argument("--tokens", type=int, default=TOKENS, help="the rows (256: a decode step's)")
     p.add_argument("--forms", default="", help="only these forms (rows, cols, both), e.g. rows")
-    p.add_argument("--block-rows", default="128",
+    p.add_argument("--block-rows", default=str(TILE),
                    help="rows a program holds (below 128: the rows form alone; the kernel's default is by size)")
     p.add_argument("--trace", action="store_true", help="also each row's GPU kernel time from a profiler trace")
     p.add_argument("--check", action="store_true", help="tiny shapes, the kernel through Pallas' interpreter")
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> None:
             if args.forms and form not in args.forms.split(","):
                 continue
             for block_rows in map(int, args.block_rows.split(",")):
-                if block_rows != 128 and form != "rows":
+                if block_rows != TILE and form != "rows":
                     continue
                 for warps in map(int, args.num_warps.split(",")):
                     emit(rows, bench(name, tokens, cols, dtype, form, warps, 1 if args.check else args.timed,

@@ -40,13 +40,13 @@ def before(gate_up, g_h, s_h, s_g):
     return transpose_bytes(qh), qg, transpose_bytes(qg), amax(h), amax(dgu)
 
 
-def block_rows(gate_up, g_h, warps: list[int], runs: int) -> list[dict]:
-    """Block scaling's SwiGLU backward: the two linears' route, the XLA form and the kernel at each of ``warps``."""
+def block_rows(out: dict, gate_up, g_h, warps: list[int], runs: int) -> None:
+    """Block scaling's SwiGLU backward: the two linears' route, the XLA form and the kernel at each of ``warps``
+    (the same bytes to move as the te backend's kernel, the tiles' scales left out)."""
     from fp8rl_jax.fp8 import block, block_mlp
     from fp8rl_jax.kernels.swiglu_grad import swiglu_grad_tiles
 
-    m, f = g_h.shape
-    nbytes = m * f * (2 * 2 + 2) + m * f + 2 * 2 * m * f  # read gate_up, g_h; write h's tiles, dgate_up's two forms
+    nbytes, f = out["bytes"], g_h.shape[1]
 
     def two_linears(gate_up, g_h):
         h, vjp = jax.vjp(lambda gu: jax.nn.silu(gu[:, :f]) * gu[:, f:], gate_up)
@@ -56,7 +56,6 @@ def block_rows(gate_up, g_h, warps: list[int], runs: int) -> list[dict]:
            "xla form": lambda a, b: block_mlp.swiglu_grad_tiles_any(a, b, E4M3, E4M3, "xla")}
     fns.update({f"pallas, {w} warps": (lambda a, b, w=w: swiglu_grad_tiles(a, b, E4M3, E4M3, num_warps=w))
                 for w in warps})
-    rows = []
     for name, fn in fns.items():
         row = {"impl": name}
         try:
@@ -65,8 +64,7 @@ def block_rows(gate_up, g_h, warps: list[int], runs: int) -> list[dict]:
         except Exception as e:  # a launch Triton refuses: say so, go on
             row["error"] = str(e)[:300]
         print(json.dumps(row))
-        rows.append(row)
-    return rows
+        out["rows"].append(row)
 
 
 def main() -> None:
@@ -91,8 +89,7 @@ def main() -> None:
     nbytes = m * f * (2 * 2 + 2) + m * f + 2 * 2 * m * f  # read gate_up, g_h; write q(h)^T, q(dgate_up) x2
     out = {"device": device_name(), "tokens": m, "intermediate": f, "bytes": nbytes, "rows": []}
     if args.block_scaling:
-        out["bytes"] = m * f * 11
-        out["rows"] = block_rows(gate_up, g_h, [int(w) for w in args.warps.split(",")], args.runs)
+        block_rows(out, gate_up, g_h, [int(w) for w in args.warps.split(",")], args.runs)
     else:
         per_tensor_rows(out, gate_up, g_h, configs, args.runs)
     if args.out:

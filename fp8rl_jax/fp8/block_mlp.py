@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from fp8rl_jax.fp8 import block, xla
 from fp8rl_jax.fp8.recipe import GEMMS, Fp8LinearState, Fp8Recipe, observations
-from fp8rl_jax.fp8.train_kernel import TrainKernel
+from fp8rl_jax.fp8.train_kernel import TrainKernel, block_forms
 from fp8rl_jax.kernels import block_quantize
 from fp8rl_jax.kernels.swiglu_grad import swiglu_grad_tiles, swiglu_math
 
@@ -109,8 +109,7 @@ def block_swiglu_mlp(x: jax.Array, w_gate_up: jax.Array | TrainKernel, w_down: j
     made once for the update (``train_kernel.block_kernel_for_update``; a te backend's is taken for its master). Returns
     [M, D] in ``out_dtype`` (default ``x.dtype``); the gradients go to ``x`` and the masters. ``impl``: the SwiGLU
     backward's kernel (``swiglu_grad_tiles_any``)."""
-    hoisted = tuple((w.kn, w.nk, w.scale_inv) if isinstance(w, TrainKernel) and w.scale_inv is not None else None
-                    for w in (w_gate_up, w_down))
+    hoisted = (block_forms(w_gate_up), block_forms(w_down))
     w_gate_up, w_down = (w.master if isinstance(w, TrainKernel) else w for w in (w_gate_up, w_down))
     if not fused(recipe):
         raise ValueError(f"block_swiglu_mlp takes block scaling with all three GEMMs in FP8, not {recipe}")

@@ -41,6 +41,14 @@ def hoists_block_kernels(recipe: Fp8Recipe) -> bool:
             and {"fprop", "dgrad"} <= set(recipe.fp8_gemms))
 
 
+def block_forms(kernel) -> tuple[jax.Array, jax.Array, jax.Array] | None:
+    """A ``block_kernel_for_update`` kernel's ``(kn, nk, scale_inv)``, the FP8 operands the block GEMMs take in its
+    master's place; None for anything else (a master, the te backend's ``TrainKernel``)."""
+    if isinstance(kernel, TrainKernel) and kernel.scale_inv is not None:
+        return kernel.kn, kernel.nk, kernel.scale_inv
+    return None
+
+
 def block_kernel_for_update(kernel: jax.Array, recipe: Fp8Recipe) -> TrainKernel:
     """``kernel`` [K, N] (or stacked [L, K, N]) with block scaling's FP8 operands made once for an optimizer update
     (``hoists_block_kernels``): ``nk`` [N, K] the forward's, the bits ``xla.quantize_kernel`` makes, and ``kn`` [K, N]

@@ -59,7 +59,7 @@ from fp8rl_jax.fp8.recipe import (
     rounded,
     scale_from_amax,
 )
-from fp8rl_jax.fp8.train_kernel import TrainKernel, hoists_block_kernels
+from fp8rl_jax.fp8.train_kernel import TrainKernel, block_forms, hoists_block_kernels
 from fp8rl_jax.kernels import block_gemm as block_kernel
 from fp8rl_jax.kernels import cublaslt
 from fp8rl_jax.numerics import mantissa_rounded
@@ -438,7 +438,7 @@ def _general_matmul_fn(x_dtype, w_dtype, out_dtype, recipe: Fp8Recipe, form: str
 
 
 def hoisted_nk(hoisted, recipe: Fp8Recipe, form: str) -> QuantizedKernel | None:
-    """``hoisted`` (a ``block_kernel_for_update`` kernel's ``(kn, nk, scale_inv)``, or None): the forward's operand as
+    """``hoisted`` (``train_kernel.block_forms``: ``(kn, nk, scale_inv)``, or None): the forward's operand as
     ``quantize_kernel`` returns it."""
     if hoisted is None:
         return None
@@ -470,10 +470,11 @@ def fp8_matmul(
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     hoisted = None
     if isinstance(kernel, TrainKernel):
-        if gather is not None or kernel.scale_inv is None or not hoists_block_kernels(recipe):
+        hoisted = block_forms(kernel)
+        if gather is not None or hoisted is None or not hoists_block_kernels(recipe):
             raise ValueError(f"a TrainKernel here is block scaling's whole kernel (block_kernel_for_update), for "
                              f"{recipe} with gather={gather}")
-        kernel, hoisted = kernel.master, (kernel.kn, kernel.nk, kernel.scale_inv)
+        kernel = kernel.master
     make = _fp8_matmul_fn if recipe.standard else _general_matmul_fn
     fn = make(jnp.dtype(x.dtype), jnp.dtype(kernel.dtype), out_dtype, recipe, _recipe_form(recipe, form), gather)
     if make is _fp8_matmul_fn:

@@ -125,7 +125,6 @@ def _pallas(gate_up, g_h, h_scale, g_scale, h_dtype, g_dtype, *, block, num_warp
     return qh_t, qg, qg_t, jnp.max(amax_h), jnp.max(amax_g)
 
 
-
 def swiglu_grad_tiles(gate_up: jax.Array, g_h: jax.Array, h_dtype, g_dtype, *, interpret: bool = False,
                       num_warps: int = 8):
     """Block scaling's FP8 operands of an MLP's backward GEMMs from one read of ``gate_up`` [M, 2F] and ``g_h`` [M, F]

@@ -138,14 +138,14 @@ def update_kernels(params: Params, fp8_state: dict | None, config: LlamaConfig, 
     ``TrainKernel`` with its master from ``params``, so that gradients flow into ``params``). None where it does not
     apply: neither the te backend nor block scaling (``hoists_block_kernels``), no FP8 blocks, per-layer (rollout)
     params, or FSDP (sharded kernels are quantized and gathered per layer)."""
-    blocks, te_backend = params.get("blocks"), precision.backend == "te"
-    if (not (te_backend or precision.fp8 and train_kernel.hoists_block_kernels(precision.recipe)) or fp8_state is None
+    blocks, te_backend, recipe = params.get("blocks"), precision.backend == "te", precision.recipe
+    if (not (te_backend or precision.fp8 and train_kernel.hoists_block_kernels(recipe)) or fp8_state is None
             or "blocks" not in fp8_state or fsdp.active() or not isinstance(blocks, dict)
             or not any(fp8 for _, _, fp8 in precision.segments(config.num_layers))):
         return None
     out = {}
     for name in (n for n in LINEARS if n not in precision.bf16_linears and n in blocks):
-        kernel, recipe = lax.stop_gradient(blocks[name]), precision.recipe
+        kernel = lax.stop_gradient(blocks[name])
         q = (te.quantize_for_update(kernel, fp8_state["blocks"][name]["kernel"]["scale"], recipe) if te_backend
              else train_kernel.block_kernel_for_update(kernel, recipe))
         out[name] = {"kn": q.kn, "nk": q.nk, "amax": q.amax, "scale_inv": q.scale_inv}
