@@ -40,9 +40,9 @@ def before(gate_up, g_h, s_h, s_g):
     return transpose_bytes(qh), qg, transpose_bytes(qg), amax(h), amax(dgu)
 
 
-def block_rows(out: dict, gate_up, g_h, warps: list[int], runs: int) -> None:
-    """Block scaling's SwiGLU backward: the two linears' route, the XLA form and the kernel at each of ``warps``
-    (the same bytes to move as the te backend's kernel, the tiles' scales left out)."""
+def block_rows(out: dict, gate_up, g_h, warps: list[int], chunks: list[int | None], runs: int) -> None:
+    """Block scaling's SwiGLU backward: the two linears' route, the XLA form and the kernel at each of ``warps`` and
+    ``chunks`` (the same bytes to move as the te backend's kernel, the tiles' scales left out)."""
     from fp8rl_jax.fp8 import block, block_mlp
     from fp8rl_jax.kernels.swiglu_grad import swiglu_grad_tiles
 
@@ -54,13 +54,19 @@ def block_rows(out: dict, gate_up, g_h, warps: list[int], runs: int) -> None:
 
     fns = {"two linears (autodiff BF16, then the quantizer kernels on dgate_up and h)": two_linears,
            "xla form": lambda a, b: block_mlp.swiglu_grad_tiles_any(a, b, E4M3, E4M3, "xla")}
-    fns.update({f"pallas, {w} warps": (lambda a, b, w=w: swiglu_grad_tiles(a, b, E4M3, E4M3, num_warps=w))
-                for w in warps})
+    fns.update({f"pallas, {w} warps" + (f", chunks of {c}" if c else ""):
+                (lambda a, b, w=w, c=c: swiglu_grad_tiles(a, b, E4M3, E4M3, num_warps=w, chunk=c))
+                for c in chunks for w in warps})
+    whole = jax.jit(lambda a, b: swiglu_grad_tiles(a, b, E4M3, E4M3))(gate_up, g_h)
     for name, fn in fns.items():
         row = {"impl": name}
         try:
             sec = timeit(jax.jit(fn), gate_up, g_h, repeats=runs)
             row.update(ms=sec * 1e3, tb_s=nbytes / sec / 1e12)
+            if name.startswith("pallas"):  # every value and scale as the whole-block program's
+                got = jax.jit(fn)(gate_up, g_h)
+                same = [bool(jnp.array_equal(a, b)) for a, b in zip(got, whole, strict=True)]
+                row["same_bits_as_whole_block"] = all(same)
         except Exception as e:  # a launch Triton refuses: say so, go on
             row["error"] = str(e)[:300]
         print(json.dumps(row))
@@ -76,6 +82,7 @@ def main() -> None:
                    help="block shapes and warps instead of CONFIGS', e.g. 16x64:4,32x64:8 (tokens x columns:warps)")
     p.add_argument("--block-scaling", action="store_true", help="block scaling's kernel (module docstring)")
     p.add_argument("--warps", default="4,8,16", help="--block-scaling's num_warps values")
+    p.add_argument("--chunks", default="whole", help="--block-scaling's chunk values (whole: None), e.g. whole,32")
     p.add_argument("--out", default="")
     args = p.parse_args()
     configs = CONFIGS
@@ -89,7 +96,8 @@ def main() -> None:
     nbytes = m * f * (2 * 2 + 2) + m * f + 2 * 2 * m * f  # read gate_up, g_h; write q(h)^T, q(dgate_up) x2
     out = {"device": device_name(), "tokens": m, "intermediate": f, "bytes": nbytes, "rows": []}
     if args.block_scaling:
-        block_rows(out, gate_up, g_h, [int(w) for w in args.warps.split(",")], args.runs)
+        chunks = [None if c == "whole" else int(c) for c in args.chunks.split(",")]
+        block_rows(out, gate_up, g_h, [int(w) for w in args.warps.split(",")], chunks, args.runs)
     else:
         per_tensor_rows(out, gate_up, g_h, configs, args.runs)
     if args.out:

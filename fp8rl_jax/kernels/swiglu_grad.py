@@ -51,6 +51,7 @@ from fp8rl_jax.numerics import amax, fp8_max, quantize
 IMPLS = ("auto", "pallas", "pallas_interpret", "xla")
 BLOCK = (32, 64)  # tokens, intermediate columns per program (H100 sweep: benchmarks/swiglu_grad.py)
 NUM_WARPS = 4
+CHUNKS = (16, 32, 64)  # swiglu_grad_tiles(chunk=): rows, then columns, of a [128, 128] block at a time
 
 
 def swiglu_math(gate: jax.Array, up: jax.Array, g_h: jax.Array):
@@ -126,34 +127,60 @@ def _pallas(gate_up, g_h, h_scale, g_scale, h_dtype, g_dtype, *, block, num_warp
 
 
 def swiglu_grad_tiles(gate_up: jax.Array, g_h: jax.Array, h_dtype, g_dtype, *, interpret: bool = False,
-                      num_warps: int = 8):
+                      num_warps: int = 8, chunk: int | None = None):
     """Block scaling's FP8 operands of an MLP's backward GEMMs from one read of ``gate_up`` [M, 2F] and ``g_h`` [M, F]
     (128 dividing M and F): h in 128 x 1 tiles along the tokens, written transposed (the down projection's weight
     gradient), and [dgate | dup] in 1 x 128 tiles along its columns (the gate/up linear's data gradient) and in
     128 x 1 tiles, written transposed (its weight gradient), each tile scaled by its own amax as
     ``block_quantize.quantize_tiles`` scales it. Returns ``(qh_t [F, M], sh [M / 128, F], qg [M, 2F], sg [2F / 128,
     M], qg_t [2F, M], sg_t [M / 128, 2F])``: values and inverse scales laid as ``quantize_tiles`` lays them
-    (``fp8.block_mlp`` turns them into ``block.tile_quantize_both``'s forms). A program holds one [128, 128] block of
-    the gate, the up and g_h (grid ``(M / 128, F / 128)``)."""
+    (``fp8.block_mlp`` turns them into ``block.tile_quantize_both``'s forms). A program takes one [128, 128] block of
+    the gate, the up and g_h (grid ``(M / 128, F / 128)``). ``chunk`` None: it holds the whole block at once;
+    ``chunk`` of ``CHUNKS``: it walks the block twice, ``chunk`` rows at a time for the 1 x 128 tiles, then ``chunk``
+    columns at a time for the 128 x 1 tiles (each chunk holds whole tiles of its form), so fewer f32 values are live
+    and the second walk reads what the first left in L2. The same bits either way."""
     m, f = g_h.shape
     if gate_up.shape != (m, 2 * f) or m % TILE or f % TILE:
         raise ValueError(f"swiglu_grad_tiles takes gate_up [M, 2F] and g_h [M, F] with 128 dividing M and F, not "
                          f"{list(gate_up.shape)} and {list(g_h.shape)}")
+    if chunk is not None and chunk not in CHUNKS:
+        raise ValueError(f"swiglu_grad_tiles chunk={chunk!r}; allowed: None, {CHUNKS}")
     h_dtype, g_dtype = jnp.dtype(h_dtype), jnp.dtype(g_dtype)
     h_limit, g_limit = float(fp8_max(h_dtype)), float(fp8_max(g_dtype))
     nf = f // TILE
 
     def kernel(gate_up_ref, g_h_ref, qh_t_ref, sh_ref, qg_ref, sg_ref, qg_t_ref, sg_t_ref):
         i, j = pl.program_id(0), pl.program_id(1)
-        rows, cols, up_cols = pl.ds(i * TILE, TILE), pl.ds(j * TILE, TILE), pl.ds(f + j * TILE, TILE)
-        h, dgate, dup = swiglu_math(gate_up_ref[rows, cols], gate_up_ref[rows, up_cols], g_h_ref[rows, cols])
-        qh_t_ref[cols, rows], inv = col_tiles(h, h_limit, h_dtype)
-        sh_ref[pl.ds(i, 1), cols] = inv[None, :]
-        for part, at, column_block in ((dgate, cols, j), (dup, up_cols, nf + j)):
-            qg_ref[rows, at], inv = row_tiles(part, g_limit, g_dtype)
-            sg_ref[pl.ds(column_block, 1), rows] = inv[None, :]
-            qg_t_ref[at, rows], inv = col_tiles(part, g_limit, g_dtype)
-            sg_t_ref[pl.ds(i, 1), at] = inv[None, :]
+
+        def values(rows, cols):  # h, dgate, dup of the block's part [rows, cols]
+            return swiglu_math(gate_up_ref[rows, cols], gate_up_ref[rows, pl.ds(f + cols.start, cols.size)],
+                               g_h_ref[rows, cols])
+
+        def row_form(rows, dgate, dup):  # [dgate | dup] in 1 x 128 tiles: whole rows of the block
+            for part, col0, column_block in ((dgate, j * TILE, j), (dup, f + j * TILE, nf + j)):
+                qg_ref[rows, pl.ds(col0, TILE)], inv = row_tiles(part, g_limit, g_dtype)
+                sg_ref[pl.ds(column_block, 1), rows] = inv[None, :]
+
+        def col_form(cols, h, dgate, dup):  # h, dgate, dup in 128 x 1 tiles, transposed: whole columns of the block
+            rows = pl.ds(i * TILE, TILE)
+            qh_t_ref[cols, rows], inv = col_tiles(h, h_limit, h_dtype)
+            sh_ref[pl.ds(i, 1), cols] = inv[None, :]
+            for part, at in ((dgate, cols), (dup, pl.ds(f + cols.start, cols.size))):
+                qg_t_ref[at, rows], inv = col_tiles(part, g_limit, g_dtype)
+                sg_t_ref[pl.ds(i, 1), at] = inv[None, :]
+
+        if chunk is None:
+            rows, cols = pl.ds(i * TILE, TILE), pl.ds(j * TILE, TILE)
+            h, dgate, dup = values(rows, cols)
+            col_form(cols, h, dgate, dup)
+            row_form(rows, dgate, dup)
+            return
+        for start in range(0, TILE, chunk):
+            rows = pl.ds(i * TILE + start, chunk)
+            row_form(rows, *values(rows, pl.ds(j * TILE, TILE))[1:])
+        for start in range(0, TILE, chunk):
+            cols = pl.ds(j * TILE + start, chunk)
+            col_form(cols, *values(pl.ds(i * TILE, TILE), cols))
 
     return pl.pallas_call(
         kernel,

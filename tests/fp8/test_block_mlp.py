@@ -44,6 +44,21 @@ def test_kernel_equals_the_xla_form_bit_for_bit(g_dtype):
         np.testing.assert_array_equal(_f32(g), _f32(w))
 
 
+@pytest.mark.parametrize("chunk", [16, 64])
+def test_kernel_chunks_give_the_whole_blocks_bits(chunk):
+    """``chunk``: a program walks its block by rows, then by columns, ``chunk`` at a time, where the default holds it
+    whole: through Pallas' interpreter, every output as the whole block's."""
+    from fp8rl_jax.kernels.swiglu_grad import swiglu_grad_tiles
+
+    gate_up, g_h = _swiglu_inputs(seed=2)
+    run = lambda chunk: jax.jit(lambda a, b: swiglu_grad_tiles(a, b, E4M3, E5M2, interpret=True, chunk=chunk))(
+        gate_up, g_h)
+    for w, g in zip(run(None), run(chunk), strict=True):
+        np.testing.assert_array_equal(_f32(g), _f32(w))
+    with pytest.raises(ValueError, match="chunk=48"):
+        swiglu_grad_tiles(gate_up, g_h, E4M3, E4M3, chunk=48)
+
+
 def test_xla_form_is_the_tiles_of_the_swiglu_and_its_gradient():
     """Against numpy's tiles (``test_block_scaling.ref_tiles``) of autodiff's f32 h, dgate and dup: h in 128 x 1
     tiles along the tokens, transposed; [dgate | dup] in 1 x 128 tiles and in 128 x 1 tiles, transposed; values
@@ -177,6 +192,19 @@ def test_fused_mlp_off_takes_the_two_linears():
     w = jnp.zeros((4, 4))
     states = {"w_gate_up": init_linear_state(BLOCK), "w_down": init_linear_state(BLOCK)}
     assert llama._fused_mlp({"w_gate_up": w, "w_down": w}, states, block, 1) is None
+
+
+@pytest.mark.gpu
+def test_gpu_kernel_chunks_give_the_whole_blocks_bits():
+    """The compiled kernel walking its blocks in chunks against the whole-block program: the same bits."""
+    from fp8rl_jax.kernels.swiglu_grad import CHUNKS, swiglu_grad_tiles
+
+    gate_up, g_h = _swiglu_inputs(m=1024, f=512, seed=3)
+    run = lambda chunk: jax.jit(lambda a, b: swiglu_grad_tiles(a, b, E4M3, E4M3, chunk=chunk))(gate_up, g_h)
+    whole = run(None)
+    for chunk in CHUNKS:
+        for w, g in zip(whole, run(chunk), strict=True):
+            np.testing.assert_array_equal(_f32(g), _f32(w))
 
 
 @pytest.mark.gpu
