@@ -51,7 +51,7 @@ from fp8rl_jax.numerics import amax, fp8_max, quantize
 IMPLS = ("auto", "pallas", "pallas_interpret", "xla")
 BLOCK = (32, 64)  # tokens, intermediate columns per program (H100 sweep: benchmarks/swiglu_grad.py)
 NUM_WARPS = 4
-CHUNKS = (16, 32, 64)  # swiglu_grad_tiles(chunk=): rows, then columns, of a [128, 128] block at a time
+CHUNKS = (16, 32, 64)  # swiglu_grad_tiles(chunk=): the rows or the columns a program takes of a [128, 128] block
 
 
 def swiglu_math(gate: jax.Array, up: jax.Array, g_h: jax.Array):
@@ -136,9 +136,10 @@ def swiglu_grad_tiles(gate_up: jax.Array, g_h: jax.Array, h_dtype, g_dtype, *, i
     M], qg_t [2F, M], sg_t [M / 128, 2F])``: values and inverse scales laid as ``quantize_tiles`` lays them
     (``fp8.block_mlp`` turns them into ``block.tile_quantize_both``'s forms). A program takes one [128, 128] block of
     the gate, the up and g_h (grid ``(M / 128, F / 128)``). ``chunk`` None: it holds the whole block at once;
-    ``chunk`` of ``CHUNKS``: it walks the block twice, ``chunk`` rows at a time for the 1 x 128 tiles, then ``chunk``
-    columns at a time for the 128 x 1 tiles (each chunk holds whole tiles of its form), so fewer f32 values are live
-    and the second walk reads what the first left in L2. The same bits either way."""
+    ``chunk`` of ``CHUNKS``: a block takes 2 * 128 / ``chunk`` programs, launched one after another: ``chunk`` rows
+    each for the 1 x 128 tiles, ``chunk`` columns each for the 128 x 1 tiles (whole tiles of its form), so a
+    program holds fewer f32 values and all but the first read what the others left in L2. The same bits either
+    way."""
     m, f = g_h.shape
     if gate_up.shape != (m, 2 * f) or m % TILE or f % TILE:
         raise ValueError(f"swiglu_grad_tiles takes gate_up [M, 2F] and g_h [M, F] with 128 dividing M and F, not "
@@ -150,23 +151,26 @@ def swiglu_grad_tiles(gate_up: jax.Array, g_h: jax.Array, h_dtype, g_dtype, *, i
     nf = f // TILE
 
     def kernel(gate_up_ref, g_h_ref, qh_t_ref, sh_ref, qg_ref, sg_ref, qg_t_ref, sg_t_ref):
-        i, j = pl.program_id(0), pl.program_id(1)
+        if chunk is None:
+            i, j = pl.program_id(0), pl.program_id(1)
+        else:  # the block's programs first (2 * per of them), then the block
+            part, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
 
         def values(rows, cols):  # h, dgate, dup of the block's part [rows, cols]
             return swiglu_math(gate_up_ref[rows, cols], gate_up_ref[rows, pl.ds(f + cols.start, cols.size)],
                                g_h_ref[rows, cols])
 
         def row_form(rows, dgate, dup):  # [dgate | dup] in 1 x 128 tiles: whole rows of the block
-            for part, col0, column_block in ((dgate, j * TILE, j), (dup, f + j * TILE, nf + j)):
-                qg_ref[rows, pl.ds(col0, TILE)], inv = row_tiles(part, g_limit, g_dtype)
+            for value, col0, column_block in ((dgate, j * TILE, j), (dup, f + j * TILE, nf + j)):
+                qg_ref[rows, pl.ds(col0, TILE)], inv = row_tiles(value, g_limit, g_dtype)
                 sg_ref[pl.ds(column_block, 1), rows] = inv[None, :]
 
         def col_form(cols, h, dgate, dup):  # h, dgate, dup in 128 x 1 tiles, transposed: whole columns of the block
             rows = pl.ds(i * TILE, TILE)
             qh_t_ref[cols, rows], inv = col_tiles(h, h_limit, h_dtype)
             sh_ref[pl.ds(i, 1), cols] = inv[None, :]
-            for part, at in ((dgate, cols), (dup, pl.ds(f + cols.start, cols.size))):
-                qg_t_ref[at, rows], inv = col_tiles(part, g_limit, g_dtype)
+            for value, at in ((dgate, cols), (dup, pl.ds(f + cols.start, cols.size))):
+                qg_t_ref[at, rows], inv = col_tiles(value, g_limit, g_dtype)
                 sg_t_ref[pl.ds(i, 1), at] = inv[None, :]
 
         if chunk is None:
@@ -175,16 +179,21 @@ def swiglu_grad_tiles(gate_up: jax.Array, g_h: jax.Array, h_dtype, g_dtype, *, i
             col_form(cols, h, dgate, dup)
             row_form(rows, dgate, dup)
             return
-        for start in range(0, TILE, chunk):
-            rows = pl.ds(i * TILE + start, chunk)
+
+        @pl.when(part < per)
+        def _():
+            rows = pl.ds(i * TILE + part * chunk, chunk)
             row_form(rows, *values(rows, pl.ds(j * TILE, TILE))[1:])
-        for start in range(0, TILE, chunk):
-            cols = pl.ds(j * TILE + start, chunk)
+
+        @pl.when(part >= per)
+        def _():
+            cols = pl.ds(j * TILE + (part - per) * chunk, chunk)
             col_form(cols, *values(pl.ds(i * TILE, TILE), cols))
 
+    per = TILE // (chunk or TILE)  # programs a block of each form
     return pl.pallas_call(
         kernel,
-        grid=(m // TILE, nf),
+        grid=(m // TILE, nf) if chunk is None else (2 * per, m // TILE, nf),
         out_shape=(
             jax.ShapeDtypeStruct((f, m), h_dtype), jax.ShapeDtypeStruct((m // TILE, f), jnp.float32),
             jax.ShapeDtypeStruct((m, 2 * f), g_dtype), jax.ShapeDtypeStruct((2 * nf, m), jnp.float32),
