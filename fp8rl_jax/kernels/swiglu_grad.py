@@ -51,7 +51,8 @@ from fp8rl_jax.numerics import amax, fp8_max, quantize
 IMPLS = ("auto", "pallas", "pallas_interpret", "xla")
 BLOCK = (32, 64)  # tokens, intermediate columns per program (H100 sweep: benchmarks/swiglu_grad.py)
 NUM_WARPS = 4
-CHUNKS = (16, 32, 64)  # swiglu_grad_tiles(chunk=): the rows or the columns a program takes of a [128, 128] block
+CHUNKS = (16, 32, 64, 128)  # swiglu_grad_tiles(chunk=): the rows or the columns a program takes of a [128, 128] block
+CHUNK = 64
 
 
 def swiglu_math(gate: jax.Array, up: jax.Array, g_h: jax.Array):
@@ -127,7 +128,7 @@ def _pallas(gate_up, g_h, h_scale, g_scale, h_dtype, g_dtype, *, block, num_warp
 
 
 def swiglu_grad_tiles(gate_up: jax.Array, g_h: jax.Array, h_dtype, g_dtype, *, interpret: bool = False,
-                      num_warps: int = 8, chunk: int | None = None):
+                      num_warps: int = 8, chunk: int | None = CHUNK):
     """Block scaling's FP8 operands of an MLP's backward GEMMs from one read of ``gate_up`` [M, 2F] and ``g_h`` [M, F]
     (128 dividing M and F): h in 128 x 1 tiles along the tokens, written transposed (the down projection's weight
     gradient), and [dgate | dup] in 1 x 128 tiles along its columns (the gate/up linear's data gradient) and in
