@@ -236,3 +236,14 @@ def test_gpu_kernel_follows_the_xla_form_and_the_mlp_runs_it():
     np.testing.assert_array_equal(np.asarray(one[0]), np.asarray(two[0]))
     for a, b in zip(one[1:], two[1:], strict=True):
         assert float(jnp.linalg.norm(a.astype(jnp.float32) - b) / jnp.linalg.norm(b.astype(jnp.float32))) < 0.05
+
+
+def test_anatomy_benchmark_variants_lower_for_cuda(benchmark_script, triton_ir):
+    """benchmarks/swiglu_anatomy.py: each of its variants of the kernel's programs lowers through Pallas' Triton
+    lowering, and the one that does the kernel's work divides as the kernel does."""
+    anatomy = benchmark_script("swiglu_anatomy")
+    args = [jax.ShapeDtypeStruct((1024, 2 * 512), jnp.bfloat16), jax.ShapeDtypeStruct((1024, 512), jnp.bfloat16)]
+    for name, v in anatomy.VARIANTS.items():
+        (ir,) = triton_ir(lambda a, b, v=v: anatomy.variant(1024, 512, *v)(a, b), *args)
+        if name.startswith("swiglu, tile scales (the kernel's work)"):
+            assert ir.count("arith.divf") == 2 * 5 + 2
