@@ -28,8 +28,11 @@ divide).
 
 Block scaling (``swiglu_grad_tiles``, for ``fp8.block_mlp``): the same arithmetic, each operand quantized in its
 tiles instead of with a delayed scale (``kernels.block_quantize``'s ``row_tiles`` and ``col_tiles``): h in 128 x 1
-tiles along the tokens, transposed, and [dgate | dup] in 1 x 128 tiles and in 128 x 1 tiles, transposed. A program
-holds one [128, 128] block of the gate, the up and g_h, so it has every amax its tiles need.
+tiles along the tokens, transposed, and [dgate | dup] in 1 x 128 tiles and in 128 x 1 tiles, transposed. Each
+[128, 128] block of the gate, the up and g_h takes four programs (``CHUNK`` = 64): two of 64 rows for the 1 x 128
+tiles, two of 64 columns for the 128 x 1 tiles, each holding whole tiles of its form, so it has every amax they
+need. On an H200 that took 2.4-2.6 ms where one program holding the whole block took 3.0-3.1 (a llama1b microbatch;
+benchmarks/RESULTS.md, "Block-scaled FP8 on Hopper", with what its time is spent on).
 
 Measured on the H100 (``benchmarks/swiglu_grad.py``): it moves its bytes at 1.6-1.7 TB/s. Neither what
 is transposed (the FP8 tiles, the f32 values before quantizing, the BF16 inputs with the arithmetic done again, or
