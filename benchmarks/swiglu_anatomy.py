@@ -7,8 +7,9 @@ out, at a llama1b microbatch's shape (40,960 tokens, F = 8,192) on one GPU.
 Variants: ``math`` ``copy`` (the inputs cast to f32 as they are), ``swiglu`` (h, dgate, dup as the kernel computes
 them); ``scales`` ``fixed`` (a scale of 1: no amaxes, no divisions) or ``tiles`` (each tile's own, as the kernel);
 ``forms`` both, or the row-form (1 x 128 tiles of [dgate | dup]) or column-form programs (h, dgate, dup in 128 x 1
-tiles, written transposed) alone. ``swiglu`` + ``tiles`` + both forms is the kernel's own work; the product's call is
-timed beside it. Each row: the median of ``--runs`` calls (``fp8rl_jax.bench.timeit``). Not a product path.
+tiles, written transposed) alone; ``transpose`` of the FP8 outputs (the kernel's) or of the BF16 inputs. ``swiglu``
++ ``tiles`` + both forms is the kernel's own work (its rows say whether they gave the product's bits); the product's
+call is timed beside it. Each row: the median of ``--runs`` calls (``fp8rl_jax.bench.timeit``). Not a product path.
 """
 
 from __future__ import annotations
@@ -29,8 +30,11 @@ from fp8rl_jax.numerics import fp8_max, quantize
 E4M3 = jnp.dtype(jnp.float8_e4m3fn)
 
 
-def variant(m: int, f: int, math: str, scales: str, forms=("row", "col"), chunk: int = CHUNK, warps: int = 8):
-    """The kernel's grid and memory traffic with ``math``, ``scales`` and ``forms`` as in the module docstring."""
+def variant(m: int, f: int, math: str, scales: str, forms=("row", "col"), chunk: int = CHUNK, warps: int = 8,
+            transpose: str = "outputs"):
+    """The kernel's grid and memory traffic with ``math``, ``scales`` and ``forms`` as in the module docstring;
+    ``transpose="inputs"``: the column-form programs transpose their three BF16 inputs as they load them and take
+    row tiles of the result (the same values), where the kernel transposes its three FP8 outputs."""
     nf, per, limit = f // TILE, TILE // chunk, float(fp8_max(E4M3))
 
     def values(gate, up, g_h):
@@ -64,11 +68,16 @@ def variant(m: int, f: int, math: str, scales: str, forms=("row", "col"), chunk:
             @pl.when(part >= per)
             def _():
                 cols, rows = pl.ds(j * TILE + (part - per) * chunk, chunk), pl.ds(i * TILE, TILE)
-                h, dgate, dup = read(rows, cols)
-                qh_t_ref[cols, rows], inv = tiles(h, 0)
+                if transpose == "inputs":
+                    h, dgate, dup = values(gate_up_ref[rows, cols].T,
+                                           gate_up_ref[rows, pl.ds(f + cols.start, cols.size)].T, g_h_ref[rows, cols].T)
+                    axis = 1
+                else:
+                    (h, dgate, dup), axis = read(rows, cols), 0
+                qh_t_ref[cols, rows], inv = tiles(h, axis)
                 sh_ref[pl.ds(i, 1), cols] = inv[None, :]
                 for value, at in ((dgate, cols), (dup, pl.ds(f + cols.start, cols.size))):
-                    qg_t_ref[at, rows], inv = tiles(value, 0)
+                    qg_t_ref[at, rows], inv = tiles(value, axis)
                     sg_t_ref[pl.ds(i, 1), at] = inv[None, :]
 
     return pl.pallas_call(
@@ -92,6 +101,10 @@ VARIANTS = {  # name: (math, scales, forms)
     "swiglu, tile scales, row form alone": ("swiglu", "tiles", ("row",)),
     "swiglu, tile scales, column form alone": ("swiglu", "tiles", ("col",)),
     "copy, fixed scale, column form alone": ("copy", "fixed", ("col",)),
+    "swiglu, tile scales, inputs transposed": ("swiglu", "tiles", ("row", "col"), CHUNK, 8, "inputs"),
+    "swiglu, tile scales, inputs transposed, column form alone": ("swiglu", "tiles", ("col",), CHUNK, 8, "inputs"),
+    "swiglu, tile scales, inputs transposed, 4 warps": ("swiglu", "tiles", ("row", "col"), CHUNK, 4, "inputs"),
+    "swiglu, tile scales, inputs transposed, programs of 32": ("swiglu", "tiles", ("row", "col"), 32, 8, "inputs"),
 }
 
 
@@ -109,10 +122,15 @@ def main() -> None:
     out = {"device": device_name(), "tokens": m, "intermediate": f, "chunk": CHUNK, "rows": []}
     fns = {"the product's call (swiglu_grad_tiles)": lambda a, b: swiglu_grad_tiles(a, b, E4M3, E4M3)}
     fns.update({name: (lambda a, b, v=v: variant(m, f, *v)(a, b)) for name, v in VARIANTS.items()})
+    product = jax.jit(fns["the product's call (swiglu_grad_tiles)"])(gate_up, g_h)
     for name, fn in fns.items():
         row = {"variant": name}
         try:
             row["ms"] = timeit(jax.jit(fn), gate_up, g_h, repeats=args.runs) * 1e3
+            if name.startswith("swiglu, tile scales") and "alone" not in name:  # the kernel's work: its bits
+                got = jax.jit(fn)(gate_up, g_h)
+                row["same_bits_as_product"] = all(bool(jnp.array_equal(a, b))
+                                                  for a, b in zip(got, product, strict=True))
         except Exception as e:  # a launch Triton refuses: say so, go on
             row["error"] = str(e)[:300]
         print(json.dumps(row))
