@@ -57,7 +57,7 @@ def block_rows(out: dict, gate_up, g_h, warps: list[int], chunks: list[int | Non
     fns.update({f"pallas, {w} warps" + (f", chunks of {c}" if c else ""):
                 (lambda a, b, w=w, c=c: swiglu_grad_tiles(a, b, E4M3, E4M3, num_warps=w, chunk=c))
                 for c in chunks for w in warps})
-    whole = jax.jit(lambda a, b: swiglu_grad_tiles(a, b, E4M3, E4M3))(gate_up, g_h)
+    whole = jax.jit(lambda a, b: swiglu_grad_tiles(a, b, E4M3, E4M3, chunk=None))(gate_up, g_h)
     for name, fn in fns.items():
         row = {"impl": name}
         try:

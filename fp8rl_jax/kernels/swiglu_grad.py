@@ -138,12 +138,12 @@ def swiglu_grad_tiles(gate_up: jax.Array, g_h: jax.Array, h_dtype, g_dtype, *, i
     128 x 1 tiles, written transposed (its weight gradient), each tile scaled by its own amax as
     ``block_quantize.quantize_tiles`` scales it. Returns ``(qh_t [F, M], sh [M / 128, F], qg [M, 2F], sg [2F / 128,
     M], qg_t [2F, M], sg_t [M / 128, 2F])``: values and inverse scales laid as ``quantize_tiles`` lays them
-    (``fp8.block_mlp`` turns them into ``block.tile_quantize_both``'s forms). A program takes one [128, 128] block of
-    the gate, the up and g_h (grid ``(M / 128, F / 128)``). ``chunk`` None: it holds the whole block at once;
-    ``chunk`` of ``CHUNKS``: a block takes 2 * 128 / ``chunk`` programs, launched one after another: ``chunk`` rows
-    each for the 1 x 128 tiles, ``chunk`` columns each for the 128 x 1 tiles (whole tiles of its form), so a
-    program holds fewer f32 values and all but the first read what the others left in L2. The same bits either
-    way."""
+    (``fp8.block_mlp`` turns them into ``block.tile_quantize_both``'s forms). ``chunk`` of ``CHUNKS`` (default
+    ``CHUNK``): each [128, 128] block of the gate, the up and g_h takes 2 * 128 / ``chunk`` programs, launched next to
+    one another (grid ``(2 * 128 / chunk, M / 128, F / 128)``): ``chunk`` rows each for the 1 x 128 tiles, ``chunk``
+    columns each for the 128 x 1 tiles (whole tiles of its form), so a program holds fewer f32 values and the block's
+    later programs read what the first left in L2. ``chunk`` None: one program a block, holding all of it (grid
+    ``(M / 128, F / 128)``). The same bits either way."""
     m, f = g_h.shape
     if gate_up.shape != (m, 2 * f) or m % TILE or f % TILE:
         raise ValueError(f"swiglu_grad_tiles takes gate_up [M, 2F] and g_h [M, F] with 128 dividing M and F, not "
@@ -157,7 +157,7 @@ def swiglu_grad_tiles(gate_up: jax.Array, g_h: jax.Array, h_dtype, g_dtype, *, i
     def kernel(gate_up_ref, g_h_ref, qh_t_ref, sh_ref, qg_ref, sg_ref, qg_t_ref, sg_t_ref):
         if chunk is None:
             i, j = pl.program_id(0), pl.program_id(1)
-        else:  # the block's programs first (2 * per of them), then the block
+        else:  # program_id(0): which of the block's 2 * per programs
             part, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
 
         def values(rows, cols):  # h, dgate, dup of the block's part [rows, cols]

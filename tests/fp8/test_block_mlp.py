@@ -46,8 +46,8 @@ def test_kernel_equals_the_xla_form_bit_for_bit(g_dtype):
 
 @pytest.mark.parametrize("chunk", [16, 64])
 def test_kernel_chunks_give_the_whole_blocks_bits(chunk):
-    """``chunk``: a program walks its block by rows, then by columns, ``chunk`` at a time, where the default holds it
-    whole: through Pallas' interpreter, every output as the whole block's."""
+    """``chunk``: a block's programs take ``chunk`` rows or ``chunk`` columns each, against one program a whole block
+    (``chunk=None``): through Pallas' interpreter, every output the same."""
     from fp8rl_jax.kernels.swiglu_grad import swiglu_grad_tiles
 
     gate_up, g_h = _swiglu_inputs(seed=2)
@@ -196,7 +196,7 @@ def test_fused_mlp_off_takes_the_two_linears():
 
 @pytest.mark.gpu
 def test_gpu_kernel_chunks_give_the_whole_blocks_bits():
-    """The compiled kernel walking its blocks in chunks against the whole-block program: the same bits."""
+    """The compiled kernel with each of ``CHUNKS`` against one program a whole block: the same bits."""
     from fp8rl_jax.kernels.swiglu_grad import CHUNKS, swiglu_grad_tiles
 
     gate_up, g_h = _swiglu_inputs(m=1024, f=512, seed=3)
