@@ -153,12 +153,11 @@ def swiglu_grad_tiles(gate_up: jax.Array, g_h: jax.Array, h_dtype, g_dtype, *, i
     h_dtype, g_dtype = jnp.dtype(h_dtype), jnp.dtype(g_dtype)
     h_limit, g_limit = float(fp8_max(h_dtype)), float(fp8_max(g_dtype))
     nf = f // TILE
+    per = TILE // (chunk or TILE)  # programs a block of each form
 
     def kernel(gate_up_ref, g_h_ref, qh_t_ref, sh_ref, qg_ref, sg_ref, qg_t_ref, sg_t_ref):
-        if chunk is None:
-            i, j = pl.program_id(0), pl.program_id(1)
-        else:  # program_id(0): which of the block's 2 * per programs
-            part, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+        first = 0 if chunk is None else 1  # with a chunk, axis 0 says which of the block's 2 * per programs
+        i, j = pl.program_id(first), pl.program_id(first + 1)
 
         def values(rows, cols):  # h, dgate, dup of the block's part [rows, cols]
             return swiglu_math(gate_up_ref[rows, cols], gate_up_ref[rows, pl.ds(f + cols.start, cols.size)],
@@ -183,6 +182,7 @@ def swiglu_grad_tiles(gate_up: jax.Array, g_h: jax.Array, h_dtype, g_dtype, *, i
             col_form(cols, h, dgate, dup)
             row_form(rows, dgate, dup)
             return
+        part = pl.program_id(0)
 
         @pl.when(part < per)
         def _():
@@ -194,7 +194,6 @@ def swiglu_grad_tiles(gate_up: jax.Array, g_h: jax.Array, h_dtype, g_dtype, *, i
             cols = pl.ds(j * TILE + (part - per) * chunk, chunk)
             col_form(cols, *values(pl.ds(i * TILE, TILE), cols))
 
-    per = TILE // (chunk or TILE)  # programs a block of each form
     return pl.pallas_call(
         kernel,
         grid=(m // TILE, nf) if chunk is None else (2 * per, m // TILE, nf),
