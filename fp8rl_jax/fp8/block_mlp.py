@@ -27,7 +27,8 @@ from fp8rl_jax.fp8 import block, xla
 from fp8rl_jax.fp8.recipe import GEMMS, Fp8LinearState, Fp8Recipe, observations
 from fp8rl_jax.fp8.train_kernel import TrainKernel, block_forms
 from fp8rl_jax.kernels import block_quantize
-from fp8rl_jax.kernels.swiglu_grad import swiglu_grad_tiles, swiglu_math
+from fp8rl_jax.kernels.swiglu_grad import swiglu_grad_tiles, swiglu_math, swiglu_tiles
+from fp8rl_jax.kernels.swiglu_grad import swiglu_h as swiglu_f32
 
 
 def swiglu_grad_tiles_any(gate_up: jax.Array, g_h: jax.Array, h_dtype, g_dtype, impl: str = "auto"):
@@ -49,6 +50,44 @@ def swiglu_grad_tiles_any(gate_up: jax.Array, g_h: jax.Array, h_dtype, g_dtype, 
     return (qh_t, sh.T), ((qg, sg.T), (qg_t, sg_t.T))
 
 
+def swiglu_h(gate: jax.Array, up: jax.Array, dtype) -> jax.Array:
+    """h = silu(gate) * up as block scaling's MLPs hand it to the down projection: ``kernels.swiglu_grad.swiglu_h``'s
+    f32 value rounded to ``dtype``, the arithmetic of ``swiglu_tiles_any``'s kernel. The barrier keeps that rounding:
+    without it XLA may fold it into the quantizer's upcast (its excess precision) where the kernel rounds."""
+    return jax.lax.optimization_barrier(swiglu_f32(gate, up).astype(dtype))
+
+
+def swiglu_tiles_any(gate_up: jax.Array, h_dtype, dtype, impl: str = "auto") -> tuple[jax.Array, jax.Array]:
+    """h of ``gate_up`` [M, 2F] (``swiglu_h`` in ``h_dtype``) in 1 x 128 tiles of ``dtype``, ``block.tile_quantize``'s
+    form ``(q [M, F], inverse scales [M, F / 128])``. ``impl``: ``pallas`` (``kernels.swiglu_grad.swiglu_tiles``: one
+    read of gate_up, no h in memory; GPU), ``pallas_interpret`` (tests), ``xla`` (``swiglu_h``, then
+    ``block.tile_quantize``), ``auto`` (pallas where ``block_quantize.fits`` gate_up)."""
+    if impl not in block.IMPLS:
+        raise ValueError(f"swiglu_tiles impl={impl!r}; allowed: {block.IMPLS}")
+    if impl == "auto":
+        impl = "pallas" if block_quantize.fits(gate_up) and gate_up.shape[1] % (2 * block.BLOCK) == 0 else "xla"
+    if impl == "xla":
+        f = gate_up.shape[1] // 2
+        return block.tile_quantize(swiglu_h(gate_up[:, :f], gate_up[:, f:], h_dtype), dtype)
+    q, inv = swiglu_tiles(gate_up, dtype, h_dtype, interpret=impl == "pallas_interpret")
+    return q, inv.T
+
+
+def swiglu_down(gate_up: jax.Array, w_down: xla.QuantizedKernel, x_scale: jax.Array, recipe: Fp8Recipe,
+                form: str | None = None, out_dtype=None, impl: str = "auto") -> jax.Array:
+    """The down projection's forward of h = silu(gate) * up under block scaling, from the gate/up GEMM's output
+    ``gate_up`` [M, 2F] (gate | up) and its quantized kernel: [M, D] in ``out_dtype``. h is ``swiglu_h`` in gate_up's
+    dtype; in 1 x 128 tiles (``block_forward`` tiles_*) ``swiglu_tiles_any`` makes them from one read of gate_up,
+    else ``xla.prequantized_matmul`` quantizes h as its form says. The rollout's MLP and the training MLP's forward
+    both take this: the same operands, bit for bit."""
+    if recipe.block_forward == "tokens_blocks":
+        f = gate_up.shape[1] // 2
+        h = swiglu_h(gate_up[:, :f], gate_up[:, f:], gate_up.dtype)
+        return xla.prequantized_matmul(h, w_down, x_scale, recipe, form, out_dtype=out_dtype)
+    qh, sh = swiglu_tiles_any(gate_up, gate_up.dtype, recipe.fwd_dtype, impl)
+    return xla.tiles_matmul(qh, sh, w_down, recipe, form, out_dtype)
+
+
 def fused(recipe: Fp8Recipe) -> bool:
     """Whether a recipe's MLP takes ``block_swiglu_mlp``: block scaling with all three GEMMs in FP8."""
     return recipe.scaling == "block" and recipe.fp8_gemms == GEMMS
@@ -64,11 +103,7 @@ def _block_swiglu_mlp_fn(x_dtype, out_dtype, recipe: Fp8Recipe, form: str, impl:
         q_gu, q_down = (xla.hoisted_nk(h, recipe, form) or xla.quantize_kernel(w, st["kernel"], recipe, form)
                         for h, w, st in zip(hoisted, (w_gate_up, w_down), (st_gu, st_down), strict=True))
         gate_up = xla.prequantized_matmul(x, q_gu, st_gu["x"]["scale"], recipe, form, out_dtype=x_dtype)
-        gate, up = jnp.split(gate_up, 2, axis=-1)
-        # h in BF16 as the second linear receives it: without the barrier XLA may fold this rounding into the
-        # quantizer's upcast (its excess precision), where the rollout's program rounds
-        h = jax.lax.optimization_barrier((jax.nn.silu(gate) * up).astype(x_dtype))
-        y = xla.prequantized_matmul(h, q_down, st_down["x"]["scale"], recipe, form, out_dtype=out_dtype)
+        y = swiglu_down(gate_up, q_down, st_down["x"]["scale"], recipe, form, out_dtype, impl)
         return y.astype(out_dtype), gate_up
 
     @jax.custom_vjp

@@ -214,8 +214,7 @@ def prequantized_matmul(
             qx, sx = _per_row_of_slices(x, recipe.fwd_dtype)
         else:
             (qx, sx), _ = block.tile_quantize_both(x, recipe.fwd_dtype, cols=False)
-        y = block_gemm(gemm_operand(qx, recipe.fwd_dtype, form), sx, qw, kernel.scale_inv, form, out_dtype,
-                       recipe.block_gemm)
+        return tiles_matmul(qx, sx, kernel, recipe, form, out_dtype)
     elif recipe.scaling in ("current", "mantissa"):  # x_scale unused: x's own amax, or no scale (sx 1)
         qx, sx = _quantized(x, recipe.fwd_dtype, recipe.scaling)
         # [M, K] . [N, K] -> [M, N]
@@ -231,6 +230,17 @@ def prequantized_matmul(
             x_scale_inv = 1.0 / x_scale.astype(jnp.float32)
         y = _mm(qx, qw, 1, 1) * (x_scale_inv * kernel.scale_inv)
     return y if out_dtype is None else y.astype(out_dtype)
+
+
+def tiles_matmul(qx: jax.Array, sx: jax.Array, kernel: QuantizedKernel, recipe: Fp8Recipe, form: str | None = None,
+                 out_dtype=None) -> jax.Array:
+    """Block scaling's forward GEMM of an input already in its tiles, ``qx`` [M, K] (FP8) with inverse scales ``sx``
+    [M, ceil(K / 128)], and a pre-quantized kernel: [M, N] in ``out_dtype`` (default f32). ``prequantized_matmul``
+    quantizes x and calls this; ``block_mlp.swiglu_down`` hands it the SwiGLU's tiles from one kernel."""
+    form = _recipe_form(recipe, form)
+    qw = gemm_operand(kernel.data, recipe.fwd_dtype, form)
+    return block_gemm(gemm_operand(qx, recipe.fwd_dtype, form), sx, qw, kernel.scale_inv, form, out_dtype,
+                      recipe.block_gemm)
 
 
 def gemm_into(residual: jax.Array, qx: jax.Array, x_scale_inv: jax.Array, w_nk: jax.Array,

@@ -48,7 +48,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from fp8rl_jax.kernels.block_quantize import TILE, col_tiles, row_tiles
+from fp8rl_jax.kernels.block_quantize import SMALL_ROWS, SMALL_ROWS_BLOCK, TILE, col_tiles, row_tiles
 from fp8rl_jax.numerics import amax, fp8_max, quantize
 
 IMPLS = ("auto", "pallas", "pallas_interpret", "xla")
@@ -56,12 +56,24 @@ BLOCK = (32, 64)  # tokens, intermediate columns per program (H100 sweep: benchm
 NUM_WARPS = 4
 CHUNKS = (16, 32, 64, 128)  # swiglu_grad_tiles(chunk=): the rows or the columns a program takes of a [128, 128] block
 CHUNK = 64
+SWIGLU_TILES_WARPS = 4  # swiglu_tiles' default (not yet swept)
+
+
+def sigmoid(gate: jax.Array) -> jax.Array:
+    """The SwiGLU's sigmoid of an f32 ``gate``, in every path that computes h: XLA's ops and a kernel's."""
+    return 1.0 / (1.0 + jnp.exp(-gate))
+
+
+def swiglu_h(gate: jax.Array, up: jax.Array) -> jax.Array:
+    """h = silu(gate) * up in f32 (``swiglu_math``'s h)."""
+    gate, up = gate.astype(jnp.float32), up.astype(jnp.float32)
+    return gate * sigmoid(gate) * up
 
 
 def swiglu_math(gate: jax.Array, up: jax.Array, g_h: jax.Array):
     """h, dgate, dup in f32 from the gate, the up and the gradient of h."""
     gate, up, g_h = (a.astype(jnp.float32) for a in (gate, up, g_h))
-    s = 1.0 / (1.0 + jnp.exp(-gate))
+    s = sigmoid(gate)
     gs = gate * s
     return gs * up, g_h * up * (s + gs * (1.0 - s)), g_h * gs
 
@@ -206,3 +218,40 @@ def swiglu_grad_tiles(gate_up: jax.Array, g_h: jax.Array, h_dtype, g_dtype, *, i
         interpret=interpret,
         name="swiglu_grad_tiles",
     )(gate_up, g_h)
+
+
+def swiglu_tiles(gate_up: jax.Array, dtype, h_dtype, *, interpret: bool = False, num_warps: int = SWIGLU_TILES_WARPS,
+                 block_rows: int | None = None):
+    """Block scaling's forward operand of the down projection from ``gate_up`` [M, 2F] (gate | up; 128 dividing M and
+    F) in one read: h = silu(gate) * up (``swiglu_h``), rounded to ``h_dtype`` as the two linears hand it over, in
+    1 x 128 tiles along F, scaled as ``block_quantize.quantize_tiles`` scales them. Returns ``(q [M, F], inv
+    [F / 128, M])``, laid as ``quantize_tiles``' rows form: h itself is never written. ``block_rows``: the rows a
+    program holds (a power of 2 up to 128 dividing M; None: ``quantize_tiles``' choice for its rows form alone)."""
+    m, f2 = gate_up.shape
+    f = f2 // 2
+    if gate_up.ndim != 2 or f2 % 2 or m % TILE or f % TILE:
+        raise ValueError(f"swiglu_tiles takes gate_up [M, 2F] with 128 dividing M and F, not {list(gate_up.shape)}")
+    if block_rows is None:
+        block_rows = SMALL_ROWS_BLOCK if m <= SMALL_ROWS else TILE
+    if block_rows > TILE or block_rows & (block_rows - 1) or m % block_rows:
+        raise ValueError(f"swiglu_tiles block_rows={block_rows}: a power of 2 up to 128 dividing the {m} rows")
+    dtype, h_dtype = jnp.dtype(dtype), jnp.dtype(h_dtype)
+    limit = float(fp8_max(dtype))
+    nf = f // TILE
+
+    def kernel(gate_ref, up_ref, q_ref, inv_ref):
+        h = swiglu_h(gate_ref[...], up_ref[...]).astype(h_dtype).astype(jnp.float32)
+        q_ref[...], inv = row_tiles(h, limit, dtype)
+        inv_ref[...] = inv[None, :]
+
+    tile = pl.BlockSpec((block_rows, TILE), lambda i, j: (i, j))
+    return pl.pallas_call(
+        kernel,
+        grid=(m // block_rows, nf),
+        in_specs=[tile, pl.BlockSpec((block_rows, TILE), lambda i, j: (i, nf + j))],
+        out_specs=[tile, pl.BlockSpec((1, block_rows), lambda i, j: (j, i))],
+        out_shape=[jax.ShapeDtypeStruct((m, f), dtype), jax.ShapeDtypeStruct((nf, m), jnp.float32)],
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name="swiglu_tiles",
+    )(gate_up, gate_up)

@@ -239,9 +239,15 @@ def _block(x, layer, fp8, idx, positions, cache, kv_scales, config: LlamaConfig,
                 fp8["w_gate_up"], fp8["w_down"], precision.recipe, x.dtype)
         return x + y.reshape(x.shape), cache, kv_amax
     # [B, T, D] -> [B, T, 2F]
-    gate, up = _split_fused(linear(h, layer["w_gate_up"], fp8.get("w_gate_up"), precision),
-                            (c.intermediate_size,) * 2, fused_shards)
-    x = linear(jax.nn.silu(gate) * up, layer["w_down"], fp8.get("w_down"), precision, residual=x)
+    gate_up = linear(h, layer["w_gate_up"], fp8.get("w_gate_up"), precision)
+    if _swiglu_tiles(layer, fp8, precision, fused_shards):  # [B T, 2F] -> [B T, D]: h's tiles from one kernel
+        y = block_mlp.swiglu_down(gate_up.reshape(-1, gate_up.shape[-1]), layer["w_down"], fp8["w_down"]["x"]["scale"],
+                                  precision.recipe, out_dtype=x.dtype)
+        return x + y.reshape(x.shape), cache, kv_amax
+    gate, up = _split_fused(gate_up, (c.intermediate_size,) * 2, fused_shards)
+    # block scaling's h is the fused MLP's (block_mlp.swiglu_h), which a rollout and a trainer must share bit for bit
+    h = block_mlp.swiglu_h(gate, up, precision.dtype) if _block_scaled(precision) else jax.nn.silu(gate) * up
+    x = linear(h, layer["w_down"], fp8.get("w_down"), precision, residual=x)
     return x, cache, kv_amax
 
 
@@ -315,6 +321,18 @@ def _fused_mlp(layer, fp8, precision: Precision, fused_shards: int) -> str | Non
         return "te"
     whole = all(isinstance(layer.get(n), (jax.Array, TrainKernel)) for n in names)
     return "block" if precision.backend == "xla" and block_mlp.fused(precision.recipe) and whole else None
+
+
+def _block_scaled(precision: Precision) -> bool:
+    """FP8 with block scaling (the xla backend's ``Fp8Recipe.scaling='block'``)."""
+    return precision.fp8 and precision.recipe.scaling == "block"
+
+
+def _swiglu_tiles(layer, fp8, precision: Precision, fused_shards: int) -> bool:
+    """Whether the two linears' MLP (the rollout's pre-quantized kernels) takes ``block_mlp.swiglu_down``: block
+    scaling with its forward in FP8 and w_down's state, gate/up whole on this device (not interleaved per shard)."""
+    return (_block_scaled(precision) and "fprop" in precision.recipe.fp8_gemms and fused_shards == 1
+            and fp8.get("w_down") is not None and isinstance(layer["w_down"], QuantizedKernel))
 
 
 def _remat(body, remat: str):

@@ -93,6 +93,36 @@ def test_kernel_shapes_are_checked_and_it_lowers_for_cuda(triton_ir):
     assert ir.count("arith.divf") == 2 * 5 + 2  # and the sigmoid's, in the row-form and the column-form programs
 
 
+@pytest.mark.parametrize("m,block_rows", [(256, None), (256, 128), (384, 64)])
+def test_swiglu_tiles_kernel_equals_the_xla_form_bit_for_bit(m, block_rows):
+    """The forward's kernel (h of gate/up in 1 x 128 tiles, from one read) through Pallas' interpreter: the values and
+    scales of ``swiglu_h`` quantized by ``block.tile_quantize``, bit for bit, with a massive gate in one tile."""
+    from fp8rl_jax.kernels.swiglu_grad import swiglu_tiles
+
+    gate_up = _swiglu_inputs(m=m, seed=4)[0].at[5, 130].set(300.0).at[5, F + 130].set(3.0)  # h = 900
+    want = jax.jit(lambda a: block_mlp.swiglu_tiles_any(a, jnp.bfloat16, E4M3, "xla"))(gate_up)
+    q, inv = jax.jit(lambda a: swiglu_tiles(a, E4M3, jnp.bfloat16, interpret=True, block_rows=block_rows))(gate_up)
+    assert (q.dtype, q.shape, inv.shape) == (E4M3, (m, F), (F // 128, m))
+    np.testing.assert_array_equal(_f32(q), _f32(want[0]))
+    np.testing.assert_array_equal(np.asarray(inv.T), np.asarray(want[1]))
+    assert float(jnp.max(want[1])) > 20 * float(jnp.median(want[1]))  # the massive value's tile only
+
+
+def test_swiglu_tiles_shapes_are_checked_and_it_lowers_for_cuda(triton_ir):
+    from fp8rl_jax.kernels.swiglu_grad import swiglu_tiles
+
+    gate_up = _swiglu_inputs()[0]
+    with pytest.raises(ValueError, match="128 dividing M and F"):
+        swiglu_tiles(gate_up[:200], E4M3, jnp.bfloat16)
+    with pytest.raises(ValueError, match="block_rows=48"):
+        swiglu_tiles(gate_up, E4M3, jnp.bfloat16, block_rows=48)
+    with pytest.raises(ValueError, match="impl='cuda'"):
+        block_mlp.swiglu_tiles_any(gate_up, jnp.bfloat16, E4M3, "cuda")
+    (ir,) = triton_ir(lambda a: block_mlp.swiglu_tiles_any(a, jnp.bfloat16, E4M3, "pallas"),
+                      jax.ShapeDtypeStruct((1024, 2 * 512), jnp.bfloat16))
+    assert "swiglu_tiles" in ir and ir.count("arith.divf") == 2 + 1  # the tiles' scales and the sigmoid's
+
+
 def _mlp_operands(seed=0):
     k = jax.random.split(jax.random.PRNGKey(seed), 4)
     x = jax.random.normal(k[0], (M, D)).astype(jnp.bfloat16)
@@ -105,7 +135,7 @@ def _mlp_operands(seed=0):
 def _two_linears(recipe):
     def mlp(x, w_gate_up, w_down, st_gu, st_down):
         gate, up = jnp.split(xla.fp8_matmul(x, w_gate_up, st_gu, recipe, jnp.bfloat16), 2, axis=-1)
-        return xla.fp8_matmul(jax.nn.silu(gate) * up, w_down, st_down, recipe, jnp.float32)
+        return xla.fp8_matmul(block_mlp.swiglu_h(gate, up, jnp.bfloat16), w_down, st_down, recipe, jnp.float32)
     return mlp
 
 
@@ -168,7 +198,8 @@ def test_the_model_takes_it_where_it_applies():
 def test_block_mlp_backward_runs_one_swiglu_kernel(monkeypatch, triton_ir):
     """Lowered for CUDA where the quantizer kernels fit: the MLP's backward quantizes through three kernels (g's two
     forms, the SwiGLU's operands, x's weight-gradient form) where the two linears took four and XLA's SwiGLU
-    gradient; the forward through two (x's and h's tiles), as the two linears' forwards do."""
+    gradient; the forward through two (x's tiles, and h's from the gate/up output: ``swiglu_tiles``), where the two
+    linears' forwards quantize an h that XLA wrote."""
     monkeypatch.setattr(block_quantize, "fits", lambda a: a.ndim == 2 and a.shape[0] % 128 == a.shape[1] % 128 == 0)
     recipe = Fp8Recipe(scaling="block", fp8_format="e4m3", block_gemm="mosaic")
     states = (init_linear_state(recipe), init_linear_state(recipe))
@@ -183,8 +214,25 @@ def test_block_mlp_backward_runs_one_swiglu_kernel(monkeypatch, triton_ir):
 
     fused = grads(lambda *a: block_mlp.block_swiglu_mlp(*a, recipe, jnp.float32))
     names = [ir.split("tt.func public @", 1)[1].split("(", 1)[0] for ir in triton_ir(fused, *args)]
-    assert sorted(names) == sorted(["block_tile_quantize"] * 4 + ["swiglu_grad_tiles"]), names
+    assert sorted(names) == sorted(["block_tile_quantize"] * 3 + ["swiglu_tiles", "swiglu_grad_tiles"]), names
     assert len(triton_ir(grads(_two_linears(recipe)), *args)) == 6
+
+
+def test_the_rollout_mlp_takes_the_swiglu_tiles_where_it_applies():
+    """The rollout's two linears (pre-quantized kernels) under block scaling make h's tiles from the gate/up output
+    (``block_mlp.swiglu_down``); whole training kernels (the fused MLP or autodiff's), gate/up shards, per-tensor
+    scaling and a BF16 forward do not."""
+    block = Precision(backend="xla", recipe=BLOCK)
+    w = jnp.zeros((4, 4))
+    states = {"w_gate_up": init_linear_state(BLOCK), "w_down": init_linear_state(BLOCK)}
+    rollout = {n: QuantizedKernel(w, jnp.ones((1, 1))) for n in states}
+    assert llama._swiglu_tiles(rollout, states, block, 1)
+    assert not llama._swiglu_tiles({n: w for n in states}, states, block, 1)
+    assert not llama._swiglu_tiles(rollout, states, block, 2)
+    assert not llama._swiglu_tiles(rollout, {"w_gate_up": states["w_gate_up"]}, block, 1)
+    assert not llama._swiglu_tiles(rollout, states, Precision(backend="xla"), 1)
+    wgrad = Precision(backend="xla", recipe=Fp8Recipe(scaling="block", fp8_gemms=("wgrad",)))
+    assert not llama._swiglu_tiles(rollout, states, wgrad, 1)
 
 
 def test_fused_mlp_off_takes_the_two_linears():
@@ -236,6 +284,14 @@ def test_gpu_kernel_follows_the_xla_form_and_the_mlp_runs_it():
     np.testing.assert_array_equal(np.asarray(one[0]), np.asarray(two[0]))
     for a, b in zip(one[1:], two[1:], strict=True):
         assert float(jnp.linalg.norm(a.astype(jnp.float32) - b) / jnp.linalg.norm(b.astype(jnp.float32))) < 0.05
+
+
+@pytest.mark.gpu
+def test_gpu_swiglu_tiles_equal_the_xla_form_for_every_bf16_gate(benchmark_script):
+    """The compiled forward kernel against XLA's form on the GPU, every finite BF16 gate value with random ups: the
+    same FP8 values and scales, bit for bit (a rollout and a trainer may each take one of them)."""
+    got = benchmark_script("swiglu_tiles_speed").tiles_bits()
+    assert got == {"check": "swiglu_tiles_vs_xla", "values": 512 * 128, "differ": 0, "scales_differ": 0}
 
 
 def test_anatomy_benchmark_variants_lower_for_cuda(benchmark_script, triton_ir):
