@@ -48,7 +48,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from fp8rl_jax.kernels.block_quantize import SMALL_ROWS, SMALL_ROWS_BLOCK, TILE, col_tiles, row_tiles
+from fp8rl_jax.kernels.block_quantize import SMALL_ROWS, TILE, col_tiles, row_tiles
 from fp8rl_jax.numerics import amax, fp8_max, quantize
 
 IMPLS = ("auto", "pallas", "pallas_interpret", "xla")
@@ -56,7 +56,10 @@ BLOCK = (32, 64)  # tokens, intermediate columns per program (H100 sweep: benchm
 NUM_WARPS = 4
 CHUNKS = (16, 32, 64, 128)  # swiglu_grad_tiles(chunk=): the rows or the columns a program takes of a [128, 128] block
 CHUNK = 64
-SWIGLU_TILES_WARPS = 4  # swiglu_tiles' default (not yet swept)
+# swiglu_tiles: programs of 32 rows, 4 warps at a decode step's rows, 8 above; on an H200 0.49 ms for a llama1b
+# microbatch's [40960, 16384] gate/up output (128 rows, 4 warps: 0.80), 4 us at a decode step's 256 rows
+# (benchmarks/RESULTS.md, "Block-scaled FP8 on Hopper")
+SWIGLU_TILES_ROWS, SWIGLU_TILES_WARPS = 32, (4, 8)
 
 
 def sigmoid(gate: jax.Array) -> jax.Array:
@@ -220,19 +223,20 @@ def swiglu_grad_tiles(gate_up: jax.Array, g_h: jax.Array, h_dtype, g_dtype, *, i
     )(gate_up, g_h)
 
 
-def swiglu_tiles(gate_up: jax.Array, dtype, h_dtype, *, interpret: bool = False, num_warps: int = SWIGLU_TILES_WARPS,
-                 block_rows: int | None = None):
+def swiglu_tiles(gate_up: jax.Array, dtype, h_dtype, *, interpret: bool = False, num_warps: int | None = None,
+                 block_rows: int = SWIGLU_TILES_ROWS):
     """Block scaling's forward operand of the down projection from ``gate_up`` [M, 2F] (gate | up; 128 dividing M and
     F) in one read: h = silu(gate) * up (``swiglu_h``), rounded to ``h_dtype`` as the two linears hand it over, in
     1 x 128 tiles along F, scaled as ``block_quantize.quantize_tiles`` scales them. Returns ``(q [M, F], inv
     [F / 128, M])``, laid as ``quantize_tiles``' rows form: h itself is never written. ``block_rows``: the rows a
-    program holds (a power of 2 up to 128 dividing M; None: ``quantize_tiles``' choice for its rows form alone)."""
+    program holds (a power of 2 up to 128 dividing M); ``num_warps`` None: ``SWIGLU_TILES_WARPS``' first up to a
+    decode step's ``SMALL_ROWS`` rows, its second above."""
     m, f2 = gate_up.shape
     f = f2 // 2
     if gate_up.ndim != 2 or f2 % 2 or m % TILE or f % TILE:
         raise ValueError(f"swiglu_tiles takes gate_up [M, 2F] with 128 dividing M and F, not {list(gate_up.shape)}")
-    if block_rows is None:
-        block_rows = SMALL_ROWS_BLOCK if m <= SMALL_ROWS else TILE
+    if num_warps is None:
+        num_warps = SWIGLU_TILES_WARPS[m > SMALL_ROWS]
     if block_rows > TILE or block_rows & (block_rows - 1) or m % block_rows:
         raise ValueError(f"swiglu_tiles block_rows={block_rows}: a power of 2 up to 128 dividing the {m} rows")
     dtype, h_dtype = jnp.dtype(dtype), jnp.dtype(h_dtype)

@@ -93,7 +93,7 @@ def test_kernel_shapes_are_checked_and_it_lowers_for_cuda(triton_ir):
     assert ir.count("arith.divf") == 2 * 5 + 2  # and the sigmoid's, in the row-form and the column-form programs
 
 
-@pytest.mark.parametrize("m,block_rows", [(256, None), (256, 128), (384, 64)])
+@pytest.mark.parametrize("m,block_rows", [(256, 32), (256, 128), (384, 64)])
 def test_swiglu_tiles_kernel_equals_the_xla_form_bit_for_bit(m, block_rows):
     """The forward's kernel (h of gate/up in 1 x 128 tiles, from one read) through Pallas' interpreter: the values and
     scales of ``swiglu_h`` quantized by ``block.tile_quantize``, bit for bit, with a massive gate in one tile."""
