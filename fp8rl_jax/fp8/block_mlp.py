@@ -7,8 +7,12 @@ a layer and microbatch at llama1b's training shapes, where the operands themselv
 (``kernels.swiglu_grad.swiglu_grad_tiles``) reads the gate/up output and the gradient of h once and writes those
 three FP8 operands, as ``te.fp8_swiglu_mlp`` does for per-tensor scaling.
 
-What it computes. The forward is the two linears' forwards, bit for bit (the rollout runs them as two ``linear``
-calls: the same quantizers, the same GEMMs). The backward is the two linears' block backward (``xla.BACKWARD_KINDS``:
+What it computes. The forward is the gate/up linear's forward, then ``swiglu_down``: h = silu(gate) * up
+(``swiglu_h``: f32, rounded to BF16) in 1 x 128 tiles from one kernel that reads the gate/up output
+(``kernels.swiglu_grad.swiglu_tiles``: h is never written), then the down projection's GEMM. The rollout's MLP runs
+the same two functions on the same pre-quantized kernels, so the two forwards agree bit for bit; where the kernel does
+not run, ``swiglu_h`` and ``block.tile_quantize`` make the same tiles (on an H200 for every BF16 gate value). The
+backward is the two linears' block backward (``xla.BACKWARD_KINDS``:
 1 x 128 gradient tiles with the weight's blocks for the data gradients, 128 x 1 tiles of both operands for the weight
 gradients), except that h, dgate and dup are ``swiglu_math``'s f32 values of the same inputs, where autodiff rounds
 each op to BF16: a value near an FP8 rounding boundary may land on its neighbour (as in the te backend's MLP).

@@ -34,6 +34,12 @@ tiles, two of 64 columns for the 128 x 1 tiles, each holding whole tiles of its 
 need. On an H200 that took 2.4-2.6 ms where one program holding the whole block took 3.0-3.1 (a llama1b microbatch;
 benchmarks/RESULTS.md, "Block-scaled FP8 on Hopper", with what its time is spent on).
 
+The forward under block scaling (``swiglu_tiles``, for ``fp8.block_mlp.swiglu_down``): h of the gate/up GEMM's output,
+rounded to BF16 as the two linears hand it over, in 1 x 128 tiles (the down projection's input), from one read of
+gate/up in programs of 32 rows, where XLA wrote h and the quantizer kernel read it again. Its sigmoid,
+``1 / (1 + exp(-gate))``, gives XLA's f32 bits through Triton on every BF16 gate value (an H200; ``exp2`` and
+``tanh`` forms do not: ``benchmarks/swiglu_tiles_speed.py --bits``), so its tiles are the XLA form's.
+
 Measured on the H100 (``benchmarks/swiglu_grad.py``): it moves its bytes at 1.6-1.7 TB/s. Neither what
 is transposed (the FP8 tiles, the f32 values before quantizing, the BF16 inputs with the arithmetic done again, or
 32-bit words of four tokens' FP8 values), nor several row tiles per program with the next tile's loads issued

@@ -257,8 +257,9 @@ def test_gpu_kernel_chunks_give_the_whole_blocks_bits():
 
 @pytest.mark.gpu
 def test_gpu_kernel_follows_the_xla_form_and_the_mlp_runs_it():
-    """The compiled kernel against the XLA form on the GPU: the same values but where Triton's exp and XLA's differ
-    in a last f32 bit at an FP8 rounding boundary (then one FP8 step), scales to f32 rounding; the MLP's backward
+    """The compiled kernel against the XLA form on the GPU: the same values but where Triton's f32 arithmetic of the
+    gradient and XLA's differ in a last bit at an FP8 rounding boundary (then one FP8 step; their sigmoid agrees on
+    every BF16 gate: the forward kernel's test below), scales to f32 rounding; the MLP's backward
     runs it (in the compiled program), its forward equals the two linears' bit for bit, its gradients follow theirs."""
     gate_up, g_h = _swiglu_inputs(m=1024, f=512, seed=2)
     run = lambda impl: jax.jit(lambda a, b: block_mlp.swiglu_grad_tiles_any(a, b, E4M3, E4M3, impl))(gate_up, g_h)
