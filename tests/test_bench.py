@@ -484,8 +484,8 @@ def test_bench_async_measures_the_split_and_keeps_each_steps_time(tmp_path):
 
 def test_a_trace_sums_gpu_kernels_by_name_family_and_busy_time(tmp_path):
     """``bench.trace.summarize_trace`` on a hand-made trace: only the GPU process's kernels count, overlapping
-    kernels count once in the busy time, the gap between them is idle; on this CPU ``trace_one_call`` finds no GPU
-    kernel and says so."""
+    kernels count once in the busy time, the gap between them is idle (named by the kernels around it); on this
+    CPU ``trace_one_call`` finds no GPU kernel and says so."""
     import gzip
 
     import jax.numpy as jnp
@@ -507,4 +507,6 @@ def test_a_trace_sums_gpu_kernels_by_name_family_and_busy_time(tmp_path):
     assert summary["total_kernel_ms"] == 0.25 and summary["kernels"] == 3
     assert summary["span_ms"] == 0.3 and summary["busy_ms"] == 0.2 and summary["idle_ms"] == 0.1
     assert {f: v["ms"] for f, v in summary["families"].items()} == {"gemm": 0.1, "fp8_cast_amax": 0.1, "fusion": 0.05}
+    assert summary["idle_between"] == [{"after": "block_tile_quantize", "before": "loop_add_fusion", "ms": 0.1,
+                                        "gaps": 1}]
     assert "error" in trace.trace_one_call(lambda a: a + 1, jnp.ones(3))

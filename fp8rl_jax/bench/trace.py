@@ -3,7 +3,7 @@
 ``summarize_trace(dir)`` reads the newest ``*.trace.json.gz`` under ``dir``. Besides the kernel time summed by
 name, it reports the span from the first kernel's start to the last kernel's end and the time inside it when no
 kernel ran (``idle_ms``): a program whose kernels are short next to their launch cost shows up as idle time, which
-no faster kernel removes.
+no faster kernel removes. ``idle_between`` says between which kernels that time passes.
 """
 
 from __future__ import annotations
@@ -43,6 +43,22 @@ def busy_ms(intervals: list[tuple[float, float]]) -> float:
     return total / 1e3
 
 
+def gaps(kernels: list[tuple[float, float, str]], top: int = 10) -> list[dict]:
+    """The idle time between kernels (``(start, end, name)``, microseconds), summed by the pair of kernels around
+    each gap (the last to end before it, the first to start after it), largest first: ``top`` rows of ``after``,
+    ``before``, ``ms`` and ``gaps``."""
+    by_pair, count = collections.Counter(), collections.Counter()
+    end, last = float("-inf"), None
+    for s, e, name in sorted(kernels):
+        if last is not None and s > end:
+            by_pair[(last, name)] += (s - end) / 1e3
+            count[(last, name)] += 1
+        if e >= end:
+            end, last = e, name
+    return [{"after": a[:100], "before": b[:100], "ms": round(ms, 3), "gaps": count[(a, b)]}
+            for (a, b), ms in by_pair.most_common(top)]
+
+
 def summarize_trace(trace_dir: str, top: int = 25) -> dict:
     """GPU kernel time by name from the newest ``*.trace.json.gz`` under ``trace_dir`` (see the module docstring)."""
     files = sorted(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True))
@@ -52,12 +68,13 @@ def summarize_trace(trace_dir: str, top: int = 25) -> dict:
     names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
     gpu = {pid for pid, n in names.items() if "/device:GPU" in n}
     by_name, count = collections.Counter(), collections.Counter()
-    intervals = []
+    kernels = []
     for e in events:
         if e.get("ph") == "X" and e.get("pid") in gpu:
             by_name[e["name"]] += e["dur"] / 1e3
             count[e["name"]] += 1
-            intervals.append((float(e["ts"]), float(e["ts"]) + float(e["dur"])))
+            kernels.append((float(e["ts"]), float(e["ts"]) + float(e["dur"]), e["name"]))
+    intervals = [(s, e) for s, e, _ in kernels]
     total = sum(by_name.values())
     if not total:
         return {"error": "no GPU kernels in the trace", "processes": sorted(names.values())}
@@ -72,6 +89,7 @@ def summarize_trace(trace_dir: str, top: int = 25) -> dict:
         "families": {f: {"ms": round(ms, 3), "share": round(ms / total, 3)} for f, ms in families.most_common()},
         "top": [{"name": n[:160], "ms": round(ms, 3), "calls": count[n], "share": round(ms / total, 3),
                  "family": family(n)} for n, ms in by_name.most_common(top)],
+        "idle_between": gaps(kernels),
     }
 
 
