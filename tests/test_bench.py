@@ -37,6 +37,7 @@ def test_rollout_variants_are_values():
     precision, nothing set in any module; the forms removed after their A/B are unknown names."""
     from fp8rl_jax.bench.rollout import parse_decode_tuning, variant_values
     from fp8rl_jax.fp8.policy import Precision
+    from fp8rl_jax.fp8.recipe import Fp8Recipe
     from fp8rl_jax.kernels.decode_attention import DecodeTuning
 
     assert parse_decode_tuning("default") == DecodeTuning()
@@ -46,13 +47,16 @@ def test_rollout_variants_are_values():
         with pytest.raises(ValueError, match=match):
             parse_decode_tuning(bad)
     precision = Precision(backend="xla", kv_cache_dtype="float8_e4m3fn")
-    assert variant_values(precision, "default", "default") == (precision, DecodeTuning())
+    assert variant_values(precision, "default", "default") == (precision, DecodeTuning(), {})
     got = variant_values(precision, "128:2048:2", "one_head_per_program+residual_add_kernels")
     assert got == (precision.replace(residual_in_gemm=False),
-                   DecodeTuning(max_block_k=128, target_programs=2048, num_stages=2, heads_per_program=1))
+                   DecodeTuning(max_block_k=128, target_programs=2048, num_stages=2, heads_per_program=1), {})
+    block = precision.replace(recipe=Fp8Recipe(scaling="block", fp8_format="e4m3"))
+    got = variant_values(block, "default", "cublaslt_gemms+unrolled_steps")
+    assert got[0].recipe.block_gemm == "cublaslt" and got[2] == {"step_loop": "unrolled"}
     for removed in ("rotate_in_xla", "scatter_kv", "one_level_draw", "two_pass_block_stats", "select_exp_loop"):
         with pytest.raises(ValueError, match=f"unknown form '{removed}'; known: default, residual_add_kernels, "
-                                             "one_head_per_program"):
+                                             "cublaslt_gemms, mosaic_gemms, one_head_per_program, unrolled_steps"):
             variant_values(precision, "default", removed)
 
 

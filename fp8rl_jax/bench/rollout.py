@@ -96,10 +96,10 @@ def bench_rollout(model_name: str, batches: list[int], new_tokens: list[int], mo
         kv_scales = kvq.init_kv_scales(cfg.num_layers) if precision.kv_fp8 else None
         for new, batch, option, layer_loop, tuning, variant in itertools.product(
                 new_tokens, batches, options, layer_loops, decode_tunings, variants):
-            run_precision, decode_tuning = variant_values(precision, tuning, variant)
+            run_precision, decode_tuning, engine_fields = variant_values(precision, tuning, variant)
             engine_config = EngineConfig(max_concurrent_decodes=batch, max_prefill_length=prompt_len,
                                          max_new_tokens=new, sampling=SamplingParams(), compiler_options=option,
-                                         layer_loop=layer_loop, decode_tuning=decode_tuning)
+                                         layer_loop=layer_loop, decode_tuning=decode_tuning, **engine_fields)
             engine = Engine(cfg, run_precision, engine_config)
             p = engine.load_params(params, fp8_state, kv_scales)
             state = engine.init_decode_state()
@@ -160,7 +160,9 @@ def bench_rollout(model_name: str, batches: list[int], new_tokens: list[int], mo
 
 # ``--variants``' forms, each a value: the engine's precision with these fields replaced, or its decode tuning
 PRECISION_FORMS = {"residual_add_kernels": {"residual_in_gemm": False}}
+RECIPE_FORMS = {"cublaslt_gemms": {"block_gemm": "cublaslt"}, "mosaic_gemms": {"block_gemm": "mosaic"}}
 TUNING_FORMS = {"one_head_per_program": {"heads_per_program": 1}}
+ENGINE_FORMS = {"unrolled_steps": {"step_loop": "unrolled"}}
 
 
 def parse_decode_tuning(text: str):
@@ -197,18 +199,23 @@ def mode_precision(mode: str):
 
 
 def variant_values(precision, tuning: str, variant: str):
-    """The (precision, ``DecodeTuning``) a row runs under: ``--decode_tuning``'s ``tuning`` with the '+'-joined forms
-    of ``variant`` (``PRECISION_FORMS``, ``TUNING_FORMS``) applied."""
-    decode_tuning = parse_decode_tuning(tuning)
+    """The (precision, ``DecodeTuning``, ``EngineConfig`` fields) a row runs under: ``--decode_tuning``'s ``tuning``
+    with the '+'-joined forms of ``variant`` (``PRECISION_FORMS``, ``RECIPE_FORMS`` (block scaling's GEMMs),
+    ``TUNING_FORMS``, ``ENGINE_FORMS``) applied."""
+    decode_tuning, engine = parse_decode_tuning(tuning), {}
     for form in variant.split("+") if variant != "default" else ():
         if form in PRECISION_FORMS:
             precision = precision.replace(**PRECISION_FORMS[form])
+        elif form in RECIPE_FORMS:
+            precision = precision.replace(recipe=dataclasses.replace(precision.recipe, **RECIPE_FORMS[form]))
         elif form in TUNING_FORMS:
             decode_tuning = dataclasses.replace(decode_tuning, **TUNING_FORMS[form])
+        elif form in ENGINE_FORMS:
+            engine.update(ENGINE_FORMS[form])
         else:
             raise ValueError(f"--variants: unknown form {form!r}; known: default, "
-                             f"{', '.join([*PRECISION_FORMS, *TUNING_FORMS])}")
-    return precision, decode_tuning
+                             f"{', '.join([*PRECISION_FORMS, *RECIPE_FORMS, *TUNING_FORMS, *ENGINE_FORMS])}")
+    return precision, decode_tuning, engine
 
 
 def _temp_bytes(jitted, *args) -> int | None:

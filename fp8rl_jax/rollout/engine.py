@@ -67,6 +67,7 @@ PREFILL_BUCKETS = tuple(2**i for i in range(4, 16))  # 16 .. 32768, JetStream's 
 DECODE_GPU_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
 COMPILER_OPTIONS = ("auto", "none")
 LAYER_LOOPS = ("auto", "scan", "unrolled")
+STEP_LOOPS = ("scan", "unrolled")
 
 
 def decode_compiler_options(choice: str = "auto", backend: str | None = None) -> dict:
@@ -161,6 +162,9 @@ class EngineConfig:
     # the decode step's layers: "unrolled" reads per-layer weights and cache in place (one straight-line program),
     # "scan" loops over stacked ones; "auto" = unrolled
     layer_loop: str = "auto"
+    # generate_steps' steps: "scan" one compiled loop over them, "unrolled" one straight-line program of them all (no
+    # loop between steps; compiles each step's code once per step)
+    step_loop: str = "scan"
     # rollout.tensor_parallel: on a mesh, the devices of one replica group, over which the rollout weights are split
     # (heads, MLP columns, vocabulary); the rest of the mesh splits the decode batch (parallel.mesh.rollout_mesh)
     tensor_parallel: int = 1
@@ -175,6 +179,8 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.compiler_options={self.compiler_options!r}; allowed: {COMPILER_OPTIONS}")
         if self.layer_loop not in LAYER_LOOPS:
             raise ValueError(f"EngineConfig.layer_loop={self.layer_loop!r}; allowed: {LAYER_LOOPS}")
+        if self.step_loop not in STEP_LOOPS:
+            raise ValueError(f"EngineConfig.step_loop={self.step_loop!r}; allowed: {STEP_LOOPS}")
         if isinstance(self.tensor_parallel, bool) or not isinstance(self.tensor_parallel, int) \
                 or self.tensor_parallel < 1:
             raise ValueError(f"rollout.tensor_parallel={self.tensor_parallel!r} must be a positive int")
@@ -480,5 +486,5 @@ class Engine:
 
     def _generate_steps_impl(self, params, state, num_steps):
         state, (tokens, logprobs, valid) = jax.lax.scan(lambda s, _: self._step(params, s), state, None,
-                                                        length=num_steps)
+                                                        length=num_steps, unroll=self.config.step_loop == "unrolled")
         return state, tokens, logprobs, valid
