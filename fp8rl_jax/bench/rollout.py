@@ -236,7 +236,8 @@ def _profile_chunk(engine, params, state, chunk: int) -> dict:
         return summary
     per_step = {f"{k}_per_step": round(summary[k] / chunk, 4)
                 for k in ("total_kernel_ms", "span_ms", "busy_ms", "idle_ms", "kernels")}
-    return {**per_step, "families": summary["families"], "top": summary["top"]}
+    return {**per_step, "families": summary["families"], "idle_between": summary["idle_between"][:4],
+            "top": summary["top"]}
 
 
 def _weight_bytes(cfg, precision) -> float:
