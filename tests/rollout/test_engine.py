@@ -147,6 +147,24 @@ def test_prefill_buckets():
         prefill_bucket(49, 48)
 
 
+def test_unrolled_steps_decode_as_the_loop_does(params):
+    """``EngineConfig.step_loop='unrolled'``: generate_steps' steps as one straight-line program give the loop's
+    tokens, logprobs and state, bit for bit; other names are refused."""
+    precision = Precision(backend="xla", kv_cache_dtype="float8_e4m3fn")
+    out = []
+    for step_loop in ("scan", "unrolled"):
+        engine = Engine(CONFIG, precision, EngineConfig(max_concurrent_decodes=2, max_prefill_length=16,
+                                                        max_new_tokens=6, step_loop=step_loop))
+        p = engine.load_params(params, llama.init_fp8_state(CONFIG, precision), kvq.init_kv_scales(CONFIG.num_layers))
+        prefix = engine.prefill(p, np.asarray(PROMPTS[3] + [0] * 4, np.int32), len(PROMPTS[3]), jax.random.PRNGKey(1))
+        state = engine.insert(prefix, engine.init_decode_state(), 1, jax.random.PRNGKey(2))
+        out.append(jax.tree.leaves(engine.generate_steps(p, state, 3)))
+    for a, b in zip(*out, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(ValueError, match="step_loop='while'"):
+        EngineConfig(step_loop="while")
+
+
 @pytest.mark.parametrize("layer_loop", ["unrolled", "scan"])
 def test_insert_samples_equals_inserts_one_by_one(params, layer_loop):
     """Several samples of a prompt inserted in one call: the same decode state, bit for bit, as one insert per slot
