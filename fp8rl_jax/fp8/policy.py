@@ -43,7 +43,7 @@ class Precision:
       Scoring and training keep TE's GEMM and the add: there it gained nothing in the train phase and, with scoring
       on XLA's GEMM too, moved the rollout/scoring agreement and broke the exact sampler's bit-for-bit contract
       (benchmarks/RESULTS.md, "Rollout throughput").
-    fused_mlp: training's and scoring's MLP as one custom VJP where it applies (``model.llama._fused_mlp``: the te
+    fused_mlp: training's and scoring's MLP as one custom VJP where it applies (``model.mlp.fused_mlp``: the te
       backend's ``te.fp8_swiglu_mlp``, block scaling's ``block_mlp.block_swiglu_mlp``): the same forward as the two
       linears', a backward whose SwiGLU gradient and FP8 operands come from one kernel. Off: the two ``linear``
       calls and autodiff between them.

@@ -31,11 +31,10 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
-from fp8rl_jax.fp8 import block_mlp, te, train_kernel
 from fp8rl_jax.fp8 import kv as kvq
+from fp8rl_jax.fp8 import te, train_kernel
 from fp8rl_jax.fp8.linear import linear
 from fp8rl_jax.fp8.policy import Precision
 from fp8rl_jax.fp8.recipe import init_linear_state
@@ -43,6 +42,7 @@ from fp8rl_jax.fp8.train_kernel import TrainKernel
 from fp8rl_jax.fp8.xla import QuantizedKernel
 from fp8rl_jax.kernels import decode_attention as decode_kernel
 from fp8rl_jax.kernels.decode_attention import DEFAULT_TUNING, DecodeTuning
+from fp8rl_jax.model import mlp
 from fp8rl_jax.model.attention import attention, flash_attention, resolve_attention
 from fp8rl_jax.model.config import LlamaConfig
 from fp8rl_jax.model.kv_cache import Cache, _as_bits, _cache_write, _kv_stored
@@ -158,27 +158,13 @@ def split_layers(blocks) -> tuple:
     return tuple(jax.tree.map(lambda a, i=i: a[i], blocks) for i in range(n))
 
 
-def _split_fused(y: jax.Array, sizes: tuple[int, ...], shards: int) -> list[jax.Array]:
-    """A fused GEMM output [..., sum(sizes)] split into its parts. ``shards`` > 1: its columns come interleaved per
-    tensor shard (``rollout.weights.interleave_fused``: block s = [part 0's s-th slice | part 1's | ...]), so that
-    with the columns split contiguously over ``shards`` devices every part is split alike and the split is local."""
-    if shards == 1:
-        return jnp.split(y, np.cumsum(sizes)[:-1].tolist(), axis=-1)
-    lead = y.shape[:-1]
-    # [..., S * W] -> [..., S, W]: one block per shard
-    blocks = y.reshape(*lead, shards, -1)
-    parts = jnp.split(blocks, np.cumsum([s // shards for s in sizes])[:-1].tolist(), axis=-1)
-    # [..., S, size / S] -> [..., size]
-    return [p.reshape(*lead, -1) for p in parts]
-
-
 def _block(x, layer, fp8, idx, positions, cache, kv_scales, config: LlamaConfig, precision: Precision, inv_freq,
            decode_impl: str = "xla", cache_dtype=None, attention_impl: str = "xla", fused_shards: int = 1,
            segment_ids=None, decode_tuning: DecodeTuning = DEFAULT_TUNING):
     """One transformer block. Returns the new residual stream, the updated cache and this layer's K/V amax.
 
     ``cache`` holds a ``cache_dtype`` cache, on CPU as its bits (see ``forward_hidden``). ``fused_shards``: see
-    ``_split_fused``. ``segment_ids`` (packed rows, no cache) confine attention to each segment. ``decode_tuning``:
+    ``mlp.split_fused``. ``segment_ids`` (packed rows, no cache) confine attention to each segment. ``decode_tuning``:
     the decode kernel's launch."""
     c = config
     b, t, _ = x.shape
@@ -190,7 +176,7 @@ def _block(x, layer, fp8, idx, positions, cache, kv_scales, config: LlamaConfig,
     qkv = linear(h, layer["wqkv"], fp8.get("wqkv"), precision)
     if "bqkv" in layer:
         qkv = qkv + layer["bqkv"].astype(qkv.dtype)
-    q, k, v = _split_fused(qkv, (c.q_size, c.kv_size, c.kv_size), fused_shards)
+    q, k, v = mlp.split_fused(qkv, (c.q_size, c.kv_size, c.kv_size), fused_shards)
     # [B, T, N H] -> [B, T, N, H];  [B, T, K H] -> [B, T, K, H]
     q = apply_rope(q.reshape(b, t, c.num_heads, c.head_dim), positions, inv_freq)
     k = apply_rope(k.reshape(b, t, c.num_kv_heads, c.head_dim), positions, inv_freq)
@@ -232,23 +218,7 @@ def _block(x, layer, fp8, idx, positions, cache, kv_scales, config: LlamaConfig,
     x = linear(attn.reshape(b, t, c.q_size), layer["wo"], fp8.get("wo"), precision, residual=x)
 
     h = rms_norm(x, layer["mlp_norm"], eps, precision.dtype)
-    fused = _fused_mlp(layer, fp8, precision, fused_shards)
-    if fused:  # the MLP in one custom VJP, whose forward is the two linears'
-        mlp = te.fp8_swiglu_mlp if fused == "te" else block_mlp.block_swiglu_mlp  # [B, T, D] -> [B T, D] -> [B, T, D]
-        y = mlp(h.reshape(-1, c.hidden_size).astype(precision.dtype), layer["w_gate_up"], layer["w_down"],
-                fp8["w_gate_up"], fp8["w_down"], precision.recipe, x.dtype)
-        return x + y.reshape(x.shape), cache, kv_amax
-    # [B, T, D] -> [B, T, 2F]
-    gate_up = linear(h, layer["w_gate_up"], fp8.get("w_gate_up"), precision)
-    if _swiglu_tiles(layer, fp8, precision, fused_shards):  # [B T, 2F] -> [B T, D]: h's tiles from one kernel
-        y = block_mlp.swiglu_down(gate_up.reshape(-1, gate_up.shape[-1]), layer["w_down"], fp8["w_down"]["x"]["scale"],
-                                  precision.recipe, out_dtype=x.dtype)
-        return x + y.reshape(x.shape), cache, kv_amax
-    gate, up = _split_fused(gate_up, (c.intermediate_size,) * 2, fused_shards)
-    # block scaling's h is the fused MLP's (block_mlp.swiglu_h), which a rollout and a trainer must share bit for bit
-    h = block_mlp.swiglu_h(gate, up, precision.dtype) if _block_scaled(precision) else jax.nn.silu(gate) * up
-    x = linear(h, layer["w_down"], fp8.get("w_down"), precision, residual=x)
-    return x, cache, kv_amax
+    return mlp.swiglu_mlp(x, h, layer, fp8, c, precision, fused_shards), cache, kv_amax
 
 
 def _decode_attention(qkv, q, k, v, layer, fp8, idx, positions, cache, kv_scales, k_scale, v_scale,
@@ -309,32 +279,6 @@ def _decode_output(wo, wo_state, precision: Precision) -> dict:
     return {"out_scale": wo_state["x"]["scale"], "out_dtype": precision.recipe.fwd_dtype}
 
 
-def _fused_mlp(layer, fp8, precision: Precision, fused_shards: int) -> str | None:
-    """The MLP in one custom VJP whose backward makes the SwiGLU's gradient and its FP8 operands in one kernel:
-    ``te`` (``te.fp8_swiglu_mlp``: both kernels made once for the update, ``TrainKernel``), ``block``
-    (``block_mlp.block_swiglu_mlp``: block scaling on the xla backend, whole kernels); None (two ``linear`` calls)
-    for the rollout's pre-quantized kernels, BF16, FSDP and tensor-parallel shards of the fused gate/up."""
-    names = ("w_gate_up", "w_down")
-    if not (precision.fp8 and precision.fused_mlp and fused_shards == 1 and all(fp8.get(n) is not None for n in names)):
-        return None
-    if precision.backend == "te" and all(isinstance(layer.get(n), TrainKernel) for n in names):
-        return "te"
-    whole = all(isinstance(layer.get(n), (jax.Array, TrainKernel)) for n in names)
-    return "block" if precision.backend == "xla" and block_mlp.fused(precision.recipe) and whole else None
-
-
-def _block_scaled(precision: Precision) -> bool:
-    """FP8 with block scaling (the xla backend's ``Fp8Recipe.scaling='block'``)."""
-    return precision.fp8 and precision.recipe.scaling == "block"
-
-
-def _swiglu_tiles(layer, fp8, precision: Precision, fused_shards: int) -> bool:
-    """Whether the two linears' MLP (the rollout's pre-quantized kernels) takes ``block_mlp.swiglu_down``: block
-    scaling with its forward in FP8 and w_down's state, gate/up whole on this device (not interleaved per shard)."""
-    return (_block_scaled(precision) and "fprop" in precision.recipe.fp8_gemms and fused_shards == 1
-            and fp8.get("w_down") is not None and isinstance(layer["w_down"], QuantizedKernel))
-
-
 def _remat(body, remat: str):
     """The scanned block body under ``jax.checkpoint`` with the named policy (``REMAT_POLICIES``)."""
     if remat not in REMAT_POLICIES:
@@ -391,7 +335,7 @@ def forward_hidden(
     ``remat`` (one of ``REMAT_POLICIES``) rematerializes each scanned block in the backward pass. Under a mesh
     (``fp8rl_jax.parallel``) the residual stream is constrained at block boundaries to batch over data+fsdp.
     ``fused_shards`` > 1: the fused q|k|v and gate|up columns of ``params`` come interleaved per tensor shard (the
-    rollout's layout, ``rollout.weights.interleave_fused``), split by ``_split_fused``.
+    rollout's layout, ``rollout.weights.interleave_fused``), split by ``mlp.split_fused``.
     ``update_kernels`` (``update_kernels()``): the FP8 blocks' kernels quantized once for an optimizer update; the
     linears use them, and their gradients still go to ``params``.
     """

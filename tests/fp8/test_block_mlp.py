@@ -14,7 +14,7 @@ from fp8rl_jax.fp8.recipe import Fp8Recipe, init_linear_state
 from fp8rl_jax.fp8.train_kernel import TrainKernel
 from fp8rl_jax.fp8.xla import QuantizedKernel
 from fp8rl_jax.kernels import block_quantize
-from fp8rl_jax.model import llama
+from fp8rl_jax.model import mlp
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 BLOCK = Fp8Recipe(scaling="block", fp8_format="e4m3")
@@ -183,16 +183,16 @@ def test_the_model_takes_it_where_it_applies():
     w = jnp.zeros((4, 4))
     layer = {"w_gate_up": w, "w_down": w}
     states = {"w_gate_up": init_linear_state(BLOCK), "w_down": init_linear_state(BLOCK)}
-    assert llama._fused_mlp(layer, states, block, 1) == "block"
+    assert mlp.fused_mlp(layer, states, block, 1) == "block"
     train = {n: TrainKernel(master=w, kn=w, nk=w, amax=jnp.zeros(())) for n in layer}
-    assert llama._fused_mlp(train, states, block, 1) == "block"
+    assert mlp.fused_mlp(train, states, block, 1) == "block"
     rollout = {n: QuantizedKernel(w, jnp.ones((1, 1))) for n in layer}
-    assert llama._fused_mlp(rollout, states, block, 1) is None
-    assert llama._fused_mlp(layer, states, block, 2) is None
-    assert llama._fused_mlp(layer, states, Precision(backend="xla"), 1) is None
+    assert mlp.fused_mlp(rollout, states, block, 1) is None
+    assert mlp.fused_mlp(layer, states, block, 2) is None
+    assert mlp.fused_mlp(layer, states, Precision(backend="xla"), 1) is None
     fprop = Precision(backend="xla", recipe=Fp8Recipe(scaling="block", fp8_gemms=("fprop",)))
-    assert llama._fused_mlp(layer, states, fprop, 1) is None
-    assert llama._fused_mlp(layer, {"w_gate_up": states["w_gate_up"]}, block, 1) is None
+    assert mlp.fused_mlp(layer, states, fprop, 1) is None
+    assert mlp.fused_mlp(layer, {"w_gate_up": states["w_gate_up"]}, block, 1) is None
 
 
 def test_block_mlp_backward_runs_one_swiglu_kernel(monkeypatch, triton_ir):
@@ -226,20 +226,20 @@ def test_the_rollout_mlp_takes_the_swiglu_tiles_where_it_applies():
     w = jnp.zeros((4, 4))
     states = {"w_gate_up": init_linear_state(BLOCK), "w_down": init_linear_state(BLOCK)}
     rollout = {n: QuantizedKernel(w, jnp.ones((1, 1))) for n in states}
-    assert llama._swiglu_tiles(rollout, states, block, 1)
-    assert not llama._swiglu_tiles({n: w for n in states}, states, block, 1)
-    assert not llama._swiglu_tiles(rollout, states, block, 2)
-    assert not llama._swiglu_tiles(rollout, {"w_gate_up": states["w_gate_up"]}, block, 1)
-    assert not llama._swiglu_tiles(rollout, states, Precision(backend="xla"), 1)
+    assert mlp.swiglu_tiles_applies(rollout, states, block, 1)
+    assert not mlp.swiglu_tiles_applies({n: w for n in states}, states, block, 1)
+    assert not mlp.swiglu_tiles_applies(rollout, states, block, 2)
+    assert not mlp.swiglu_tiles_applies(rollout, {"w_gate_up": states["w_gate_up"]}, block, 1)
+    assert not mlp.swiglu_tiles_applies(rollout, states, Precision(backend="xla"), 1)
     wgrad = Precision(backend="xla", recipe=Fp8Recipe(scaling="block", fp8_gemms=("wgrad",)))
-    assert not llama._swiglu_tiles(rollout, states, wgrad, 1)
+    assert not mlp.swiglu_tiles_applies(rollout, states, wgrad, 1)
 
 
 def test_fused_mlp_off_takes_the_two_linears():
     block = Precision(backend="xla", recipe=BLOCK, fused_mlp=False)
     w = jnp.zeros((4, 4))
     states = {"w_gate_up": init_linear_state(BLOCK), "w_down": init_linear_state(BLOCK)}
-    assert llama._fused_mlp({"w_gate_up": w, "w_down": w}, states, block, 1) is None
+    assert mlp.fused_mlp({"w_gate_up": w, "w_down": w}, states, block, 1) is None
 
 
 @pytest.mark.gpu

@@ -167,8 +167,10 @@ def test_kernels_quantized_once_per_update_give_the_same_step(fake_te, monkeypat
     """``llama.update_kernels``: the FP8 operands made once for an update give the same loss, gradients (into the
     masters) and FP8 observations as quantizing the kernels in every forward, and the forward really reads them.
     (With the MLP's two linears as such: its fused form, which the hoisted kernels enable, has a test of its own.)"""
+    from fp8rl_jax.model import mlp
+
     llama, config, params, tokens, precision, state = tiny_model()
-    monkeypatch.setattr(llama, "_fused_mlp", lambda *args: False)
+    monkeypatch.setattr(mlp, "fused_mlp", lambda *args: False)
     hoisted = llama.update_kernels(params, state, config, precision)
     assert set(hoisted) == {"wqkv", "wo", "w_gate_up", "w_down"}
     assert hoisted["w_down"]["nk"].shape == (3, 64, 128) and hoisted["w_down"]["nk"].dtype == jnp.float8_e4m3fn

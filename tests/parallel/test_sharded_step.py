@@ -24,7 +24,7 @@ import pytest
 from fp8rl_jax.fp8 import kv as kvq
 from fp8rl_jax.fp8.policy import Precision
 from fp8rl_jax.fp8.recipe import Fp8Recipe
-from fp8rl_jax.model import llama
+from fp8rl_jax.model import llama, mlp
 from fp8rl_jax.model.config import preset
 from fp8rl_jax.parallel import rules
 from fp8rl_jax.parallel.mesh import make_mesh
@@ -206,8 +206,8 @@ def test_block_fused_mlp_under_a_data_mesh_equals_the_two_linears(monkeypatch):
     gradients as the two linears' autodiff, to f32 rounding. (Against one device, block's weight gradients differ
     more: their 128-token tiles hold other tokens when the batch is split.)"""
     taken = []
-    fused_mlp = llama._fused_mlp
-    monkeypatch.setattr(llama, "_fused_mlp", lambda *a: taken.append(fused_mlp(*a)) or taken[-1])
+    fused_mlp = mlp.fused_mlp
+    monkeypatch.setattr(mlp, "fused_mlp", lambda *a: taken.append(fused_mlp(*a)) or taken[-1])
     mesh = make_mesh(ml_collections.ConfigDict({"data": 8, "fsdp": 1, "tensor": 1}))
     out = {}
     for fused in (True, False):
