@@ -20,7 +20,6 @@ kernel must move (its input read once, each form's FP8 values and f32 scales wri
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -30,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from fp8rl_jax.bench import device_name, emit, error_text, timeit, trace, tree_commit  # noqa: E402
+from fp8rl_jax.bench import emit, error_text, timeit, trace, write_script_result  # noqa: E402
 from fp8rl_jax.kernels.block_quantize import TILE, quantize_tiles  # noqa: E402
 
 TOKENS = 40960
@@ -111,17 +110,7 @@ def main(argv: list[str] | None = None) -> None:
                 for warps in map(int, args.num_warps.split(",")):
                     emit(rows, bench(name, tokens, cols, dtype, form, warps, 1 if args.check else args.timed,
                                      args.check, args.trace, block_rows))
-    result = {"device": device_name(), "backend": jax.default_backend(), "jax": jax.__version__,
-              "commit": args.commit or tree_commit(),
-              "command": " ".join(["python", "benchmarks/block_quantize_speed.py", *argv]),
-              "seconds": round(time.time() - t0, 1), "rows": rows}
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"wrote {args.out}: {len(rows)} rows", flush=True)
-    if any("error" in r for r in rows):
-        sys.exit(f"{sum('error' in r for r in rows)} rows failed")
-
+    write_script_result(args.out, "block_quantize_speed", argv, t0, rows, args.commit)
 
 if __name__ == "__main__":
     main()

@@ -16,7 +16,6 @@ trainer may each take one of them.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -27,7 +26,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from fp8rl_jax.bench import device_name, emit, error_text, timeit, trace, tree_commit  # noqa: E402
+from fp8rl_jax.bench import emit, error_text, timeit, trace, write_script_result  # noqa: E402
 from fp8rl_jax.fp8 import block_mlp  # noqa: E402
 from fp8rl_jax.kernels.block_quantize import TILE, quantize_tiles  # noqa: E402
 from fp8rl_jax.kernels.swiglu_grad import swiglu_tiles  # noqa: E402
@@ -154,17 +153,7 @@ def main(argv: list[str] | None = None) -> None:
                 for warps in ([0] if path == "xla" else map(int, args.num_warps.split(","))):
                     emit(rows, bench(path, m, f, block_rows, warps, 1 if args.check else args.timed, args.check,
                                      args.trace and not args.check))
-    result = {"device": device_name(), "backend": jax.default_backend(), "jax": jax.__version__,
-              "commit": args.commit or tree_commit(),
-              "command": " ".join(["python", "benchmarks/swiglu_tiles_speed.py", *argv]),
-              "seconds": round(time.time() - t0, 1), "bits": bits, "rows": rows}
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as fh:
-        json.dump(result, fh, indent=1)
-    print(f"wrote {args.out}: {len(rows)} rows", flush=True)
-    if any("error" in r for r in rows):
-        sys.exit(f"{sum('error' in r for r in rows)} rows failed")
-
+    write_script_result(args.out, "swiglu_tiles_speed", argv, t0, rows, args.commit, bits=bits)
 
 if __name__ == "__main__":
     main()

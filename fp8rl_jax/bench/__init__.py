@@ -72,6 +72,26 @@ def timeit(fn, *args, repeats: int = 10) -> float:
     return statistics.median(times)
 
 
+def write_script_result(out: str, script: str, argv: list[str], started: float, rows: list[dict], commit: str = "",
+                        **extra) -> None:
+    """A ``benchmarks/`` script's result file: the device, backend, JAX version, commit (``commit`` or
+    ``tree_commit``), its command line, the seconds since ``started``, ``extra`` fields and ``rows``; then exits
+    non-zero if a row holds an error."""
+    import sys
+
+    import jax
+
+    result = {"device": device_name(), "backend": jax.default_backend(), "jax": jax.__version__,
+              "commit": commit or tree_commit(), "command": " ".join(["python", f"benchmarks/{script}.py", *argv]),
+              "seconds": round(time.time() - started, 1), **extra, "rows": rows}
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {out}: {len(rows)} rows", flush=True)
+    if any("error" in r for r in rows):
+        sys.exit(f"{sum('error' in r for r in rows)} rows failed")
+
+
 def device_name() -> str:
     import jax
 

@@ -3,6 +3,8 @@
 the XLA form against a numpy reference of the tiles, the forward against the two linears' bit for bit, the gradient
 against theirs and against exact f32 sums, and the model taking it where it applies."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -121,6 +123,18 @@ def test_swiglu_tiles_shapes_are_checked_and_it_lowers_for_cuda(triton_ir):
     (ir,) = triton_ir(lambda a: block_mlp.swiglu_tiles_any(a, jnp.bfloat16, E4M3, "pallas"),
                       jax.ShapeDtypeStruct((1024, 2 * 512), jnp.bfloat16))
     assert "swiglu_tiles" in ir and ir.count("arith.divf") == 2 + 1  # the tiles' scales and the sigmoid's
+
+
+def test_swiglu_tiles_benchmark_runs_its_paths(tmp_path, benchmark_script):
+    """benchmarks/swiglu_tiles_speed.py end to end on its tiny shape (kernels interpreted): a row per path and
+    launch, with the bytes the kernel must move."""
+    out = tmp_path / "swiglu_tiles.json"
+    benchmark_script("swiglu_tiles_speed").main(["--check", "--out", str(out), "--block-rows", "32,128",
+                                                 "--num-warps", "4"])
+    result = json.loads(out.read_text())
+    assert [(r["path"], r["block_rows"]) for r in result["rows"]] == [
+        ("kernel", 32), ("kernel", 128), ("two_kernels", 32), ("two_kernels", 128), ("xla", None)]
+    assert all(r["bytes"] == 256 * 512 * 2 + 256 * 256 + 256 * 2 * 4 and r["ms"] > 0 for r in result["rows"])
 
 
 def _mlp_operands(seed=0):
