@@ -237,7 +237,7 @@ def swiglu_tiles(gate_up: jax.Array, dtype, h_dtype, *, interpret: bool = False,
     [F / 128, M])``, laid as ``quantize_tiles``' rows form: h itself is never written. ``block_rows``: the rows a
     program holds (a power of 2 up to 128 dividing M); ``num_warps`` None: ``SWIGLU_TILES_WARPS``' first up to a
     decode step's ``SMALL_ROWS`` rows, its second above."""
-    m, f2 = gate_up.shape
+    m, f2 = gate_up.shape if gate_up.ndim == 2 else (0, 1)
     f = f2 // 2
     if gate_up.ndim != 2 or f2 % 2 or m % TILE or f % TILE:
         raise ValueError(f"swiglu_tiles takes gate_up [M, 2F] with 128 dividing M and F, not {list(gate_up.shape)}")

@@ -114,8 +114,9 @@ def test_swiglu_tiles_shapes_are_checked_and_it_lowers_for_cuda(triton_ir):
     from fp8rl_jax.kernels.swiglu_grad import swiglu_tiles
 
     gate_up = _swiglu_inputs()[0]
-    with pytest.raises(ValueError, match="128 dividing M and F"):
-        swiglu_tiles(gate_up[:200], E4M3, jnp.bfloat16)
+    for bad in (gate_up[:200], gate_up[None]):
+        with pytest.raises(ValueError, match="128 dividing M and F"):
+            swiglu_tiles(bad, E4M3, jnp.bfloat16)
     with pytest.raises(ValueError, match="block_rows=48"):
         swiglu_tiles(gate_up, E4M3, jnp.bfloat16, block_rows=48)
     with pytest.raises(ValueError, match="impl='cuda'"):
