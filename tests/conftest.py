@@ -44,23 +44,29 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 
 import pytest  # noqa: E402
 
+_TE = False  # whether Transformer Engine imported (te-marked tests skip where it did not)
 if os.environ["JAX_PLATFORMS"] != "cpu" and not os.environ.get("FP8RL_TEST_NO_TE"):
     # Transformer Engine must load before JAX starts its GPU backend (a cuDNN symbol clash otherwise), and
     # collecting the test modules can start it (module-level arrays): so import TE here, before collection
     from fp8rl_jax.fp8 import te  # noqa: E402
 
-    te.preload()
+    _TE = te.preload()
 
 
 def pytest_collection_modifyitems(config, items):
-    """GPU-marked tests run only where a GPU backend exists (the GPU host), never in CPU CI."""
+    """GPU-marked tests run only where a GPU backend exists (the GPU host), never in CPU CI; te-marked ones only
+    where Transformer Engine imports too."""
     import jax
 
     on_gpu = any(d.platform == "gpu" for d in jax.devices()) if os.environ.get("JAX_PLATFORMS") != "cpu" else False
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run with JAX_PLATFORMS=cuda on the GPU host)")
+    no_te = pytest.mark.skip(reason="needs Transformer Engine, which does not import here (pip install "
+                                    "'transformer-engine[jax]' on the GPU host)")
     for item in items:
         if "gpu" in item.keywords and not on_gpu:
             item.add_marker(skip)
+        elif "te" in item.keywords and not _TE:
+            item.add_marker(no_te)
 
 
 @pytest.fixture(scope="session")

@@ -50,7 +50,7 @@ def test_tiny_reward_rises_in_30_steps(tmp_path, mode):
         assert all(abs(r["is_weight_mean"] - 1) < 1e-2 for r in records)
 
 
-@pytest.mark.parametrize("backend", ["xla", pytest.param("te", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("backend", ["xla", pytest.param("te", marks=(pytest.mark.gpu, pytest.mark.te))])
 def test_exact_rollout_learns_with_the_sampler_equal_to_the_trainer(tmp_path, backend):
     """rollout.exact: every token drawn by the trainer's own forward, so the mismatch is 0 at every step on CPU, not
     ~1e-3 (with Transformer Engine's GEMMs, on the GPU: near 0 on this tiny model)."""

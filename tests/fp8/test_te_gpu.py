@@ -14,7 +14,7 @@ from fp8rl_jax.fp8.policy import Precision
 from fp8rl_jax.fp8.recipe import Fp8Recipe, init_linear_state
 from fp8rl_jax.rollout.engine import DECODE_GPU_OPTIONS
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.te]
 RECIPE = Fp8Recipe()
 
 

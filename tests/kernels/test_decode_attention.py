@@ -803,7 +803,7 @@ def test_gpu_decode_step_writes_the_cache_in_place(kv_dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["xla", "te"])
+@pytest.mark.parametrize("backend", ["xla", pytest.param("te", marks=pytest.mark.te)])
 def test_gpu_decode_step_adds_the_residual_in_its_fp8_gemms(backend):
     """The engine's decode loop over FP8 weights (``precision.residual_in_gemm``, the default): wo and w_down are
     cuBLASLt FP8 GEMMs that read the residual stream as their C operand (beta 1), none falls back to a wider GEMM;

@@ -72,8 +72,8 @@ PRECISIONS = {
 }
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.gpu) if n.endswith("_te") else n
-                                  for n in PRECISIONS])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=(pytest.mark.gpu, pytest.mark.te)) if n.endswith("_te")
+                                  else n for n in PRECISIONS])
 def test_exact_rollout_logprobs_equal_scoring_and_the_train_forward_bit_for_bit(params, name):
     precision = PRECISIONS[name]
     state = _state(params, precision)
