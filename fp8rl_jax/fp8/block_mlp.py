@@ -31,8 +31,7 @@ from fp8rl_jax.fp8 import block, xla
 from fp8rl_jax.fp8.recipe import GEMMS, Fp8LinearState, Fp8Recipe, observations
 from fp8rl_jax.fp8.train_kernel import TrainKernel, block_forms
 from fp8rl_jax.kernels import block_quantize
-from fp8rl_jax.kernels.swiglu_grad import swiglu_grad_tiles, swiglu_math, swiglu_tiles
-from fp8rl_jax.kernels.swiglu_grad import swiglu_h as swiglu_f32
+from fp8rl_jax.kernels.swiglu_grad import swiglu_grad_tiles, swiglu_h_f32, swiglu_math, swiglu_tiles
 
 
 def swiglu_grad_tiles_any(gate_up: jax.Array, g_h: jax.Array, h_dtype, g_dtype, impl: str = "auto"):
@@ -55,10 +54,11 @@ def swiglu_grad_tiles_any(gate_up: jax.Array, g_h: jax.Array, h_dtype, g_dtype, 
 
 
 def swiglu_h(gate: jax.Array, up: jax.Array, dtype) -> jax.Array:
-    """h = silu(gate) * up as block scaling's MLPs hand it to the down projection: ``kernels.swiglu_grad.swiglu_h``'s
-    f32 value rounded to ``dtype``, the arithmetic of ``swiglu_tiles_any``'s kernel. The barrier keeps that rounding:
-    without it XLA may fold it into the quantizer's upcast (its excess precision) where the kernel rounds."""
-    return jax.lax.optimization_barrier(swiglu_f32(gate, up).astype(dtype))
+    """h = silu(gate) * up as block scaling's MLPs hand it to the down projection:
+    ``kernels.swiglu_grad.swiglu_h_f32``'s f32 value rounded to ``dtype``, the arithmetic of ``swiglu_tiles_any``'s
+    kernel. The barrier keeps that rounding: without it XLA may fold it into the quantizer's upcast (its excess
+    precision) where the kernel rounds."""
+    return jax.lax.optimization_barrier(swiglu_h_f32(gate, up).astype(dtype))
 
 
 def swiglu_tiles_any(gate_up: jax.Array, h_dtype, dtype, impl: str = "auto") -> tuple[jax.Array, jax.Array]:

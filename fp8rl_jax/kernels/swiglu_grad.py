@@ -73,7 +73,7 @@ def sigmoid(gate: jax.Array) -> jax.Array:
     return 1.0 / (1.0 + jnp.exp(-gate))
 
 
-def swiglu_h(gate: jax.Array, up: jax.Array) -> jax.Array:
+def swiglu_h_f32(gate: jax.Array, up: jax.Array) -> jax.Array:
     """h = silu(gate) * up in f32 (``swiglu_math``'s h)."""
     gate, up = gate.astype(jnp.float32), up.astype(jnp.float32)
     return gate * sigmoid(gate) * up
@@ -232,15 +232,14 @@ def swiglu_grad_tiles(gate_up: jax.Array, g_h: jax.Array, h_dtype, g_dtype, *, i
 def swiglu_tiles(gate_up: jax.Array, dtype, h_dtype, *, interpret: bool = False, num_warps: int | None = None,
                  block_rows: int = SWIGLU_TILES_ROWS):
     """Block scaling's forward operand of the down projection from ``gate_up`` [M, 2F] (gate | up; 128 dividing M and
-    F) in one read: h = silu(gate) * up (``swiglu_h``), rounded to ``h_dtype`` as the two linears hand it over, in
+    F) in one read: h = silu(gate) * up (``swiglu_h_f32``), rounded to ``h_dtype`` as the two linears hand it over, in
     1 x 128 tiles along F, scaled as ``block_quantize.quantize_tiles`` scales them. Returns ``(q [M, F], inv
     [F / 128, M])``, laid as ``quantize_tiles``' rows form: h itself is never written. ``block_rows``: the rows a
     program holds (a power of 2 up to 128 dividing M); ``num_warps`` None: ``SWIGLU_TILES_WARPS``' first up to a
     decode step's ``SMALL_ROWS`` rows, its second above."""
-    m, f2 = gate_up.shape if gate_up.ndim == 2 else (0, 1)
-    f = f2 // 2
-    if gate_up.ndim != 2 or f2 % 2 or m % TILE or f % TILE:
+    if gate_up.ndim != 2 or gate_up.shape[0] % TILE or gate_up.shape[1] % (2 * TILE):
         raise ValueError(f"swiglu_tiles takes gate_up [M, 2F] with 128 dividing M and F, not {list(gate_up.shape)}")
+    m, f = gate_up.shape[0], gate_up.shape[1] // 2
     if num_warps is None:
         num_warps = SWIGLU_TILES_WARPS[m > SMALL_ROWS]
     if block_rows > TILE or block_rows & (block_rows - 1) or m % block_rows:
@@ -250,7 +249,7 @@ def swiglu_tiles(gate_up: jax.Array, dtype, h_dtype, *, interpret: bool = False,
     nf = f // TILE
 
     def kernel(gate_ref, up_ref, q_ref, inv_ref):
-        h = swiglu_h(gate_ref[...], up_ref[...]).astype(h_dtype).astype(jnp.float32)
+        h = swiglu_h_f32(gate_ref[...], up_ref[...]).astype(h_dtype).astype(jnp.float32)
         q_ref[...], inv = row_tiles(h, limit, dtype)
         inv_ref[...] = inv[None, :]
 
