@@ -112,5 +112,6 @@ def main(argv: list[str] | None = None) -> None:
                                      args.check, args.trace, block_rows))
     write_script_result(args.out, "block_quantize_speed", argv, t0, rows, args.commit)
 
+
 if __name__ == "__main__":
     main()

@@ -155,5 +155,6 @@ def main(argv: list[str] | None = None) -> None:
                                      args.trace and not args.check))
     write_script_result(args.out, "swiglu_tiles_speed", argv, t0, rows, args.commit, bits=bits)
 
+
 if __name__ == "__main__":
     main()

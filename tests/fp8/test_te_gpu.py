@@ -14,7 +14,7 @@ from fp8rl_jax.fp8.policy import Precision
 from fp8rl_jax.fp8.recipe import Fp8Recipe, init_linear_state
 from fp8rl_jax.rollout.engine import DECODE_GPU_OPTIONS
 
-pytestmark = [pytest.mark.gpu, pytest.mark.te]
+pytestmark = pytest.mark.gpu
 RECIPE = Fp8Recipe()
 
 
@@ -35,6 +35,7 @@ def _rel(a, b):
     return np.linalg.norm(a - b) / np.linalg.norm(b)
 
 
+@pytest.mark.te
 def test_te_and_xla_agree_forward_backward_and_observations():
     from fp8rl_jax.fp8 import te
 
@@ -51,6 +52,7 @@ def test_te_and_xla_agree_forward_backward_and_observations():
         np.testing.assert_array_equal(obs_t[role]["amax_history"], obs_x[role]["amax_history"])
 
 
+@pytest.mark.te
 @pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
 def test_te_prequantized_equals_te_training_forward(out_dtype):
     from fp8rl_jax.fp8 import te
@@ -64,6 +66,7 @@ def test_te_prequantized_equals_te_training_forward(out_dtype):
 
 
 
+@pytest.mark.te
 def test_te_backend_leaves_only_the_gemms_to_te():
     """Forward, dgrad and wgrad are TE's three GEMM custom calls; the casts and amaxes are XLA's own fusions."""
     import re
@@ -107,6 +110,7 @@ def test_xla_gpu_lowers_fp8_dot_to_an_fp8_gemm():
         assert gemms, "no GEMM with FP8 operands in the compiled HLO:\n" + hlo[:4000]
 
 
+@pytest.mark.te
 @pytest.mark.parametrize("m,k", [(256, 2048), (256, 8192), (1024, 512)])
 def test_residual_add_is_the_fp8_gemms_c_operand(m, k):
     """``xla.prequantized_matmul_into`` (the rollout's wo and w_down with their residual adds) compiles to one
@@ -138,6 +142,7 @@ def test_residual_add_is_the_fp8_gemms_c_operand(m, k):
     assert _rel(got, want) < 2e-3
 
 
+@pytest.mark.te
 def test_model_with_te_matches_xla_backend():
     """One transformer block (the qkv, wo, gate_up and down GEMMs in sequence) with one FP8 state.
 
@@ -158,6 +163,7 @@ def test_model_with_te_matches_xla_backend():
     assert d_te < d_fp8
 
 
+@pytest.mark.te
 def test_te_fused_mlp_follows_the_two_linears():
     """``te.fp8_swiglu_mlp`` (the training step's MLP with kernels made once for the update, its backward's FP8
     operands from one kernel) against the two ``fp8_matmul`` calls, on TE's GEMMs: the forward the same to f32
