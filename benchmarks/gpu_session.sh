@@ -2,7 +2,7 @@
 # One GPU session on the lent H100 (or an H200 host): install Transformer Engine and the project's wheels once, then
 # the stages named on the command line. Results land in $OUT (or ./gpu_out).
 #   usage: bash benchmarks/gpu_session.sh [install] [tests] [demo_scaled] [decode] [llama1b:MODE] [rollout1k] [gemm] [train] [e2e] [e2e_xla] [profile] [cluster_nb] [study] [rollout_xla] [rollout_head] [rollout_flags]
-#          [cublaslt] [async] [rollout8b] [agreement] [exact] [packed_attention] [e2e8b] [profile8b] [head_step] [headgrad] [multiprocess] [transpose] [swiglu] [fp8gemm] [bgemm] [bquant] [blinear]...
+#          [cublaslt] [normtiles] [async] [rollout8b] [agreement] [exact] [packed_attention] [e2e8b] [profile8b] [head_step] [headgrad] [multiprocess] [transpose] [swiglu] [fp8gemm] [bgemm] [bquant] [blinear]...
 # TE arrives in pieces (see ../shared/gpu/README.md): .gpu/te/wheels + .gpu/install_te.sh, the core wheel's five
 # parts already copied to /root/te by earlier calls; the other wheels in .gpu/wheels; a tokenizer in .gpu/smollm2_tok.
 set -uo pipefail
@@ -217,6 +217,21 @@ EOF2
     transpose) # the FP8 wgrad's transposes: XLA's against the Pallas kernel's block shapes (llama1b microbatch shapes)
       timeout 300 python3 benchmarks/transpose_fp8.py --out "$OUT/transpose_fp8_${dev}.json" 2>&1 | grep "^{\|rror" \
         | cut -c1-1500 ;;
+    normtiles) # the rollout's forward tiles from its norm and decode attention kernels (block scaling): their GPU
+      # tests, the norm kernel alone, then bench rollout (a decode wave of 256, profiled) of this tree and, where
+      # .gpu/old holds an older tree (git archive of fp8rl_jax configs benchmarks), of that one, block scaling alone
+      timeout ${NT_TEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -m gpu tests/model/test_norm.py \
+        tests/kernels/test_decode_attention.py tests/kernels/test_block_quantize.py tests/fp8/test_te_gpu.py 2>&1 \
+        | tee "$OUT/normtiles_tests.log" | tail -6
+      timeout 200 python3 benchmarks/norm_tiles_speed.py --trace --commit "${FP8RL_COMMIT:-}" \
+        --out "$OUT/norm_tiles_${dev}.json" 2>&1 | grep "^{\|rror\|wrote" | cut -c1-300
+      roll=(python3 -m fp8rl_jax.bench rollout --batches 256 --new_tokens 512 --prompt_len 64 --chunk 8 --profile)
+      XLA_FLAGS=--xla_gpu_enable_triton_gemm=false timeout 300 "${roll[@]}" --modes ${NT_MODES:-fp8_kv_block,fp8_kv} \
+        --out "$OUT/rollout_normtiles_${dev}.json" 2>&1 | grep "^{\|rror" | cut -c1-300
+      if [ -d .gpu/old/fp8rl_jax ]; then
+        (cd .gpu/old && PYTHONPATH=/tmp/site:$PWD XLA_FLAGS=--xla_gpu_enable_triton_gemm=false timeout 200 "${roll[@]}" \
+          --modes fp8_kv_block --out "$OUT/rollout_normtiles_old_${dev}.json" 2>&1 | grep "^{\|rror" | cut -c1-300)
+      fi ;;
     swiglu) # the MLP's fused SwiGLU backward kernel against the XLA ops it replaces (llama1b microbatch shapes unless
       # SWIGLU_ARGS says otherwise, e.g. "--tokens 20480 --intermediate 14336 --configs 32x64:4"); SWIGLU_NAME
       timeout ${SWIGLU_TIMEOUT:-300} python3 benchmarks/swiglu_grad.py ${SWIGLU_ARGS:-} \

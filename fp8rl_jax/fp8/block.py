@@ -31,6 +31,8 @@ ceil(K/128)].
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -42,6 +44,15 @@ BLOCK = 128
 # ``block_gemm``'s slice products made by one batched dot (f32 bytes at most; 0: one slice a step): a loop of one
 # 128-deep dot a slice is launch-bound on a GPU (a train step's wgrad alone loops over every 128 tokens)
 GROUP_BYTES = 256 * 2**20
+
+
+class Tiles(NamedTuple):
+    """An activation already in its 1 x 128 tiles (``tile_quantize``'s form), as a kernel made it for the next
+    linear's forward GEMM: FP8 values ``q`` [..., K] and inverse scales ``scale_inv`` [..., ceil(K / 128)].
+    ``linear`` takes it with block scaling's pre-quantized kernel (``xla.tiles_matmul``)."""
+
+    q: jax.Array
+    scale_inv: jax.Array
 
 
 def num_blocks(n: int) -> int:

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from fp8rl_jax.fp8 import xla
+from fp8rl_jax.fp8.block import Tiles
 from fp8rl_jax.fp8.policy import Precision
 from fp8rl_jax.fp8.recipe import Fp8LinearState
 from fp8rl_jax.fp8.train_kernel import TrainKernel
@@ -63,10 +64,13 @@ def linear(
     ``kernel_nk``: ``kernel`` is stored [N, K] (a tied embedding table used as the head) and is contracted as it
     is: handed over as a transposed [K, N] view, a BF16 table is converted whole to f32 by XLA:CPU at every call.
     An FP8 ``x`` is the input already quantized with this linear's input scale (the decode attention kernel
-    writes it so): it takes a ``QuantizedKernel`` and goes to the GEMM as it is.
+    writes it so): it takes a ``QuantizedKernel`` and goes to the GEMM as it is. A ``block.Tiles`` ``x`` is the input
+    already in block scaling's 1 x 128 tiles (``model.norm.normed`` makes it so): it takes a ``QuantizedKernel`` too.
     ``residual``: with ``precision.residual_in_gemm`` and a ``QuantizedKernel`` on the GPU (per-tensor scaling) the
     add is the FP8 GEMM's own (``xla.prequantized_matmul_into``), as XLA makes it for a BF16 GEMM; else an XLA add.
     """
+    if isinstance(x, Tiles):
+        return _tiles_linear(x, kernel, fp8_state, precision, out_dtype, residual)
     if residual is not None and not _residual_in_gemm(kernel, fp8_state, precision):
         return residual + linear(x, kernel, fp8_state, precision, residual.dtype, kernel_nk=kernel_nk)
     dtype = precision.dtype
@@ -114,6 +118,20 @@ def linear(
         y = backend.fp8_matmul(x2, kernel, fp8_state, precision.recipe, out_dtype)
     # [M, N] -> [..., N]
     return y.reshape(*x.shape[:-1], n)
+
+
+def _tiles_linear(x: Tiles, kernel, fp8_state, precision: Precision, out_dtype, residual) -> jax.Array:
+    """``linear`` of an input already in its 1 x 128 tiles: block scaling's forward GEMM (``xla.tiles_matmul``)."""
+    if not (isinstance(kernel, QuantizedKernel) and fp8_state is not None and precision.fp8
+            and precision.recipe.scaling == "block"):
+        raise TypeError("an input in 1 x 128 tiles takes block scaling's pre-quantized kernel and its FP8 state")
+    k = x.q.shape[-1]
+    out_dtype = jnp.dtype(residual.dtype if residual is not None else out_dtype or precision.dtype)
+    # [..., K] -> [M, K]; [..., Kb] -> [M, Kb]
+    y = xla.tiles_matmul(x.q.reshape(-1, k), x.scale_inv.reshape(-1, x.scale_inv.shape[-1]), kernel, precision.recipe,
+                         out_dtype=out_dtype)
+    y = y.reshape(*x.q.shape[:-1], y.shape[-1])
+    return y if residual is None else residual + y
 
 
 def _residual_in_gemm(kernel, fp8_state, precision: Precision) -> bool:

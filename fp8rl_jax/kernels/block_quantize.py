@@ -65,9 +65,10 @@ def _check(a):
         raise ValueError(f"block quantize kernels take [P, C] with 128 dividing both, not {list(a.shape)}")
 
 
-def _scales(amax: jax.Array, limit: float) -> tuple[jax.Array, jax.Array]:
-    """``block.scales_of(amax)`` inside the kernel: ``recipe.scale_from_amax(amax, 1.0, limit)`` (margin 0) and its
-    inverse. amax >= 0 here; ``< inf`` is ``isfinite`` for it (False for NaN too)."""
+def tile_scales(amax: jax.Array, limit: float) -> tuple[jax.Array, jax.Array]:
+    """``block.scales_of(amax)`` inside a kernel (and in XLA where the decode attention's kernel leaves its output's
+    tiles to XLA): ``recipe.scale_from_amax(amax, 1.0, limit)`` (margin 0) and its inverse. amax >= 0 here; ``< inf``
+    is ``isfinite`` for it (False for NaN too)."""
     fresh = jnp.float32(limit) / amax
     fresh = jnp.where(fresh == jnp.inf, jnp.finfo(jnp.float32).max, fresh)  # recipe.F32_MAX
     scale = jnp.where((amax > 0) & (amax < jnp.inf), fresh, 1.0)
@@ -77,14 +78,14 @@ def _scales(amax: jax.Array, limit: float) -> tuple[jax.Array, jax.Array]:
 def row_tiles(t: jax.Array, limit: float, dtype) -> tuple[jax.Array, jax.Array]:
     """A [R, 128] f32 block inside a kernel in 1 x 128 tiles, a scale a row: (FP8 values [R, 128], inverse
     scales [R])."""
-    scale, inv = _scales(jnp.max(jnp.abs(t), axis=1), limit)
+    scale, inv = tile_scales(jnp.max(jnp.abs(t), axis=1), limit)
     return quantize(t, scale[:, None], dtype), inv
 
 
 def col_tiles(t: jax.Array, limit: float, dtype) -> tuple[jax.Array, jax.Array]:
     """The same block in 128 x 1 tiles, a scale a column, written transposed: (FP8 values [128, 128] of ``t.T``,
     inverse scales [128])."""
-    scale, inv = _scales(jnp.max(jnp.abs(t), axis=0), limit)
+    scale, inv = tile_scales(jnp.max(jnp.abs(t), axis=0), limit)
     return quantize(t, scale[None, :], dtype).T, inv
 
 
@@ -137,3 +138,98 @@ def quantize_tiles(a: jax.Array, dtype, *, rows: bool = True, cols: bool = True,
         interpret=interpret,
         name="block_tile_quantize",
     )(a)
+
+
+# norm_tiles' rows a program: at most SMALL_ROWS rows (a decode step) NORM_ROWS_SMALL, else NORM_ROWS
+NORM_ROWS_SMALL, NORM_ROWS = 2, 8
+
+
+def norm_fits(x: jax.Array) -> bool:
+    """Whether ``norm_tiles`` runs for ``x`` [P, C] here: a GPU, 128 dividing C, no mesh of several devices."""
+    if jax.default_backend() != "gpu" or x.ndim != 2 or x.shape[1] % TILE:
+        return False
+    from fp8rl_jax.parallel import rules
+
+    return rules.active_mesh() is None
+
+
+def norm_rows(p: int) -> int:
+    """``norm_tiles``' default rows a program for ``p`` rows: the largest power of 2 up to NORM_ROWS_SMALL (at most
+    SMALL_ROWS rows) or NORM_ROWS (more) that divides ``p``."""
+    rows = NORM_ROWS_SMALL if p <= SMALL_ROWS else NORM_ROWS
+    while p % rows:
+        rows //= 2
+    return rows
+
+
+def norm_tiles(x: jax.Array, weight: jax.Array, eps: float, dtype, *, add: jax.Array | None = None, h_dtype=None,
+               rows_per_program: int | None = None, num_warps: int = 4, interpret: bool = False):
+    """RMSNorm of ``x`` [P, C] (plus ``add`` [P, C], the sum rounded to x's dtype first: the residual stream) in 1 x
+    128 tiles, from one kernel: ``(s, q, inv_t)`` with ``s`` = x + add in x's dtype (None without ``add``), ``q`` the
+    normed value's tiles in ``dtype`` [P, C] and their inverse scales laid [C / 128, P] (``quantize_tiles``' rows
+    form).
+
+    The normed value is ``model.llama.rms_norm``'s arithmetic: ``h = (w * (s * rsqrt(mean(s^2) + eps)))`` in f32,
+    rounded to ``h_dtype`` (default x's dtype), then ``row_tiles``. One difference: the sum of squares is added in
+    another order than XLA's reduction, so ``rsqrt`` may differ from XLA's in its last bit and then an element of h
+    by one unit of ``h_dtype`` (rarely: the GPU test counts them). Where XLA and this kernel each make a linear's
+    input (a rollout's decode against a trainer) their operands may differ there, as any two GEMM shapes' do.
+
+    Why: at a decode step each kernel costs about its launch. An RMSNorm (with the residual add before it) as an XLA
+    fusion, then ``quantize_tiles`` of its output, are two kernels where per-tensor scaling's cast rides in the
+    norm's fusion. A program holds ``rows_per_program`` rows (default ``norm_rows``) and walks their 128-column
+    tiles twice: their sum of squares, then each tile normed and quantized (the second walk reads from cache)."""
+    if x.ndim != 2 or x.shape[1] % TILE:
+        raise ValueError(f"norm_tiles takes x [P, C] with 128 dividing C, not {list(x.shape)}")
+    p, c = x.shape
+    if weight.shape != (c,) or (add is not None and add.shape != x.shape):
+        raise ValueError(f"norm_tiles: weight must be [{c}] and add [{p}, {c}], not "
+                         f"{list(weight.shape)} and {None if add is None else list(add.shape)}")
+    rows = rows_per_program or norm_rows(p)
+    if rows & (rows - 1) or p % rows:
+        raise ValueError(f"norm_tiles rows_per_program={rows}: a power of 2 dividing the {p} rows")
+    dtype, h_dtype, n_tiles = jnp.dtype(dtype), jnp.dtype(h_dtype or x.dtype), c // TILE
+    limit = float(fp8_max(dtype))
+
+    def kernel(*refs):
+        if add is None:
+            x_ref, w_ref, q_ref, inv_ref = refs
+        else:
+            x_ref, a_ref, w_ref, s_ref, q_ref, inv_ref = refs
+
+        def summed(j):  # tile j of x (+ add, rounded to x's dtype) in f32
+            t = x_ref[:, pl.ds(j * TILE, TILE)]
+            if add is not None:
+                t = (t.astype(jnp.float32) + a_ref[:, pl.ds(j * TILE, TILE)].astype(jnp.float32)).astype(t.dtype)
+            return t
+
+        squares = jnp.zeros((rows,), jnp.float32)
+        for j in range(n_tiles):
+            t = summed(j)
+            if add is not None:
+                s_ref[:, pl.ds(j * TILE, TILE)] = t
+            t = t.astype(jnp.float32)
+            squares = squares + jnp.sum(t * t, axis=1)
+        r = jax.lax.rsqrt(squares / jnp.float32(c) + jnp.float32(eps))
+        for j in range(n_tiles):
+            w = w_ref[pl.ds(j * TILE, TILE)].astype(jnp.float32)
+            h = (w[None, :] * (summed(j).astype(jnp.float32) * r[:, None])).astype(h_dtype).astype(jnp.float32)
+            q_ref[:, pl.ds(j * TILE, TILE)], inv = row_tiles(h, limit, dtype)
+            inv_ref[pl.ds(j, 1), :] = inv[None, :]
+
+    whole = pl.BlockSpec((rows, c), lambda i: (i, 0))
+    in_specs = [whole] + ([whole] if add is not None else []) + [pl.BlockSpec((c,), lambda i: (0,))]
+    out_specs = ([whole] if add is not None else []) + [whole, pl.BlockSpec((n_tiles, rows), lambda i: (0, i))]
+    out_shape = ([jax.ShapeDtypeStruct((p, c), x.dtype)] if add is not None else []) + [
+        jax.ShapeDtypeStruct((p, c), dtype), jax.ShapeDtypeStruct((n_tiles, p), jnp.float32)]
+    out = pl.pallas_call(
+        kernel,
+        grid=(p // rows,),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name="norm_tiles",
+    )(x, *([add] if add is not None else []), weight)
+    return (out[0] if add is not None else None), out[-2], out[-1]

@@ -35,6 +35,7 @@ from jax import lax
 
 from fp8rl_jax.fp8 import kv as kvq
 from fp8rl_jax.fp8 import te, train_kernel
+from fp8rl_jax.fp8.block import BLOCK, Tiles
 from fp8rl_jax.fp8.linear import linear
 from fp8rl_jax.fp8.policy import Precision
 from fp8rl_jax.fp8.recipe import init_linear_state
@@ -46,8 +47,9 @@ from fp8rl_jax.model import mlp
 from fp8rl_jax.model.attention import attention, flash_attention, resolve_attention
 from fp8rl_jax.model.config import LlamaConfig
 from fp8rl_jax.model.kv_cache import Cache, _as_bits, _cache_write, _kv_stored
+from fp8rl_jax.model.norm import norm_tiles_apply, normed, rms_norm
 from fp8rl_jax.model.rope import apply_rope, rope_cos_sin, rope_inv_freq
-from fp8rl_jax.parallel import fsdp
+from fp8rl_jax.parallel import fsdp, rules
 from fp8rl_jax.parallel.rules import RESIDUAL_AXES, constrain
 
 LINEARS = ("wqkv", "wo", "w_gate_up", "w_down")
@@ -97,17 +99,6 @@ def init_fp8_state(config: LlamaConfig, precision: Precision) -> dict:
     L = config.num_layers
     return {"blocks": {name: init_linear_state(precision.recipe, (L,)) for name in LINEARS},
             "lm_head": init_linear_state(precision.recipe)}
-
-
-# ----------------------------------------------------------------------------------------------------------
-# pieces
-
-
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float, dtype=None) -> jax.Array:
-    """RMSNorm in f32, output in ``dtype`` (default ``x.dtype``)."""
-    x32 = x.astype(jnp.float32)
-    y = x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (weight.astype(jnp.float32) * y).astype(dtype or x.dtype)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -171,7 +162,7 @@ def _block(x, layer, fp8, idx, positions, cache, kv_scales, config: LlamaConfig,
     eps = c.rms_norm_eps
     fp8 = {k: v for k, v in (fp8 or {}).items() if k not in precision.bf16_linears}
 
-    h = rms_norm(x, layer["attn_norm"], eps, precision.dtype)
+    _, h = normed(x, None, layer["attn_norm"], eps, layer["wqkv"], fp8.get("wqkv"), precision)
     # [B, T, D] -> [B, T, (N + 2K) H]
     qkv = linear(h, layer["wqkv"], fp8.get("wqkv"), precision)
     if "bqkv" in layer:
@@ -215,9 +206,13 @@ def _block(x, layer, fp8, idx, positions, cache, kv_scales, config: LlamaConfig,
         k_pos = jnp.broadcast_to(jnp.arange(s, dtype=positions.dtype)[None], (b, s))
         attn = attention(q, keys.astype(q.dtype), values.astype(q.dtype), positions, k_pos, segment_ids, segment_ids)
     # [B, T, N, H] -> [B, T, N H]
-    x = linear(attn.reshape(b, t, c.q_size), layer["wo"], fp8.get("wo"), precision, residual=x)
-
-    h = rms_norm(x, layer["mlp_norm"], eps, precision.dtype)
+    attn = attn if isinstance(attn, Tiles) else attn.reshape(b, t, c.q_size)
+    if norm_tiles_apply(x, layer["w_gate_up"], fp8.get("w_gate_up"), precision):  # the add in the norm's kernel
+        x, h = normed(x, linear(attn, layer["wo"], fp8.get("wo"), precision, x.dtype), layer["mlp_norm"], eps,
+                      layer["w_gate_up"], fp8.get("w_gate_up"), precision)
+    else:
+        x = linear(attn, layer["wo"], fp8.get("wo"), precision, residual=x)
+        h = rms_norm(x, layer["mlp_norm"], eps, precision.dtype)
     return mlp.swiglu_mlp(x, h, layer, fp8, c, precision, fused_shards), cache, kv_amax
 
 
@@ -238,7 +233,7 @@ def _decode_attention(qkv, q, k, v, layer, fp8, idx, positions, cache, kv_scales
     native = {n: a if a.dtype == cache_dtype else lax.bitcast_convert_type(a, cache_dtype) for n, a in held.items()}
     given = dict(layer=None if layered else idx, impl=decode_impl, tuning=tuning,
                  **_decode_scales(kv_scales, k_scale, v_scale, layered, precision),
-                 **_decode_output(layer["wo"], fp8.get("wo"), precision))
+                 **_decode_output(layer["wo"], fp8.get("wo"), precision, c.q_size))
     if qkv is not None:
         # [B, 1, (N+2K) H] -> [B, N+2K, H]; cos, sin [B, H/2] at each sequence's position (one XLA kernel a step for
         # all layers)
@@ -254,6 +249,9 @@ def _decode_attention(qkv, q, k, v, layer, fp8, idx, positions, cache, kv_scales
         if new.dtype != held[name].dtype:  # back to the bits it was held as
             new = lax.bitcast_convert_type(new, held[name].dtype)
         written[name] = (*cache[name][:idx], new, *cache[name][idx + 1:]) if layered else new
+    if isinstance(attn, tuple):  # its tiles: [B, K, G, H] -> [B, 1, N H]; inverse scales [N H / 128, B] -> [B, 1, .]
+        q_tiles, inv_t = attn
+        return Tiles(q_tiles.reshape(b, 1, c.q_size), inv_t.T.reshape(b, 1, -1)), written
     # [B, K, G, H] -> [B, 1, N, H]
     return attn.reshape(b, 1, c.num_heads, c.head_dim), written
 
@@ -269,14 +267,20 @@ def _decode_scales(kv_scales, k_scale, v_scale, layered: bool, precision: Precis
     return {"k_scale": k_scale, "v_scale": v_scale}
 
 
-def _decode_output(wo, wo_state, precision: Precision) -> dict:
-    """With the rollout's pre-quantized ``wo`` (per-tensor scaling) the decode kernel writes the attention output
-    already quantized with ``wo``'s input scale, as ``linear`` would quantize it (no XLA kernel does it in the
-    decode step); else the output stays in the compute dtype."""
-    per_tensor = precision.fp8 and precision.recipe.scaling == "tensor"
-    if wo_state is None or not per_tensor or not isinstance(wo, QuantizedKernel):
+def _decode_output(wo, wo_state, precision: Precision, q_size: int) -> dict:
+    """With the rollout's pre-quantized ``wo`` the decode kernel writes the attention output as ``linear`` would
+    quantize it (no XLA kernel does it in the decode step): per-tensor scaling with ``wo``'s input scale; block
+    scaling in its 1 x 128 tiles (``out_tiles``, outside a mesh, with 128 dividing N H: ``linear`` takes them as a
+    ``block.Tiles``). Else the output stays in the compute dtype."""
+    recipe = precision.recipe
+    if wo_state is None or not precision.fp8 or not isinstance(wo, QuantizedKernel):
         return {}
-    return {"out_scale": wo_state["x"]["scale"], "out_dtype": precision.recipe.fwd_dtype}
+    if recipe.scaling == "tensor":
+        return {"out_scale": wo_state["x"]["scale"], "out_dtype": recipe.fwd_dtype}
+    if (recipe.scaling == "block" and recipe.block_forward != "tokens_blocks" and "fprop" in recipe.fp8_gemms
+            and q_size % BLOCK == 0 and rules.active_mesh() is None):
+        return {"out_tiles": recipe.fwd_dtype}
+    return {}
 
 
 def _remat(body, remat: str):

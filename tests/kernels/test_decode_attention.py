@@ -241,6 +241,57 @@ def test_fp8_output_is_the_next_linear_quantization(impl, k_splits, kind):
         run(*args, out_dtype=jnp.float8_e4m3fn)
 
 
+def _tiles_case(impl, g, heads_per_program, k_splits, kv_heads=K, seed=0, layers=None):
+    """The output in 1 x 128 tiles (``out_tiles``) and the BF16 output, from the same launch (H = 16: 8 heads a
+    tile)."""
+    q, k, v, k_scale, v_scale, *_ = _inputs("fp8", g, seed=seed, kv_heads=kv_heads, layers=layers)
+    tuning = {} if impl == "xla" else {"tuning": da.DecodeTuning(block_k=16, k_splits=k_splits,
+                                                                 heads_per_program=heads_per_program)}
+    args = [jnp.asarray(a) for a in (q, k, v, LENGTHS)]
+    layer = {"layer": jnp.int32(layers - 1)} if layers else {}
+    run = functools.partial(da.decode_attention, k_scale=k_scale, v_scale=v_scale, impl=impl, **layer, **tuning)
+    return jax.jit(functools.partial(run, out_tiles=jnp.float8_e4m3fn))(*args), jax.jit(run)(*args)
+
+
+def _assert_tiles_of(got, plain):
+    """``got`` = (q, inv_t) is ``block.tile_quantize`` of each sequence's [N H] row of ``plain``, bit for bit."""
+    from fp8rl_jax.fp8 import block
+
+    q, inv_t = got
+    b = plain.shape[0]
+    want_q, want_inv = block.tile_quantize(plain.reshape(b, -1), jnp.float8_e4m3fn)
+    assert q.dtype == jnp.float8_e4m3fn and q.shape == plain.shape and inv_t.shape == (want_inv.shape[1], b)
+    np.testing.assert_array_equal(np.asarray(q, np.float32).reshape(b, -1), np.asarray(want_q, np.float32))
+    np.testing.assert_array_equal(np.asarray(inv_t).T, np.asarray(want_inv))
+
+
+@pytest.mark.parametrize("impl,g,heads_per_program,k_splits,kv_heads,in_kernel", [
+    ("pallas_interpret", 8, 1, 1, 2, True),  # a program's 8 heads of 16: one whole tile
+    ("pallas_interpret", 4, 2, 1, 4, True),  # two kv heads a program: one tile
+    ("pallas_interpret", 8, 2, 1, 2, True),  # 16 heads a program: two tiles
+    ("pallas_interpret", 4, 1, 1, 2, False),  # half a tile a program: XLA makes them after the kernel
+    ("pallas_interpret", 8, 1, 2, 2, False),  # two splits: XLA's combine, then the tiles
+    ("xla", 8, 1, None, 2, False),
+])
+def test_tiles_output_is_the_next_linears_tiles(impl, g, heads_per_program, k_splits, kv_heads, in_kernel):
+    """``out_tiles``: bit for bit ``block.tile_quantize`` of each sequence's BF16 output row (what block scaling's
+    ``wo`` makes of it), whether the kernel writes the tiles or XLA does after it."""
+    if impl != "xla":
+        assert da.kernel.tiles_in_kernel(heads_per_program, g, H, k_splits) == in_kernel
+    got, plain = _tiles_case(impl, g, heads_per_program, k_splits, kv_heads)
+    _assert_tiles_of(got, plain)
+
+
+def test_tiles_output_is_checked():
+    q, k, v, k_scale, v_scale, *_ = _inputs("fp8", 3)  # N H = 2 x 3 x 16 = 96: no whole tile
+    args = [jnp.asarray(a) for a in (q, k, v, LENGTHS)]
+    with pytest.raises(ValueError, match="1 x 128 tiles of a row of N H = 96"):
+        da.decode_attention(*args, k_scale=k_scale, v_scale=v_scale, impl="xla", out_tiles=jnp.float8_e4m3fn)
+    with pytest.raises(ValueError, match="without out_scale and out_dtype"):
+        da.decode_attention(*args, k_scale=k_scale, v_scale=v_scale, impl="xla", out_tiles=jnp.float8_e4m3fn,
+                            out_dtype=jnp.float8_e4m3fn, out_scale=jnp.float32(1.0))
+
+
 # the new token's K/V written by the kernel (``new_kv``): lengths 0 (nothing), 1 (the new token alone), a ragged
 # block, the cache's last position, past the cache (not written: the whole cache is attended to)
 NEW_LENGTHS = np.array([0, 1, 23, S, S + 3], np.int32)
@@ -661,6 +712,20 @@ def test_fp8_output_and_per_layer_scales_lower_to_triton(triton_ir):
     assert any("f8E4M3FN" in line for line in stores), stores
 
 
+def test_tiles_output_lowers_to_triton(triton_ir):
+    """Llama-3.2-1B shapes, one split: the kernel lowers with the output's tiles (E4M3 values, f32 inverse scales
+    [N H / 128, B] stored from the program) and makes them itself."""
+    q = jax.ShapeDtypeStruct((8, 8, 4, 64), jnp.bfloat16)
+    cache = jax.ShapeDtypeStruct((16, 8, 8, 1088, 64), jnp.float8_e4m3fn)
+    scales = jax.ShapeDtypeStruct((16,), jnp.float32)
+    fn = functools.partial(da.decode_attention_pallas, out_tiles=jnp.float8_e4m3fn, tuning=da.DecodeTuning(k_splits=1))
+    [ttir] = triton_ir(lambda q, k, v, n, i, ks, vs: fn(q, k, v, n, layer=i, k_scale=ks, v_scale=vs),
+                        q, cache, cache, jax.ShapeDtypeStruct((8,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32),
+                        scales, scales)
+    stores = [line for line in ttir.splitlines() if "tt.store" in line]
+    assert any("f8E4M3FN" in line for line in stores) and len(stores) == 2, stores
+
+
 @pytest.mark.parametrize("cache_dtype,q_dtype", [("float8_e4m3fn", "bfloat16"), ("bfloat16", "bfloat16")])
 def test_packed_heads_kernel_lowers_to_triton(cache_dtype, q_dtype, triton_ir):
     """Llama-3.2-1B shapes with 4 kv heads per program (16 query rows): one loop, 4 QK and 4 PV dots in it."""
@@ -763,6 +828,16 @@ def test_gpu_fp8_output_is_the_next_linear_quantization(k_splits):
     got = jax.jit(functools.partial(run, out_scale=out_scale, out_dtype=jnp.float8_e4m3fn))(*args)
     want = quantize(plain, out_scale, jnp.float8_e4m3fn)
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("g,heads_per_program,k_splits", [(8, 1, 1), (8, 2, 1), (4, 1, 1), (8, 1, 2)])
+def test_gpu_tiles_output_is_the_next_linears_tiles(g, heads_per_program, k_splits):
+    """On the GPU the output's tiles, the kernel's (one split, whole tiles a program) or XLA's after it, are bit
+    for bit ``block.tile_quantize`` of its BF16 output (Triton's division gives XLA's quotients), with per-layer
+    scales read at the layer index."""
+    got, plain = _tiles_case("pallas", g, heads_per_program, k_splits, seed=2, layers=2)
+    _assert_tiles_of(got, plain)
 
 
 @pytest.mark.gpu

@@ -63,7 +63,7 @@ def _chosen_impl(impl: str, head_dim: int) -> str:
 
 def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengths: jax.Array, *, layer=None,
                      k_scale=None, v_scale=None, out_scale=None, out_dtype=None, new_kv=None, impl: str = "auto",
-                     tuning: DecodeTuning = DEFAULT_TUNING):
+                     tuning: DecodeTuning = DEFAULT_TUNING, out_tiles=None):
     """Attention of one query token per sequence over cache positions ``0 .. lengths[b] - 1``.
 
     q [B, K, G, H] (bf16 or f32); k_cache, v_cache [B, K, S, H], or [L, B, K, S, H] with ``layer`` (an int or
@@ -72,7 +72,10 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengt
     per-layer array of them) (stored value = value * scale); lengths [B] int (clipped to [0, S]; a length-0 row
     returns zeros from the kernel). Returns [B, K, G, H] in q's dtype, or with an FP8 ``out_dtype`` and its
     ``out_scale`` that value quantized for the next FP8 GEMM (``recipe.quantize``, bit for bit what that linear
-    would make of the BF16 output; the kernel writes it, so no XLA kernel quantizes it in the decode step).
+    would make of the BF16 output; the kernel writes it, so no XLA kernel quantizes it in the decode step). With an
+    FP8 ``out_tiles`` (block scaling's ``wo``) the output is ``(q, inv_t)``: each sequence's [N H] row in 1 x 128
+    tiles (``xla.tiles``: FP8 [B, K, G, H], inverse scales [N H / 128, B]), which the kernel makes where a program's
+    heads hold whole tiles and it runs one split (else XLA does, after it); not under a mesh.
 
     ``new_kv``: this step's (K, V) [B, K, H] (q's dtype), the token at position ``lengths[b] - 1``: written into the
     caches (quantized with ``k_scale`` / ``v_scale`` for an FP8 cache; not written where that position is outside
@@ -88,20 +91,21 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengt
     scales = {"k_scale": k_scale, "v_scale": v_scale, "out_scale": out_scale}
     if impl == "xla":
         return decode_attention_xla(q, k_cache, v_cache, lengths, layer=layer, out_dtype=out_dtype, new_kv=new_kv,
-                                    **scales)
+                                    out_tiles=out_tiles, **scales)
     kernel = functools.partial(decode_attention_pallas, interpret=impl == "pallas_interpret", out_dtype=out_dtype,
-                               tuning=tuning)
+                               tuning=tuning, out_tiles=out_tiles)
     from fp8rl_jax.parallel import rules
 
     mesh = rules.active_mesh()
     if mesh is None:
         return kernel(q, k_cache, v_cache, lengths, layer=layer, new_kv=new_kv, **scales)
+    _no_tiles_under_a_mesh(out_tiles)
     return _shard_mapped(kernel, mesh, q, k_cache, v_cache, lengths, layer, scales, new_kv)
 
 
 def decode_attention_qkv(qkv: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengths: jax.Array, rope, *,
                          layer=None, k_scale=None, v_scale=None, out_scale=None, out_dtype=None, impl: str = "auto",
-                         tuning: DecodeTuning = DEFAULT_TUNING):
+                         tuning: DecodeTuning = DEFAULT_TUNING, out_tiles=None):
     """``decode_attention`` of a decode step from its fused projection, before RoPE.
 
     qkv [B, N+2K, H]: each sequence's N query heads, then its K keys, then its K values (the fused q|k|v GEMM's
@@ -122,12 +126,18 @@ def decode_attention_qkv(qkv: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     if impl == "xla" or split_heads:  # kv heads split over devices: the projection's heads do not split alike
         q, new_kv = split_qkv(qkv, kv_heads, rope)
         return decode_attention(q, k_cache, v_cache, lengths, layer=layer, out_dtype=out_dtype, new_kv=new_kv,
-                                impl=impl, tuning=tuning, **scales)
+                                impl=impl, tuning=tuning, out_tiles=out_tiles, **scales)
     kernel = functools.partial(decode_attention_pallas, interpret=impl == "pallas_interpret", out_dtype=out_dtype,
-                               tuning=tuning)
+                               tuning=tuning, out_tiles=out_tiles)
     if mesh is None:
         return kernel(qkv, k_cache, v_cache, lengths, layer=layer, rope=rope, **scales)
+    _no_tiles_under_a_mesh(out_tiles)
     return _shard_mapped(kernel, mesh, qkv, k_cache, v_cache, lengths, layer, scales, None, rope)
+
+
+def _no_tiles_under_a_mesh(out_tiles):
+    if out_tiles is not None:
+        raise ValueError("decode attention: out_tiles (block scaling's tiles of the output) runs outside a mesh only")
 
 
 def _shard_mapped(kernel, mesh, q, k_cache, v_cache, lengths, layer, scales: dict, new_kv, rope=None):

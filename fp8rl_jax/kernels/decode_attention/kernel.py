@@ -14,6 +14,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from fp8rl_jax.kernels.block_quantize import TILE, tile_scales
 from fp8rl_jax.kernels.decode_attention.tuning import (
     DEFAULT_TUNING,
     MIN_DOT_ROWS,
@@ -25,6 +26,7 @@ from fp8rl_jax.kernels.decode_attention.tuning import (
 from fp8rl_jax.kernels.decode_attention.xla import (
     _check,
     _check_new,
+    _check_tiles,
     _fused_query,
     _inverse_scale,
     _layer_scale,
@@ -32,8 +34,9 @@ from fp8rl_jax.kernels.decode_attention.xla import (
     _output,
     _rotate_half,
     _stacked,
+    tiles,
 )
-from fp8rl_jax.numerics import fp8_max
+from fp8rl_jax.numerics import fp8_max, quantize
 
 LOG2_E = math.log2(math.e)
 
@@ -42,7 +45,7 @@ def _kernel(layer_ref, lengths_ref, k_scale_ref, v_scale_ref, out_scale_ref, q_r
             kv_heads: int, groups: int, heads_per_program: int, rows_padded: int, rows_per_layer: int,
             cache_len: int, block_k: int, k_splits: int, compute_dtype, precision, softmax_scale: float,
             q_dtype, out_limit: float | None, tail_loop: bool, with_new: bool, kv_limit: float | None,
-            fused_rows: int | None):
+            fused_rows: int | None, tiles_dtype=None):
     """``heads_per_program`` (P) consecutive kv heads of one sequence and one split. Refs (whole arrays, indexed
     here):
 
@@ -52,7 +55,9 @@ def _kernel(layer_ref, lengths_ref, k_scale_ref, v_scale_ref, out_scale_ref, q_r
     gathers them); q [B*K*G, H]; k, v [L*B*K, S, H]; out: with several splits acc [k_splits,
     B*K*G, H] f32, row_max and row_sum [k_splits, B*K*G] f32 (combined by XLA); with one split the normalised
     output [B*K*G, H], rounded to ``q_dtype`` and, with ``out_limit``, quantized to FP8 (no combine: the scales
-    are applied here, so no scalar XLA op runs beside the kernel in the decode step).
+    are applied here, so no scalar XLA op runs beside the kernel in the decode step); with ``tiles_dtype`` (one split)
+    the output in 1 x 128 tiles of the sequence's [N H] row (``_head_tiles``: this program's heads hold whole tiles)
+    and one more output after it, their inverse scales [N H / 128, B].
 
     P = 1: one kv head, its G query rows padded with zero rows. P > 1: the P*G query rows of the P heads are
     one tile; head j's dot takes a copy of it with every row outside head j zeroed, so the P score tiles add up
@@ -179,17 +184,42 @@ def _kernel(layer_ref, lengths_ref, k_scale_ref, v_scale_ref, out_scale_ref, q_r
     for rows_j, acc_j in zip(head_rows[1:], accs[1:], strict=True):
         acc = jnp.where(rows_j[:, None], acc_j, acc)
     if k_splits == 1:  # normalised here; a length-0 sequence (row sum 0, accumulator 0) gets zeros
-        (out_ref,) = out_refs
+        out_ref = out_refs[0]
         norm = (1.0 / v_scale) / jnp.where(row_sum > 0, row_sum, 1.0)  # 1/v_scale dequantizes V
         out = (acc * norm[:, None]).astype(q_dtype)
         if out_limit is not None:  # recipe.quantize of that value: the next FP8 GEMM's operand
             out = jnp.clip(out.astype(jnp.float32) * out_scale_ref[0], -out_limit, out_limit)
+        elif tiles_dtype is not None:  # its 1 x 128 tiles: the next block-scaled GEMM's operand
+            per_tile = TILE // h
+            out, inv = _head_tiles(out.astype(jnp.float32), row_index, real_rows, per_tile, tiles_dtype)
+            first_tile = (row - sequence * (kv_heads // n_heads)) * (real_rows // per_tile)
+            held = jnp.arange(inv.shape[0]) < real_rows // per_tile
+            plgpu.store(out_refs[1].at[pl.ds(first_tile, inv.shape[0]), sequence], inv, mask=held)
         plgpu.store(out_ref.at[heads, :], out.astype(out_ref.dtype), mask=head_ok[:, None])
         return
     acc_ref, row_max_ref, row_sum_ref = out_refs
     plgpu.store(acc_ref.at[split, heads, :], acc, mask=head_ok[:, None])
     plgpu.store(row_max_ref.at[split, heads], row_max, mask=head_ok)
     plgpu.store(row_sum_ref.at[split, heads], row_sum, mask=head_ok)
+
+
+def _head_tiles(out, row_index, real_rows: int, per_tile: int, dtype):
+    """A program's output [R, H] f32 (a row a query head, each ``per_tile`` consecutive heads one 1 x 128 tile of the
+    sequence's [N H] row, the first ``real_rows`` rows real) in its tiles: ``xla.tiles``' arithmetic, (FP8 [R, H],
+    inverse scales [T] for its real_rows / per_tile tiles, padded to a power of 2). Each tile's amax is a masked max
+    over the rows (Triton has no reshape that groups them)."""
+    row_amax = jnp.max(jnp.abs(out), axis=1)  # [R]
+    tile_of_row = row_index // per_tile
+    n_tiles = real_rows // per_tile
+    slots = jnp.arange(_pow2_ceil(n_tiles))
+    amax_rows, amax_tiles = jnp.zeros_like(row_amax), jnp.zeros(slots.shape, jnp.float32)
+    for j in range(n_tiles):
+        amax = jnp.max(jnp.where(tile_of_row == j, row_amax, 0.0))
+        amax_rows = jnp.where(tile_of_row == j, amax, amax_rows)
+        amax_tiles = jnp.where(slots == j, amax, amax_tiles)
+    limit = fp8_max(dtype)
+    scale, _ = tile_scales(amax_rows, limit)
+    return quantize(out, scale[:, None], dtype), tile_scales(amax_tiles, limit)[1]
 
 
 def _dot_operand(q, compute_dtype):
@@ -268,14 +298,16 @@ def _widen_byte_array_offsets() -> bool:
 
 def decode_attention_pallas(q, k_cache, v_cache, lengths, *, layer=None, k_scale=None, v_scale=None,
                             out_scale=None, out_dtype=None, new_kv=None, rope=None,
-                            tuning: DecodeTuning = DEFAULT_TUNING, interpret: bool = False) -> jax.Array:
+                            tuning: DecodeTuning = DEFAULT_TUNING, interpret: bool = False, out_tiles=None):
     """The Pallas kernel (see the package note); ``interpret=True`` runs it on any backend through Pallas'
     interpreter (tests). ``tuning``: its launch (``DecodeTuning``; what it leaves open comes from the shapes,
     ``DecodeTuning.resolved``). A ``float16`` ``dot_dtype`` (the default over an FP8 cache with a BF16 query: every
     E4M3 value is exact in f16, and the conversion is one instruction per two values on Hopper) takes the query
     rounded to f16 (clipped to its range) and the probabilities in f16. P = ``heads_per_program`` consecutive kv
     heads of a sequence per program share one score tile and one online softmax over their P*G query rows.
-    ``rope`` (cos, sin): q is the fused projection (``decode_attention_qkv``), see there."""
+    ``rope`` (cos, sin): q is the fused projection (``decode_attention_qkv``), see there. ``out_tiles``: see
+    ``decode_attention``; the kernel makes the tiles where it runs one split and its P*G heads of H span whole tiles
+    (``tiles_in_kernel``), else XLA after it."""
     if not isinstance(tuning, DecodeTuning):
         raise TypeError(f"tuning must be a DecodeTuning, got {type(tuning).__name__}")
     cache_shape = k_cache.shape
@@ -285,6 +317,7 @@ def decode_attention_pallas(q, k_cache, v_cache, lengths, *, layer=None, k_scale
         q = _fused_query(fused, k_cache.shape[2], new_kv, rope)
     _check(q, k_cache, v_cache, lengths, k_scale, v_scale)
     _check_new(q, new_kv)
+    _check_tiles(q, out_tiles, out_dtype, out_scale)
     out_dtype, quantized = _out_format(out_scale, out_dtype, q.dtype)
     reason = pallas_unsupported(q.shape[-1])
     if reason:
@@ -303,11 +336,13 @@ def decode_attention_pallas(q, k_cache, v_cache, lengths, *, layer=None, k_scale
             return _in_layer(functools.partial(
                 decode_attention_pallas, fused if rope is not None else q, lengths=lengths,
                 k_scale=_layer_scale(k_scale, layer), v_scale=_layer_scale(v_scale, layer), out_scale=out_scale,
-                out_dtype=out_dtype, new_kv=new_kv, rope=rope, tuning=tuning),
+                out_dtype=None if out_tiles is not None else out_dtype, new_kv=new_kv, rope=rope, tuning=tuning,
+                out_tiles=out_tiles),
             k_cache, v_cache, layer, cache_shape)
         k_scale, v_scale = _layer_scale(k_scale, layer), _layer_scale(v_scale, layer)
         k_cache, v_cache, layer = k_cache[layer][None], v_cache[layer][None], jnp.int32(0)
         n_layers = 1
+    in_kernel = out_tiles is not None and tiles_in_kernel(n_heads, g, h, k_splits)
     compute_dtype = jnp.dtype(tuning.dot_dtype or default_dot_dtype(q.dtype, k_cache.dtype))
     with_new = new_kv is not None or rope is not None
     precision = lax.Precision.HIGHEST if compute_dtype == jnp.float32 else None
@@ -323,8 +358,12 @@ def decode_attention_pallas(q, k_cache, v_cache, lengths, *, layer=None, k_scale
         out_limit=fp8_max(out_dtype) if quantized else None, tail_loop=tuning.tail_loop, with_new=with_new,
         kv_limit=fp8_max(k_cache.dtype) if itemsize == 1 else None,
         fused_rows=fused.shape[1] if rope is not None else None,
+        tiles_dtype=jnp.dtype(out_tiles) if in_kernel else None,
     )
-    if k_splits == 1:  # the output itself
+    if in_kernel:  # the output's tiles and their inverse scales [N H / 128, B]
+        out_shape = (jax.ShapeDtypeStruct((rows * g, h), out_tiles),
+                     jax.ShapeDtypeStruct((kh * g * h // TILE, b), jnp.float32))
+    elif k_splits == 1:  # the output itself
         out_shape = (jax.ShapeDtypeStruct((rows * g, h), out_dtype),)
     else:  # each split's partial results, combined below
         out_shape = (
@@ -362,6 +401,10 @@ def decode_attention_pallas(q, k_cache, v_cache, lengths, *, layer=None, k_scale
     if k_splits == 1:
         # [B*K*G, H] -> [B, K, G, H]
         out = outs[0].reshape(b, kh, g, h)
+        if in_kernel:
+            out = (out, outs[1])
+        elif out_tiles is not None:
+            out = tiles(out, out_tiles)
         return out if not with_new else (out, *written)
     acc, row_max, row_sum = outs
     # combine the splits, each weighted by exp2(its row max - the overall max) (log2 units, as the kernel's); an empty
@@ -374,8 +417,14 @@ def decode_attention_pallas(q, k_cache, v_cache, lengths, *, layer=None, k_scale
     # a length-0 sequence (total 0) gets zeros; 1/v_scale is the V dequantization
     out = acc * (_inverse_scale(_layer_scale(v_scale, layer)) / jnp.where(total > 0, total, 1.0))[:, None]
     # [B*K*G, H] -> [B, K, G, H]
-    out = _output(out.reshape(b, kh, g, h), q.dtype, out_dtype, out_scale)
+    out = _output(out.reshape(b, kh, g, h), q.dtype, out_dtype, out_scale, out_tiles)
     return out if not with_new else (out, *written)
+
+
+def tiles_in_kernel(heads_per_program: int, groups: int, head_dim: int, k_splits: int) -> bool:
+    """Whether the kernel writes ``out_tiles`` itself: one split, H dividing 128 and a program's P*G heads of H a
+    whole number of 1 x 128 tiles."""
+    return k_splits == 1 and TILE % head_dim == 0 and (heads_per_program * groups * head_dim) % TILE == 0
 
 
 def _in_layer(attend, k_cache, v_cache, layer, cache_shape):

@@ -8,7 +8,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from fp8rl_jax.numerics import quantize, rounded
+from fp8rl_jax.kernels.block_quantize import TILE, tile_scales
+from fp8rl_jax.numerics import fp8_max, quantize, rounded
 
 NEG_INF = -1e30  # the XLA path's mask value (as in ``model.attention.attention``)
 
@@ -81,13 +82,38 @@ def _inverse_scale(scale) -> jax.Array:
     return jnp.float32(1.0) if scale is None else 1.0 / jnp.asarray(scale, jnp.float32)
 
 
-def _output(out: jax.Array, q_dtype, out_dtype, out_scale) -> jax.Array:
+def _output(out: jax.Array, q_dtype, out_dtype, out_scale, out_tiles=None):
     """The attention output rounded to the query's dtype, then, for an FP8 ``out_dtype``, quantized with
-    ``out_scale`` exactly as the next linear would quantize that BF16 value (``recipe.quantize``)."""
+    ``out_scale`` exactly as the next linear would quantize that BF16 value (``recipe.quantize``); with an FP8
+    ``out_tiles`` in its 1 x 128 tiles instead (``tiles``)."""
+    if out_tiles is not None:
+        return tiles(rounded(out, q_dtype), out_tiles)
     if out_scale is None:
         return out.astype(q_dtype)
     # the rounding to q's dtype kept (XLA may fold an f32 -> bf16 -> f32 convert pair away)
     return quantize(rounded(out, q_dtype), jnp.asarray(out_scale, jnp.float32), out_dtype)
+
+
+def tiles(out: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+    """The output [B, K, G, H] as block scaling's ``wo`` takes it: each sequence's row [N H] in 1 x 128 tiles,
+    ``block.tile_quantize``'s arithmetic (``block_quantize.tile_scales``, ``quantize``): (FP8 [B, K, G, H],
+    inverse scales laid [N H / 128, B], as ``block_quantize.quantize_tiles`` lays them)."""
+    b = out.shape[0]
+    # [B, K, G, H] -> [B, N H / 128, 128]
+    t = out.astype(jnp.float32).reshape(b, -1, TILE)
+    scale, inv = tile_scales(jnp.max(jnp.abs(t), axis=-1), fp8_max(dtype))
+    return quantize(t, scale[..., None], dtype).reshape(out.shape), inv.T
+
+
+def _check_tiles(q, out_tiles, out_dtype, out_scale):
+    """``out_tiles`` (an FP8 dtype) goes without ``out_scale`` / ``out_dtype`` and needs 128 dividing N H."""
+    if out_tiles is None:
+        return
+    if jnp.dtype(out_tiles).itemsize != 1 or out_scale is not None or out_dtype is not None:
+        raise ValueError(f"out_tiles is an FP8 dtype, given without out_scale and out_dtype (got {out_tiles}, "
+                         f"{out_scale is not None}, {out_dtype})")
+    if (q.shape[-3] * q.shape[-2] * q.shape[-1]) % TILE:
+        raise ValueError(f"out_tiles: 1 x 128 tiles of a row of N H = {q.shape[-3] * q.shape[-2] * q.shape[-1]}")
 
 
 def _rotate_half(x, cos, sin):
@@ -120,7 +146,7 @@ def _fused_query(qkv, kv_heads: int, new_kv, rope) -> jax.ShapeDtypeStruct:
 
 
 def decode_attention_xla(q, k_cache, v_cache, lengths, *, layer=None, k_scale=None, v_scale=None, out_scale=None,
-                         out_dtype=None, new_kv=None):
+                         out_dtype=None, new_kv=None, out_tiles=None):
     """The model's masked einsum over all S positions (FP8 K/V dequantized to the query dtype first).
 
     Positions at or past a sequence's length are masked out of the scores and zeroed in V, so whatever they
@@ -131,6 +157,7 @@ def decode_attention_xla(q, k_cache, v_cache, lengths, *, layer=None, k_scale=No
     (k_cache, _), (v_cache, layer) = _stacked(k_cache, layer), _stacked(v_cache, layer)
     _check(q, k_cache, v_cache, lengths, k_scale, v_scale)
     _check_new(q, new_kv)
+    _check_tiles(q, out_tiles, out_dtype, out_scale)
     out_dtype, _ = _out_format(out_scale, out_dtype, q.dtype)
     k_scale, v_scale = _layer_scale(k_scale, layer), _layer_scale(v_scale, layer)
     if new_kv is not None:
@@ -150,7 +177,7 @@ def decode_attention_xla(q, k_cache, v_cache, lengths, *, layer=None, k_scale=No
     v = jnp.where(visible[:, None, :, None], v, 0)
     # [B, K, G, S] x [B, K, S, H] -> [B, K, G, H]
     out = jnp.einsum("bkgs,bksh->bkgh", probs, v, preferred_element_type=v.dtype)
-    out = _output(out, q.dtype, out_dtype, out_scale)
+    out = _output(out, q.dtype, out_dtype, out_scale, out_tiles)
     return out if new_kv is None else (out, k_cache.reshape(cache_shape), v_cache.reshape(cache_shape))
 
 
