@@ -220,10 +220,10 @@ EOF2
     normtiles) # the rollout's forward tiles from its norm and decode attention kernels (block scaling): their GPU
       # tests, the norm kernel alone, then bench rollout (a decode wave of 256, profiled) of this tree and, where
       # .gpu/old holds an older tree (git archive of fp8rl_jax configs benchmarks), of that one, block scaling alone
-      timeout ${NT_TEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -m gpu tests/model/test_norm.py \
-        tests/kernels/test_decode_attention.py tests/kernels/test_block_quantize.py tests/fp8/test_te_gpu.py 2>&1 \
+      timeout ${NT_TEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -m gpu ${NT_TESTS:-tests/model/test_norm.py \
+        tests/kernels/test_decode_attention.py tests/kernels/test_block_quantize.py tests/fp8/test_te_gpu.py} 2>&1 \
         | tee "$OUT/normtiles_tests.log" | tail -6
-      timeout 200 python3 benchmarks/norm_tiles_speed.py --trace --commit "${FP8RL_COMMIT:-}" \
+      timeout 200 python3 benchmarks/norm_tiles_speed.py --trace --commit "${FP8RL_COMMIT:-}" ${NT_ARGS:-} \
         --out "$OUT/norm_tiles_${dev}.json" 2>&1 | grep "^{\|rror\|wrote" | cut -c1-300
       roll=(python3 -m fp8rl_jax.bench rollout --batches 256 --new_tokens 512 --prompt_len 64 --chunk 8 --profile)
       XLA_FLAGS=--xla_gpu_enable_triton_gemm=false timeout 300 "${roll[@]}" --modes ${NT_MODES:-fp8_kv_block,fp8_kv} \

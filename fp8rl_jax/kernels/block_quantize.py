@@ -144,9 +144,16 @@ def quantize_tiles(a: jax.Array, dtype, *, rows: bool = True, cols: bool = True,
 NORM_ROWS_SMALL, NORM_ROWS = 2, 8
 
 
+def _norm_width(x: jax.Array) -> bool:
+    """``x`` is [P, C] with C 128 times a power of 2."""
+    tiles = x.shape[-1] // TILE if x.ndim == 2 and x.shape[-1] % TILE == 0 else 0
+    return tiles > 0 and tiles & (tiles - 1) == 0
+
+
 def norm_fits(x: jax.Array) -> bool:
-    """Whether ``norm_tiles`` runs for ``x`` [P, C] here: a GPU, 128 dividing C, no mesh of several devices."""
-    if jax.default_backend() != "gpu" or x.ndim != 2 or x.shape[1] % TILE:
+    """Whether ``norm_tiles`` runs for ``x`` [P, C] here: a GPU, C 128 times a power of 2 (2048, 4096), no mesh of
+    several devices."""
+    if jax.default_backend() != "gpu" or not _norm_width(x):
         return False
     from fp8rl_jax.parallel import rules
 
@@ -177,10 +184,11 @@ def norm_tiles(x: jax.Array, weight: jax.Array, eps: float, dtype, *, add: jax.A
 
     Why: at a decode step each kernel costs about its launch. An RMSNorm (with the residual add before it) as an XLA
     fusion, then ``quantize_tiles`` of its output, are two kernels where per-tensor scaling's cast rides in the
-    norm's fusion. A program holds ``rows_per_program`` rows (default ``norm_rows``) and walks their 128-column
-    tiles twice: their sum of squares, then each tile normed and quantized (the second walk reads from cache)."""
-    if x.ndim != 2 or x.shape[1] % TILE:
-        raise ValueError(f"norm_tiles takes x [P, C] with 128 dividing C, not {list(x.shape)}")
+    norm's fusion. A program holds ``rows_per_program`` whole rows (default ``norm_rows``) in registers, loaded at
+    once: a walk over their tiles, loads and stores in turn, was latency-bound (benchmarks/RESULTS.md). C / 128 is a
+    power of 2 (Triton's blocks are; ``norm_fits``)."""
+    if not _norm_width(x):
+        raise ValueError(f"norm_tiles takes x [P, C] with C 128 times a power of 2, not {list(x.shape)}")
     p, c = x.shape
     if weight.shape != (c,) or (add is not None and add.shape != x.shape):
         raise ValueError(f"norm_tiles: weight must be [{c}] and add [{p}, {c}], not "
@@ -194,28 +202,18 @@ def norm_tiles(x: jax.Array, weight: jax.Array, eps: float, dtype, *, add: jax.A
     def kernel(*refs):
         if add is None:
             x_ref, w_ref, q_ref, inv_ref = refs
+            t = x_ref[...]  # [R, C]
         else:
             x_ref, a_ref, w_ref, s_ref, q_ref, inv_ref = refs
-
-        def summed(j):  # tile j of x (+ add, rounded to x's dtype) in f32
-            t = x_ref[:, pl.ds(j * TILE, TILE)]
-            if add is not None:
-                t = (t.astype(jnp.float32) + a_ref[:, pl.ds(j * TILE, TILE)].astype(jnp.float32)).astype(t.dtype)
-            return t
-
-        squares = jnp.zeros((rows,), jnp.float32)
-        for j in range(n_tiles):
-            t = summed(j)
-            if add is not None:
-                s_ref[:, pl.ds(j * TILE, TILE)] = t
-            t = t.astype(jnp.float32)
-            squares = squares + jnp.sum(t * t, axis=1)
-        r = jax.lax.rsqrt(squares / jnp.float32(c) + jnp.float32(eps))
-        for j in range(n_tiles):
-            w = w_ref[pl.ds(j * TILE, TILE)].astype(jnp.float32)
-            h = (w[None, :] * (summed(j).astype(jnp.float32) * r[:, None])).astype(h_dtype).astype(jnp.float32)
-            q_ref[:, pl.ds(j * TILE, TILE)], inv = row_tiles(h, limit, dtype)
-            inv_ref[pl.ds(j, 1), :] = inv[None, :]
+            t = (x_ref[...].astype(jnp.float32) + a_ref[...].astype(jnp.float32)).astype(x_ref.dtype)
+            s_ref[...] = t
+        t = t.astype(jnp.float32)
+        r = jax.lax.rsqrt(jnp.sum(t * t, axis=1) / jnp.float32(c) + jnp.float32(eps))  # [R]
+        h = (w_ref[...].astype(jnp.float32)[None, :] * (t * r[:, None])).astype(h_dtype).astype(jnp.float32)
+        # [R, C] -> [R Cb, 128]: a tile a row
+        q, inv = row_tiles(h.reshape(rows * n_tiles, TILE), limit, dtype)
+        q_ref[...] = q.reshape(rows, c)
+        inv_ref[...] = inv.reshape(rows, n_tiles).T
 
     whole = pl.BlockSpec((rows, c), lambda i: (i, 0))
     in_specs = [whole] + ([whole] if add is not None else []) + [pl.BlockSpec((c,), lambda i: (0,))]

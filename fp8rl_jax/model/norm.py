@@ -22,12 +22,12 @@ from fp8rl_jax.numerics import rounded
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float, dtype=None) -> jax.Array:
     """RMSNorm in f32 of ``x``'s own values, output in ``dtype`` (default ``x.dtype``).
 
-    ``x`` is read as it is held (``numerics.rounded``): where an add makes it in the same fusion (the residual
-    stream), XLA may otherwise norm the add's f32 sum before its rounding to x's dtype (excess precision), and then
-    whether a norm sees the stored residual or the unrounded sum would hang on XLA's fusion choices, which differ
-    between a rollout's program, a trainer's and ``norm_tiles``' kernel (on the CPU that sum moved 2% of the FP8
-    tiles of a random input)."""
-    x32 = rounded(x, x.dtype)
+    A narrower ``x`` (BF16) is read as it is held (``numerics.rounded``): where an add makes it in the same fusion
+    (the residual stream), XLA may otherwise norm the add's f32 sum before its rounding to x's dtype (excess
+    precision), and then whether a norm sees the stored residual or the unrounded sum would hang on XLA's fusion
+    choices, which differ between a rollout's program, a trainer's and ``norm_tiles``' kernel (on the CPU that sum
+    moved 2% of the FP8 tiles of a random input)."""
+    x32 = rounded(x, x.dtype) if jnp.dtype(x.dtype).itemsize < 4 else x.astype(jnp.float32)
     y = x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     return (weight.astype(jnp.float32) * y).astype(dtype or x.dtype)
 

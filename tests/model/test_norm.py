@@ -55,19 +55,20 @@ def _close(got, want):
 @pytest.mark.parametrize("with_add", [False, True])
 @pytest.mark.parametrize("rows", [1, 4, None])
 def test_kernel_follows_rms_norm_then_the_tiles(with_add, rows):
-    x, add, w = _inputs(16, 384)
+    x, add, w = _inputs(16, 512)
     add = add if with_add else None
     got = jax.jit(lambda x, a, w: block_quantize.norm_tiles(x, w, 1e-5, E4M3, add=a, h_dtype=jnp.bfloat16,
                                                             rows_per_program=rows, interpret=True))(x, add, w)
     assert (got[0] is None) == (not with_add)
-    assert got[1].dtype == jnp.dtype(E4M3) and got[1].shape == (16, 384) and got[2].shape == (3, 16)
+    assert got[1].dtype == jnp.dtype(E4M3) and got[1].shape == (16, 512) and got[2].shape == (4, 16)
     _close(got, _xla(x, add, w, 1e-5))
 
 
 def test_kernel_checks_its_shapes():
     x, add, w = _inputs(12, 256)
-    with pytest.raises(ValueError, match="128 dividing C"):
-        block_quantize.norm_tiles(x[:, :200], w[:200], 1e-5, E4M3, interpret=True)
+    for width in (200, 384):  # not whole tiles; three tiles (Triton's blocks are powers of 2)
+        with pytest.raises(ValueError, match="C 128 times a power of 2"):
+            block_quantize.norm_tiles(jnp.zeros((12, width)), jnp.zeros((width,)), 1e-5, E4M3, interpret=True)
     with pytest.raises(ValueError, match="weight must be"):
         block_quantize.norm_tiles(x, w[:128], 1e-5, E4M3, interpret=True)
     with pytest.raises(ValueError, match="rows_per_program=8"):
@@ -90,7 +91,7 @@ TOKENS = jnp.asarray(np.random.RandomState(0).randint(0, CONFIG.vocab_size, (2, 
 
 @pytest.fixture
 def norm_kernel_here(monkeypatch):
-    """``normed`` takes the kernel on this CPU host (through Pallas' interpreter) wherever 128 divides D; the list
+    """``normed`` takes the kernel on this CPU host (through Pallas' interpreter) where its width allows; the list
     holds whether each traced call had an add."""
     calls, kernel = [], block_quantize.norm_tiles
 
@@ -98,7 +99,7 @@ def norm_kernel_here(monkeypatch):
         calls.append(add is not None)
         return kernel(*args, add=add, interpret=True, **kw)
 
-    monkeypatch.setattr(block_quantize, "norm_fits", lambda x: x.ndim == 2 and x.shape[1] % 128 == 0)
+    monkeypatch.setattr(block_quantize, "norm_fits", block_quantize._norm_width)
     monkeypatch.setattr(block_quantize, "norm_tiles", traced)
     return calls
 
@@ -138,6 +139,7 @@ def test_normed_takes_the_kernel_for_block_rollout_kernels_only(norm_kernel_here
         s, h = norm.normed(x, None, w, 1e-5, kernel, state, prec)
         assert not isinstance(h, Tiles) and s is x
     assert not norm.norm_tiles_apply(x[..., :64], rollout, st, block_prec)
+    assert not norm.norm_tiles_apply(jnp.ones((2, 384)), rollout, st, block_prec)
 
 
 @pytest.mark.gpu
