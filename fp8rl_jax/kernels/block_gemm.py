@@ -101,6 +101,12 @@ SMALL_M_TUNING = Tuning(cluster=2, tile_n=64)
 # training shapes on an H200 (40960 rows; q|k|v, gate|up, w_down) the GEMM took 0.447, 2.48 and 1.12 ms so against
 # 0.488, 2.77 and 1.22 with Tuning(); without the chain 0.474, 2.62, 1.18
 LARGE_M_TUNING = Tuning(stages=2, pair=True)
+# Up to SMALL_M rows a contraction of at least this many 128-deep slices may be split (llama1b's w_down: 64 slices,
+# 0.033 ms split in two against 0.052 whole on an H200). o's 16 gained nothing measurable split (0.0205-0.0348 ms
+# against 0.0204-0.0314 whole in three sweeps), and its f32 partials' sum is a kernel of its own where the block's
+# norm kernel (``block_quantize.norm_tiles``) takes o's output: 2 us a layer and decode step (benchmarks/RESULTS.md,
+# "Block-scaled FP8 on Hopper")
+SPLIT_MIN_SLICES = 32
 
 
 def default_tuning(rows: int, interpret=False, *, cols: int = 0, slices: int = 1) -> Tuning:
@@ -108,9 +114,10 @@ def default_tuning(rows: int, interpret=False, *, cols: int = 0, slices: int = 1
     told (the interpreter has no clusters). Up to SMALL_M rows: SMALL_M_TUNING, whose 64-column tiles double the
     tiles where 128-column ones would be fewer than the multiprocessors (a llama1b decode step's q|k|v, o and w_down;
     its gate|up has 256 tiles of 128 columns and keeps them); where even so the tiles are at most half the
-    multiprocessors (o and w_down: 64 tiles), the slices are split in two (split-K: ``Tuning.splits``) so that twice
-    the programs run. More rows: LARGE_M_TUNING, chained where its 2 stages divide a tile's steps. Measured on an
-    H200: benchmarks/RESULTS.md, "Block-scaled FP8 on Hopper"."""
+    multiprocessors and the contraction has at least SPLIT_MIN_SLICES slices (w_down: 64 tiles, 64 slices), the slices
+    are split in two (split-K: ``Tuning.splits``) so that twice the programs run. More rows: LARGE_M_TUNING, chained
+    where its 2 stages divide a tile's steps. Measured on an H200: benchmarks/RESULTS.md, "Block-scaled FP8 on
+    Hopper"."""
     if interpret:
         return Tuning()
     if rows > SMALL_M:
@@ -120,7 +127,7 @@ def default_tuning(rows: int, interpret=False, *, cols: int = 0, slices: int = 1
     tuning = SMALL_M_TUNING
     if cols and row_tiles * -(-cols // TILE_N) >= sms:
         tuning = dataclasses.replace(tuning, tile_n=TILE_N)
-    if cols and 2 * row_tiles * -(-cols // tuning.tile_n) <= sms and slices % 2 == 0:
+    if cols and 2 * row_tiles * -(-cols // tuning.tile_n) <= sms and slices % 2 == 0 and slices >= SPLIT_MIN_SLICES:
         tuning = dataclasses.replace(tuning, splits=2)
     return tuning
 

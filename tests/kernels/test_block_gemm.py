@@ -404,10 +404,10 @@ def test_a_decode_steps_rows_take_the_small_m_tuning():
     for slices, chain in ((16, True), (64, True), (320, True), (15, True), (13, False), (14, False), (1, False)):
         assert block_kernel.default_tuning(block_kernel.SMALL_M + 1, slices=slices) == dataclasses.replace(
             large, chain=chain), slices
-    # a llama1b decode step (132 multiprocessors off a GPU): q|k|v's 48 tiles of 128 columns become 96 of 64; o's and
-    # w_down's 64 also split their slices in two; gate|up's 256 tiles of 128 columns stay so
+    # a llama1b decode step (132 multiprocessors off a GPU): q|k|v's 48 tiles of 128 columns become 96 of 64; w_down's
+    # 64 also split its 64 slices in two (o's 16 slices stay whole); gate|up's 256 tiles of 128 columns stay so
     small = block_kernel.Tuning(cluster=2, tile_n=64)
-    for cols, slices, tuning in ((3072, 16, small), (2048, 16, dataclasses.replace(small, splits=2)),
+    for cols, slices, tuning in ((3072, 16, small), (2048, 16, small), (2048, 32, dataclasses.replace(small, splits=2)),
                                  (2048, 64, dataclasses.replace(small, splits=2)), (2048, 15, small),
                                  (16384, 16, dataclasses.replace(small, tile_n=128))):
         assert block_kernel.default_tuning(256, cols=cols, slices=slices) == tuning, (cols, slices)
