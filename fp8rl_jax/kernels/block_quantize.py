@@ -140,8 +140,10 @@ def quantize_tiles(a: jax.Array, dtype, *, rows: bool = True, cols: bool = True,
     )(a)
 
 
-# norm_tiles' rows a program: at most SMALL_ROWS rows (a decode step) NORM_ROWS_SMALL, else NORM_ROWS
-NORM_ROWS_SMALL, NORM_ROWS = 2, 8
+# norm_tiles' rows a program (with 4 warps): on an H200 at llama1b's width, 2 rows took 3 us at a decode step's 256 rows
+# (as did 1 and 4, with 2 to 8 warps) and 0.069 ms at a prefill's 16,384 (1 to 4 rows, 2 to 8 warps: 0.066-0.073)
+# (benchmarks/RESULTS.md, "Block-scaled FP8 on Hopper")
+NORM_ROWS = 2
 
 
 def _norm_width(x: jax.Array) -> bool:
@@ -161,9 +163,9 @@ def norm_fits(x: jax.Array) -> bool:
 
 
 def norm_rows(p: int) -> int:
-    """``norm_tiles``' default rows a program for ``p`` rows: the largest power of 2 up to NORM_ROWS_SMALL (at most
-    SMALL_ROWS rows) or NORM_ROWS (more) that divides ``p``."""
-    rows = NORM_ROWS_SMALL if p <= SMALL_ROWS else NORM_ROWS
+    """``norm_tiles``' default rows a program for ``p`` rows: the largest power of 2 up to NORM_ROWS that divides
+    ``p``."""
+    rows = NORM_ROWS
     while p % rows:
         rows //= 2
     return rows
