@@ -19,7 +19,6 @@ kernel must move (its input read once, each form's FP8 values and f32 scales wri
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -29,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from fp8rl_jax.bench import emit, error_text, timeit, trace, write_script_result  # noqa: E402
+from fp8rl_jax.bench import emit, error_text, script_parser, timeit, trace, write_script_result  # noqa: E402
 from fp8rl_jax.kernels.block_quantize import TILE, quantize_tiles  # noqa: E402
 
 TOKENS = 40960
@@ -77,18 +76,13 @@ def bench(name, p, c, dtype, form, num_warps, timed, interpret, with_trace, bloc
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", required=True)
+    p = script_parser(__doc__)
     p.add_argument("--tensors", default=",".join(TENSORS), help=f"of {list(TENSORS)}")
     p.add_argument("--num-warps", default="4,8,16", help="the kernel's num_warps values (comma-separated)")
-    p.add_argument("--timed", type=int, default=10, help="timed calls (median)")
     p.add_argument("--tokens", type=int, default=TOKENS, help="the rows (256: a decode step's)")
     p.add_argument("--forms", default="", help="only these forms (rows, cols, both), e.g. rows")
     p.add_argument("--block-rows", default=str(TILE),
                    help="rows a program holds (below 128: the rows form alone; the kernel's default is by size)")
-    p.add_argument("--trace", action="store_true", help="also each row's GPU kernel time from a profiler trace")
-    p.add_argument("--check", action="store_true", help="tiny shapes, the kernel through Pallas' interpreter")
-    p.add_argument("--commit", default="", help="the commit that runs (a device's copy may report an older one)")
     argv = sys.argv[1:] if argv is None else argv
     args = p.parse_args(argv)
     table, tokens = (CHECK_TENSORS, 256) if args.check else (TENSORS, args.tokens)

@@ -12,7 +12,6 @@ the elements of the kernel's FP8 tiles that differ from XLA's route (their sums 
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -23,7 +22,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from fp8rl_jax.bench import emit, error_text, timeit, trace, write_script_result  # noqa: E402
+from fp8rl_jax.bench import emit, error_text, script_parser, timeit, trace, write_script_result  # noqa: E402
 from fp8rl_jax.kernels.block_quantize import norm_tiles, quantize_tiles  # noqa: E402
 from fp8rl_jax.model.norm import rms_norm  # noqa: E402
 
@@ -80,16 +79,11 @@ def bench(path, p, d, rows, warps, timed, interpret, with_trace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", required=True)
+    p = script_parser(__doc__, timed=20)
     p.add_argument("--shapes", default=",".join(SHAPES), help=f"of {list(SHAPES)}")
     p.add_argument("--paths", default="kernel,two_kernels")
     p.add_argument("--rows", default="1,2,4,8", help="the kernel's rows a program (comma-separated)")
     p.add_argument("--num-warps", default="1,2,4", help="the kernel's num_warps values (comma-separated)")
-    p.add_argument("--timed", type=int, default=20, help="timed calls (median)")
-    p.add_argument("--trace", action="store_true", help="also each row's GPU kernel time from a profiler trace")
-    p.add_argument("--check", action="store_true", help="tiny shapes, the kernels through Pallas' interpreter")
-    p.add_argument("--commit", default="", help="the commit that runs (a device's copy may report an older one)")
     argv = sys.argv[1:] if argv is None else argv
     args = p.parse_args(argv)
     if not args.check and jax.default_backend() != "gpu":

@@ -15,7 +15,6 @@ trainer may each take one of them.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -26,7 +25,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from fp8rl_jax.bench import emit, error_text, timeit, trace, write_script_result  # noqa: E402
+from fp8rl_jax.bench import emit, error_text, script_parser, timeit, trace, write_script_result  # noqa: E402
 from fp8rl_jax.fp8 import block_mlp  # noqa: E402
 from fp8rl_jax.kernels.block_quantize import TILE, quantize_tiles  # noqa: E402
 from fp8rl_jax.kernels.swiglu_grad import swiglu_tiles  # noqa: E402
@@ -125,17 +124,12 @@ def bench(path, m, f, block_rows, warps, timed, interpret, with_trace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", required=True)
+    p = script_parser(__doc__)
     p.add_argument("--shapes", default=",".join(SHAPES), help=f"of {list(SHAPES)}")
     p.add_argument("--paths", default="kernel,two_kernels,xla")
     p.add_argument("--block-rows", default="16,32,64,128", help="the kernel's rows a program (comma-separated)")
     p.add_argument("--num-warps", default="2,4,8", help="the kernel's num_warps values (comma-separated)")
-    p.add_argument("--timed", type=int, default=10, help="timed calls (median)")
-    p.add_argument("--trace", action="store_true", help="also each row's GPU kernel time from a profiler trace")
     p.add_argument("--bits", action="store_true", help="first the sigmoids' and the tiles' bits, XLA against Pallas")
-    p.add_argument("--check", action="store_true", help="tiny shapes, the kernels through Pallas' interpreter")
-    p.add_argument("--commit", default="", help="the commit that runs (a device's copy may report an older one)")
     argv = sys.argv[1:] if argv is None else argv
     args = p.parse_args(argv)
     if not args.check and jax.default_backend() != "gpu":

@@ -72,6 +72,21 @@ def timeit(fn, *args, repeats: int = 10) -> float:
     return statistics.median(times)
 
 
+def script_parser(doc: str, timed: int = 10):
+    """The ``argparse`` parser of a ``benchmarks/`` kernel script, with the arguments they share: ``--out``, ``--timed``
+    (timed calls, median), ``--trace`` (GPU kernel time from a profiler trace), ``--check`` (tiny shapes through
+    Pallas' interpreter, on any backend) and ``--commit`` (what ``write_script_result`` records)."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--timed", type=int, default=timed, help="timed calls (median)")
+    p.add_argument("--trace", action="store_true", help="also each row's GPU kernel time from a profiler trace")
+    p.add_argument("--check", action="store_true", help="tiny shapes, the kernels through Pallas' interpreter")
+    p.add_argument("--commit", default="", help="the commit that runs (a device's copy may report an older one)")
+    return p
+
+
 def write_script_result(out: str, script: str, argv: list[str], started: float, rows: list[dict], commit: str = "",
                         **extra) -> None:
     """A ``benchmarks/`` script's result file: the device, backend, JAX version, commit (``commit`` or
