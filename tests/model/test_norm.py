@@ -198,3 +198,41 @@ def test_benchmark_runs_interpreted(tmp_path, benchmark_script):
     rows = json.loads(out.read_text())["rows"]
     assert [r["path"] for r in rows] == ["kernel", "kernel", "two_kernels"]
     assert all(r["differ"] == r["scales_differ"] == r["residual_differs"] == 0 for r in rows), rows
+
+
+@pytest.mark.gpu
+def test_gpu_block_decode_step_with_its_kernels_follows_the_xla_route(monkeypatch):
+    """On the GPU a block-scaled decode step at llama1b's width (2 layers, 256 sequences: the norm kernel, the
+    attention kernel's tiles, the Mosaic GEMMs) against the same step with the attention kernel's BF16 output and
+    XLA's norms and quantizer: the sums of squares add in other orders, so a few tiles move by an FP8 step and the
+    logits by their effect only."""
+    from fp8rl_jax.model.config import LlamaConfig
+
+    config = LlamaConfig(vocab_size=512, hidden_size=2048, intermediate_size=8192, num_layers=2, num_heads=32,
+                         num_kv_heads=8, head_dim=64, rope_theta=500000.0, max_position_embeddings=512)
+    params = llama.init_params(config, jax.random.PRNGKey(3), std=0.02)
+    prec = Precision(backend="xla", recipe=BLOCK)
+    state = llama.init_fp8_state(config, prec)
+    rp = rollout_params(params, state, prec, config.num_layers)
+    b = 256
+    tokens = jnp.asarray(np.random.RandomState(1).randint(0, config.vocab_size, (b, 24)))
+    cache = kv_cache.init_cache(config, b, 32, kv_cache.cache_dtype(prec))
+    positions = jnp.broadcast_to(jnp.arange(24), (b, 24))
+    _, cache, _ = jax.jit(lambda c: llama.forward(rp, tokens, positions, config=config, precision=prec,
+                                                  fp8_state=state, cache=c))(cache)
+
+    def step():
+        return llama.forward(rp, tokens[:, -1:], jnp.full((b, 1), 24), config=config, precision=prec,
+                             fp8_state=state, cache=cache, decode_attention="pallas")[0]
+
+    calls, kernel = [], block_quantize.norm_tiles
+    monkeypatch.setattr(block_quantize, "norm_tiles", lambda *a, add=None, **kw: calls.append(add is not None)
+                        or kernel(*a, add=add, **kw))
+    got = jax.jit(lambda: step())()
+    assert calls == [False, True]  # the block traced once (the layers are scanned)
+    monkeypatch.setattr(block_quantize, "norm_fits", lambda x: False)
+    monkeypatch.setattr(llama, "_decode_output", lambda *a: {})
+    want = jax.jit(lambda: step())()  # traced anew
+    a, w = np.asarray(got), np.asarray(want)
+    assert np.all(np.isfinite(a)) and np.mean(a == w) > 0.9, np.mean(a == w)
+    np.testing.assert_allclose(a, w, atol=0.05 * np.abs(w).max())
