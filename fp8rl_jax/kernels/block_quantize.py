@@ -178,14 +178,15 @@ def norm_tiles(x: jax.Array, weight: jax.Array, eps: float, dtype, *, add: jax.A
     normed value's tiles in ``dtype`` [P, C] and their inverse scales laid [C / 128, P] (``quantize_tiles``' rows
     form).
 
-    The normed value is ``model.llama.rms_norm``'s arithmetic: ``h = (w * (s * rsqrt(mean(s^2) + eps)))`` in f32,
+    The normed value is ``model.norm.rms_norm``'s arithmetic: ``h = (w * (s * rsqrt(mean(s^2) + eps)))`` in f32,
     rounded to ``h_dtype`` (default x's dtype), then ``row_tiles``. One difference: the sum of squares is added in
     another order than XLA's reduction, so ``rsqrt`` may differ from XLA's in its last bit and then an element of h
-    by one unit of ``h_dtype`` (rarely: the GPU test counts them). Where XLA and this kernel each make a linear's
-    input (a rollout's decode against a trainer) their operands may differ there, as any two GEMM shapes' do.
+    by one unit of ``h_dtype`` (rarely: 9-15 FP8 values of 33.5 million moved at a prefill's 16,384 rows on an H200,
+    none at a decode step's 256: ``benchmarks/norm_tiles_speed.py``). Where XLA and this kernel each make a
+    linear's input (a rollout against a trainer) their operands may differ there, as any two GEMM shapes' do.
 
-    Why: at a decode step each kernel costs about its launch. An RMSNorm (with the residual add before it) as an XLA
-    fusion, then ``quantize_tiles`` of its output, are two kernels where per-tensor scaling's cast rides in the
+    Why: at a decode step each kernel costs about its launch. The residual add and the RMSNorm as XLA fusions, then
+    ``quantize_tiles`` of the norm's output, are a kernel or two more where per-tensor scaling's cast rides in the
     norm's fusion. A program holds ``rows_per_program`` whole rows (default ``norm_rows``) in registers, loaded at
     once: a walk over their tiles, loads and stores in turn, was latency-bound (benchmarks/RESULTS.md). C / 128 is a
     power of 2 (Triton's blocks are; ``norm_fits``)."""
