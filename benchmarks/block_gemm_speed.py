@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
-import json
 import os
 import sys
 import time
@@ -56,7 +55,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax import lax  # noqa: E402
 
-from fp8rl_jax.bench import device_name, emit, error_text, timeit, trace, tree_commit  # noqa: E402
+from fp8rl_jax.bench import emit, error_text, script_header, timeit, trace, write_json  # noqa: E402
 from fp8rl_jax.fp8 import block  # noqa: E402
 from fp8rl_jax.kernels import cublaslt  # noqa: E402
 from fp8rl_jax.kernels.block_gemm import Tuning, block_gemm_mgpu, default_tuning  # noqa: E402
@@ -260,14 +259,8 @@ def main(argv: list[str] | None = None) -> None:
         rows += bench_shape(name, m, n, k, paths, jnp.dtype(args.out_dtype), repeats, timed, tunings,
                             interpret=args.check, distinct_weights=args.distinct_weights, trace=args.trace,
                             algos=args.cublaslt_algos)
-    commit = args.commit or tree_commit()
-    result = {"device": device_name(), "backend": jax.default_backend(), "jax": jax.__version__, "commit": commit,
-              "command": " ".join(["python", "benchmarks/block_gemm_speed.py", *argv]),
-              "xla_flags": os.environ.get("XLA_FLAGS", ""), "repeats": repeats, "timed": timed,
-              "seconds": round(time.time() - t0, 1), "rows": rows}
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    write_json(args.out, {**script_header("block_gemm_speed", argv, t0, args.commit), "xla_flags":
+                          os.environ.get("XLA_FLAGS", ""), "repeats": repeats, "timed": timed, "rows": rows})
     print(f"wrote {args.out}: {len(rows)} rows", flush=True)
     failed = [r for r in rows if "error" in r and "cuBLASLt offers" not in r["error"]]  # not: a rank beyond them
     bound = 1e-3 if args.out_dtype == "float32" else 2.0**-8  # a BF16 output adds its rounding (2^-9 relative)

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
-import json
 import math
 import os
 import statistics
@@ -41,7 +40,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from fp8rl_jax.bench import emit, error_text, tree_commit  # noqa: E402
+from fp8rl_jax.bench import emit, error_text, script_header, write_json  # noqa: E402
 from fp8rl_jax.fp8 import kv as kvq  # noqa: E402
 from fp8rl_jax.kernels import decode_attention as da  # noqa: E402
 from fp8rl_jax.model import attention  # noqa: E402
@@ -314,13 +313,8 @@ def main(argv=None):
                     if xla and "us_per_layer" in row:
                         row["speedup_vs_xla"] = round(xla[0] / row["us_per_layer"], 3)
                 sweep += second
-    device = jax.devices()[0]
-    result = {
-        "device": getattr(device, "device_kind", device.platform), "backend": jax.default_backend(),
-        "jax": jax.__version__, "commit": tree_commit(),
-        "command": " ".join(["python", "benchmarks/decode_attention.py", *sys.argv[1:]]),
-        "interpret": args.interpret, "rows": rows, "sweep": sweep,
-    }
+    result = {**script_header("decode_attention", sys.argv[1:] if argv is None else argv), "interpret": args.interpret,
+              "rows": rows, "sweep": sweep}
     best = {}
     for row in sweep:
         if row.get("impl") == "pallas" and "us_per_layer" in row:
@@ -329,9 +323,7 @@ def main(argv=None):
                 best[key] = {k: row[k] for k in ("block_k", "k_splits", "heads_per_program", "num_warps",
                                                  "num_stages", "dot_dtype", "us_per_layer", "gb_per_s_needed")}
     result["sweep_best"] = best
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    write_json(args.out, result)
     print(f"wrote {args.out}: {len(rows)} rows, {len(sweep)} sweep rows", flush=True)
     if not all(math.isfinite(r.get("max_abs_diff_vs_xla", 0.0)) for r in rows + sweep
                if isinstance(r.get("max_abs_diff_vs_xla", 0.0), float)):

@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import functools
 import itertools
-import json
 import os
 import sys
 import tempfile
@@ -51,7 +50,7 @@ import numpy as np  # noqa: E402
 from jax.experimental import pallas as pl  # noqa: E402
 from jax.experimental.pallas import triton as plgpu  # noqa: E402
 
-from fp8rl_jax.bench import device_name, emit, error_text, timeit, tree_commit  # noqa: E402
+from fp8rl_jax.bench import emit, error_text, script_header, timeit, write_json  # noqa: E402
 from fp8rl_jax.bench.trace import summarize_trace  # noqa: E402
 from fp8rl_jax.fp8 import xla  # noqa: E402
 from fp8rl_jax.fp8.recipe import Fp8Recipe  # noqa: E402
@@ -229,12 +228,7 @@ def main(argv: list[str] | None = None) -> None:
             key = f'{r["shape"]}/m{r["m"]}/{r["impl"].split("_")[0]}'
             if key not in best or r["us_per_gemm"] < best[key]["us_per_gemm"]:
                 best[key] = r
-    result = {"device": device_name(), "backend": jax.default_backend(), "jax": jax.__version__,
-              "commit": tree_commit(), "command": " ".join(["python", "benchmarks/fp8_gemm.py", *argv]),
-              "seconds": round(time.time() - t0, 1), "rows": rows, "best": best}
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    write_json(args.out, {**script_header("fp8_gemm", argv, t0), "rows": rows, "best": best})
     for key, r in sorted(best.items()):
         print(key, r["us_per_gemm"], "us", r["weight_tb_per_s"], "TB/s",
               {k: r[k] for k in SWEEP if k in r})

@@ -87,21 +87,33 @@ def script_parser(doc: str, timed: int = 10):
     return p
 
 
-def write_script_result(out: str, script: str, argv: list[str], started: float, rows: list[dict], commit: str = "",
-                        **extra) -> None:
-    """A ``benchmarks/`` script's result file: the device, backend, JAX version, commit (``commit`` or
-    ``tree_commit``), its command line, the seconds since ``started``, ``extra`` fields and ``rows``; then exits
-    non-zero if a row holds an error."""
-    import sys
-
+def script_header(script: str, argv: list[str], started: float | None = None, commit: str = "") -> dict:
+    """What every ``benchmarks/`` script's result file starts with: the device, backend, JAX version, commit
+    (``commit`` or ``tree_commit``: a device's copy of the tree may report an older one), its command line and, with
+    ``started``, the seconds since."""
     import jax
 
-    result = {"device": device_name(), "backend": jax.default_backend(), "jax": jax.__version__,
-              "commit": commit or tree_commit(), "command": " ".join(["python", f"benchmarks/{script}.py", *argv]),
-              "seconds": round(time.time() - started, 1), **extra, "rows": rows}
+    header = {"device": device_name(), "backend": jax.default_backend(), "jax": jax.__version__,
+              "commit": commit or tree_commit(), "command": " ".join(["python", f"benchmarks/{script}.py", *argv])}
+    if started is not None:
+        header["seconds"] = round(time.time() - started, 1)
+    return header
+
+
+def write_json(out: str, result: dict) -> None:
+    """``result`` as indented JSON at ``out`` (its folder made)."""
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
         json.dump(result, f, indent=1)
+
+
+def write_script_result(out: str, script: str, argv: list[str], started: float, rows: list[dict], commit: str = "",
+                        **extra) -> None:
+    """A ``benchmarks/`` script's result file: ``script_header``, ``extra`` fields and ``rows``; then exits non-zero
+    if a row holds an error."""
+    import sys
+
+    write_json(out, {**script_header(script, argv, started, commit), **extra, "rows": rows})
     print(f"wrote {out}: {len(rows)} rows", flush=True)
     if any("error" in r for r in rows):
         sys.exit(f"{sum('error' in r for r in rows)} rows failed")
