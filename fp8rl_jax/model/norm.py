@@ -35,7 +35,7 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float, dtype=None) -> jax.Arr
 def norm_tiles_apply(x: jax.Array, kernel, fp8_state, precision: Precision) -> bool:
     """Whether ``normed`` makes the next linear's tiles itself: block scaling in 1 x 128 tiles with its forward in
     FP8, the rollout's pre-quantized ``kernel`` with its FP8 state, and the kernel runs for ``x`` [..., D] here
-    (``block_quantize.norm_fits``: a GPU, 128 dividing D, no mesh)."""
+    (``block_quantize.norm_fits``: a GPU, D 128 times a power of 2, no mesh)."""
     recipe = precision.recipe
     return (precision.fp8 and recipe.scaling == "block" and recipe.block_forward != "tokens_blocks"
             and "fprop" in recipe.fp8_gemms and fp8_state is not None and isinstance(kernel, QuantizedKernel)
