@@ -147,6 +147,12 @@ class Fp8Recipe:
         return self.scaling in ("tensor", "rowwise")
 
     @property
+    def tiles_forward(self) -> bool:
+        """Block scaling whose forward GEMM runs in FP8 on 1 x 128 tiles of its input (``block_forward`` tiles_*): the
+        form a kernel that makes the input (a norm, the decode attention) can hand over as ``block.Tiles``."""
+        return self.scaling == "block" and self.block_forward != "tokens_blocks" and "fprop" in self.fp8_gemms
+
+    @property
     def fwd_dtype(self):
         return E4M3
 

@@ -45,14 +45,19 @@ NUM_WARPS = 8
 SMALL_ROWS, SMALL_ROWS_BLOCK = 256, 32
 
 
-def fits(a: jax.Array) -> bool:
-    """Whether the kernels run for ``a`` here: a GPU, a 2-D array whose sizes 128 divides, no mesh of several
-    devices."""
-    if jax.default_backend() != "gpu" or not _tiled(a):
+def _one_gpu() -> bool:
+    """A GPU backend and no mesh of several devices (a ``pallas_call`` has no partitioning rule)."""
+    if jax.default_backend() != "gpu":
         return False
     from fp8rl_jax.parallel import rules
 
     return rules.active_mesh() is None
+
+
+def fits(a: jax.Array) -> bool:
+    """Whether the kernels run for ``a`` here: a GPU, a 2-D array whose sizes 128 divides, no mesh of several
+    devices."""
+    return _tiled(a) and _one_gpu()
 
 
 def _tiled(a: jax.Array) -> bool:
@@ -155,11 +160,7 @@ def _norm_width(x: jax.Array) -> bool:
 def norm_fits(x: jax.Array) -> bool:
     """Whether ``norm_tiles`` runs for ``x`` [P, C] here: a GPU, C 128 times a power of 2 (2048, 4096), no mesh of
     several devices."""
-    if jax.default_backend() != "gpu" or not _norm_width(x):
-        return False
-    from fp8rl_jax.parallel import rules
-
-    return rules.active_mesh() is None
+    return _norm_width(x) and _one_gpu()
 
 
 def norm_rows(p: int) -> int:

@@ -277,8 +277,7 @@ def _decode_output(wo, wo_state, precision: Precision, q_size: int) -> dict:
         return {}
     if recipe.scaling == "tensor":
         return {"out_scale": wo_state["x"]["scale"], "out_dtype": recipe.fwd_dtype}
-    if (recipe.scaling == "block" and recipe.block_forward != "tokens_blocks" and "fprop" in recipe.fp8_gemms
-            and q_size % BLOCK == 0 and rules.active_mesh() is None):
+    if recipe.tiles_forward and q_size % BLOCK == 0 and rules.active_mesh() is None:
         return {"out_tiles": recipe.fwd_dtype}
     return {}
 

@@ -36,10 +36,8 @@ def norm_tiles_apply(x: jax.Array, kernel, fp8_state, precision: Precision) -> b
     """Whether ``normed`` makes the next linear's tiles itself: block scaling in 1 x 128 tiles with its forward in
     FP8, the rollout's pre-quantized ``kernel`` with its FP8 state, and the kernel runs for ``x`` [..., D] here
     (``block_quantize.norm_fits``: a GPU, D 128 times a power of 2, no mesh)."""
-    recipe = precision.recipe
-    return (precision.fp8 and recipe.scaling == "block" and recipe.block_forward != "tokens_blocks"
-            and "fprop" in recipe.fp8_gemms and fp8_state is not None and isinstance(kernel, QuantizedKernel)
-            and block_quantize.norm_fits(x.reshape(-1, x.shape[-1])))
+    return (precision.fp8 and precision.recipe.tiles_forward and fp8_state is not None
+            and isinstance(kernel, QuantizedKernel) and block_quantize.norm_fits(x.reshape(-1, x.shape[-1])))
 
 
 def normed(x: jax.Array, add: jax.Array | None, weight: jax.Array, eps: float, kernel, fp8_state,
