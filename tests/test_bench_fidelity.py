@@ -91,3 +91,26 @@ def test_one_form_on_a_tiny_model():
     m = fidelity.grad_metrics(grad, ref, config)
     assert 0 < m["grad_rel_err_vs_f32"] < 0.5 and len(m["per_layer"]) == 2
     assert 0 < np.abs(logp - ref_logp)[batch["mask"]].mean() < 0.1
+
+
+def test_trained_params_are_the_checkpoints_master(tmp_path):
+    """``--checkpoint``: the master parameters a trainer saved, for a model of the shipped shape; another shape is
+    an error naming the checkpoint."""
+    from pathlib import Path
+
+    from fp8rl_jax.config import load_config_file
+    from fp8rl_jax.trainer import Trainer
+
+    config = load_config_file(str(Path(__file__).resolve().parents[1] / "configs" / "tiny.py"))
+    with config.unlocked():
+        config.workdir = str(tmp_path / "run")
+        config.logging.progress = config.logging.tensorboard = config.logging.plots = False
+    trainer = Trainer(config)
+    trainer.save()
+    want, model = jax.tree.map(np.asarray, trainer.state["params"]), trainer.model
+    trainer.close()
+    got_model, got = fidelity.trained_params(config, str(tmp_path / "run"), model)
+    assert got_model == model
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, got), want)
+    with pytest.raises(SystemExit, match="--checkpoint=.*run: its model .* is not the shipped SmolLM2"):
+        fidelity.trained_params(config, str(tmp_path / "run"), model.replace(num_layers=model.num_layers + 1))

@@ -121,12 +121,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pool", type=int, default=32, help="prompts sampled to find those groups, in order")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--forms", default="all", help="comma-separated names (see fidelity.forms), or all")
+    parser.add_argument("--checkpoint", default=None,
+                        help="smollm2: the parameters of a trainer checkpoint of it (a run's workdir, its "
+                             "checkpoints/ folder or one step's folder) instead of the shipped ones; the batches "
+                             "are still the shipped model's")
 
 
 def run(args) -> list[dict]:
     from fp8rl_jax.config import load_config_file
     from fp8rl_jax.model import loading
 
+    if args.checkpoint and args.model != "smollm2":
+        raise SystemExit(f"--checkpoint is SmolLM2's trained parameters; --model={args.model} has random weights")
     config = load_config_file(args.config)
     config.precision.mode, config.precision.backend = "fp8_e2e", "xla"
     base = plan.run_precision(config, "train")
@@ -142,6 +148,8 @@ def run(args) -> list[dict]:
     print(f"batches sampled in {time.perf_counter() - t0:.0f} s: {probe['info']}", flush=True)
     if args.model == "smollm2":
         model, params = sampler_model, sampler_params
+        if args.checkpoint:
+            model, params = trained_params(config, args.checkpoint, sampler_model)
     else:
         model, params, _ = loading.load_model(dataclasses.replace(
             spec, source="preset", preset="llama3_1b", tokenizer="smollm2", num_layers=args.layers,
@@ -171,7 +179,23 @@ def run(args) -> list[dict]:
     return rows
 
 
+def trained_params(config, checkpoint: str, shipped: LlamaConfig) -> tuple[LlamaConfig, dict]:
+    """``(model, master params)`` of the trainer checkpoint ``checkpoint`` (``eval.cli.resolve_checkpoint``'s
+    forms), which must be of the shipped model's shape."""
+    from fp8rl_jax.eval.cli import resolve_checkpoint
+    from fp8rl_jax.policy_io import load_policy
+
+    folder, step = resolve_checkpoint(checkpoint)
+    model, params, _, _, _ = load_policy(config, folder, step)
+    if model != shipped:
+        raise SystemExit(f"--checkpoint={checkpoint}: its model {model} is not the shipped SmolLM2's {shipped}")
+    print(f"parameters: {folder} step {step}", flush=True)
+    return model, params
+
+
 def describe(model: LlamaConfig, args) -> str:
+    if args.model == "smollm2" and args.checkpoint:
+        return f"SmolLM2-135M-Instruct after RL: the master parameters of the checkpoint {args.checkpoint}"
     if args.model == "smollm2":
         return "SmolLM2-135M-Instruct (the embedded GGUF, dequantized to f32)"
     return (f"Llama-3.2-1B shapes (hidden {model.hidden_size}, MLP {model.intermediate_size}), {model.num_layers} "
