@@ -290,15 +290,23 @@ def test_gpu_kernel_variants_equal_block_gemm(p, q, c, form, cluster, variant):
 ])
 def test_gpu_split_contraction_equals_block_gemm(p, q, c, form, tuning):
     """Split-K on small-integer operands (exact slice sums): the partials' sum in another order, within the same
-    bound as one run; the BF16 output is that f32 result rounded."""
+    bound as one run; the BF16 output is the partials' f32 sum rounded. XLA sums the partials in its own order, which
+    may differ between the f32 and the BF16 program (an H200 did at 256 x 2048 x 8192 in 4 splits: 11 of 524,288
+    values a BF16 unit apart, f32 sums on either side of a BF16 midpoint), so the BF16 value is the rounding of the
+    f32 result moved by up to the f32 errors of summing ``splits`` partials."""
     qa, sa, qb, sb, rows = integers(p, q, c, form)
     got = jax.jit(lambda *a: block_gemm_mgpu(*a, tuning=tuning))(qa, sa, qb, sb)
     want = jax.jit(block.block_gemm)(qa, sa, qb, rows)
     mag = np.asarray(magnitude(qa, sa, qb, rows))
     err = np.abs(np.asarray(got) - np.asarray(want))
     assert (err <= (3 * block.num_blocks(c) + 4) * U * mag).all(), err.max()
-    got16 = jax.jit(lambda *a: block_gemm_mgpu(*a, jnp.bfloat16, tuning=tuning))(qa, sa, qb, sb)
-    np.testing.assert_array_equal(np.asarray(got16, np.float32), np.asarray(got.astype(jnp.bfloat16), np.float32))
+    got16 = np.asarray(jax.jit(lambda *a: block_gemm_mgpu(*a, jnp.bfloat16, tuning=tuning))(qa, sa, qb, sb),
+                       np.float32)
+    order = tuning.splits * 2 * U * mag  # two f32 sums of the partials in any orders: this far apart at most
+    rounded = [np.asarray(jnp.asarray(np.asarray(got) + d).astype(jnp.bfloat16), np.float32)
+               for d in (-order, 0, order)]
+    assert ((got16 == rounded[0]) | (got16 == rounded[1]) | (got16 == rounded[2])).all()
+    assert (got16 != rounded[1]).mean() < 1e-3  # only values at a midpoint
 
 
 @pytest.mark.gpu
