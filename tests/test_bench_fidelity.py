@@ -114,3 +114,19 @@ def test_trained_params_are_the_checkpoints_master(tmp_path):
     jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, got), want)
     with pytest.raises(SystemExit, match="--checkpoint=.*run: its model .* is not the shipped SmolLM2"):
         fidelity.trained_params(config, str(tmp_path / "run"), model.replace(num_layers=model.num_layers + 1))
+
+
+def test_plot_draws_the_forms_a_run_has(tmp_path):
+    """``plot``: a PNG from any subset of the forms it knows (the panels of absent forms left out); none is an
+    error."""
+    def row(form, err):
+        roles = {r: {"cos": 1.0, "rel_err": err} for r in ("qkv", "o", "gate_up", "down", "head", "norms")}
+        layers = [{"layer": i, "cos": 1.0, "rel_err": err + i / 10} for i in range(3)]
+        return {"form": form, "grad_rel_err_vs_f32": err, "per_role": roles, "per_layer": layers}
+
+    rows = [row("bf16", 0.03), row("tensor", 0.4), row("block", 0.35), row("fprop_only", 0.3)]
+    for subset in (rows, rows[2:3]):
+        path = tmp_path / f"{len(subset)}.png"
+        assert fidelity.plot(subset, str(path)) == str(path) and path.read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(ValueError, match="no form to plot"):
+        fidelity.plot([row("head_fp8", 0.4)], str(tmp_path / "none.png"))

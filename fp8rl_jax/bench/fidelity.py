@@ -121,6 +121,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pool", type=int, default=32, help="prompts sampled to find those groups, in order")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--forms", default="all", help="comma-separated names (see fidelity.forms), or all")
+    parser.add_argument("--plot", default="", help="also draw the result into this PNG (``plot``)")
     parser.add_argument("--checkpoint", default=None,
                         help="smollm2: the parameters of a trainer checkpoint of it (a run's workdir, its "
                              "checkpoints/ folder or one step's folder) instead of the shipped ones; the batches "
@@ -176,6 +177,8 @@ def run(args) -> list[dict]:
         rows.append(row)
         del logp, grad, state
         jax.clear_caches()  # this form's programs and their buffers
+    if args.plot:
+        print(f"wrote {plot(rows, args.plot)}", flush=True)
     return rows
 
 
@@ -338,3 +341,79 @@ def output(rows: list[dict], args) -> dict:
             "calibration": "delayed scales: the amaxes of the 'tensor' form's second pass of the loss's gradient over "
                            "the next prompts' batch (the first under scale 1), in each form's formats",
             "rows": rows}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the plot
+
+# what each panel shows, where the rows have it: the gradient error by source (the FP8 GEMMs of one kind alone, the
+# rest BF16), by scaling, then per role and per block for the forms that frame the issue's target
+SOURCES = (("bf16", "BF16"), ("fprop_only", "blocks' forward alone"), ("dgrad_only", "blocks' dgrad alone"),
+           ("wgrad_only", "blocks' wgrad alone"), ("head_only", "head's backward alone"), ("tensor", "all (fp8_e2e)"))
+SCALINGS = (("tensor", "per-tensor delayed"), ("current", "per-tensor current"), ("rowwise", "rowwise"),
+            ("tensor_e4m3", "per-tensor, E4M3 grads"), ("block_hybrid", "block, E5M2 grads"), ("block", "block"),
+            ("mantissa_e4m3", "floor: E4M3 mantissa"))
+FRAMED = ("bf16", "tensor", "block", "mantissa_e4m3", "fprop_only")
+
+
+def plot(rows: list[dict], path: str) -> str:
+    """Draw a probe's rows into ``path`` (PNG): the gradient's relative error against f32 by source and by scaling
+    (bars; the dashed line is half of per-tensor delayed scaling's, the issue's target for block), per GEMM role
+    and per block for the framing forms. Panels whose forms a run left out are left out."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    by = {r["form"]: r for r in rows}
+    bars = [(title, [(by[f], label) for f, label in group if f in by])
+            for title, group in (("by source", SOURCES), ("by scaling", SCALINGS))]
+    bars = [(title, group) for title, group in bars if group]
+    framed = [by[f] for f in FRAMED if f in by]
+    panels = len(bars) + 2 * bool(framed)
+    if not panels:
+        raise ValueError(f"no form to plot among {sorted(by)}")
+    cols = min(panels, 2)
+    fig, axes = plt.subplots(-(-panels // cols), cols, figsize=(6.4 * cols, 4.0 * -(-panels // cols)), squeeze=False)
+    axes = list(axes.ravel())
+    target = 0.5 * by["tensor"]["grad_rel_err_vs_f32"] if "tensor" in by else None
+    try:
+        for (title, group), ax in zip(bars, axes, strict=False):
+            values = [r["grad_rel_err_vs_f32"] for r, _ in group]
+            ax.barh(range(len(group)), values, color="tab:blue")
+            ax.set_yticks(range(len(group)), [label for _, label in group])
+            ax.invert_yaxis()
+            for i, v in enumerate(values):
+                ax.text(v, i, f" {v:.3f}", va="center", fontsize=8)
+            if target is not None:
+                ax.axvline(target, color="tab:red", linestyle="--", linewidth=1, label="0.5 x per-tensor")
+                ax.legend(loc="lower right", fontsize=8)
+            ax.set_xlim(0, 1.2 * max(values))
+            ax.set_title(f"policy gradient's error vs f32, {title}", fontsize=9)
+            ax.set_xlabel("||g - g_f32|| / ||g_f32||")
+        if framed:
+            ax_role, ax_layer = axes[len(bars): len(bars) + 2]
+            roles = list(framed[0]["per_role"])
+            width = 0.8 / len(framed)
+            for k, r in enumerate(framed):
+                ax_role.bar([i + k * width for i in range(len(roles))], [r["per_role"][q]["rel_err"] for q in roles],
+                            width, label=r["form"])
+                layers = r["per_layer"]
+                ax_layer.plot([x["layer"] for x in layers], [x["rel_err"] for x in layers], marker=".",
+                              label=r["form"])
+            ax_role.set_xticks([i + 0.4 - width / 2 for i in range(len(roles))], roles)
+            ax_role.set_title("per GEMM role's parameters", fontsize=9)
+            ax_layer.set_title("per block's parameters", fontsize=9)
+            ax_layer.set_xlabel("block")
+            for ax in (ax_role, ax_layer):
+                ax.set_ylabel("relative error vs f32")
+                ax.grid(alpha=0.3)
+                ax.set_ylim(0, 1.2 * ax.get_ylim()[1])  # room for the legend above the lines and bars
+                ax.legend(fontsize=7, ncol=len(framed), loc="upper center")
+        for ax in axes[panels:]:  # an odd count's last cell
+            ax.set_visible(False)
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+    finally:
+        plt.close(fig)
+    return path
