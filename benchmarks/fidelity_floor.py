@@ -42,7 +42,7 @@ from fp8rl_jax.model import llama, loading
 from fp8rl_jax.numerics import fp8_max, mantissa_rounded
 
 MODE = {"patch": None, "c": 1.0}  # the variant being traced: None | "pow2" | "nosub"; the floor's grid factor
-_scales, _block_quantize, _xla_quantize = block._scales, block.quantize, xla.quantize
+_scales, _block_quantize, _xla_quantize = block.scales_of, block.quantize, xla.quantize
 WIDTH = block.BLOCK  # 128: block's group width as shipped; a block_g<g> variant sets block.BLOCK = g while traced
 
 
@@ -65,7 +65,7 @@ def shifted(t, dtype):
     return mantissa_rounded(t.astype(jnp.float32) * MODE["c"], dtype) / MODE["c"]
 
 
-block._scales, block.quantize, xla.quantize, xla.mantissa_rounded = (pow2_scales, nosub(_block_quantize),
+block.scales_of, block.quantize, xla.quantize, xla.mantissa_rounded = (pow2_scales, nosub(_block_quantize),
                                                                      nosub(_xla_quantize), shifted)
 
 
@@ -85,6 +85,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--variants", default="all", help="comma-separated names (the docstring's), or all")
     parser.add_argument("--out", default="/tmp/fidelity_floor.json")
+    parser.add_argument("--checkpoint", default=None, help="bench fidelity's --checkpoint: a trainer checkpoint's "
+                        "SmolLM2 parameters instead of the shipped ones (the batches stay the shipped model's)")
     args = parser.parse_args()
     config = load_config_file("configs/smollm2_arith.py")
     config.precision.mode, config.precision.backend = "fp8_e2e", "xla"
@@ -109,6 +111,8 @@ def main() -> None:
     model, params, tokenizer = loading.load_model(dataclasses.replace(spec, source="smollm2", tokenizer="",
                                                                       num_layers=0))
     probe, calib = fidelity.sample_batches(config, model, params, tokenizer, batch_args)
+    if args.checkpoint:
+        model, params = fidelity.trained_params(config, args.checkpoint, model)
     loss_cfg = plan.loss_config(config)
     ref_logp, ref_grad = fidelity.run_form(fidelity._loss_and_grad(model, Precision(compute_dtype="float32"),
                                                                    loss_cfg), params, probe, None)
@@ -133,7 +137,9 @@ def main() -> None:
         rows.append(row)
         jax.clear_caches()
     out = {"device": rows[0]["device"], "commit": tree_commit(), "command": "python benchmarks/fidelity_floor.py "
-           + " ".join(sys.argv[1:]), "model": "SmolLM2-135M-Instruct (the embedded GGUF, dequantized to f32)",
+           + " ".join(sys.argv[1:]), "model": f"SmolLM2-135M-Instruct after RL: the master parameters of the "
+           f"checkpoint {args.checkpoint}" if args.checkpoint else "SmolLM2-135M-Instruct (the embedded GGUF, "
+           "dequantized to f32)",
            "config": "configs/smollm2_arith.py", "batch": probe["info"], "what": __doc__.split("\n\n", 2)[2].strip(),
            "rows": rows}
     with open(args.out, "w") as f:
