@@ -1,6 +1,6 @@
 """Why block scaling beats the fidelity probe's mantissa floor (docs/accuracy.md, the block-scaling section).
 
-    python benchmarks/fidelity_floor.py [--variants NAME,NAME,...] [--out PATH]
+    python benchmarks/fidelity_floor.py [--variants NAME,NAME,...] [--out PATH] [--checkpoint DIR]
 
 ``bench fidelity``'s batch, reference and calibration (SmolLM2-135M-Instruct, its defaults), and variants of its forms
 that no config has, made by patching three functions and one constant of this process (nothing in the package
