@@ -14,7 +14,7 @@ from fp8rl_jax.bench import fidelity
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("result", help="a bench fidelity JSON file (its rows, and rows_added's forms, are drawn)")
+    ap.add_argument("result", help="a bench fidelity JSON file (its rows are drawn)")
     ap.add_argument("png")
     args = ap.parse_args()
     with open(args.result) as f:
