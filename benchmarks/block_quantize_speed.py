@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from fp8rl_jax import bench as harness  # noqa: E402
 from fp8rl_jax.bench import emit, error_text, script_parser, timeit, trace, write_script_result  # noqa: E402
 from fp8rl_jax.kernels.block_quantize import TILE, quantize_tiles  # noqa: E402
 
@@ -83,15 +84,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--forms", default="", help="only these forms (rows, cols, both), e.g. rows")
     p.add_argument("--block-rows", default=str(TILE),
                    help="rows a program holds (below 128: the rows form alone; the kernel's default is by size)")
-    argv = sys.argv[1:] if argv is None else argv
-    args = p.parse_args(argv)
+    args, argv = harness.parse_script_args(p, "block_quantize_speed", argv)
     table, tokens = (CHECK_TENSORS, 256) if args.check else (TENSORS, args.tokens)
     names = list(table) if args.check else args.tensors.split(",")
     for name in names:
         if name not in table:
             p.error(f"unknown tensor {name!r}; known: {list(table)}")
-    if not args.check and jax.default_backend() != "gpu":
-        sys.exit("block_quantize_speed times a GPU; on this backend run --check")
     t0, rows = time.time(), []
     for name in names:
         cols, dtype, forms = table[name]

@@ -22,6 +22,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from fp8rl_jax import bench as harness  # noqa: E402
 from fp8rl_jax.bench import emit, error_text, script_parser, timeit, trace, write_script_result  # noqa: E402
 from fp8rl_jax.kernels.block_quantize import norm_tiles, quantize_tiles  # noqa: E402
 from fp8rl_jax.model.norm import rms_norm  # noqa: E402
@@ -84,10 +85,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--paths", default="kernel,two_kernels")
     p.add_argument("--rows", default="1,2,4,8", help="the kernel's rows a program (comma-separated)")
     p.add_argument("--num-warps", default="1,2,4", help="the kernel's num_warps values (comma-separated)")
-    argv = sys.argv[1:] if argv is None else argv
-    args = p.parse_args(argv)
-    if not args.check and jax.default_backend() != "gpu":
-        sys.exit("norm_tiles_speed times a GPU; on this backend run --check")
+    args, argv = harness.parse_script_args(p, "norm_tiles_speed", argv)
     t0, rows = time.time(), []
     shapes = {"check": 128} if args.check else {s: SHAPES[s] for s in args.shapes.split(",")}
     d = 256 if args.check else D

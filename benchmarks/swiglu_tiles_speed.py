@@ -25,6 +25,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from fp8rl_jax import bench as harness  # noqa: E402
 from fp8rl_jax.bench import emit, error_text, script_parser, timeit, trace, write_script_result  # noqa: E402
 from fp8rl_jax.fp8 import block_mlp  # noqa: E402
 from fp8rl_jax.kernels.block_quantize import TILE, quantize_tiles  # noqa: E402
@@ -130,10 +131,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--block-rows", default="16,32,64,128", help="the kernel's rows a program (comma-separated)")
     p.add_argument("--num-warps", default="2,4,8", help="the kernel's num_warps values (comma-separated)")
     p.add_argument("--bits", action="store_true", help="first the sigmoids' and the tiles' bits, XLA against Pallas")
-    argv = sys.argv[1:] if argv is None else argv
-    args = p.parse_args(argv)
-    if not args.check and jax.default_backend() != "gpu":
-        sys.exit("swiglu_tiles_speed times a GPU; on this backend run --check")
+    args, argv = harness.parse_script_args(p, "swiglu_tiles_speed", argv)
     t0, rows, bits = time.time(), [], []
     if args.bits:
         for row in (*sigmoid_bits(args.check), tiles_bits(args.check)):

@@ -87,6 +87,20 @@ def script_parser(doc: str, timed: int = 10):
     return p
 
 
+def parse_script_args(parser, script: str, argv: list[str] | None = None):
+    """``(args, argv)`` of a ``script_parser`` script: ``argv`` (default the command line's) parsed; a timed run (no
+    ``--check``) on a backend other than a GPU exits, naming ``script``."""
+    import sys
+
+    import jax
+
+    argv = sys.argv[1:] if argv is None else argv
+    args = parser.parse_args(argv)
+    if not args.check and jax.default_backend() != "gpu":
+        sys.exit(f"{script} times a GPU; on this backend run --check")
+    return args, argv
+
+
 def script_header(script: str, argv: list[str], started: float | None = None, commit: str = "") -> dict:
     """What every ``benchmarks/`` script's result file starts with: the device, backend, JAX version, commit
     (``commit`` or ``tree_commit``: a device's copy of the tree may report an older one), its command line and, with
