@@ -40,9 +40,11 @@ def before(gate_up, g_h, s_h, s_g):
     return transpose_bytes(qh), qg, transpose_bytes(qg), amax(h), amax(dgu)
 
 
-def block_rows(out: dict, gate_up, g_h, warps: list[int], chunks: list[int | None], runs: int) -> None:
+def block_rows(out: dict, gate_up, g_h, warps: list[int], chunks: list[int | None], runs: int,
+               g_blocks: bool = False) -> None:
     """Block scaling's SwiGLU backward: the two linears' route, the XLA form and the kernel at each of ``warps`` and
-    ``chunks`` (the same bytes to move as the te backend's kernel, the tiles' scales left out)."""
+    ``chunks`` (the same bytes to move as the te backend's kernel, the tiles' scales left out); ``g_blocks``: the
+    gradient's weight-gradient form in 128 x 128 blocks (``block_wgrad='grad_blocks'``) in every route."""
     from fp8rl_jax.fp8 import block, block_mlp
     from fp8rl_jax.kernels.swiglu_grad import swiglu_grad_tiles
 
@@ -50,14 +52,15 @@ def block_rows(out: dict, gate_up, g_h, warps: list[int], chunks: list[int | Non
 
     def two_linears(gate_up, g_h):
         h, vjp = jax.vjp(lambda gu: jax.nn.silu(gu[:, :f]) * gu[:, f:], gate_up)
-        return block.tile_quantize_both(h, E4M3, rows=False), block.tile_quantize_both(vjp(g_h)[0], E4M3)
+        return (block.tile_quantize_both(h, E4M3, rows=False),
+                block.tile_quantize_both(vjp(g_h)[0], E4M3, col_blocks=g_blocks))
 
     fns = {"two linears (autodiff BF16, then the quantizer kernels on dgate_up and h)": two_linears,
-           "xla form": lambda a, b: block_mlp.swiglu_grad_tiles_any(a, b, E4M3, E4M3, "xla")}
+           "xla form": lambda a, b: block_mlp.swiglu_grad_tiles_any(a, b, E4M3, E4M3, "xla", g_blocks)}
     fns.update({f"pallas, {w} warps" + (f", chunks of {c}" if c else ""):
-                (lambda a, b, w=w, c=c: swiglu_grad_tiles(a, b, E4M3, E4M3, num_warps=w, chunk=c))
+                (lambda a, b, w=w, c=c: swiglu_grad_tiles(a, b, E4M3, E4M3, num_warps=w, chunk=c, g_blocks=g_blocks))
                 for c in chunks for w in warps})
-    whole = jax.jit(lambda a, b: swiglu_grad_tiles(a, b, E4M3, E4M3, chunk=None))(gate_up, g_h)
+    whole = jax.jit(lambda a, b: swiglu_grad_tiles(a, b, E4M3, E4M3, chunk=None, g_blocks=g_blocks))(gate_up, g_h)
     for name, fn in fns.items():
         row = {"impl": name}
         try:
@@ -83,6 +86,7 @@ def main() -> None:
     p.add_argument("--block-scaling", action="store_true", help="block scaling's kernel (module docstring)")
     p.add_argument("--warps", default="4,8,16", help="--block-scaling's num_warps values")
     p.add_argument("--chunks", default="whole", help="--block-scaling's chunk values (whole: None), e.g. whole,32")
+    p.add_argument("--g-blocks", action="store_true", help="--block-scaling: the gradient's wgrad form in blocks")
     p.add_argument("--out", default="")
     args = p.parse_args()
     configs = CONFIGS
@@ -97,7 +101,8 @@ def main() -> None:
     out = {"device": device_name(), "tokens": m, "intermediate": f, "bytes": nbytes, "rows": []}
     if args.block_scaling:
         chunks = [None if c == "whole" else int(c) for c in args.chunks.split(",")]
-        block_rows(out, gate_up, g_h, [int(w) for w in args.warps.split(",")], chunks, args.runs)
+        out["g_blocks"] = args.g_blocks
+        block_rows(out, gate_up, g_h, [int(w) for w in args.warps.split(",")], chunks, args.runs, args.g_blocks)
     else:
         per_tensor_rows(out, gate_up, g_h, configs, args.runs)
     if args.out:

@@ -124,7 +124,8 @@ def run_precision(config, role: str) -> Precision:
     fp8 = fp8 and (role == "train" or "fprop" in gemms)  # a rollout is forwards only
     recipe = Fp8Recipe(margin=p.margin, amax_history_len=p.amax_history_len,
                        amax_compute_algo=p.amax_compute_algo, fp8_format=p.fp8_format, scaling=p.scaling,
-                       fp8_gemms=gemms, block_gemm=p.block_gemm, block_forward=p.block_forward)
+                       fp8_gemms=gemms, block_gemm=p.block_gemm, block_forward=p.block_forward,
+                       block_wgrad=p.block_wgrad)
     if fp8 and recipe.scaling == "block" and recipe.block_gemm != "mosaic" and jax.default_backend() == "gpu":
         _register_cublaslt(required=recipe.block_gemm == "cublaslt")
     return Precision(

@@ -21,7 +21,10 @@ this fine E4M3 has the range a per-tensor gradient needs E5M2 for; ``hybrid`` ke
   fprop  y  = x . w      x [M, K] in 1 x 128 tiles along K; w in 128 x 128 blocks
   dgrad  dx = g . w^T    g [M, N] in 1 x 128 tiles along N; w's blocks, the same FP8 values as the forward's
   wgrad  dw = x^T . g    x and g quantized again from their high-precision values in 128 x 1 tiles (each channel's
-                         128 consecutive tokens: the contraction axis here), never from the forward's FP8 values
+                         128 consecutive tokens: the contraction axis here), never from the forward's FP8 values;
+                         with ``Fp8Recipe.block_wgrad='grad_blocks'`` g in 128 x 128 blocks instead (one operand in
+                         blocks, as the weight is in the other two: the GEMM form Hopper's block-scaled GEMMs run
+                         fastest)
 
 Sizes that are not multiples of 128 (SmolLM2's hidden size 576 = 4.5 x 128, any token count) are padded with zeros
 to the next multiple inside these functions: a zero changes no amax and adds nothing to a sum, so the last tile is
@@ -90,24 +93,30 @@ def tile_quantize(a: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
 IMPLS = ("auto", "pallas", "pallas_interpret", "xla")
 
 
-def tile_quantize_both(a: jax.Array, dtype, *, rows: bool = True, cols: bool = True, impl: str = "auto"):
+def tile_quantize_both(a: jax.Array, dtype, *, rows: bool = True, cols: bool = True, col_blocks: bool = False,
+                       impl: str = "auto"):
     """``(tile_quantize(a) or None, tile_quantize(a.T) or None)`` for ``a`` [P, C]: the forward's form of an input
     (``cols=False``), the dgrad's and the wgrad's forms of an output gradient (both), or the wgrad's form of an
-    input (``rows=False``). ``impl``: ``pallas`` (``kernels.block_quantize``: one read of ``a`` for the forms asked,
-    GPU), ``pallas_interpret`` (the same through Pallas' interpreter, tests), ``xla`` (``tile_quantize``),
-    ``auto`` (pallas where ``block_quantize.fits``, else xla). The same bits every way."""
+    input (``rows=False``). ``col_blocks``: the second form is ``block_quantize(a.T)`` instead (128 x 128 blocks,
+    inverse scales [Cb, Pb]: ``Fp8Recipe.block_wgrad='grad_blocks'``'s gradient). ``impl``: ``pallas``
+    (``kernels.block_quantize``: one read of ``a`` for the forms asked, GPU), ``pallas_interpret`` (the same
+    through Pallas' interpreter, tests), ``xla`` (``tile_quantize``, ``block_quantize``), ``auto`` (pallas where
+    ``block_quantize.fits``, else xla). The same bits every way."""
     from fp8rl_jax.kernels import block_quantize as kernels
 
     if impl not in IMPLS:
         raise ValueError(f"tile_quantize_both impl={impl!r}; allowed: {IMPLS}")
+    if col_blocks and not cols:
+        raise ValueError("tile_quantize_both: col_blocks is a form of cols")
     if impl == "auto":
         impl = "pallas" if kernels.fits(a) else "xla"
     if impl == "xla":
-        return (tile_quantize(a, dtype) if rows else None), (tile_quantize(jnp.swapaxes(a, 0, 1), dtype) if cols
-                                                              else None)
-    out = list(kernels.quantize_tiles(a, dtype, rows=rows, cols=cols, interpret=impl == "pallas_interpret"))
+        second = block_quantize if col_blocks else tile_quantize
+        return (tile_quantize(a, dtype) if rows else None), (second(jnp.swapaxes(a, 0, 1), dtype) if cols else None)
+    out = list(kernels.quantize_tiles(a, dtype, rows=rows, cols=cols, col_blocks=col_blocks,
+                                      interpret=impl == "pallas_interpret"))
     row_form = (out.pop(0), jnp.swapaxes(out.pop(0), 0, 1)) if rows else None  # inverse scales [P, Cb]
-    col_form = (out.pop(0), jnp.swapaxes(out.pop(0), 0, 1)) if cols else None  # [C, Pb]
+    col_form = (out.pop(0), jnp.swapaxes(out.pop(0), 0, 1)) if cols else None  # [C, Pb], or [Cb, Pb] in blocks
     return row_form, col_form
 
 

@@ -12,10 +12,11 @@ What it computes. The forward is the gate/up linear's forward, then ``swiglu_dow
 (``kernels.swiglu_grad.swiglu_tiles``: h is never written), then the down projection's GEMM. The rollout's MLP runs
 the same two functions on the same pre-quantized kernels, so the two forwards agree bit for bit; where the kernel does
 not run, ``swiglu_h`` and ``block.tile_quantize`` make the same tiles (on an H200 for every BF16 gate value). The
-backward is the two linears' block backward (``xla.BACKWARD_KINDS``:
-1 x 128 gradient tiles with the weight's blocks for the data gradients, 128 x 1 tiles of both operands for the weight
-gradients), except that h, dgate and dup are ``swiglu_math``'s f32 values of the same inputs, where autodiff rounds
-each op to BF16: a value near an FP8 rounding boundary may land on its neighbour (as in the te backend's MLP).
+backward is the two linears' block backward (``xla.BACKWARD_KINDS``: 1 x 128 gradient tiles with the weight's blocks
+for the data gradients, 128 x 1 tiles of both operands for the weight gradients, or the gradient in 128 x 128 blocks
+under ``Fp8Recipe.block_wgrad='grad_blocks'``), except that h, dgate and dup are ``swiglu_math``'s f32 values of the
+same inputs, where autodiff rounds each op to BF16: a value near an FP8 rounding boundary may land on its neighbour
+(as in the te backend's MLP).
 Where the kernel does not run (off a GPU, a mesh of several devices, sizes 128 does not divide) the same values go
 through ``block.tile_quantize_both``'s XLA form: the same tiles, bit for bit, as the kernel's on the values each has.
 """
@@ -34,11 +35,13 @@ from fp8rl_jax.kernels import block_quantize
 from fp8rl_jax.kernels.swiglu_grad import swiglu_grad_tiles, swiglu_h_f32, swiglu_math, swiglu_tiles
 
 
-def swiglu_grad_tiles_any(gate_up: jax.Array, g_h: jax.Array, h_dtype, g_dtype, impl: str = "auto"):
+def swiglu_grad_tiles_any(gate_up: jax.Array, g_h: jax.Array, h_dtype, g_dtype, impl: str = "auto",
+                          g_blocks: bool = False):
     """h's weight-gradient form and [dgate | dup]'s two forms in ``block.tile_quantize_both``'s layout: ``((qh_t [F,
-    M], sh [F, Mb]), ((qg [M, 2F], sg [M, 2Fb]), (qg_t [2F, M], sg_t [2F, Mb])))``. ``impl``: ``pallas`` (the
-    kernel, GPU), ``pallas_interpret`` (tests), ``xla``, ``auto`` (pallas where ``block_quantize.fits`` g_h:
-    then gate_up too)."""
+    M], sh [F, Mb]), ((qg [M, 2F], sg [M, 2Fb]), (qg_t [2F, M], sg_t [2F, Mb])))``; with ``g_blocks`` the last in
+    128 x 128 blocks (``sg_t`` [2Fb, Mb], ``tile_quantize_both``'s ``col_blocks``). ``impl``: ``pallas`` (the
+    kernel, GPU), ``pallas_interpret`` (tests), ``xla``, ``auto`` (pallas where ``block_quantize.fits`` g_h: then
+    gate_up too)."""
     if impl not in block.IMPLS:
         raise ValueError(f"swiglu_grad_tiles impl={impl!r}; allowed: {block.IMPLS}")
     if impl == "auto":
@@ -47,8 +50,9 @@ def swiglu_grad_tiles_any(gate_up: jax.Array, g_h: jax.Array, h_dtype, g_dtype, 
         f = g_h.shape[1]
         h, dgate, dup = swiglu_math(gate_up[:, :f], gate_up[:, f:], g_h)
         _, h_cols = block.tile_quantize_both(h, h_dtype, rows=False, impl="xla")
-        return h_cols, block.tile_quantize_both(jnp.concatenate([dgate, dup], axis=1), g_dtype, impl="xla")
-    qh_t, sh, qg, sg, qg_t, sg_t = swiglu_grad_tiles(gate_up, g_h, h_dtype, g_dtype,
+        return h_cols, block.tile_quantize_both(jnp.concatenate([dgate, dup], axis=1), g_dtype, col_blocks=g_blocks,
+                                                impl="xla")
+    qh_t, sh, qg, sg, qg_t, sg_t = swiglu_grad_tiles(gate_up, g_h, h_dtype, g_dtype, g_blocks=g_blocks,
                                                      interpret=impl == "pallas_interpret")
     return (qh_t, sh.T), ((qg, sg.T), (qg_t, sg_t.T))
 
@@ -122,10 +126,11 @@ def _block_swiglu_mlp_fn(x_dtype, out_dtype, recipe: Fp8Recipe, form: str, impl:
         x, gate_up, w_gate_up, w_down, st_gu, st_down, hoisted = residuals
         gu_blocks, down_blocks = (xla.hoisted_kn(h) for h in hoisted)
         none = jnp.zeros((), jnp.float32)  # block scaling observes nothing into the states (``Fp8Recipe.delayed``)
-        g_tiles = block.tile_quantize_both(g, bwd_dtype)
+        g_blocks = xla.grad_blocks(recipe)
+        g_tiles = block.tile_quantize_both(g, bwd_dtype, col_blocks=g_blocks)
         # g_h [M, F] = g [M, D] . w_down [F, D]^T
         g_h = xla.dgrad(g, w_down, kinds["dgrad"], recipe, form, none, none, g_tiles, x_dtype, down_blocks)
-        (qh_t, sh), gu_tiles = swiglu_grad_tiles_any(gate_up, g_h, fwd_dtype, bwd_dtype, impl)
+        (qh_t, sh), gu_tiles = swiglu_grad_tiles_any(gate_up, g_h, fwd_dtype, bwd_dtype, impl, g_blocks)
         # dw_down [F, D] = h^T [F, M] . g^T [D, M]^T
         qg_t, sg_t = g_tiles[1]
         d_down = xla.block_gemm(xla.gemm_operand(qh_t, fwd_dtype, form), sh, xla.gemm_operand(qg_t, bwd_dtype, form),

@@ -94,11 +94,19 @@ def col_tiles(t: jax.Array, limit: float, dtype) -> tuple[jax.Array, jax.Array]:
     return quantize(t, scale[None, :], dtype).T, inv
 
 
-def quantize_tiles(a: jax.Array, dtype, *, rows: bool = True, cols: bool = True, interpret: bool = False,
-                   num_warps: int = NUM_WARPS, block_rows: int | None = None):
+def block_tile(t: jax.Array, limit: float, dtype) -> tuple[jax.Array, jax.Array]:
+    """The same [128, 128] block under one scale, written transposed: (FP8 values [128, 128] of ``t.T``, its inverse
+    scale [1])."""
+    scale, inv = tile_scales(jnp.max(jnp.abs(t)), limit)
+    return quantize(t, scale, dtype).T, inv.reshape(1)
+
+
+def quantize_tiles(a: jax.Array, dtype, *, rows: bool = True, cols: bool = True, col_blocks: bool = False,
+                   interpret: bool = False, num_warps: int = NUM_WARPS, block_rows: int | None = None):
     """``a`` [P, C] -> ``[q, row_inv_t]`` (with ``rows``: ``a`` in 1 x 128 tiles along C, ``dtype`` [P, C], and the
     tiles' inverse scales laid [C / 128, P]) followed by ``[qt, col_inv]`` (with ``cols``: ``a`` in 128 x 1 tiles
-    along P, written transposed [C, P], and their inverse scales [P / 128, C]), from one read of ``a``.
+    along P, written transposed [C, P], and their inverse scales [P / 128, C]; with ``col_blocks`` too, ``a`` in
+    128 x 128 blocks instead, written transposed, and their inverse scales [P / 128, C / 128]), from one read of ``a``.
     ``block_rows``: the rows a program holds (a power of 2 dividing P; below 128 for the rows form alone, whose tiles
     span one row: more programs for a decode step's few rows); None: SMALL_ROWS_BLOCK for the rows form alone of at
     most SMALL_ROWS rows, else 128."""
@@ -118,9 +126,13 @@ def quantize_tiles(a: jax.Array, dtype, *, rows: bool = True, cols: bool = True,
     if rows:
         out_specs += [tile, pl.BlockSpec((1, block_rows), lambda i, j: (j, i))]
         out_shape += [jax.ShapeDtypeStruct((p, c), dtype), jax.ShapeDtypeStruct((c // TILE, p), jnp.float32)]
+    if col_blocks and not cols:
+        raise ValueError("quantize_tiles: col_blocks is a form of cols")
     if cols:
-        out_specs += [pl.BlockSpec((TILE, TILE), lambda i, j: (j, i)), pl.BlockSpec((1, TILE), lambda i, j: (i, j))]
-        out_shape += [jax.ShapeDtypeStruct((c, p), dtype), jax.ShapeDtypeStruct((p // TILE, c), jnp.float32)]
+        width = 1 if col_blocks else TILE  # inverse scales a block
+        out_specs += [pl.BlockSpec((TILE, TILE), lambda i, j: (j, i)), pl.BlockSpec((1, width), lambda i, j: (i, j))]
+        out_shape += [jax.ShapeDtypeStruct((c, p), dtype),
+                      jax.ShapeDtypeStruct((p // TILE, c // TILE if col_blocks else c), jnp.float32)]
 
     def kernel(a_ref, *out):
         t = a_ref[...].astype(jnp.float32)  # [block_rows, 128]
@@ -130,7 +142,7 @@ def quantize_tiles(a: jax.Array, dtype, *, rows: bool = True, cols: bool = True,
             inv_ref[...] = inv[None, :]
         if cols:
             qt_ref, inv_ref = out
-            qt_ref[...], inv = col_tiles(t, limit, dtype)
+            qt_ref[...], inv = (block_tile if col_blocks else col_tiles)(t, limit, dtype)
             inv_ref[...] = inv[None, :]
 
     return pl.pallas_call(

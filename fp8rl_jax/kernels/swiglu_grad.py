@@ -28,11 +28,12 @@ divide).
 
 Block scaling (``swiglu_grad_tiles``, for ``fp8.block_mlp``): the same arithmetic, each operand quantized in its
 tiles instead of with a delayed scale (``kernels.block_quantize``'s ``row_tiles`` and ``col_tiles``): h in 128 x 1
-tiles along the tokens, transposed, and [dgate | dup] in 1 x 128 tiles and in 128 x 1 tiles, transposed. Each
-[128, 128] block of the gate, the up and g_h takes four programs (``CHUNK`` = 64): two of 64 rows for the 1 x 128
-tiles, two of 64 columns for the 128 x 1 tiles, each holding whole tiles of its form, so it has every amax they
-need. On an H200 that took 2.4-2.6 ms where one program holding the whole block took 3.0-3.1 (a llama1b microbatch;
-benchmarks/RESULTS.md, "Block-scaled FP8 on Hopper", with what its time is spent on).
+tiles along the tokens, transposed, and [dgate | dup] in 1 x 128 tiles and in 128 x 1 tiles (or 128 x 128 blocks:
+``Fp8Recipe.block_wgrad='grad_blocks'``), transposed. Each [128, 128] block of the gate, the up and g_h takes four
+programs (``CHUNK`` = 64): two of 64 rows for the 1 x 128 tiles, two of 64 columns for the 128 x 1 tiles, each
+holding whole tiles of its form, so it has every amax they need. On an H200 that took 2.4-2.6 ms where one program
+holding the whole block took 3.0-3.1 (a llama1b microbatch; benchmarks/RESULTS.md, "Block-scaled FP8 on Hopper",
+with what its time is spent on).
 
 The forward under block scaling (``swiglu_tiles``, for ``fp8.block_mlp.swiglu_down``): h of the gate/up GEMM's output,
 rounded to BF16 as the two linears hand it over, in 1 x 128 tiles (the down projection's input), from one read of
@@ -54,7 +55,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from fp8rl_jax.kernels.block_quantize import SMALL_ROWS, TILE, col_tiles, row_tiles
+from fp8rl_jax.kernels.block_quantize import SMALL_ROWS, TILE, block_tile, col_tiles, row_tiles
 from fp8rl_jax.numerics import amax, fp8_max, quantize
 
 IMPLS = ("auto", "pallas", "pallas_interpret", "xla")
@@ -152,18 +153,21 @@ def _pallas(gate_up, g_h, h_scale, g_scale, h_dtype, g_dtype, *, block, num_warp
 
 
 def swiglu_grad_tiles(gate_up: jax.Array, g_h: jax.Array, h_dtype, g_dtype, *, interpret: bool = False,
-                      num_warps: int = 8, chunk: int | None = CHUNK):
+                      num_warps: int = 8, chunk: int | None = CHUNK, g_blocks: bool = False):
     """Block scaling's FP8 operands of an MLP's backward GEMMs from one read of ``gate_up`` [M, 2F] and ``g_h`` [M, F]
     (128 dividing M and F): h in 128 x 1 tiles along the tokens, written transposed (the down projection's weight
     gradient), and [dgate | dup] in 1 x 128 tiles along its columns (the gate/up linear's data gradient) and in
     128 x 1 tiles, written transposed (its weight gradient), each tile scaled by its own amax as
     ``block_quantize.quantize_tiles`` scales it. Returns ``(qh_t [F, M], sh [M / 128, F], qg [M, 2F], sg [2F / 128,
     M], qg_t [2F, M], sg_t [M / 128, 2F])``: values and inverse scales laid as ``quantize_tiles`` lays them
-    (``fp8.block_mlp`` turns them into ``block.tile_quantize_both``'s forms). ``chunk`` of ``CHUNKS`` (default
-    ``CHUNK``): each [128, 128] block of the gate, the up and g_h takes 2 * 128 / ``chunk`` programs, launched next to
-    one another (grid ``(2 * 128 / chunk, M / 128, F / 128)``): ``chunk`` rows each for the 1 x 128 tiles, ``chunk``
-    columns each for the 128 x 1 tiles (whole tiles of its form), so a program holds fewer f32 values and the block's
-    later programs read what the first left in L2. ``chunk`` None: one program a block, holding all of it (grid
+    (``fp8.block_mlp`` turns them into ``block.tile_quantize_both``'s forms). ``g_blocks``: [dgate | dup]'s second
+    form in 128 x 128 blocks instead (``quantize_tiles``' ``col_blocks``; ``sg_t`` [M / 128, 2F / 128]).
+    ``chunk`` of ``CHUNKS`` (default ``CHUNK``): each [128, 128] block of the gate, the up and g_h takes 2 * 128 /
+    ``chunk`` programs, launched next to one another (grid ``(2 * 128 / chunk, M / 128, F / 128)``): ``chunk`` rows
+    each for the 1 x 128 tiles, ``chunk`` columns each for the 128 x 1 tiles (whole tiles of its form), so a program
+    holds fewer f32 values and the block's later programs read what the first left in L2; with ``g_blocks`` the
+    column programs make h's tiles alone, and two more programs a block make dgate's and dup's blocks, each from the
+    whole block (grid ``(2 * 128 / chunk + 2, ...)``). ``chunk`` None: one program a block, holding all of it (grid
     ``(M / 128, F / 128)``). The same bits either way."""
     m, f = g_h.shape
     if gate_up.shape != (m, 2 * f) or m % TILE or f % TILE:
@@ -177,8 +181,9 @@ def swiglu_grad_tiles(gate_up: jax.Array, g_h: jax.Array, h_dtype, g_dtype, *, i
     per = TILE // (chunk or TILE)  # programs a block of each form
 
     def kernel(gate_up_ref, g_h_ref, qh_t_ref, sh_ref, qg_ref, sg_ref, qg_t_ref, sg_t_ref):
-        first = 0 if chunk is None else 1  # with a chunk, axis 0 says which of the block's 2 * per programs
+        first = 0 if chunk is None else 1  # with a chunk, axis 0 says which of the block's programs
         i, j = pl.program_id(first), pl.program_id(first + 1)
+        block_rows, block_cols = pl.ds(i * TILE, TILE), pl.ds(j * TILE, TILE)
 
         def values(rows, cols):  # h, dgate, dup of the block's part [rows, cols]
             return swiglu_math(gate_up_ref[rows, cols], gate_up_ref[rows, pl.ds(f + cols.start, cols.size)],
@@ -189,39 +194,62 @@ def swiglu_grad_tiles(gate_up: jax.Array, g_h: jax.Array, h_dtype, g_dtype, *, i
                 qg_ref[rows, pl.ds(col0, TILE)], inv = row_tiles(value, g_limit, g_dtype)
                 sg_ref[pl.ds(column_block, 1), rows] = inv[None, :]
 
-        def col_form(cols, h, dgate, dup):  # h, dgate, dup in 128 x 1 tiles, transposed: whole columns of the block
-            rows = pl.ds(i * TILE, TILE)
-            qh_t_ref[cols, rows], inv = col_tiles(h, h_limit, h_dtype)
+        def h_cols(cols, h):  # h in 128 x 1 tiles, transposed: whole columns of the block
+            qh_t_ref[cols, block_rows], inv = col_tiles(h, h_limit, h_dtype)
             sh_ref[pl.ds(i, 1), cols] = inv[None, :]
+
+        def g_cols(cols, dgate, dup):  # dgate, dup in 128 x 1 tiles, transposed
             for value, at in ((dgate, cols), (dup, pl.ds(f + cols.start, cols.size))):
-                qg_t_ref[at, rows], inv = col_tiles(value, g_limit, g_dtype)
+                qg_t_ref[at, block_rows], inv = col_tiles(value, g_limit, g_dtype)
                 sg_t_ref[pl.ds(i, 1), at] = inv[None, :]
 
+        def g_block(value, column_block):  # dgate's or dup's whole block under one scale, transposed
+            qg_t_ref[pl.ds(column_block * TILE, TILE), block_rows], inv = block_tile(value, g_limit, g_dtype)
+            sg_t_ref[pl.ds(i, 1), pl.ds(column_block, 1)] = inv[None, :]
+
         if chunk is None:
-            rows, cols = pl.ds(i * TILE, TILE), pl.ds(j * TILE, TILE)
-            h, dgate, dup = values(rows, cols)
-            col_form(cols, h, dgate, dup)
-            row_form(rows, dgate, dup)
+            h, dgate, dup = values(block_rows, block_cols)
+            h_cols(block_cols, h)
+            if g_blocks:
+                g_block(dgate, j)
+                g_block(dup, nf + j)
+            else:
+                g_cols(block_cols, dgate, dup)
+            row_form(block_rows, dgate, dup)
             return
         part = pl.program_id(0)
 
         @pl.when(part < per)
         def _():
             rows = pl.ds(i * TILE + part * chunk, chunk)
-            row_form(rows, *values(rows, pl.ds(j * TILE, TILE))[1:])
+            row_form(rows, *values(rows, block_cols)[1:])
 
-        @pl.when(part >= per)
+        @pl.when((part >= per) & (part < 2 * per))
         def _():
             cols = pl.ds(j * TILE + (part - per) * chunk, chunk)
-            col_form(cols, *values(pl.ds(i * TILE, TILE), cols))
+            h, dgate, dup = values(block_rows, cols)
+            h_cols(cols, h)
+            if not g_blocks:
+                g_cols(cols, dgate, dup)
 
+        if g_blocks:
+            @pl.when(part == 2 * per)
+            def _():
+                g_block(values(block_rows, block_cols)[1], j)
+
+            @pl.when(part == 2 * per + 1)
+            def _():
+                g_block(values(block_rows, block_cols)[2], nf + j)
+
+    grid = (m // TILE, nf) if chunk is None else (2 * per + 2 * g_blocks, m // TILE, nf)
     return pl.pallas_call(
         kernel,
-        grid=(m // TILE, nf) if chunk is None else (2 * per, m // TILE, nf),
+        grid=grid,
         out_shape=(
             jax.ShapeDtypeStruct((f, m), h_dtype), jax.ShapeDtypeStruct((m // TILE, f), jnp.float32),
             jax.ShapeDtypeStruct((m, 2 * f), g_dtype), jax.ShapeDtypeStruct((2 * nf, m), jnp.float32),
-            jax.ShapeDtypeStruct((2 * f, m), g_dtype), jax.ShapeDtypeStruct((m // TILE, 2 * f), jnp.float32),
+            jax.ShapeDtypeStruct((2 * f, m), g_dtype),
+            jax.ShapeDtypeStruct((m // TILE, 2 * nf if g_blocks else 2 * f), jnp.float32),
         ),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,

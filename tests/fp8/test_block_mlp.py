@@ -34,27 +34,29 @@ def _f32(q):
     return np.asarray(q.astype(jnp.float32))
 
 
-@pytest.mark.parametrize("g_dtype", [E4M3, E5M2])
-def test_kernel_equals_the_xla_form_bit_for_bit(g_dtype):
+@pytest.mark.parametrize("g_dtype, g_blocks", [(E4M3, False), (E5M2, False), (E4M3, True)])
+def test_kernel_equals_the_xla_form_bit_for_bit(g_dtype, g_blocks):
     """Pallas' interpreter runs the kernel's programs (2 x 2 blocks of 128 x 128) with XLA's arithmetic: every value
-    and scale of the three forms as the XLA form makes them."""
+    and scale of the three forms as the XLA form makes them (``g_blocks``: the gradient's second form in blocks)."""
     gate_up, g_h = _swiglu_inputs()
-    run = lambda impl: jax.jit(lambda a, b: block_mlp.swiglu_grad_tiles_any(a, b, E4M3, g_dtype, impl))(gate_up, g_h)
+    run = lambda impl: jax.jit(lambda a, b: block_mlp.swiglu_grad_tiles_any(a, b, E4M3, g_dtype, impl, g_blocks))(
+        gate_up, g_h)
     want, got = run("xla"), run("pallas_interpret")
+    assert want[1][1][1].shape == ((4, 2) if g_blocks else (512, 2))
     for w, g in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
         assert (w.dtype, w.shape) == (g.dtype, g.shape)
         np.testing.assert_array_equal(_f32(g), _f32(w))
 
 
-@pytest.mark.parametrize("chunk", [16, 64])
-def test_kernel_chunks_give_the_whole_blocks_bits(chunk):
+@pytest.mark.parametrize("chunk, g_blocks", [(16, False), (64, False), (64, True)])
+def test_kernel_chunks_give_the_whole_blocks_bits(chunk, g_blocks):
     """``chunk``: a block's programs take ``chunk`` rows or ``chunk`` columns each, against one program a whole block
     (``chunk=None``): through Pallas' interpreter, every output the same."""
     from fp8rl_jax.kernels.swiglu_grad import swiglu_grad_tiles
 
     gate_up, g_h = _swiglu_inputs(seed=2)
-    run = lambda chunk: jax.jit(lambda a, b: swiglu_grad_tiles(a, b, E4M3, E5M2, interpret=True, chunk=chunk))(
-        gate_up, g_h)
+    run = lambda chunk: jax.jit(lambda a, b: swiglu_grad_tiles(a, b, E4M3, E5M2, interpret=True, chunk=chunk,
+                                                               g_blocks=g_blocks))(gate_up, g_h)
     for w, g in zip(run(None), run(chunk), strict=True):
         np.testing.assert_array_equal(_f32(g), _f32(w))
     with pytest.raises(ValueError, match="chunk=48"):
@@ -93,6 +95,9 @@ def test_kernel_shapes_are_checked_and_it_lowers_for_cuda(triton_ir):
     args = [jax.ShapeDtypeStruct((1024, 2 * 512), jnp.bfloat16), jax.ShapeDtypeStruct((1024, 512), jnp.bfloat16)]
     (ir,) = triton_ir(lambda a, b: block_mlp.swiglu_grad_tiles_any(a, b, E4M3, E4M3, "pallas"), *args)
     assert ir.count("arith.divf") == 2 * 5 + 2  # and the sigmoid's, in the row-form and the column-form programs
+    # the gradient's blocks: two more programs a block, each with its block's two divisions and a sigmoid
+    (ir,) = triton_ir(lambda a, b: block_mlp.swiglu_grad_tiles_any(a, b, E4M3, E4M3, "pallas", True), *args)
+    assert ir.count("arith.divf") == 2 * 5 + 4
 
 
 @pytest.mark.parametrize("m,block_rows", [(256, 32), (256, 128), (384, 64)])
@@ -155,8 +160,9 @@ def _two_linears(recipe):
 
 
 @pytest.mark.parametrize("recipe", [BLOCK, Fp8Recipe(scaling="block"),
-                                    Fp8Recipe(scaling="block", fp8_format="e4m3", block_forward="tokens_blocks")],
-                         ids=["e4m3", "hybrid", "tokens_blocks"])
+                                    Fp8Recipe(scaling="block", fp8_format="e4m3", block_forward="tokens_blocks"),
+                                    Fp8Recipe(scaling="block", fp8_format="e4m3", block_wgrad="grad_blocks")],
+                         ids=["e4m3", "hybrid", "tokens_blocks", "grad_blocks"])
 def test_forward_is_the_two_linears_and_the_gradient_follows_theirs(recipe):
     """The forward equals the two ``fp8_matmul`` calls bit for bit (the rollout runs those); the gradients differ
     only where the f32 SwiGLU gradient and autodiff's BF16 one quantize to neighbouring FP8 values, and are as
@@ -258,12 +264,14 @@ def test_fused_mlp_off_takes_the_two_linears():
 
 
 @pytest.mark.gpu
-def test_gpu_kernel_chunks_give_the_whole_blocks_bits():
+@pytest.mark.parametrize("g_blocks", [False, True])
+def test_gpu_kernel_chunks_give_the_whole_blocks_bits(g_blocks):
     """The compiled kernel with each of ``CHUNKS`` against one program a whole block: the same bits."""
     from fp8rl_jax.kernels.swiglu_grad import CHUNKS, swiglu_grad_tiles
 
     gate_up, g_h = _swiglu_inputs(m=1024, f=512, seed=3)
-    run = lambda chunk: jax.jit(lambda a, b: swiglu_grad_tiles(a, b, E4M3, E4M3, chunk=chunk))(gate_up, g_h)
+    run = lambda chunk: jax.jit(lambda a, b: swiglu_grad_tiles(a, b, E4M3, E4M3, chunk=chunk, g_blocks=g_blocks))(
+        gate_up, g_h)
     whole = run(None)
     for chunk in CHUNKS:
         for w, g in zip(whole, run(chunk), strict=True):
@@ -277,13 +285,15 @@ def test_gpu_kernel_follows_the_xla_form_and_the_mlp_runs_it():
     every BF16 gate: the forward kernel's test below), scales to f32 rounding; the MLP's backward
     runs it (in the compiled program), its forward equals the two linears' bit for bit, its gradients follow theirs."""
     gate_up, g_h = _swiglu_inputs(m=1024, f=512, seed=2)
-    run = lambda impl: jax.jit(lambda a, b: block_mlp.swiglu_grad_tiles_any(a, b, E4M3, E4M3, impl))(gate_up, g_h)
-    got, want = run("pallas"), run("xla")
-    for (gq, gs), (wq, ws) in zip((got[0], *got[1]), (want[0], *want[1]), strict=True):
-        a, b = _f32(gq), _f32(wq)
-        assert np.mean(a == b) > 0.999
-        assert np.all(np.abs(a - b) <= np.abs(b) * 2.0**-3 + 1e-30)
-        np.testing.assert_allclose(np.asarray(gs), np.asarray(ws), rtol=1e-6)
+    run = lambda impl, g_blocks: jax.jit(
+        lambda a, b: block_mlp.swiglu_grad_tiles_any(a, b, E4M3, E4M3, impl, g_blocks))(gate_up, g_h)
+    for g_blocks in (False, True):
+        got, want = run("pallas", g_blocks), run("xla", g_blocks)
+        for (gq, gs), (wq, ws) in zip((got[0], *got[1]), (want[0], *want[1]), strict=True):
+            a, b = _f32(gq), _f32(wq)
+            assert np.mean(a == b) > 0.999
+            assert np.all(np.abs(a - b) <= np.abs(b) * 2.0**-3 + 1e-30)
+            np.testing.assert_allclose(np.asarray(gs), np.asarray(ws), rtol=1e-6)
     recipe = BLOCK
     x, w_gate_up, w_down, g = _mlp_operands()
     states = (init_linear_state(recipe), init_linear_state(recipe))

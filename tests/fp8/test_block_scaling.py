@@ -11,6 +11,8 @@ The tile width is ``block.BLOCK`` (128), read at call time; the quantizers and t
 (``width``), the finer groups ``benchmarks/fidelity_floor.py`` makes by patching it.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -270,9 +272,31 @@ def test_backward_matches_reference(operands, recipe, width):
     ref, bound = ref_gemm(qxt, sxt, qgt, sgt, width)
     assert (np.abs(np.asarray(dw) - ref) <= bound).all()
     # the state's cotangent: block scaling reads no delayed scale, so it observes nothing (0: the scales stay)
+    _no_observations(recipe, obs)
+
+
+def _no_observations(recipe, obs):
     assert not recipe.delayed
     seen = [float(obs[r]["amax_history"][0]) for r in ("x", "kernel", "grad")]
     assert seen == [0.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("width", [128, 32], indirect=True)
+def test_backward_with_the_gradient_in_blocks_matches_reference(operands, width):
+    """``block_wgrad='grad_blocks'``: the wgrad takes g in 128 x 128 blocks (g^T's blocks: the same blocks), x in
+    its 128 x 1 tiles; the dgrad and the forward as before."""
+    x, w, g = operands
+    recipe = dataclasses.replace(BLOCK, block_wgrad="grad_blocks")
+    y, dx, dw, obs = jax.jit(lambda x, w, g: _call(recipe, x, w, g))(x, w, g)
+    y0, dx0, dw0, _ = jax.jit(lambda x, w, g: _call(BLOCK, x, w, g))(x, w, g)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(y0))
+    np.testing.assert_array_equal(np.asarray(dx), np.asarray(dx0))
+    qxt, sxt = ref_tiles(x.T, E4M3, width)
+    qgt, sgt = ref_blocks(g.T, E4M3, width)
+    ref, bound = ref_gemm(qxt, sxt, qgt, rows(sgt, g.shape[1], width), width)
+    assert (np.abs(np.asarray(dw) - ref) <= bound).all()
+    assert not np.array_equal(np.asarray(dw), np.asarray(dw0))  # coarser g: another sum
+    _no_observations(recipe, obs)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -312,6 +336,10 @@ def test_block_scaling_is_validated():
         Fp8Recipe(scaling="block", block_forward="tiles")
     with pytest.raises(ValueError, match="a form of block scaling, not of scaling='rowwise'"):
         Fp8Recipe(scaling="rowwise", block_forward="tokens_blocks")
+    with pytest.raises(ValueError, match="block_wgrad='blocks'"):
+        Fp8Recipe(scaling="block", block_wgrad="blocks")
+    with pytest.raises(ValueError, match="a form of block scaling, not of scaling='tensor'"):
+        Fp8Recipe(block_wgrad="grad_blocks")
     c = config_lib.base_config()
     c.precision.scaling = "block"
     c.precision.backend = "xla"
@@ -323,4 +351,7 @@ def test_block_scaling_is_validated():
     config_lib.validate(c, training=False)
     c.precision.scaling = "tensor"
     with pytest.raises(ConfigError, match="precision.block_forward='tiles_channels' is invalid"):
+        config_lib.validate(c, training=False)
+    c.precision.block_forward, c.precision.block_wgrad = "tiles_blocks", "grad_blocks"
+    with pytest.raises(ConfigError, match="precision.block_wgrad='grad_blocks' is invalid"):
         config_lib.validate(c, training=False)

@@ -50,6 +50,27 @@ def test_columns_alone():
     np.testing.assert_array_equal(np.asarray(st), np.asarray(rst))
 
 
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2])
+def test_column_blocks_equal_block_quantize_of_the_transpose(dtype):
+    """``col_blocks``: the second form in 128 x 128 blocks (the wgrad's gradient under ``block_wgrad='grad_blocks'``),
+    from the kernel and from XLA, is ``block.block_quantize(a.T)``, bit for bit; the rows form unchanged."""
+    a = _data(256, 384)
+    run = lambda impl: jax.jit(lambda a: block.tile_quantize_both(a, dtype, col_blocks=True, impl=impl))(a)
+    (q, s), (qt, st) = run("pallas_interpret")
+    (rq, rs), (rqt, rst) = run("xla")
+    bq, bs = block.block_quantize(a.T, dtype)
+    assert qt.shape == (384, 256) and st.shape == (3, 2)
+    for got, want in ((qt, bq), (rqt, bq), (q, block.tile_quantize(a, dtype)[0])):
+        np.testing.assert_array_equal(_bits(got), _bits(want))
+    for got, want in ((st, bs), (rst, bs), (s, rs)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert float(bs[0, 0]) == pytest.approx(float(a[3, 5]) / float(block.fp8_max(dtype)), rel=1e-6)  # the massive one
+    with pytest.raises(ValueError, match="col_blocks is a form of cols"):
+        block.tile_quantize_both(a, dtype, cols=False, col_blocks=True)
+    with pytest.raises(ValueError, match="col_blocks is a form of cols"):
+        block_quantize.quantize_tiles(a, dtype, cols=False, col_blocks=True, interpret=True)
+
+
 def test_rows_alone_and_the_scales_edges():
     """The forward's form alone; a tile whose amax is a subnormal (where the device keeps subnormals fp8_max / amax
     overflows: F32_MAX; XLA:CPU treats it as 0: scale 1, as the kernel does here), one of a single tiny value."""
@@ -94,12 +115,14 @@ def test_auto_takes_xla_off_the_gpu_and_for_sizes_128_does_not_divide():
         block.tile_quantize_both(_data(256, 256), jnp.float8_e4m3fn, impl="cuda")
 
 
-@pytest.mark.parametrize("rows, cols", [(True, True), (False, True), (True, False)])
-def test_the_kernel_lowers_for_cuda(triton_ir, rows, cols):
+@pytest.mark.parametrize("rows, cols, col_blocks", [(True, True, False), (False, True, False), (True, False, False),
+                                                    (True, True, True)])
+def test_the_kernel_lowers_for_cuda(triton_ir, rows, cols, col_blocks):
     """Pallas' Triton lowering of the kernel on this host (a shape or op Triton's lowering refuses fails here): one
     kernel for the forms asked, two scale divisions a form (fp8_max / amax, then 1 / scale)."""
     a = jax.ShapeDtypeStruct((1024, 2048), jnp.bfloat16)
-    (ir,) = triton_ir(lambda a: block.tile_quantize_both(a, jnp.float8_e4m3fn, rows=rows, cols=cols, impl="pallas"), a)
+    (ir,) = triton_ir(lambda a: block.tile_quantize_both(a, jnp.float8_e4m3fn, rows=rows, cols=cols,
+                                                         col_blocks=col_blocks, impl="pallas"), a)
     assert ir.count("arith.divf") == 2 * (rows + cols)
 
 
@@ -123,18 +146,19 @@ def test_block_linear_backward_quantizes_through_the_kernels(monkeypatch, triton
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2])
 def test_gpu_kernels_equal_xla_bit_for_bit(dtype):
-    """The compiled kernel against XLA's form on the GPU, every form: Triton's division gives XLA's quotients (PTX's
-    div.rn.f32 did not), the multiply and the rounding cast are the same, so every bit is equal (amaxes over 7
-    decades, a subnormal one among them)."""
+    """The compiled kernel against XLA's form on the GPU, every form (the blocks form too): Triton's division gives
+    XLA's quotients (PTX's div.rn.f32 did not), the multiply and the rounding cast are the same, so every bit is equal
+    (amaxes over 7 decades, a subnormal one among them)."""
     a = np.array(_data(1024, 2048, jnp.float32))
     rng = np.random.default_rng(1)
     a *= np.exp(rng.uniform(-8, 8, size=(1024, 1))).astype(np.float32)  # tile amaxes spread over e^16
     a[5, :128] = 0.0
     a[5, 3] = 1e-40
     a = jnp.asarray(a, jnp.bfloat16)
-    for rows, cols in ((True, True), (False, True), (True, False)):
+    for rows, cols, col_blocks in ((True, True, False), (False, True, False), (True, False, False),
+                                   (True, True, True)):
         got, want = (jax.jit(functools.partial(block.tile_quantize_both, dtype=dtype, rows=rows, cols=cols,
-                                               impl=impl))(a) for impl in ("pallas", "xla"))
+                                               col_blocks=col_blocks, impl=impl))(a) for impl in ("pallas", "xla"))
         for g, w in zip(got, want, strict=True):
             assert (g is None) == (w is None)
             if g is not None:
