@@ -70,6 +70,11 @@ MODES = {
     # backend), alone and with the head's backward in BF16: the fidelity probe's two best FP8 end-to-end forms
     "fp8_e2e_block": {"precision.mode": "fp8_e2e", "precision.backend": "xla", "precision.scaling": "block",
                       "precision.fp8_format": "e4m3", "rl.is_correction": "none"},
+    # block scaling with the weight gradient's output gradient in 128 x 128 blocks (precision.block_wgrad): a faster
+    # wgrad GEMM on Hopper; whether it learns as DeepSeek-V3's 128 x 1 tiles do
+    "fp8_e2e_block_grad_blocks": {"precision.mode": "fp8_e2e", "precision.backend": "xla", "precision.scaling": "block",
+                                  "precision.fp8_format": "e4m3", "precision.block_wgrad": "grad_blocks",
+                                  "rl.is_correction": "none"},
     "fp8_e2e_block_bf16_head_grad": {"precision.mode": "fp8_e2e", "precision.backend": "xla",
                                      "precision.scaling": "block", "precision.fp8_format": "e4m3",
                                      "precision.lm_head_grad_fp8": False, "rl.is_correction": "none"},
