@@ -66,18 +66,20 @@ MODES = {
     # 1 x 128 tiles lifts the weights as block's forward does (docs/accuracy.md, "Block-scaled FP8")
     "fp8_e2e_rowwise": {"precision.mode": "fp8_e2e", "precision.backend": "xla", "precision.scaling": "rowwise",
                         "rl.is_correction": "none"},
-    # block scaling (DeepSeek-V3's recipe: 1x128 activation tiles, 128x128 weight blocks, E4M3 both ways; xla
-    # backend), alone and with the head's backward in BF16: the fidelity probe's two best FP8 end-to-end forms
+    # block scaling (DeepSeek-V3's recipe: 1x128 activation tiles, 128x128 weight blocks, E4M3 both ways, the weight
+    # gradient's operands in 128 x 1 tiles; xla backend), alone and with the head's backward in BF16: the fidelity
+    # probe's two best FP8 end-to-end forms (their studies ran before precision.block_wgrad's default was grad_blocks)
     "fp8_e2e_block": {"precision.mode": "fp8_e2e", "precision.backend": "xla", "precision.scaling": "block",
-                      "precision.fp8_format": "e4m3", "rl.is_correction": "none"},
-    # block scaling with the weight gradient's output gradient in 128 x 128 blocks (precision.block_wgrad): a faster
-    # wgrad GEMM on Hopper; whether it learns as DeepSeek-V3's 128 x 1 tiles do
+                      "precision.fp8_format": "e4m3", "precision.block_wgrad": "tiles", "rl.is_correction": "none"},
+    "fp8_e2e_block_bf16_head_grad": {"precision.mode": "fp8_e2e", "precision.backend": "xla",
+                                     "precision.scaling": "block", "precision.fp8_format": "e4m3",
+                                     "precision.block_wgrad": "tiles", "precision.lm_head_grad_fp8": False,
+                                     "rl.is_correction": "none"},
+    # block scaling as shipped: the weight gradient's output gradient in 128 x 128 blocks (precision.block_wgrad's
+    # default), a faster wgrad GEMM on Hopper; whether it learns as DeepSeek-V3's 128 x 1 tiles do
     "fp8_e2e_block_grad_blocks": {"precision.mode": "fp8_e2e", "precision.backend": "xla", "precision.scaling": "block",
                                   "precision.fp8_format": "e4m3", "precision.block_wgrad": "grad_blocks",
                                   "rl.is_correction": "none"},
-    "fp8_e2e_block_bf16_head_grad": {"precision.mode": "fp8_e2e", "precision.backend": "xla",
-                                     "precision.scaling": "block", "precision.fp8_format": "e4m3",
-                                     "precision.lm_head_grad_fp8": False, "rl.is_correction": "none"},
     # block scaling in the forward alone (BF16 input and weight gradients), and in the backward alone (the forward,
     # the rollout's too, BF16): which of block's GEMMs makes its weights end above BF16's (precision.fp8_gemms)
     "fp8_e2e_block_fprop": {"precision.mode": "fp8_e2e", "precision.backend": "xla", "precision.scaling": "block",
@@ -85,7 +87,7 @@ MODES = {
                             "rl.is_correction": "none"},
     "fp8_e2e_block_backward": {"precision.mode": "fp8_e2e", "precision.backend": "xla", "precision.scaling": "block",
                                "precision.fp8_format": "e4m3", "precision.fp8_gemms": ("dgrad", "wgrad"),
-                               "rl.is_correction": "none"},
+                               "precision.block_wgrad": "tiles", "rl.is_correction": "none"},
     # the two halves of block's forward apart (precision.block_forward), each alone as fp8_e2e_block_fprop: the
     # weight one scale an output channel with the input's 1 x 128 tiles, or the input one scale a token with the
     # weight's 128 x 128 blocks; which of them lifts the weights where rowwise's forward (both halves per row) does not

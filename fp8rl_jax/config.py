@@ -71,10 +71,11 @@ def base_config() -> ml_collections.ConfigDict:
     # input in 1 x 128 tiles, the weight in 128 x 128 blocks) | tiles_channels (the weight one scale per output
     # channel) | tokens_blocks (the input one scale per token). docs/accuracy.md, "Block-scaled FP8"
     c.precision.block_forward = "tiles_blocks"
-    # block scaling's weight-gradient operands: tiles (DeepSeek-V3's: the input and the gradient each in 128 x 1 tiles
-    # along the tokens) | grad_blocks (the gradient in 128 x 128 blocks: a faster GEMM on Hopper). Speed:
-    # benchmarks/RESULTS.md, "Block-scaled FP8 on Hopper"; gradient error: docs/accuracy.md, "Block-scaled FP8"
-    c.precision.block_wgrad = "tiles"
+    # block scaling's weight-gradient operands: grad_blocks (the input in 128 x 1 tiles along the tokens, the gradient
+    # in 128 x 128 blocks: a faster GEMM on Hopper) | tiles (DeepSeek-V3's: the gradient in 128 x 1 tiles too). Speed:
+    # benchmarks/RESULTS.md, "Block-scaled FP8 on Hopper"; gradient error and learning: docs/accuracy.md,
+    # "Block-scaled FP8"
+    c.precision.block_wgrad = "grad_blocks"
     # the GEMMs of each FP8 linear that run in FP8, the others in BF16 with f32 sums: fprop (the forward), dgrad (the
     # input's gradient), wgrad (the weight's); fewer than three need backend=xla; without fprop both forwards stay
     # BF16, the rollout's too (fp8_e2e: the same forward in both). For ablations: docs/accuracy.md, "Where FP8 loses"
@@ -306,9 +307,9 @@ def validate(c: ml_collections.ConfigDict, known_rewards: Callable[[], Sequence[
     one_of(c, "precision.block_forward", ("tiles_blocks", "tiles_channels", "tokens_blocks"))
     check(c.precision.block_forward == "tiles_blocks" or c.precision.scaling == "block", "precision.block_forward",
           c.precision.block_forward, "tiles_blocks, or another form with precision.scaling=block")
-    one_of(c, "precision.block_wgrad", ("tiles", "grad_blocks"))
-    check(c.precision.block_wgrad == "tiles" or c.precision.scaling == "block", "precision.block_wgrad",
-          c.precision.block_wgrad, "tiles, or grad_blocks with precision.scaling=block")
+    one_of(c, "precision.block_wgrad", ("grad_blocks", "tiles"))
+    check(c.precision.block_wgrad == "grad_blocks" or c.precision.scaling == "block", "precision.block_wgrad",
+          c.precision.block_wgrad, "grad_blocks, or tiles with precision.scaling=block")
     check(c.precision.scaling == "tensor" or c.precision.backend == "xla", "precision.scaling", c.precision.scaling,
           f"tensor, or {c.precision.scaling} with precision.backend=xla (Transformer Engine scales per tensor here)")
     gemms = listed(c, "precision.fp8_gemms", str, "a non-empty subset of fprop, dgrad, wgrad")

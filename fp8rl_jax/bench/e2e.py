@@ -86,9 +86,9 @@ MODES = {  # mode -> (precision.mode, extra XLA flags, config overrides)
                                {**BLOCK, "precision.block_gemm": "cublaslt"}),
     # block scaling's MLP as the two linears' autodiff (precision.fused_mlp off)
     "fp8_e2e_block_unfused": ("fp8_e2e", "--xla_gpu_enable_triton_gemm=false", {**BLOCK, "precision.fused_mlp": False}),
-    # block scaling with the weight gradient's output gradient in 128 x 128 blocks (precision.block_wgrad)
-    "fp8_e2e_block_grad_blocks": ("fp8_e2e", "--xla_gpu_enable_triton_gemm=false",
-                                  {**BLOCK, "precision.block_wgrad": "grad_blocks"}),
+    # block scaling with DeepSeek-V3's weight gradient: its output gradient in 128 x 1 tiles (precision.block_wgrad)
+    "fp8_e2e_block_wgrad_tiles": ("fp8_e2e", "--xla_gpu_enable_triton_gemm=false",
+                                  {**BLOCK, "precision.block_wgrad": "tiles"}),
 }
 # dense BF16 tensor-core peaks (TFLOP/s) by device kind prefix; FP8 doubles them on Hopper
 BF16_PEAK_TFLOPS = {"NVIDIA H100": 989.4, "NVIDIA H200": 989.4, "NVIDIA GH200": 989.4}

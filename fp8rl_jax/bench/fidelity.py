@@ -66,9 +66,9 @@ def forms(base: Precision) -> dict[str, tuple[str, Precision]]:
         "block": ("block: 1x128 tiles, 128x128 weight blocks, E4M3 fwd and bwd (DeepSeek-V3)",
                   base.replace(recipe=dataclasses.replace(r, scaling="block", fp8_format="e4m3"))),
         "block_hybrid": ("block scaling with E5M2 gradients", recipe(scaling="block")),
-        "block_grad_blocks": ("block, the weight gradient's output gradient in 128x128 blocks (block_wgrad)",
+        "block_wgrad_tiles": ("block with DeepSeek-V3's wgrad: its output gradient in 128x1 tiles (block_wgrad)",
                               base.replace(recipe=dataclasses.replace(r, scaling="block", fp8_format="e4m3",
-                                                                      block_wgrad="grad_blocks"))),
+                                                                      block_wgrad="tiles"))),
         "tensor_e4m3": ("per-tensor delayed, E4M3 gradients", recipe(fp8_format="e4m3")),
         "head_bf16": ("the blocks' GEMMs in FP8, the LM head all BF16 (its backward GEMMs too)",
                       base.replace(**bf16_head)),
@@ -89,11 +89,11 @@ def forms(base: Precision) -> dict[str, tuple[str, Precision]]:
                              block_part(fp8_gemms=("fprop",))),
         "block_backward_only": ("block's dgrad and wgrad alone (BF16 forward), the head BF16",
                                 block_part(fp8_gemms=("dgrad", "wgrad"))),
-        # block's wgrad alone, its output gradient in 128 x 1 tiles (DeepSeek-V3's) or in 128 x 128 blocks
+        # block's wgrad alone, its output gradient in 128 x 128 blocks (the default) or in 128 x 1 tiles (DeepSeek-V3's)
         "block_wgrad_only": ("block's wgrad alone (BF16 forward and dgrad), the head BF16",
                              block_part(fp8_gemms=("wgrad",))),
-        "block_wgrad_only_grad_blocks": ("block's wgrad alone with block_wgrad=grad_blocks, the head BF16",
-                                         block_part(fp8_gemms=("wgrad",), block_wgrad="grad_blocks")),
+        "block_wgrad_only_tiles": ("block's wgrad alone with block_wgrad=tiles, the head BF16",
+                                   block_part(fp8_gemms=("wgrad",), block_wgrad="tiles")),
         "rowwise_fprop_only": ("rowwise's forward alone (BF16 dgrad and wgrad), the head BF16",
                                recipe(scaling="rowwise", fp8_gemms=("fprop",)).replace(**bf16_head)),
         # block's forward halves (precision.block_forward), each alone as block_fprop_only

@@ -20,11 +20,11 @@ The three GEMMs of a linear (``xla.py``), E4M3 throughout (``fp8_format='e4m3'``
 this fine E4M3 has the range a per-tensor gradient needs E5M2 for; ``hybrid`` keeps E5M2 gradients):
   fprop  y  = x . w      x [M, K] in 1 x 128 tiles along K; w in 128 x 128 blocks
   dgrad  dx = g . w^T    g [M, N] in 1 x 128 tiles along N; w's blocks, the same FP8 values as the forward's
-  wgrad  dw = x^T . g    x and g quantized again from their high-precision values in 128 x 1 tiles (each channel's
-                         128 consecutive tokens: the contraction axis here), never from the forward's FP8 values;
-                         with ``Fp8Recipe.block_wgrad='grad_blocks'`` g in 128 x 128 blocks instead (one operand in
-                         blocks, as the weight is in the other two: the GEMM form Hopper's block-scaled GEMMs run
-                         fastest)
+  wgrad  dw = x^T . g    x and g quantized again from their high-precision values, never from the forward's FP8
+                         values: x in 128 x 1 tiles (each channel's 128 consecutive tokens: the contraction axis
+                         here), g in 128 x 128 blocks (``Fp8Recipe.block_wgrad``'s default, ``grad_blocks``: one
+                         operand in blocks, as the weight is in the other two GEMMs, the form Hopper's block-scaled
+                         GEMMs run fastest) or, as DeepSeek-V3 does, in 128 x 1 tiles too (``block_wgrad='tiles'``)
 
 Sizes that are not multiples of 128 (SmolLM2's hidden size 576 = 4.5 x 128, any token count) are padded with zeros
 to the next multiple inside these functions: a zero changes no amax and adds nothing to a sum, so the last tile is

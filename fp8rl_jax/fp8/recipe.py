@@ -89,11 +89,11 @@ BLOCK_GEMMS = ("mosaic", "cublaslt", "auto")
 # 1 x 128 tiles, the weight in 128 x 128 blocks); tiles_channels (the weight one scale per output channel, as
 # rowwise's); tokens_blocks (the input one scale per token, as rowwise's)
 BLOCK_FORWARDS = ("tiles_blocks", "tiles_channels", "tokens_blocks")
-# block scaling's weight-gradient operands: tiles, DeepSeek-V3's (x and g each in 128 x 1 tiles along the tokens);
-# grad_blocks (g in 128 x 128 blocks instead: one operand in blocks, the form Hopper's block-scaled GEMMs run at
-# about 1.25x per-tensor FP8's time where tiles on both operands take about 1.5x; benchmarks/RESULTS.md, "Block-scaled
-# FP8 on Hopper")
-BLOCK_WGRADS = ("tiles", "grad_blocks")
+# block scaling's weight-gradient operands: grad_blocks, the default (x in 128 x 1 tiles along the tokens, g in 128 x
+# 128 blocks: one operand in blocks, the form Hopper's block-scaled GEMMs run at about 1.25x per-tensor FP8's time);
+# tiles, DeepSeek-V3's (g in 128 x 1 tiles too: about 1.5x). The same gradient error and learning (docs/accuracy.md,
+# "Block-scaled FP8"); speed: benchmarks/RESULTS.md, "Block-scaled FP8 on Hopper"
+BLOCK_WGRADS = ("grad_blocks", "tiles")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +115,7 @@ class Fp8Recipe:
     fp8_gemms: tuple[str, ...] = GEMMS
     block_gemm: str = "auto"  # of BLOCK_GEMMS: who runs block scaling's GEMMs on a Hopper GPU
     block_forward: str = "tiles_blocks"  # of BLOCK_FORWARDS: block scaling's forward operands (an ablation)
-    block_wgrad: str = "tiles"  # of BLOCK_WGRADS: block scaling's weight-gradient operands
+    block_wgrad: str = "grad_blocks"  # of BLOCK_WGRADS: block scaling's weight-gradient operands
 
     def __post_init__(self):
         if self.scaling not in SCALINGS:
@@ -129,7 +129,7 @@ class Fp8Recipe:
                              f"scaling={self.scaling!r}")
         if self.block_wgrad not in BLOCK_WGRADS:
             raise ValueError(f"block_wgrad={self.block_wgrad!r}; allowed: {BLOCK_WGRADS}")
-        if self.block_wgrad != "tiles" and self.scaling != "block":
+        if self.block_wgrad != "grad_blocks" and self.scaling != "block":
             raise ValueError(f"block_wgrad={self.block_wgrad!r} is a form of block scaling, not of "
                              f"scaling={self.scaling!r}")
         gemms = tuple(self.fp8_gemms)

@@ -329,7 +329,7 @@ def _fp8_matmul_fn(x_dtype, w_dtype, out_dtype, recipe: Fp8Recipe, form: str, ga
 # the tensor's own amax; "tile": 1 x 128 tiles along the contraction axis (N for dgrad, the tokens for wgrad);
 # "block": 128 x 128; "mantissa": no scale, the value rounded to the format's mantissa (the probe's floor). rowwise
 # scales the forward only, as the standard path does. Block's wgrad takes g in blocks under block_wgrad=grad_blocks
-# (``grad_blocks``).
+# (``grad_blocks``, the default), in tiles under block_wgrad=tiles.
 BACKWARD_KINDS = {
     "tensor": {"dgrad": ("delayed", "delayed"), "wgrad": ("delayed", "delayed")},
     "rowwise": {"dgrad": ("delayed", "delayed"), "wgrad": ("delayed", "delayed")},

@@ -161,8 +161,8 @@ def _two_linears(recipe):
 
 @pytest.mark.parametrize("recipe", [BLOCK, Fp8Recipe(scaling="block"),
                                     Fp8Recipe(scaling="block", fp8_format="e4m3", block_forward="tokens_blocks"),
-                                    Fp8Recipe(scaling="block", fp8_format="e4m3", block_wgrad="grad_blocks")],
-                         ids=["e4m3", "hybrid", "tokens_blocks", "grad_blocks"])
+                                    Fp8Recipe(scaling="block", fp8_format="e4m3", block_wgrad="tiles")],
+                         ids=["e4m3", "hybrid", "tokens_blocks", "wgrad_tiles"])
 def test_forward_is_the_two_linears_and_the_gradient_follows_theirs(recipe):
     """The forward equals the two ``fp8_matmul`` calls bit for bit (the rollout runs those); the gradients differ
     only where the f32 SwiGLU gradient and autodiff's BF16 one quantize to neighbouring FP8 values, and are as
