@@ -32,7 +32,7 @@ from fp8rl_jax.fp8 import block, xla
 from fp8rl_jax.fp8.recipe import GEMMS, Fp8LinearState, Fp8Recipe, observations
 from fp8rl_jax.fp8.train_kernel import TrainKernel, block_forms
 from fp8rl_jax.kernels import block_quantize
-from fp8rl_jax.kernels.swiglu_grad import CHUNK, swiglu_grad_tiles, swiglu_h_f32, swiglu_math, swiglu_tiles
+from fp8rl_jax.kernels.swiglu_grad import swiglu_grad_tiles, swiglu_h_f32, swiglu_math, swiglu_tiles
 
 
 def swiglu_grad_tiles_any(gate_up: jax.Array, g_h: jax.Array, h_dtype, g_dtype, impl: str = "auto",
@@ -52,10 +52,7 @@ def swiglu_grad_tiles_any(gate_up: jax.Array, g_h: jax.Array, h_dtype, g_dtype, 
         _, h_cols = block.tile_quantize_both(h, h_dtype, rows=False, impl="xla")
         return h_cols, block.tile_quantize_both(jnp.concatenate([dgate, dup], axis=1), g_dtype, col_blocks=g_blocks,
                                                 impl="xla")
-    # with the gradient's blocks one program a whole block: on an H200 2.56 ms against 3.19 in programs of 64 (whose
-    # blocks take two more programs a block), at a llama1b microbatch (benchmarks/RESULTS.md, "Block-scaled FP8")
     qh_t, sh, qg, sg, qg_t, sg_t = swiglu_grad_tiles(gate_up, g_h, h_dtype, g_dtype, g_blocks=g_blocks,
-                                                     chunk=None if g_blocks else CHUNK,
                                                      interpret=impl == "pallas_interpret")
     return (qh_t, sh.T), ((qg, sg.T), (qg_t, sg_t.T))
 

@@ -153,26 +153,28 @@ def _pallas(gate_up, g_h, h_scale, g_scale, h_dtype, g_dtype, *, block, num_warp
 
 
 def swiglu_grad_tiles(gate_up: jax.Array, g_h: jax.Array, h_dtype, g_dtype, *, interpret: bool = False,
-                      num_warps: int = 8, chunk: int | None = CHUNK, g_blocks: bool = False):
+                      num_warps: int = 8, chunk: int | None | str = "auto", g_blocks: bool = False):
     """Block scaling's FP8 operands of an MLP's backward GEMMs from one read of ``gate_up`` [M, 2F] and ``g_h`` [M, F]
     (128 dividing M and F): h in 128 x 1 tiles along the tokens, written transposed (the down projection's weight
-    gradient), and [dgate | dup] in 1 x 128 tiles along its columns (the gate/up linear's data gradient) and in
-    128 x 1 tiles, written transposed (its weight gradient), each tile scaled by its own amax as
-    ``block_quantize.quantize_tiles`` scales it. Returns ``(qh_t [F, M], sh [M / 128, F], qg [M, 2F], sg [2F / 128,
-    M], qg_t [2F, M], sg_t [M / 128, 2F])``: values and inverse scales laid as ``quantize_tiles`` lays them
-    (``fp8.block_mlp`` turns them into ``block.tile_quantize_both``'s forms). ``g_blocks``: [dgate | dup]'s second
-    form in 128 x 128 blocks instead (``quantize_tiles``' ``col_blocks``; ``sg_t`` [M / 128, 2F / 128]).
-    ``chunk`` of ``CHUNKS`` (default ``CHUNK``): each [128, 128] block of the gate, the up and g_h takes 2 * 128 /
-    ``chunk`` programs, launched next to one another (grid ``(2 * 128 / chunk, M / 128, F / 128)``): ``chunk`` rows
-    each for the 1 x 128 tiles, ``chunk`` columns each for the 128 x 1 tiles (whole tiles of its form), so a program
-    holds fewer f32 values and the block's later programs read what the first left in L2; with ``g_blocks`` the
+    gradient), and [dgate | dup] in 1 x 128 tiles along its columns (the gate/up linear's data gradient) and in 128 x 1
+    tiles, written transposed (its weight gradient), each tile scaled by its own amax as
+    ``block_quantize.quantize_tiles`` scales it. Returns ``(qh_t [F, M], sh [M / 128, F], qg [M, 2F], sg [2F / 128, M],
+    qg_t [2F, M], sg_t [M / 128, 2F])``: values and inverse scales laid as ``quantize_tiles`` lays them
+    (``fp8.block_mlp`` turns them into ``block.tile_quantize_both``'s forms). ``g_blocks``: [dgate | dup]'s second form
+    in 128 x 128 blocks instead (``quantize_tiles``' ``col_blocks``; ``sg_t`` [M / 128, 2F / 128]). ``chunk`` of
+    ``CHUNKS`` (``auto``: ``CHUNK``, or None with ``g_blocks``): each [128, 128] block of the gate, the up and g_h takes
+    2 * 128 / ``chunk`` programs, launched next to one another (grid ``(2 * 128 / chunk, M / 128, F / 128)``): ``chunk``
+    rows each for the 1 x 128 tiles, ``chunk`` columns each for the 128 x 1 tiles (whole tiles of its form), so a
+    program holds fewer f32 values and the block's later programs read what the first left in L2; with ``g_blocks`` the
     column programs make h's tiles alone, and two more programs a block make dgate's and dup's blocks, each from the
-    whole block (grid ``(2 * 128 / chunk + 2, ...)``). ``chunk`` None: one program a block, holding all of it (grid
-    ``(M / 128, F / 128)``). The same bits either way."""
+    whole block (grid ``(2 * 128 / chunk + 2, ...)``). ``chunk`` None: one program a block, holding all of it
+    (grid ``(M / 128, F / 128)``). The same bits either way."""
     m, f = g_h.shape
     if gate_up.shape != (m, 2 * f) or m % TILE or f % TILE:
         raise ValueError(f"swiglu_grad_tiles takes gate_up [M, 2F] and g_h [M, F] with 128 dividing M and F, not "
                          f"{list(gate_up.shape)} and {list(g_h.shape)}")
+    if chunk == "auto":  # a llama1b microbatch on an H200: g's blocks 2.56 ms whole, 3.19 in programs of 64; its tiles
+        chunk = None if g_blocks else CHUNK  # 3.06 and 2.52 (benchmarks/RESULTS.md, "Block-scaled FP8 on Hopper")
     if chunk is not None and chunk not in CHUNKS:
         raise ValueError(f"swiglu_grad_tiles chunk={chunk!r}; allowed: None, {CHUNKS}")
     h_dtype, g_dtype = jnp.dtype(h_dtype), jnp.dtype(g_dtype)
