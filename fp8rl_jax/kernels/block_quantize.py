@@ -9,7 +9,9 @@ XLA fusions (``block.tile_quantize`` of ``a`` and of ``a.T``) each form is an am
 amaxes into scales, and a quantizing pass (and a transpose of the values for the second form): at a decode step's
 sizes three kernel launches a linear, at a training step's about a quarter of the GPU's memory bandwidth
 (benchmarks/RESULTS.md, "Block-scaled FP8 on Hopper"). A tile of either form lies inside one [128, 128] block of
-``a``, so one program per block has every amax it needs: it reads the block once and writes both forms.
+``a``, so one program per block has every amax it needs: it reads the block once and writes both forms. So does
+the second form in 128 x 128 blocks (``col_blocks``: the weight gradient's g under ``Fp8Recipe.block_wgrad``'s
+default), one scale a program.
 
 What it computes: exactly ``block.tile_quantize(a)`` and ``block.tile_quantize(a.T)``, the same bits. The scales
 are ``block.scales_of``'s: ``recipe.scale_from_amax`` (``fp8_max / amax``, F32_MAX where that overflows, 1 for an

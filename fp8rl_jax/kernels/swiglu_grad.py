@@ -27,13 +27,14 @@ maximum of those, a few MB). ``impl="xla"``: the same arithmetic as XLA ops (CPU
 divide).
 
 Block scaling (``swiglu_grad_tiles``, for ``fp8.block_mlp``): the same arithmetic, each operand quantized in its
-tiles instead of with a delayed scale (``kernels.block_quantize``'s ``row_tiles`` and ``col_tiles``): h in 128 x 1
-tiles along the tokens, transposed, and [dgate | dup] in 1 x 128 tiles and in 128 x 1 tiles (or 128 x 128 blocks:
-``Fp8Recipe.block_wgrad='grad_blocks'``), transposed. Each [128, 128] block of the gate, the up and g_h takes four
-programs (``CHUNK`` = 64): two of 64 rows for the 1 x 128 tiles, two of 64 columns for the 128 x 1 tiles, each
-holding whole tiles of its form, so it has every amax they need. On an H200 that took 2.4-2.6 ms where one program
-holding the whole block took 3.0-3.1 (a llama1b microbatch; benchmarks/RESULTS.md, "Block-scaled FP8 on Hopper",
-with what its time is spent on).
+tiles instead of with a delayed scale (``kernels.block_quantize``'s ``row_tiles``, ``col_tiles`` and
+``block_tile``): h in 128 x 1 tiles along the tokens, transposed, and [dgate | dup] in 1 x 128 tiles and in 128 x
+128 blocks (``Fp8Recipe.block_wgrad``'s default, ``grad_blocks``) or 128 x 1 tiles (``block_wgrad='tiles'``),
+transposed. With the blocks one program holds a whole [128, 128] block of the gate, the up and g_h: it has every
+amax. With the 128 x 1 tiles each block takes four programs (``CHUNK`` = 64): two of 64 rows for the 1 x 128 tiles,
+two of 64 columns for the 128 x 1 tiles, each holding whole tiles of its form. On an H200 (a llama1b microbatch)
+each way took 2.5-2.6 ms, where the other took 3.1-3.2 (benchmarks/RESULTS.md, "Block-scaled FP8 on Hopper", with
+what its time is spent on).
 
 The forward under block scaling (``swiglu_tiles``, for ``fp8.block_mlp.swiglu_down``): h of the gate/up GEMM's output,
 rounded to BF16 as the two linears hand it over, in 1 x 128 tiles (the down projection's input), from one read of
