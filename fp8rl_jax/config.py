@@ -57,24 +57,19 @@ def base_config() -> ml_collections.ConfigDict:
     c.precision.amax_history_len = 16
     c.precision.amax_compute_algo = "max"  # max | most_recent
     c.precision.fp8_format = "hybrid"  # hybrid (E4M3 fwd, E5M2 grads) | e4m3
-    # tensor (delayed, per tensor) | rowwise (the forward per token x per output channel, current; xla backend) |
-    # block (1 x 128 activation / gradient tiles, 128 x 128 weight blocks, current, all three GEMMs; xla backend, sizes
-    # padded to multiples of 128; DeepSeek-V3's recipe with fp8_format=e4m3: docs/accuracy.md, "Where FP8 loses")
+    # tensor (delayed, per tensor) | rowwise (the forward per token x per output channel, current; xla) | block (1 x 128
+    # tiles, 128 x 128 weight blocks, current, all three GEMMs; xla; DeepSeek-V3's with fp8_format=e4m3; docs/accuracy)
     c.precision.scaling = "tensor"
-    # block scaling's GEMMs on a Hopper GPU: mosaic (kernels.block_gemm) | cublaslt (cuBLAS's block-scaled FP8 through
-    # an XLA FFI call, built on first use into $FP8RL_CACHE/kernels: a C++ compiler and cuBLAS's headers; or
-    # $FP8RL_CUBLASLT_LIB) | auto (cublaslt above a decode step's 256 rows, mosaic up to them; mosaic alone, with a
-    # warning, where the cuBLASLt library can neither build nor load). Speed of each: benchmarks/RESULTS.md,
-    # "Block-scaled FP8 on Hopper"
+    # block scaling's GEMMs on a Hopper GPU: mosaic (kernels.block_gemm) | cublaslt (cuBLAS's block-scaled FP8, an XLA
+    # FFI call built on first use into $FP8RL_CACHE/kernels: a C++ compiler, cuBLAS's headers; or $FP8RL_CUBLASLT_LIB)
+    # | auto (cublaslt above a decode step's 256 rows, else mosaic; mosaic alone, warned, where cuBLASLt can neither
+    # build nor load). Speed: benchmarks/RESULTS.md, "Block-scaled FP8 on Hopper"
     c.precision.block_gemm = "auto"
-    # block scaling's forward operands, an ablation (the backward keeps block's tiles): tiles_blocks (DeepSeek-V3's: the
-    # input in 1 x 128 tiles, the weight in 128 x 128 blocks) | tiles_channels (the weight one scale per output
-    # channel) | tokens_blocks (the input one scale per token). docs/accuracy.md, "Block-scaled FP8"
+    # block scaling's forward operands, an ablation: tiles_blocks (DeepSeek-V3's: input tiles, weight blocks) |
+    # tiles_channels (the weight one scale per output channel) | tokens_blocks (the input one scale per token)
     c.precision.block_forward = "tiles_blocks"
-    # block scaling's weight-gradient operands: grad_blocks (the input in 128 x 1 tiles along the tokens, the gradient
-    # in 128 x 128 blocks: a faster GEMM on Hopper) | tiles (DeepSeek-V3's: the gradient in 128 x 1 tiles too). Speed:
-    # benchmarks/RESULTS.md, "Block-scaled FP8 on Hopper"; gradient error and learning: docs/accuracy.md,
-    # "Block-scaled FP8"
+    # block scaling's weight gradient: grad_blocks (the output gradient in 128 x 128 blocks: a faster GEMM on Hopper,
+    # the same learning) | tiles (DeepSeek-V3's 128 x 1 tiles). docs/accuracy.md and RESULTS: "Block-scaled FP8"
     c.precision.block_wgrad = "grad_blocks"
     # the GEMMs of each FP8 linear that run in FP8, the others in BF16 with f32 sums: fprop (the forward), dgrad (the
     # input's gradient), wgrad (the weight's); fewer than three need backend=xla; without fprop both forwards stay
@@ -85,16 +80,13 @@ def base_config() -> ml_collections.ConfigDict:
     c.precision.bf16_layers = ()  # more blocks kept in BF16, by index: (11, 28, 29)
     c.precision.bf16_linears = ()  # linears kept in BF16 in every block: ("w_down",)
     c.precision.lm_head_fp8 = False
-    # the BF16 head's two backward GEMMs in FP8 (E5M2 logit gradient), its forward and logprobs BF16 (fp8_e2e;
-    # lm_head_fp8 wins where both are set). On: the same logprobs, a faster train phase and the same accuracy in the
-    # fidelity study (benchmarks/RESULTS.md, "The LM head's backward in FP8")
+    # the BF16 head's two backward GEMMs in FP8 (E5M2 logit gradient; lm_head_fp8 wins where both are set): a faster
+    # train phase, the same accuracy (benchmarks/RESULTS.md, "The LM head's backward in FP8")
     c.precision.lm_head_grad_fp8 = True
-    # with lm_head_grad_fp8: the backward's logit recompute in FP8 too (the FP8 head's gradient, normalised on the FP8
-    # logits), the forward and its logprobs still BF16 (benchmarks/RESULTS.md, "The LM head's backward in FP8")
+    # with lm_head_grad_fp8: the backward's logit recompute in FP8 too, the forward and its logprobs still BF16 (ibid.)
     c.precision.lm_head_recompute_fp8 = True
     c.precision.kv_cache_dtype = "bfloat16"  # bfloat16 | float8_e4m3fn
-    # wo's and w_down's residual adds inside their FP8 GEMMs (cuBLASLt's C operand) instead of an add kernel each:
-    # a faster rollout on the H100 (benchmarks/RESULTS.md, "Rollout throughput")
+    # wo's and w_down's residual adds in their FP8 GEMMs (cuBLASLt's C operand): a faster rollout (RESULTS, "Rollout")
     c.precision.residual_in_gemm = True
     # training's MLP as one custom VJP whose backward makes the SwiGLU's gradient and its FP8 operands in one kernel
     # (the te backend with per-tensor scaling; the xla backend with block scaling); off: the two linears' autodiff
