@@ -87,6 +87,7 @@ def main() -> None:
     parser.add_argument("--out", default="/tmp/fidelity_floor.json")
     parser.add_argument("--checkpoint", default=None, help="bench fidelity's --checkpoint: a trainer checkpoint's "
                         "SmolLM2 parameters instead of the shipped ones (the batches stay the shipped model's)")
+    parser.set_defaults(model="smollm2")  # the model fidelity.describe names: the floor probes SmolLM2 alone
     args = parser.parse_args()
     config = load_config_file("configs/smollm2_arith.py")
     config.precision.mode, config.precision.backend = "fp8_e2e", "xla"
@@ -137,9 +138,7 @@ def main() -> None:
         rows.append(row)
         jax.clear_caches()
     out = {"device": rows[0]["device"], "commit": tree_commit(), "command": "python benchmarks/fidelity_floor.py "
-           + " ".join(sys.argv[1:]), "model": f"SmolLM2-135M-Instruct after RL: the master parameters of the "
-           f"checkpoint {args.checkpoint}" if args.checkpoint else "SmolLM2-135M-Instruct (the embedded GGUF, "
-           "dequantized to f32)",
+           + " ".join(sys.argv[1:]), "model": fidelity.describe(model, args),
            "config": "configs/smollm2_arith.py", "batch": probe["info"], "what": __doc__.split("\n\n", 2)[2].strip(),
            "rows": rows}
     with open(args.out, "w") as f:

@@ -57,18 +57,18 @@ def forms(base: Precision) -> dict[str, tuple[str, Precision]]:
     bf16_head = dict(lm_head_grad_fp8=False, lm_head_recompute_fp8=False)
     # block scaling (DeepSeek-V3's) with some of its GEMMs, or its forward in another form, the head all BF16
     block_part = lambda **kw: base.replace(recipe=dataclasses.replace(BLOCK_E4M3, **kw), **bf16_head)  # noqa: E731
+    # block scaling with every GEMM in FP8, the head's backward too
+    block_all = lambda **kw: recipe(scaling="block", fp8_format="e4m3", **kw)  # noqa: E731
     out = {
         "bf16": ("BF16 GEMMs, no FP8 (the baseline's precision)", Precision(compute_dtype=base.compute_dtype)),
         "tensor": ("per-tensor delayed scaling, E4M3 fwd / E5M2 grads (fp8_e2e; TE's DelayedScaling, emulated)", base),
         "current": ("per-tensor current scaling, all three GEMMs", recipe(scaling="current")),
         "rowwise": ("rowwise: the forward per token x per output channel, the backward per tensor delayed",
                     recipe(scaling="rowwise")),
-        "block": ("block: 1x128 tiles, 128x128 weight blocks, E4M3 fwd and bwd (DeepSeek-V3)",
-                  base.replace(recipe=dataclasses.replace(r, scaling="block", fp8_format="e4m3"))),
+        "block": ("block: 1x128 tiles, 128x128 weight blocks, E4M3 fwd and bwd (DeepSeek-V3)", block_all()),
         "block_hybrid": ("block scaling with E5M2 gradients", recipe(scaling="block")),
         "block_wgrad_tiles": ("block with DeepSeek-V3's wgrad: its output gradient in 128x1 tiles (block_wgrad)",
-                              base.replace(recipe=dataclasses.replace(r, scaling="block", fp8_format="e4m3",
-                                                                      block_wgrad="tiles"))),
+                              block_all(block_wgrad="tiles")),
         "tensor_e4m3": ("per-tensor delayed, E4M3 gradients", recipe(fp8_format="e4m3")),
         "head_bf16": ("the blocks' GEMMs in FP8, the LM head all BF16 (its backward GEMMs too)",
                       base.replace(**bf16_head)),

@@ -126,11 +126,11 @@ def _block_swiglu_mlp_fn(x_dtype, out_dtype, recipe: Fp8Recipe, form: str, impl:
         x, gate_up, w_gate_up, w_down, st_gu, st_down, hoisted = residuals
         gu_blocks, down_blocks = (xla.hoisted_kn(h) for h in hoisted)
         none = jnp.zeros((), jnp.float32)  # block scaling observes nothing into the states (``Fp8Recipe.delayed``)
-        g_blocks = xla.grad_blocks(recipe)
-        g_tiles = block.tile_quantize_both(g, bwd_dtype, col_blocks=g_blocks)
+        g_tiles = block.tile_quantize_both(g, bwd_dtype, col_blocks=recipe.grad_blocks)
         # g_h [M, F] = g [M, D] . w_down [F, D]^T
         g_h = xla.dgrad(g, w_down, kinds["dgrad"], recipe, form, none, none, g_tiles, x_dtype, down_blocks)
-        (qh_t, sh), gu_tiles = swiglu_grad_tiles_any(gate_up, g_h, fwd_dtype, bwd_dtype, impl, g_blocks)
+        (qh_t, sh), gu_tiles = swiglu_grad_tiles_any(gate_up, g_h, fwd_dtype, bwd_dtype, impl,
+                                                        recipe.grad_blocks)
         # dw_down [F, D] = h^T [F, M] . g^T [D, M]^T
         qg_t, sg_t = g_tiles[1]
         d_down = xla.block_gemm(xla.gemm_operand(qh_t, fwd_dtype, form), sh, xla.gemm_operand(qg_t, bwd_dtype, form),

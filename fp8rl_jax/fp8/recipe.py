@@ -164,6 +164,12 @@ class Fp8Recipe:
         return self.scaling == "block" and self.block_forward != "tokens_blocks" and "fprop" in self.fp8_gemms
 
     @property
+    def grad_blocks(self) -> bool:
+        """Block scaling whose weight gradient takes the output gradient in 128 x 128 blocks (``block_wgrad``'s
+        default): ``block.tile_quantize_both``'s second form with ``col_blocks``."""
+        return self.scaling == "block" and self.block_wgrad == "grad_blocks"
+
+    @property
     def fwd_dtype(self):
         return E4M3
 

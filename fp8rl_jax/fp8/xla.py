@@ -329,7 +329,7 @@ def _fp8_matmul_fn(x_dtype, w_dtype, out_dtype, recipe: Fp8Recipe, form: str, ga
 # the tensor's own amax; "tile": 1 x 128 tiles along the contraction axis (N for dgrad, the tokens for wgrad);
 # "block": 128 x 128; "mantissa": no scale, the value rounded to the format's mantissa (the probe's floor). rowwise
 # scales the forward only, as the standard path does. Block's wgrad takes g in blocks under block_wgrad=grad_blocks
-# (``grad_blocks``, the default), in tiles under block_wgrad=tiles.
+# (``Fp8Recipe.grad_blocks``, the default), in tiles under block_wgrad=tiles.
 BACKWARD_KINDS = {
     "tensor": {"dgrad": ("delayed", "delayed"), "wgrad": ("delayed", "delayed")},
     "rowwise": {"dgrad": ("delayed", "delayed"), "wgrad": ("delayed", "delayed")},
@@ -375,19 +375,13 @@ def dgrad(g: jax.Array, w: jax.Array, kinds, recipe: Fp8Recipe, form: str, s_g, 
     return _mm(gemm_operand(qg, bwd, form), gemm_operand(jnp.swapaxes(qw, 0, 1), fwd, form), 1, 0) * (sg * sw)
 
 
-def grad_blocks(recipe: Fp8Recipe) -> bool:
-    """Whether block scaling's weight gradient takes the output gradient in 128 x 128 blocks
-    (``Fp8Recipe.block_wgrad``): the second form of ``block.tile_quantize_both`` with ``col_blocks``."""
-    return recipe.block_wgrad == "grad_blocks"
-
-
 def wgrad(x: jax.Array, g: jax.Array, kinds, recipe: Fp8Recipe, form: str, s_x, s_g, g_tiles=None) -> jax.Array:
     """dw [K, N] = x [M, K]^T . g [M, N] in FP8, the operands quantized as ``kinds`` says. ``g_tiles``: as
-    ``dgrad``'s (its second form in blocks under ``grad_blocks``)."""
+    ``dgrad``'s (its second form in blocks under ``Fp8Recipe.grad_blocks``)."""
     fwd, bwd = recipe.fwd_dtype, recipe.bwd_dtype
     if kinds[0] == "tile":  # x and g in 128 x 1 tiles: 1 x 128 tiles of their transposes, along the tokens
         _, (qx, sx) = block.tile_quantize_both(x, fwd, rows=False)
-        qg, sg = (g_tiles or block.tile_quantize_both(g, bwd, rows=False, col_blocks=grad_blocks(recipe)))[1]
+        qg, sg = (g_tiles or block.tile_quantize_both(g, bwd, rows=False, col_blocks=recipe.grad_blocks))[1]
         return block_gemm(gemm_operand(qx, fwd, form), sx, gemm_operand(qg, bwd, form), sg, form,
                           impl=recipe.block_gemm)
     qx, sx = _quantized(x, fwd, kinds[0], s_x)
@@ -438,7 +432,7 @@ def _general_matmul_fn(x_dtype, w_dtype, out_dtype, recipe: Fp8Recipe, form: str
         s_x, s_w, s_g = (state[r]["scale"] for r in ("x", "kernel", "grad"))
         g_tiles = None  # block scaling, both backward GEMMs in FP8: g's two tile forms from one read
         if recipe.scaling == "block" and {"dgrad", "wgrad"} <= set(recipe.fp8_gemms):
-            g_tiles = block.tile_quantize_both(g, recipe.bwd_dtype, col_blocks=grad_blocks(recipe))
+            g_tiles = block.tile_quantize_both(g, recipe.bwd_dtype, col_blocks=recipe.grad_blocks)
         if "dgrad" in recipe.fp8_gemms:
             dx = dgrad(g, w, kinds["dgrad"], recipe, form, s_g, s_w, g_tiles, x_dtype, hoisted_kn(hoisted))
         else:  # dx [M, K] = g [M, N] . w [K, N]^T

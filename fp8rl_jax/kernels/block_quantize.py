@@ -115,6 +115,8 @@ def quantize_tiles(a: jax.Array, dtype, *, rows: bool = True, cols: bool = True,
     _check(a)
     if not (rows or cols):
         raise ValueError("quantize_tiles: ask for rows, cols or both")
+    if col_blocks and not cols:
+        raise ValueError("quantize_tiles: col_blocks is a form of cols")
     p, c = a.shape
     if block_rows is None:
         block_rows = SMALL_ROWS_BLOCK if not cols and p <= SMALL_ROWS else TILE
@@ -128,8 +130,6 @@ def quantize_tiles(a: jax.Array, dtype, *, rows: bool = True, cols: bool = True,
     if rows:
         out_specs += [tile, pl.BlockSpec((1, block_rows), lambda i, j: (j, i))]
         out_shape += [jax.ShapeDtypeStruct((p, c), dtype), jax.ShapeDtypeStruct((c // TILE, p), jnp.float32)]
-    if col_blocks and not cols:
-        raise ValueError("quantize_tiles: col_blocks is a form of cols")
     if cols:
         width = 1 if col_blocks else TILE  # inverse scales a block
         out_specs += [pl.BlockSpec((TILE, TILE), lambda i, j: (j, i)), pl.BlockSpec((1, width), lambda i, j: (i, j))]

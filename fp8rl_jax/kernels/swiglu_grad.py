@@ -162,22 +162,23 @@ def swiglu_grad_tiles(gate_up: jax.Array, g_h: jax.Array, h_dtype, g_dtype, *, i
     ``block_quantize.quantize_tiles`` scales it. Returns ``(qh_t [F, M], sh [M / 128, F], qg [M, 2F], sg [2F / 128, M],
     qg_t [2F, M], sg_t [M / 128, 2F])``: values and inverse scales laid as ``quantize_tiles`` lays them
     (``fp8.block_mlp`` turns them into ``block.tile_quantize_both``'s forms). ``g_blocks``: [dgate | dup]'s second form
-    in 128 x 128 blocks instead (``quantize_tiles``' ``col_blocks``; ``sg_t`` [M / 128, 2F / 128]). ``chunk`` of
-    ``CHUNKS`` (``auto``: ``CHUNK``, or None with ``g_blocks``): each [128, 128] block of the gate, the up and g_h takes
-    2 * 128 / ``chunk`` programs, launched next to one another (grid ``(2 * 128 / chunk, M / 128, F / 128)``): ``chunk``
-    rows each for the 1 x 128 tiles, ``chunk`` columns each for the 128 x 1 tiles (whole tiles of its form), so a
-    program holds fewer f32 values and the block's later programs read what the first left in L2; with ``g_blocks`` the
-    column programs make h's tiles alone, and two more programs a block make dgate's and dup's blocks, each from the
-    whole block (grid ``(2 * 128 / chunk + 2, ...)``). ``chunk`` None: one program a block, holding all of it
-    (grid ``(M / 128, F / 128)``). The same bits either way."""
+    in 128 x 128 blocks instead (``quantize_tiles``' ``col_blocks``; ``sg_t`` [M / 128, 2F / 128]), from one program a
+    whole block (a block's scale needs all of it). ``chunk``: None, one program a block, holding all of it (grid ``(M /
+    128, F / 128)``); or, for the 128 x 1 tiles, one of ``CHUNKS``: each [128, 128] block of the gate, the up and g_h
+    takes 2 * 128 / ``chunk`` programs, launched next to one another (grid ``(2 * 128 / chunk, M / 128, F / 128)``):
+    ``chunk`` rows each for the 1 x 128 tiles, ``chunk`` columns each for the 128 x 1 tiles (whole tiles of its form),
+    so a program holds fewer f32 values and the block's later programs read what the first left in L2. The same bits
+    either way. ``auto``: ``CHUNK`` for the tiles, None for the blocks."""
     m, f = g_h.shape
     if gate_up.shape != (m, 2 * f) or m % TILE or f % TILE:
         raise ValueError(f"swiglu_grad_tiles takes gate_up [M, 2F] and g_h [M, F] with 128 dividing M and F, not "
                          f"{list(gate_up.shape)} and {list(g_h.shape)}")
-    if chunk == "auto":  # a llama1b microbatch on an H200: g's blocks 2.56 ms whole, 3.19 in programs of 64; its tiles
-        chunk = None if g_blocks else CHUNK  # 3.06 and 2.52 (benchmarks/RESULTS.md, "Block-scaled FP8 on Hopper")
-    if chunk is not None and chunk not in CHUNKS:
-        raise ValueError(f"swiglu_grad_tiles chunk={chunk!r}; allowed: None, {CHUNKS}")
+    # a llama1b microbatch on an H200: g's tiles 2.52 ms in programs of 64, 3.06 whole; g's blocks 2.56 whole (3.19 in
+    # programs of 64 with two more whole-block programs for the blocks, a form since removed; benchmarks/RESULTS.md)
+    if chunk == "auto":
+        chunk = None if g_blocks else CHUNK
+    if chunk is not None and (chunk not in CHUNKS or g_blocks):
+        raise ValueError(f"swiglu_grad_tiles chunk={chunk!r}; allowed: None, or {CHUNKS} without g_blocks")
     h_dtype, g_dtype = jnp.dtype(h_dtype), jnp.dtype(g_dtype)
     h_limit, g_limit = float(fp8_max(h_dtype)), float(fp8_max(g_dtype))
     nf = f // TILE
@@ -227,24 +228,14 @@ def swiglu_grad_tiles(gate_up: jax.Array, g_h: jax.Array, h_dtype, g_dtype, *, i
             rows = pl.ds(i * TILE + part * chunk, chunk)
             row_form(rows, *values(rows, block_cols)[1:])
 
-        @pl.when((part >= per) & (part < 2 * per))
+        @pl.when(part >= per)
         def _():
             cols = pl.ds(j * TILE + (part - per) * chunk, chunk)
             h, dgate, dup = values(block_rows, cols)
             h_cols(cols, h)
-            if not g_blocks:
-                g_cols(cols, dgate, dup)
+            g_cols(cols, dgate, dup)
 
-        if g_blocks:
-            @pl.when(part == 2 * per)
-            def _():
-                g_block(values(block_rows, block_cols)[1], j)
-
-            @pl.when(part == 2 * per + 1)
-            def _():
-                g_block(values(block_rows, block_cols)[2], nf + j)
-
-    grid = (m // TILE, nf) if chunk is None else (2 * per + 2 * g_blocks, m // TILE, nf)
+    grid = (m // TILE, nf) if chunk is None else (2 * per, m // TILE, nf)
     return pl.pallas_call(
         kernel,
         grid=grid,

@@ -48,19 +48,21 @@ def test_kernel_equals_the_xla_form_bit_for_bit(g_dtype, g_blocks):
         np.testing.assert_array_equal(_f32(g), _f32(w))
 
 
-@pytest.mark.parametrize("chunk, g_blocks", [(16, False), (64, False), (64, True)])
-def test_kernel_chunks_give_the_whole_blocks_bits(chunk, g_blocks):
+@pytest.mark.parametrize("chunk", [16, 64])
+def test_kernel_chunks_give_the_whole_blocks_bits(chunk):
     """``chunk``: a block's programs take ``chunk`` rows or ``chunk`` columns each, against one program a whole block
-    (``chunk=None``): through Pallas' interpreter, every output the same."""
+    (``chunk=None``): through Pallas' interpreter, every output the same. The gradient's blocks take whole blocks."""
     from fp8rl_jax.kernels.swiglu_grad import swiglu_grad_tiles
 
     gate_up, g_h = _swiglu_inputs(seed=2)
-    run = lambda chunk: jax.jit(lambda a, b: swiglu_grad_tiles(a, b, E4M3, E5M2, interpret=True, chunk=chunk,
-                                                               g_blocks=g_blocks))(gate_up, g_h)
+    run = lambda chunk: jax.jit(lambda a, b: swiglu_grad_tiles(a, b, E4M3, E5M2, interpret=True, chunk=chunk))(
+        gate_up, g_h)
     for w, g in zip(run(None), run(chunk), strict=True):
         np.testing.assert_array_equal(_f32(g), _f32(w))
     with pytest.raises(ValueError, match="chunk=48"):
         swiglu_grad_tiles(gate_up, g_h, E4M3, E4M3, chunk=48)
+    with pytest.raises(ValueError, match=f"chunk={chunk}; allowed: None, or .* without g_blocks"):
+        swiglu_grad_tiles(gate_up, g_h, E4M3, E4M3, chunk=chunk, g_blocks=True)
 
 
 def test_xla_form_is_the_tiles_of_the_swiglu_and_its_gradient():
@@ -264,14 +266,12 @@ def test_fused_mlp_off_takes_the_two_linears():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("g_blocks", [False, True])
-def test_gpu_kernel_chunks_give_the_whole_blocks_bits(g_blocks):
+def test_gpu_kernel_chunks_give_the_whole_blocks_bits():
     """The compiled kernel with each of ``CHUNKS`` against one program a whole block: the same bits."""
     from fp8rl_jax.kernels.swiglu_grad import CHUNKS, swiglu_grad_tiles
 
     gate_up, g_h = _swiglu_inputs(m=1024, f=512, seed=3)
-    run = lambda chunk: jax.jit(lambda a, b: swiglu_grad_tiles(a, b, E4M3, E4M3, chunk=chunk, g_blocks=g_blocks))(
-        gate_up, g_h)
+    run = lambda chunk: jax.jit(lambda a, b: swiglu_grad_tiles(a, b, E4M3, E4M3, chunk=chunk))(gate_up, g_h)
     whole = run(None)
     for chunk in CHUNKS:
         for w, g in zip(whole, run(chunk), strict=True):
