@@ -18,6 +18,14 @@ changes):
   gradient tiles, g x g weight blocks, f32 scales, the GEMM's f32 promotion every g steps of the contraction axis.
   ``block_g128`` is ``block`` itself, run here beside the others. ``block_head_bf16_g<g>``: the same with the LM head
   all BF16 (the probe's ``block_head_bf16``), the blocks' GEMMs without the head's per-tensor FP8 backward.
+- ``mantissa_m<k>_head_bf16`` (k = 4, 5): ``mantissa_e4m3_head_bf16_c1.3`` with k mantissa bits instead of E4M3's
+  3: how many bits the blocks' GEMM operands need for a given gradient error (no 8-bit format has k > 3).
+- ``int8_<form>`` (form: ``block``, ``block_head_bf16``, ``block_fprop_only``, ``block_hybrid``): the form with
+  block's tile and block quantizers rounding to INT8 instead of E4M3: each group's f32 scale ``127 / amax``, every
+  scaled value rounded to the nearest integer (7 bits of magnitude on a uniform grid, where E4M3 has 3 mantissa
+  bits). Hopper's INT8 tensor cores run at FP8's rate. Under ``block_hybrid`` only the E4M3 operands (inputs and
+  weights) are INT8, the E5M2 gradients stay. The head's per-tensor FP8 (where a form has it) is unchanged.
+  ``int8_block_head_bf16_g<g>`` (g = 32, 16): ``int8_block_head_bf16`` in g-wide groups, as ``block_g<g>``.
 """
 
 from __future__ import annotations
@@ -41,20 +49,33 @@ from fp8rl_jax.fp8.recipe import scale_from_amax, update_state
 from fp8rl_jax.model import llama, loading
 from fp8rl_jax.numerics import fp8_max, mantissa_rounded
 
-MODE = {"patch": None, "c": 1.0}  # the variant being traced: None | "pow2" | "nosub"; the floor's grid factor
+# the variant being traced: its patch (None | "pow2" | "nosub" | "int8"), the floor's grid factor c, the dtypes an
+# INT8 patch takes (None: all), the floor's mantissa bits (None: the dtype's)
+MODE = {"patch": None, "c": 1.0, "int8_dtypes": None, "bits": None}
+INT8_MAX = 127.0
 _scales, _block_quantize, _xla_quantize = block.scales_of, block.quantize, xla.quantize
 WIDTH = block.BLOCK  # 128: block's group width as shipped; a block_g<g> variant sets block.BLOCK = g while traced
 
 
+def int8(dtype) -> bool:
+    """Whether block's quantizers round to INT8 for ``dtype`` now: every dtype, or E4M3 only under a hybrid form."""
+    return MODE["patch"] == "int8" and (MODE["int8_dtypes"] is None or jnp.dtype(dtype) in MODE["int8_dtypes"])
+
+
 def pow2_scales(a, dtype):
+    if int8(dtype):
+        s = scale_from_amax(a, 1.0, INT8_MAX)
+        return s, 1.0 / s
     if MODE["patch"] != "pow2":
         return _scales(a, dtype)
     s = jnp.exp2(jnp.floor(jnp.log2(scale_from_amax(a, 1.0, fp8_max(dtype)))))
     return s, 1.0 / s
 
 
-def nosub(quantize):
+def nosub(quantize, ints=False):
     def q(x, scale, dtype):
+        if ints and int8(dtype):  # the integer values, held in f32 (exact), never cast to FP8
+            return jnp.clip(jnp.round(x.astype(jnp.float32) * scale.astype(jnp.float32)), -INT8_MAX, INT8_MAX)
         if MODE["patch"] != "nosub":
             return quantize(x, scale, dtype)
         return mantissa_rounded(x.astype(jnp.float32) * scale.astype(jnp.float32), dtype)
@@ -62,10 +83,13 @@ def nosub(quantize):
 
 
 def shifted(t, dtype):
-    return mantissa_rounded(t.astype(jnp.float32) * MODE["c"], dtype) / MODE["c"]
+    t = t.astype(jnp.float32) * MODE["c"]
+    if MODE["bits"] is not None:
+        return jax.lax.reduce_precision(t, exponent_bits=8, mantissa_bits=MODE["bits"]) / MODE["c"]
+    return mantissa_rounded(t, dtype) / MODE["c"]
 
 
-block.scales_of, block.quantize, xla.quantize, xla.mantissa_rounded = (pow2_scales, nosub(_block_quantize),
+block.scales_of, block.quantize, xla.quantize, xla.mantissa_rounded = (pow2_scales, nosub(_block_quantize, True),
                                                                      nosub(_xla_quantize), shifted)
 
 
@@ -81,6 +105,27 @@ def check_width(g: int) -> None:
     assert inv.shape == (-(-36 // g), -(-48 // g)), inv.shape
 
 
+def fp8_casts(step, *args) -> dict[str, int]:
+    """How many conversions to each float8 dtype ``step``'s program (its gradient included) makes: an INT8 variant
+    whose head is BF16 must make none (every block GEMM operand is then an integer held in f32)."""
+    counts: dict[str, int] = {}
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            dtype = eqn.params.get("new_dtype")
+            if eqn.primitive.name == "convert_element_type" and "float8" in str(dtype):
+                counts[str(dtype)] = counts.get(str(dtype), 0) + 1
+            for p in eqn.params.values():
+                for sub in p if isinstance(p, (tuple, list)) else (p,):
+                    if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                        walk(sub.jaxpr)
+                    elif isinstance(sub, jax.extend.core.Jaxpr):
+                        walk(sub)
+
+    walk(jax.make_jaxpr(step)(*args).jaxpr)
+    return counts
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--variants", default="all", help="comma-separated names (the docstring's), or all")
@@ -94,14 +139,22 @@ def main() -> None:
     base = plan.run_precision(config, "train")
     table = fidelity.forms(base)
     current = base.replace(recipe=dataclasses.replace(base.recipe, scaling="current", fp8_format="e4m3"))
-    # name -> (precision, MODE's patch, MODE's c, block.BLOCK)
-    variants = {"block_pow2": (table["block"][1], "pow2", 1.0, WIDTH),
-                "block_nosub": (table["block"][1], "nosub", 1.0, WIDTH),
-                "current_e4m3": (current, None, 1.0, WIDTH), "current_e4m3_nosub": (current, "nosub", 1.0, WIDTH)}
-    variants |= {f"mantissa_e4m3_c{c}": (table["mantissa_e4m3"][1], None, c, WIDTH) for c in (1.1, 1.3, 1.55, 1.8)}
-    variants["mantissa_e4m3_head_bf16_c1.3"] = (table["mantissa_e4m3_head_bf16"][1], None, 1.3, WIDTH)
-    variants |= {f"block_g{g}": (table["block"][1], None, 1.0, g) for g in (128, 64, 32, 16)}
-    variants |= {f"block_head_bf16_g{g}": (table["block_head_bf16"][1], None, 1.0, g) for g in (128, 64, 32, 16)}
+    # name -> (precision, MODE's entries while it is traced, block.BLOCK)
+    mode = lambda patch=None, c=1.0, int8_dtypes=None, bits=None: dict(  # noqa: E731
+        patch=patch, c=c, int8_dtypes=int8_dtypes, bits=bits)
+    variants = {"block_pow2": (table["block"][1], mode("pow2"), WIDTH),
+                "block_nosub": (table["block"][1], mode("nosub"), WIDTH),
+                "current_e4m3": (current, mode(), WIDTH), "current_e4m3_nosub": (current, mode("nosub"), WIDTH)}
+    variants |= {f"mantissa_e4m3_c{c}": (table["mantissa_e4m3"][1], mode(c=c), WIDTH) for c in (1.1, 1.3, 1.55, 1.8)}
+    variants["mantissa_e4m3_head_bf16_c1.3"] = (table["mantissa_e4m3_head_bf16"][1], mode(c=1.3), WIDTH)
+    variants |= {f"mantissa_m{k}_head_bf16": (table["mantissa_e4m3_head_bf16"][1], mode(c=1.3, bits=k), WIDTH)
+                 for k in (4, 5)}
+    variants |= {f"block_g{g}": (table["block"][1], mode(), g) for g in (128, 64, 32, 16)}
+    variants |= {f"block_head_bf16_g{g}": (table["block_head_bf16"][1], mode(), g) for g in (128, 64, 32, 16)}
+    e4m3_only = {jnp.dtype(jnp.float8_e4m3fn)}  # block_hybrid's inputs and weights; its E5M2 gradients stay
+    variants |= {f"int8_{f}": (table[f][1], mode("int8", int8_dtypes=e4m3_only if f == "block_hybrid" else None),
+                               WIDTH) for f in ("block", "block_head_bf16", "block_fprop_only", "block_hybrid")}
+    variants |= {f"int8_block_head_bf16_g{g}": (table["block_head_bf16"][1], mode("int8"), g) for g in (32, 16)}
     names = list(variants) if args.variants == "all" else args.variants.split(",")
     unknown = [n for n in names if n not in variants]
     if unknown:
@@ -120,19 +173,26 @@ def main() -> None:
     observed = fidelity.calibration(fidelity._loss_and_grad(model, base, loss_cfg), model, params, base, calib)
     rows = []
     for name in names:
-        precision, patch, c, width = variants[name]
-        MODE["patch"], MODE["c"] = patch, c
+        precision, settings, width = variants[name]
+        MODE.update(settings)
         block.BLOCK = width  # read by block's functions when they are traced (run_form's jit), not when defined
-        if patch is None:
+        if MODE["patch"] is None:
             check_width(width)
         t = time.perf_counter()
         try:
             state = update_state(llama.init_fp8_state(model, precision), observed, precision.recipe)
-            logp, grad = fidelity.run_form(fidelity._loss_and_grad(model, precision, loss_cfg), params, probe, state)
+            step = fidelity._loss_and_grad(model, precision, loss_cfg)
+            casts = None
+            if MODE["patch"] == "int8":
+                casts = fp8_casts(step, params, state, probe["tokens"], probe["mask"], probe["advantages"])
+                if not precision.lm_head_grad_fp8 and MODE["int8_dtypes"] is None and casts:
+                    raise AssertionError(f"{name}: an FP8 cast left in an all-INT8 program: {casts}")
+            logp, grad = fidelity.run_form(step, params, probe, state)
         finally:
             block.BLOCK = WIDTH
         row = {"form": name, "logp_err_vs_f32": float(np.abs(logp - ref_logp)[probe["mask"]].mean()),
                **fidelity.grad_metrics(grad, ref_grad, model), "seconds": round(time.perf_counter() - t, 1),
+               **({} if casts is None else {"fp8_casts": casts}),
                "device": jax.devices()[0].platform}
         print(json.dumps({k: v for k, v in row.items() if k not in ("per_layer", "per_role")}), flush=True)
         rows.append(row)
