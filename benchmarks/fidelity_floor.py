@@ -25,7 +25,9 @@ changes):
   scaled value rounded to the nearest integer (7 bits of magnitude on a uniform grid, where E4M3 has 3 mantissa
   bits). Hopper's INT8 tensor cores run at FP8's rate. Under ``block_hybrid`` only the E4M3 operands (inputs and
   weights) are INT8, the E5M2 gradients stay. The head's per-tensor FP8 (where a form has it) is unchanged.
-  ``int8_block_head_bf16_g<g>`` (g = 32, 16): ``int8_block_head_bf16`` in g-wide groups, as ``block_g<g>``.
+  ``int8_block_g<g>`` and ``int8_block_head_bf16_g<g>`` (g = 64, 32, 16): the same in g-wide groups, as
+  ``block_g<g>``.
+- Any form of ``bench fidelity`` (``fidelity.forms``) by its name, unpatched: a baseline in the same run.
 """
 
 from __future__ import annotations
@@ -128,7 +130,8 @@ def fp8_casts(step, *args) -> dict[str, int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--variants", default="all", help="comma-separated names (the docstring's), or all")
+    parser.add_argument("--variants", default="all", help="comma-separated names (the docstring's, or a form of "
+                        "bench fidelity), or all (the docstring's)")
     parser.add_argument("--out", default="/tmp/fidelity_floor.json")
     parser.add_argument("--checkpoint", default=None, help="bench fidelity's --checkpoint: a trainer checkpoint's "
                         "SmolLM2 parameters instead of the shipped ones (the batches stay the shipped model's)")
@@ -154,8 +157,11 @@ def main() -> None:
     e4m3_only = {jnp.dtype(jnp.float8_e4m3fn)}  # block_hybrid's inputs and weights; its E5M2 gradients stay
     variants |= {f"int8_{f}": (table[f][1], mode("int8", int8_dtypes=e4m3_only if f == "block_hybrid" else None),
                                WIDTH) for f in ("block", "block_head_bf16", "block_fprop_only", "block_hybrid")}
-    variants |= {f"int8_block_head_bf16_g{g}": (table["block_head_bf16"][1], mode("int8"), g) for g in (32, 16)}
-    names = list(variants) if args.variants == "all" else args.variants.split(",")
+    variants |= {f"int8_block_head_bf16_g{g}": (table["block_head_bf16"][1], mode("int8"), g) for g in (64, 32, 16)}
+    variants |= {f"int8_block_g{g}": (table["block"][1], mode("int8"), g) for g in (64, 32, 16)}
+    floor_variants = list(variants)
+    variants |= {f: (precision, mode(), WIDTH) for f, (_, precision) in table.items() if f not in variants}
+    names = floor_variants if args.variants == "all" else args.variants.split(",")
     unknown = [n for n in names if n not in variants]
     if unknown:
         parser.error(f"unknown variants {unknown}; known: {', '.join(variants)}")
