@@ -1,0 +1,56 @@
+"""``benchmarks/fidelity_floor.py``'s INT8 variants: block's quantizers patched to round each group to INT8 (against a
+numpy reference written here), and the jaxpr check that an INT8 program holds no FP8 conversion."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fp8rl_jax.fp8 import block, xla
+
+E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+
+
+@pytest.fixture
+def floor(benchmark_script):
+    """The script loaded (its import patches ``block`` and ``xla``), the patches undone afterwards."""
+    saved = block.scales_of, block.quantize, xla.quantize, xla.mantissa_rounded
+    module = benchmark_script("fidelity_floor")
+    yield module
+    block.scales_of, block.quantize, xla.quantize, xla.mantissa_rounded = saved
+
+
+def test_int8_tiles_are_each_groups_integers(floor):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(3, 300)).astype(np.float32)
+    x[1, 5] = 3000.0  # a massive value: its tile's grid step is 3000 / 127
+    x[2, 128:256] = 0.0  # an all-zero tile: scale 1
+    floor.MODE.update(patch="int8", int8_dtypes=None)
+    q, inv = jax.jit(lambda a: block.tile_quantize(a, E4M3))(x)
+    q, inv = np.asarray(q), np.asarray(inv)
+    assert q.dtype == np.float32 and inv.shape == (3, 3)
+    padded = np.pad(x, [(0, 0), (0, 84)]).reshape(3, 3, 128)
+    amax = np.abs(padded).max(-1)
+    scale = np.divide(np.float32(127.0), amax, out=np.ones_like(amax), where=amax > 0)
+    want = np.clip(np.round(padded * scale[..., None]), -127, 127).reshape(3, -1)[:, :300]
+    np.testing.assert_array_equal(q, want)
+    np.testing.assert_array_equal(inv, (np.float32(1.0) / scale).astype(np.float32))
+    assert np.abs(q[1, :128]).max() == 127 and (np.abs(q[1, :128]) < 1).sum() > 100  # the massive tile's rest ~ 0
+    # under a hybrid form only E4M3 operands are INT8: an E5M2 gradient stays FP8
+    floor.MODE.update(int8_dtypes={jnp.dtype(E4M3)})
+    assert block.tile_quantize(x, E5M2)[0].dtype == E5M2
+    assert block.tile_quantize(x, E4M3)[0].dtype == np.float32
+    floor.MODE.update(patch=None, int8_dtypes=None)
+    assert block.tile_quantize(x, E4M3)[0].dtype == E4M3
+
+
+def test_fp8_casts_finds_conversions_in_nested_programs(floor):
+    def loss(x):
+        def body(carry, row):
+            return carry + jnp.sum(row.astype(E4M3).astype(jnp.float32) ** 2), None
+        return jax.lax.scan(body, 0.0, x)[0]
+
+    x = jnp.ones((2, 4))
+    assert floor.fp8_casts(jax.jit(loss), x) == {"float8_e4m3fn": 1}
+    assert floor.fp8_casts(jax.jit(jax.grad(loss)), x).get("float8_e4m3fn", 0) >= 1
+    assert floor.fp8_casts(jax.jit(lambda a: jnp.sum(a ** 2)), x) == {}
