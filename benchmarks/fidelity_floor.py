@@ -1,4 +1,4 @@
-"""Why block scaling beats the fidelity probe's mantissa floor (docs/accuracy.md, the block-scaling section).
+"""Why block scaling beats the fidelity probe's mantissa floor, and what more bits buy (docs/accuracy.md, the probe).
 
     python benchmarks/fidelity_floor.py [--variants NAME,NAME,...] [--out PATH] [--checkpoint DIR]
 
@@ -39,6 +39,7 @@ import sys
 import time
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 
@@ -64,7 +65,7 @@ def int8(dtype) -> bool:
     return MODE["patch"] == "int8" and (MODE["int8_dtypes"] is None or jnp.dtype(dtype) in MODE["int8_dtypes"])
 
 
-def pow2_scales(a, dtype):
+def patched_scales(a, dtype):
     if int8(dtype):
         s = scale_from_amax(a, 1.0, INT8_MAX)
         return s, 1.0 / s
@@ -74,7 +75,7 @@ def pow2_scales(a, dtype):
     return s, 1.0 / s
 
 
-def nosub(quantize, ints=False):
+def patched_quantize(quantize, ints=False):
     def q(x, scale, dtype):
         if ints and int8(dtype):  # the integer values, held in f32 (exact), never cast to FP8
             return jnp.clip(jnp.round(x.astype(jnp.float32) * scale.astype(jnp.float32)), -INT8_MAX, INT8_MAX)
@@ -91,8 +92,8 @@ def shifted(t, dtype):
     return mantissa_rounded(t, dtype) / MODE["c"]
 
 
-block.scales_of, block.quantize, xla.quantize, xla.mantissa_rounded = (pow2_scales, nosub(_block_quantize, True),
-                                                                     nosub(_xla_quantize), shifted)
+block.scales_of, block.quantize, xla.quantize, xla.mantissa_rounded = (
+    patched_scales, patched_quantize(_block_quantize, ints=True), patched_quantize(_xla_quantize), shifted)
 
 
 def check_width(g: int) -> None:
