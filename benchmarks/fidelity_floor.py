@@ -27,6 +27,14 @@ changes):
   weights) are INT8, the E5M2 gradients stay. The head's per-tensor FP8 (where a form has it) is unchanged.
   ``int8_block_g<g>`` and ``int8_block_head_bf16_g<g>`` (g = 64, 32, 16): the same in g-wide groups, as
   ``block_g<g>``.
+- ``<form>_smooth`` (form: ``block_head_bf16``, ``int8_block_head_bf16``, ``int8_block``): the form with each
+  linear's contraction channels smoothed first (SmoothQuant, arXiv 2211.10438, alpha 0.5): x / s and s * w for
+  ``s_k = sqrt(amax_x[k] / amax_w[k])`` (the call's current amaxes over the tokens and the output channels; 1 where
+  either is 0), the same product before any rounding, so that the forward, the dgrad and the wgrad all quantize
+  smoothed operands; the gradients flow back through the two scalings exactly (``s`` is a constant). x / s is
+  rounded to x's dtype (BF16: 2**-9 relative, far under INT8's and E4M3's roundings). The MLP runs as two linears
+  (``Precision.fused_mlp`` off: the fused block MLP has no such hook), whose forward is the fused MLP's and whose
+  gradient is not quite (its own roundings between the two); ``block_head_bf16_two_linears`` is that baseline.
 - Any form of ``bench fidelity`` (``fidelity.forms``) by its name, unpatched: a baseline in the same run.
 """
 
@@ -53,10 +61,11 @@ from fp8rl_jax.model import llama, loading
 from fp8rl_jax.numerics import fp8_max, mantissa_rounded
 
 # the variant being traced: its patch (None | "pow2" | "nosub" | "int8"), the floor's grid factor c, the dtypes an
-# INT8 patch takes (None: all), the floor's mantissa bits (None: the dtype's)
-MODE = {"patch": None, "c": 1.0, "int8_dtypes": None, "bits": None}
+# INT8 patch takes (None: all), the floor's mantissa bits (None: the dtype's), the smoothing's alpha (None: none)
+MODE = {"patch": None, "c": 1.0, "int8_dtypes": None, "bits": None, "smooth": None}
 INT8_MAX = 127.0
 _scales, _block_quantize, _xla_quantize = block.scales_of, block.quantize, xla.quantize
+_general_matmul_fn = xla._general_matmul_fn
 WIDTH = block.BLOCK  # 128: block's group width as shipped; a block_g<g> variant sets block.BLOCK = g while traced
 
 
@@ -92,6 +101,28 @@ def shifted(t, dtype):
     return mantissa_rounded(t, dtype) / MODE["c"]
 
 
+def smoothed_matmul_fn(x_dtype, w_dtype, out_dtype, recipe, form, gather=None):
+    """``xla._general_matmul_fn``'s matmul, its operands smoothed first where MODE says (the ``_smooth`` variants)."""
+    f = _general_matmul_fn(x_dtype, w_dtype, out_dtype, recipe, form, gather)
+    alpha = MODE["smooth"]
+    if alpha is None or gather is not None:
+        return f
+
+    def smoothed(x, kernel, state, kernel_amax, hoisted):  # x [M, K], kernel [K, N]
+        if hoisted is not None:
+            raise ValueError("the smoothing variants take whole kernels, not block_kernel_for_update's")
+        ax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=0)  # [K]
+        aw = jnp.max(jnp.abs(kernel.astype(jnp.float32)), axis=1)  # [K]
+        ok = (ax > 0) & (aw > 0)
+        s = jax.lax.stop_gradient(jnp.where(ok, jnp.where(ok, ax, 1.0) ** alpha / jnp.where(ok, aw, 1.0) ** (1 - alpha),
+                                            1.0))
+        return f((x.astype(jnp.float32) / s).astype(x.dtype), (kernel.astype(jnp.float32) * s[:, None]).astype(
+            kernel.dtype), state, kernel_amax, hoisted)
+
+    return smoothed
+
+
+xla._general_matmul_fn = smoothed_matmul_fn
 block.scales_of, block.quantize, xla.quantize, xla.mantissa_rounded = (
     patched_scales, patched_quantize(_block_quantize, ints=True), patched_quantize(_xla_quantize), shifted)
 
@@ -144,8 +175,8 @@ def main() -> None:
     table = fidelity.forms(base)
     current = base.replace(recipe=dataclasses.replace(base.recipe, scaling="current", fp8_format="e4m3"))
     # name -> (precision, MODE's entries while it is traced, block.BLOCK)
-    mode = lambda patch=None, c=1.0, int8_dtypes=None, bits=None: dict(  # noqa: E731
-        patch=patch, c=c, int8_dtypes=int8_dtypes, bits=bits)
+    mode = lambda patch=None, c=1.0, int8_dtypes=None, bits=None, smooth=None: dict(  # noqa: E731
+        patch=patch, c=c, int8_dtypes=int8_dtypes, bits=bits, smooth=smooth)
     variants = {"block_pow2": (table["block"][1], mode("pow2"), WIDTH),
                 "block_nosub": (table["block"][1], mode("nosub"), WIDTH),
                 "current_e4m3": (current, mode(), WIDTH), "current_e4m3_nosub": (current, mode("nosub"), WIDTH)}
@@ -160,6 +191,11 @@ def main() -> None:
                                WIDTH) for f in ("block", "block_head_bf16", "block_fprop_only", "block_hybrid")}
     variants |= {f"int8_block_head_bf16_g{g}": (table["block_head_bf16"][1], mode("int8"), g) for g in (64, 32, 16)}
     variants |= {f"int8_block_g{g}": (table["block"][1], mode("int8"), g) for g in (64, 32, 16)}
+    two_linears = lambda f: table[f][1].replace(fused_mlp=False)  # noqa: E731
+    variants |= {"block_head_bf16_two_linears": (two_linears("block_head_bf16"), mode(), WIDTH),
+                 "block_head_bf16_smooth": (two_linears("block_head_bf16"), mode(smooth=0.5), WIDTH),
+                 "int8_block_head_bf16_smooth": (two_linears("block_head_bf16"), mode("int8", smooth=0.5), WIDTH),
+                 "int8_block_smooth": (two_linears("block"), mode("int8", smooth=0.5), WIDTH)}
     floor_variants = list(variants)
     variants |= {f: (precision, mode(), WIDTH) for f, (_, precision) in table.items() if f not in variants}
     names = floor_variants if args.variants == "all" else args.variants.split(",")

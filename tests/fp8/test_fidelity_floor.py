@@ -14,10 +14,10 @@ E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 @pytest.fixture
 def floor(benchmark_script):
     """The script loaded (its import patches ``block`` and ``xla``), the patches undone afterwards."""
-    saved = block.scales_of, block.quantize, xla.quantize, xla.mantissa_rounded
+    saved = block.scales_of, block.quantize, xla.quantize, xla.mantissa_rounded, xla._general_matmul_fn
     module = benchmark_script("fidelity_floor")
     yield module
-    block.scales_of, block.quantize, xla.quantize, xla.mantissa_rounded = saved
+    block.scales_of, block.quantize, xla.quantize, xla.mantissa_rounded, xla._general_matmul_fn = saved
 
 
 def test_int8_tiles_are_each_groups_integers(floor):
@@ -54,3 +54,37 @@ def test_fp8_casts_finds_conversions_in_nested_programs(floor):
     assert floor.fp8_casts(jax.jit(loss), x) == {"float8_e4m3fn": 1}
     assert floor.fp8_casts(jax.jit(jax.grad(loss)), x).get("float8_e4m3fn", 0) >= 1
     assert floor.fp8_casts(jax.jit(lambda a: jnp.sum(a ** 2)), x) == {}
+
+
+def test_smoothing_changes_no_product_before_rounding(floor):
+    """The ``_smooth`` variants' x / s and s * w: with the probe's floor at f32's 23 mantissa bits (no rounding), the
+    matmul and both its gradients equal the unsmoothed ones to f32 rounding, for a massive input channel too."""
+    from fp8rl_jax.fp8.recipe import Fp8Recipe, init_linear_state
+
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(16, 256)).astype(np.float32)
+    x[:, 7] *= 3000.0  # a massive channel: s_7 large
+    w = (rng.normal(size=(256, 64)) * 0.05).astype(np.float32)
+    cot = rng.normal(size=(16, 64)).astype(np.float32)
+    recipe = Fp8Recipe(scaling="mantissa", fp8_format="e4m3")
+    state = init_linear_state(recipe)
+
+    def run():
+        def loss(a, b):
+            y = xla.fp8_matmul(a, b, state, recipe, jnp.float32)
+            return jnp.sum(y * cot), y
+        (_, y), grads = jax.jit(jax.value_and_grad(loss, (0, 1), has_aux=True))(x, w)
+        return y, *grads
+
+    floor.MODE.update(patch=None, c=1.0, bits=23, smooth=None)
+    plain = run()
+    floor.MODE.update(smooth=0.5)
+    smoothed = run()
+    floor.MODE.update(bits=None, smooth=None)
+    for a, b in zip(plain, smoothed, strict=True):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=2e-5, atol=2e-5 * float(np.abs(a).max()))
+    floor.MODE.update(bits=3, smooth=None)  # with rounding the smoothing moves the result: the test can tell
+    rounded = run()
+    floor.MODE.update(smooth=0.5)
+    assert not np.allclose(np.asarray(run()[0]), np.asarray(rounded[0]))
+    floor.MODE.update(bits=None, smooth=None)
