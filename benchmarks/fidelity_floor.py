@@ -35,6 +35,11 @@ changes):
   rounded to x's dtype (BF16: 2**-9 relative, far under INT8's and E4M3's roundings). The MLP runs as two linears
   (``Precision.fused_mlp`` off: the fused block MLP has no such hook), whose forward is the fused MLP's and whose
   gradient is not quite (its own roundings between the two); ``block_head_bf16_two_linears`` is that baseline.
+- ``int8_fwd_<form>_g32`` (form: ``block``, ``block_head_bf16``): INT8 in groups of 32 for the forward's GEMM only;
+  the dgrad and the wgrad as ``block`` ships them (E4M3, groups of 128, their operands quantized from the
+  high-precision values as always). The MLP as two linears (the backward's hooks, ``xla.dgrad``, ``xla.wgrad`` and
+  the gradient's ``block.tile_quantize_both``, are those of a linear); ``int8_block_head_bf16_g32_two_linears`` is
+  all three GEMMs in INT8 groups of 32 with the same MLP.
 - Any form of ``bench fidelity`` (``fidelity.forms``) by its name, unpatched: a baseline in the same run.
 """
 
@@ -61,8 +66,9 @@ from fp8rl_jax.model import llama, loading
 from fp8rl_jax.numerics import fp8_max, mantissa_rounded
 
 # the variant being traced: its patch (None | "pow2" | "nosub" | "int8"), the floor's grid factor c, the dtypes an
-# INT8 patch takes (None: all), the floor's mantissa bits (None: the dtype's), the smoothing's alpha (None: none)
-MODE = {"patch": None, "c": 1.0, "int8_dtypes": None, "bits": None, "smooth": None}
+# INT8 patch takes (None: all), the floor's mantissa bits (None: the dtype's), the smoothing's alpha (None: none),
+# whether the patch and the group width apply to the forward's GEMM only
+MODE = {"patch": None, "c": 1.0, "int8_dtypes": None, "bits": None, "smooth": None, "fwd_only": False}
 INT8_MAX = 127.0
 _scales, _block_quantize, _xla_quantize = block.scales_of, block.quantize, xla.quantize
 _general_matmul_fn = xla._general_matmul_fn
@@ -122,7 +128,26 @@ def smoothed_matmul_fn(x_dtype, w_dtype, out_dtype, recipe, form, gather=None):
     return smoothed
 
 
+def as_shipped_in_backward(fn, in_backward=lambda *args, **kwargs: True):
+    """``fn`` traced with no patch and 128-wide groups where MODE's ``fwd_only`` says so and ``in_backward`` holds:
+    the backward's quantizers of an ``int8_fwd_*`` variant."""
+    def wrapped(*args, **kwargs):
+        if not (MODE["fwd_only"] and in_backward(*args, **kwargs)):
+            return fn(*args, **kwargs)
+        saved = MODE["patch"], block.BLOCK
+        MODE["patch"], block.BLOCK = None, WIDTH
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            MODE["patch"], block.BLOCK = saved
+
+    return wrapped
+
+
 xla._general_matmul_fn = smoothed_matmul_fn
+xla.dgrad, xla.wgrad = as_shipped_in_backward(xla.dgrad), as_shipped_in_backward(xla.wgrad)
+# the forward quantizes its input with cols=False; the backward's gradient tiles keep cols
+block.tile_quantize_both = as_shipped_in_backward(block.tile_quantize_both, lambda *a, cols=True, **k: cols)
 block.scales_of, block.quantize, xla.quantize, xla.mantissa_rounded = (
     patched_scales, patched_quantize(_block_quantize, ints=True), patched_quantize(_xla_quantize), shifted)
 
@@ -175,8 +200,8 @@ def main() -> None:
     table = fidelity.forms(base)
     current = base.replace(recipe=dataclasses.replace(base.recipe, scaling="current", fp8_format="e4m3"))
     # name -> (precision, MODE's entries while it is traced, block.BLOCK)
-    mode = lambda patch=None, c=1.0, int8_dtypes=None, bits=None, smooth=None: dict(  # noqa: E731
-        patch=patch, c=c, int8_dtypes=int8_dtypes, bits=bits, smooth=smooth)
+    mode = lambda patch=None, c=1.0, int8_dtypes=None, bits=None, smooth=None, fwd_only=False: dict(  # noqa: E731
+        patch=patch, c=c, int8_dtypes=int8_dtypes, bits=bits, smooth=smooth, fwd_only=fwd_only)
     variants = {"block_pow2": (table["block"][1], mode("pow2"), WIDTH),
                 "block_nosub": (table["block"][1], mode("nosub"), WIDTH),
                 "current_e4m3": (current, mode(), WIDTH), "current_e4m3_nosub": (current, mode("nosub"), WIDTH)}
@@ -196,6 +221,9 @@ def main() -> None:
                  "block_head_bf16_smooth": (two_linears("block_head_bf16"), mode(smooth=0.5), WIDTH),
                  "int8_block_head_bf16_smooth": (two_linears("block_head_bf16"), mode("int8", smooth=0.5), WIDTH),
                  "int8_block_smooth": (two_linears("block"), mode("int8", smooth=0.5), WIDTH)}
+    variants |= {f"int8_fwd_{f}_g32": (two_linears(f), mode("int8", fwd_only=True), 32)
+                 for f in ("block", "block_head_bf16")}
+    variants["int8_block_head_bf16_g32_two_linears"] = (two_linears("block_head_bf16"), mode("int8"), 32)
     floor_variants = list(variants)
     variants |= {f: (precision, mode(), WIDTH) for f, (_, precision) in table.items() if f not in variants}
     names = floor_variants if args.variants == "all" else args.variants.split(",")

@@ -14,10 +14,13 @@ E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 @pytest.fixture
 def floor(benchmark_script):
     """The script loaded (its import patches ``block`` and ``xla``), the patches undone afterwards."""
-    saved = block.scales_of, block.quantize, xla.quantize, xla.mantissa_rounded, xla._general_matmul_fn
+    saved = (block.scales_of, block.quantize, block.tile_quantize_both, xla.quantize, xla.mantissa_rounded,
+             xla._general_matmul_fn, xla.dgrad, xla.wgrad)
     module = benchmark_script("fidelity_floor")
     yield module
-    block.scales_of, block.quantize, xla.quantize, xla.mantissa_rounded, xla._general_matmul_fn = saved
+    (block.scales_of, block.quantize, block.tile_quantize_both, xla.quantize, xla.mantissa_rounded,
+     xla._general_matmul_fn, xla.dgrad, xla.wgrad) = saved
+    block.BLOCK = module.WIDTH
 
 
 def test_int8_tiles_are_each_groups_integers(floor):
@@ -88,3 +91,18 @@ def test_smoothing_changes_no_product_before_rounding(floor):
     floor.MODE.update(smooth=0.5)
     assert not np.allclose(np.asarray(run()[0]), np.asarray(rounded[0]))
     floor.MODE.update(bits=None, smooth=None)
+
+
+def test_forward_only_variants_leave_the_backward_as_shipped(floor):
+    """``int8_fwd_*``: the forward's input tiles (``cols=False``) in INT8 groups of 32; the gradient's tiles (the
+    backward's calls, cols kept) in E4M3 groups of 128, and the patch back on after them."""
+    x = np.random.default_rng(2).normal(size=(128, 256)).astype(np.float32)
+    floor.MODE.update(patch="int8", int8_dtypes=None, fwd_only=True)
+    block.BLOCK = 32
+    (q, inv), _ = block.tile_quantize_both(x, E4M3, cols=False, impl="xla")
+    assert q.dtype == np.float32 and inv.shape == (128, 8)
+    (gq, ginv), (tq, tinv) = block.tile_quantize_both(x, E4M3, impl="xla")
+    assert gq.dtype == E4M3 and ginv.shape == (128, 2) and tq.dtype == E4M3 and tinv.shape == (256, 1)
+    assert floor.MODE["patch"] == "int8" and block.BLOCK == 32
+    floor.MODE.update(fwd_only=False)
+    assert block.tile_quantize_both(x, E4M3, impl="xla")[0][0].dtype == np.float32
