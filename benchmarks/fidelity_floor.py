@@ -256,7 +256,7 @@ def main() -> None:
             casts = None
             if MODE["patch"] == "int8":
                 casts = fp8_casts(step, params, state, probe["tokens"], probe["mask"], probe["advantages"])
-                if not precision.lm_head_grad_fp8 and MODE["int8_dtypes"] is None and casts:
+                if not precision.lm_head_grad_fp8 and MODE["int8_dtypes"] is None and not MODE["fwd_only"] and casts:
                     raise AssertionError(f"{name}: an FP8 cast left in an all-INT8 program: {casts}")
             logp, grad = fidelity.run_form(step, params, probe, state)
         finally:
