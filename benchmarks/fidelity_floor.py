@@ -119,9 +119,8 @@ def smoothed_matmul_fn(x_dtype, w_dtype, out_dtype, recipe, form, gather=None):
             raise ValueError("the smoothing variants take whole kernels, not block_kernel_for_update's")
         ax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=0)  # [K]
         aw = jnp.max(jnp.abs(kernel.astype(jnp.float32)), axis=1)  # [K]
-        ok = (ax > 0) & (aw > 0)
-        s = jax.lax.stop_gradient(jnp.where(ok, jnp.where(ok, ax, 1.0) ** alpha / jnp.where(ok, aw, 1.0) ** (1 - alpha),
-                                            1.0))
+        ok = (ax > 0) & (aw > 0)  # else s = 1: 1 ** alpha / 1 ** (1 - alpha)
+        s = jax.lax.stop_gradient(jnp.where(ok, ax, 1.0) ** alpha / jnp.where(ok, aw, 1.0) ** (1 - alpha))
         return f((x.astype(jnp.float32) / s).astype(x.dtype), (kernel.astype(jnp.float32) * s[:, None]).astype(
             kernel.dtype), state, kernel_amax, hoisted)
 
