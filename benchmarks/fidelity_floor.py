@@ -40,6 +40,13 @@ changes):
   high-precision values as always). The MLP as two linears (the backward's hooks, ``xla.dgrad``, ``xla.wgrad`` and
   the gradient's ``block.tile_quantize_both``, are those of a linear); ``int8_block_head_bf16_g32_two_linears`` is
   all three GEMMs in INT8 groups of 32 with the same MLP.
+- ``<form>_hadamard`` (form: ``block``, ``block_head_bf16``): the form with each linear's contraction axis rotated
+  first by a block-diagonal Walsh-Hadamard matrix H (orthonormal, blocks of the largest power of 2 up to 128 that
+  divides the axis: 64 for SmolLM2's 576, 128 for its 1536): x H and H^T w, the same product before any rounding,
+  so that all three GEMMs quantize rotated operands (QuaRot, arXiv 2404.00456, spreads outliers this way before
+  rounding). Block diagonal, a rotation stays inside block's groups of 128 and costs a 128-wide product a row, not
+  another GEMM. x H is rounded to x's dtype, as the smoothing's x / s. The MLP as two linears, as the smoothing's;
+  ``block_two_linears`` and ``block_head_bf16_two_linears`` are the baselines.
 - Any form of ``bench fidelity`` (``fidelity.forms``) by its name, unpatched: a baseline in the same run.
 """
 
@@ -67,8 +74,9 @@ from fp8rl_jax.numerics import fp8_max, mantissa_rounded
 
 # the variant being traced: its patch (None | "pow2" | "nosub" | "int8"), the floor's grid factor c, the dtypes an
 # INT8 patch takes (None: all), the floor's mantissa bits (None: the dtype's), the smoothing's alpha (None: none),
-# whether the patch and the group width apply to the forward's GEMM only
-MODE = {"patch": None, "c": 1.0, "int8_dtypes": None, "bits": None, "smooth": None, "fwd_only": False}
+# whether the patch and the group width apply to the forward's GEMM only, whether the contraction axis is rotated
+MODE = {"patch": None, "c": 1.0, "int8_dtypes": None, "bits": None, "smooth": None, "fwd_only": False,
+        "rotate": False}
 INT8_MAX = 127.0
 _scales, _block_quantize, _xla_quantize = block.scales_of, block.quantize, xla.quantize
 _general_matmul_fn = xla._general_matmul_fn
@@ -107,10 +115,32 @@ def shifted(t, dtype):
     return mantissa_rounded(t, dtype) / MODE["c"]
 
 
+def hadamard(k: int) -> np.ndarray:
+    """The block-diagonal orthonormal Walsh-Hadamard matrix [k, k] of the ``_hadamard`` variants: blocks of the
+    largest power of 2 up to 128 that divides k."""
+    b = 1
+    while b < 128 and k % (2 * b) == 0:
+        b *= 2
+    h = np.ones((1, 1))
+    while h.shape[0] < b:
+        h = np.block([[h, h], [h, -h]])
+    return np.kron(np.eye(k // b), h / np.sqrt(b)).astype(np.float32)
+
+
 def smoothed_matmul_fn(x_dtype, w_dtype, out_dtype, recipe, form, gather=None):
-    """``xla._general_matmul_fn``'s matmul, its operands smoothed first where MODE says (the ``_smooth`` variants)."""
+    """``xla._general_matmul_fn``'s matmul, its operands smoothed or rotated first where MODE says (the ``_smooth``
+    and ``_hadamard`` variants)."""
     f = _general_matmul_fn(x_dtype, w_dtype, out_dtype, recipe, form, gather)
     alpha = MODE["smooth"]
+    if MODE["rotate"] and gather is None:
+        def rotated(x, kernel, state, kernel_amax, hoisted):  # x [M, K], kernel [K, N]
+            if hoisted is not None:
+                raise ValueError("the rotation variants take whole kernels, not block_kernel_for_update's")
+            h = jnp.asarray(hadamard(x.shape[-1]))  # a constant: the gradients flow back through it exactly
+            return f((x.astype(jnp.float32) @ h).astype(x.dtype), (h.T @ kernel.astype(jnp.float32)).astype(
+                kernel.dtype), state, kernel_amax, hoisted)
+
+        return rotated
     if alpha is None or gather is not None:
         return f
 
@@ -199,8 +229,8 @@ def main() -> None:
     table = fidelity.forms(base)
     current = base.replace(recipe=dataclasses.replace(base.recipe, scaling="current", fp8_format="e4m3"))
     # name -> (precision, MODE's entries while it is traced, block.BLOCK)
-    mode = lambda patch=None, c=1.0, int8_dtypes=None, bits=None, smooth=None, fwd_only=False: dict(  # noqa: E731
-        patch=patch, c=c, int8_dtypes=int8_dtypes, bits=bits, smooth=smooth, fwd_only=fwd_only)
+    mode = lambda patch=None, c=1.0, int8_dtypes=None, bits=None, smooth=None, fwd_only=False, rotate=False: dict(  # noqa: E731
+        patch=patch, c=c, int8_dtypes=int8_dtypes, bits=bits, smooth=smooth, fwd_only=fwd_only, rotate=rotate)
     variants = {"block_pow2": (table["block"][1], mode("pow2"), WIDTH),
                 "block_nosub": (table["block"][1], mode("nosub"), WIDTH),
                 "current_e4m3": (current, mode(), WIDTH), "current_e4m3_nosub": (current, mode("nosub"), WIDTH)}
@@ -223,6 +253,9 @@ def main() -> None:
     variants |= {f"int8_fwd_{f}_g32": (two_linears(f), mode("int8", fwd_only=True), 32)
                  for f in ("block", "block_head_bf16")}
     variants["int8_block_head_bf16_g32_two_linears"] = (two_linears("block_head_bf16"), mode("int8"), 32)
+    variants |= {"block_two_linears": (two_linears("block"), mode(), WIDTH),
+                 "block_hadamard": (two_linears("block"), mode(rotate=True), WIDTH),
+                 "block_head_bf16_hadamard": (two_linears("block_head_bf16"), mode(rotate=True), WIDTH)}
     floor_variants = list(variants)
     variants |= {f: (precision, mode(), WIDTH) for f, (_, precision) in table.items() if f not in variants}
     names = floor_variants if args.variants == "all" else args.variants.split(",")

@@ -59,9 +59,11 @@ def test_fp8_casts_finds_conversions_in_nested_programs(floor):
     assert floor.fp8_casts(jax.jit(lambda a: jnp.sum(a ** 2)), x) == {}
 
 
-def test_smoothing_changes_no_product_before_rounding(floor):
-    """The ``_smooth`` variants' x / s and s * w: with the probe's floor at f32's 23 mantissa bits (no rounding), the
-    matmul and both its gradients equal the unsmoothed ones to f32 rounding, for a massive input channel too."""
+@pytest.mark.parametrize("change", [{"smooth": 0.5}, {"rotate": True}], ids=["smooth", "hadamard"])
+def test_smoothing_and_rotation_change_no_product_before_rounding(floor, change):
+    """The ``_smooth`` variants' x / s and s * w, and the ``_hadamard`` variants' x H and H^T w: with the probe's floor
+    at f32's 23 mantissa bits (no rounding), the matmul and both its gradients equal the plain ones to f32 rounding,
+    for a massive input channel too."""
     from fp8rl_jax.fp8.recipe import Fp8Recipe, init_linear_state
 
     rng = np.random.default_rng(1)
@@ -79,18 +81,30 @@ def test_smoothing_changes_no_product_before_rounding(floor):
         (_, y), grads = jax.jit(jax.value_and_grad(loss, (0, 1), has_aux=True))(x, w)
         return y, *grads
 
-    floor.MODE.update(patch=None, c=1.0, bits=23, smooth=None)
+    plain_mode = dict(smooth=None, rotate=False)
+    floor.MODE.update(patch=None, c=1.0, bits=23, **plain_mode)
     plain = run()
-    floor.MODE.update(smooth=0.5)
-    smoothed = run()
-    floor.MODE.update(bits=None, smooth=None)
-    for a, b in zip(plain, smoothed, strict=True):
+    floor.MODE.update(change)
+    changed = run()
+    floor.MODE.update(bits=None, **plain_mode)
+    for a, b in zip(plain, changed, strict=True):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=2e-5, atol=2e-5 * float(np.abs(a).max()))
-    floor.MODE.update(bits=3, smooth=None)  # with rounding the smoothing moves the result: the test can tell
+    floor.MODE.update(bits=3, **plain_mode)  # with rounding the change moves the result: the test can tell
     rounded = run()
-    floor.MODE.update(smooth=0.5)
+    floor.MODE.update(change)
     assert not np.allclose(np.asarray(run()[0]), np.asarray(rounded[0]))
-    floor.MODE.update(bits=None, smooth=None)
+    floor.MODE.update(bits=None, **plain_mode)
+
+
+def test_hadamard_is_block_diagonal_and_orthonormal(floor):
+    """``hadamard(k)``: orthonormal, symmetric, in blocks of the largest power of 2 up to 128 dividing k (64 for
+    SmolLM2's 576, 128 for 1536), each block +-1 / sqrt(block)."""
+    for k, b in ((576, 64), (1536, 128), (96, 32)):
+        h = floor.hadamard(k)
+        np.testing.assert_allclose(h @ h.T, np.eye(k), atol=1e-6)
+        np.testing.assert_array_equal(h, h.T)
+        np.testing.assert_allclose(np.abs(h[:b, :b]), 1 / np.sqrt(b), rtol=1e-6)
+        assert not h[:b, b:].any() and not h[b:, :b].any()
 
 
 def test_forward_only_variants_leave_the_backward_as_shipped(floor):
