@@ -40,13 +40,14 @@ changes):
   high-precision values as always). The MLP as two linears (the backward's hooks, ``xla.dgrad``, ``xla.wgrad`` and
   the gradient's ``block.tile_quantize_both``, are those of a linear); ``int8_block_head_bf16_g32_two_linears`` is
   all three GEMMs in INT8 groups of 32 with the same MLP.
-- ``<form>_hadamard`` (form: ``block``, ``block_head_bf16``): the form with each linear's contraction axis rotated
-  first by a block-diagonal Walsh-Hadamard matrix H (orthonormal, blocks of the largest power of 2 up to 128 that
-  divides the axis: 64 for SmolLM2's 576, 128 for its 1536): x H and H^T w, the same product before any rounding,
-  so that all three GEMMs quantize rotated operands (QuaRot, arXiv 2404.00456, spreads outliers this way before
-  rounding). Block diagonal, a rotation stays inside block's groups of 128 and costs a 128-wide product a row, not
-  another GEMM. x H is rounded to x's dtype, as the smoothing's x / s. The MLP as two linears, as the smoothing's;
-  ``block_two_linears`` and ``block_head_bf16_two_linears`` are the baselines.
+- ``<form>_hadamard`` (form: ``block``, ``block_head_bf16``, ``int8_block``, ``int8_block_head_bf16``): the form
+  with each linear's contraction axis rotated first by a block-diagonal Walsh-Hadamard matrix H (orthonormal, blocks
+  of the largest power of 2 up to 128 that divides the axis: 64 for SmolLM2's 576, 128 for its 1536): x H and H^T w,
+  the same product before any rounding, so that all three GEMMs quantize rotated operands (QuaRot, arXiv 2404.00456,
+  spreads outliers this way before rounding). Block diagonal, a rotation stays inside block's groups of 128 and costs
+  a 128-wide product a row, not another GEMM. x H is rounded to x's dtype, as the smoothing's x / s. The MLP as two
+  linears, as the smoothing's; ``block_two_linears``, ``block_head_bf16_two_linears`` and their ``int8_`` forms are
+  the baselines.
 - Any form of ``bench fidelity`` (``fidelity.forms``) by its name, unpatched: a baseline in the same run.
 """
 
@@ -256,6 +257,9 @@ def main() -> None:
     variants |= {"block_two_linears": (two_linears("block"), mode(), WIDTH),
                  "block_hadamard": (two_linears("block"), mode(rotate=True), WIDTH),
                  "block_head_bf16_hadamard": (two_linears("block_head_bf16"), mode(rotate=True), WIDTH)}
+    variants |= {f"int8_{f}_hadamard": (two_linears(f), mode("int8", rotate=True), WIDTH)
+                 for f in ("block", "block_head_bf16")}
+    variants |= {f"int8_{f}_two_linears": (two_linears(f), mode("int8"), WIDTH) for f in ("block", "block_head_bf16")}
     floor_variants = list(variants)
     variants |= {f: (precision, mode(), WIDTH) for f, (_, precision) in table.items() if f not in variants}
     names = floor_variants if args.variants == "all" else args.variants.split(",")
