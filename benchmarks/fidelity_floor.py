@@ -1,6 +1,6 @@
 """Why block scaling beats the fidelity probe's mantissa floor, and what more bits buy (docs/accuracy.md, the probe).
 
-    python benchmarks/fidelity_floor.py [--variants NAME,NAME,...] [--out PATH] [--checkpoint DIR]
+    python benchmarks/fidelity_floor.py [--variants NAME,NAME,...] [--out PATH] [--checkpoint DIR] [--seed S]
 
 ``bench fidelity``'s batch, reference and calibration (SmolLM2-135M-Instruct, its defaults), and variants of its forms
 that no config has, made by patching three functions and one constant of this process (nothing in the package
@@ -222,6 +222,7 @@ def main() -> None:
     parser.add_argument("--out", default="/tmp/fidelity_floor.json")
     parser.add_argument("--checkpoint", default=None, help="bench fidelity's --checkpoint: a trainer checkpoint's "
                         "SmolLM2 parameters instead of the shipped ones (the batches stay the shipped model's)")
+    parser.add_argument("--seed", type=int, default=0, help="bench fidelity's --seed: which prompts make the batches")
     parser.set_defaults(model="smollm2")  # the model fidelity.describe names: the floor probes SmolLM2 alone
     args = parser.parse_args()
     config = load_config_file("configs/smollm2_arith.py")
@@ -267,7 +268,7 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown variants {unknown}; known: {', '.join(variants)}")
 
-    batch_args = argparse.Namespace(pool=32, prompts=4, samples=4, seed=0)  # bench fidelity's defaults
+    batch_args = argparse.Namespace(pool=32, prompts=4, samples=4, seed=args.seed)  # bench fidelity's defaults
     spec = plan.model_spec(config)
     model, params, tokenizer = loading.load_model(dataclasses.replace(spec, source="smollm2", tokenizer="",
                                                                       num_layers=0))
