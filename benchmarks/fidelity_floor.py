@@ -47,7 +47,9 @@ changes):
   spreads outliers this way before rounding). Block diagonal, a rotation stays inside block's groups of 128 and costs
   a 128-wide product a row, not another GEMM. x H is rounded to x's dtype, as the smoothing's x / s. The MLP as two
   linears, as the smoothing's; ``block_two_linears``, ``block_head_bf16_two_linears`` and their ``int8_`` forms are
-  the baselines.
+  the baselines. ``int8_fwd_<form>_hadamard`` (form: ``block``, ``block_head_bf16``): the forward's GEMM alone
+  rotated and INT8 (its value: plain + stop_gradient(rotated - plain)), the dgrad and the wgrad as ``block`` ships
+  them, unrotated (the plain matmul's gradient, its backward quantizers as ``int8_fwd_*_g32``'s).
 - Any form of ``bench fidelity`` (``fidelity.forms``) by its name, unpatched: a baseline in the same run.
 """
 
@@ -76,6 +78,7 @@ from fp8rl_jax.numerics import fp8_max, mantissa_rounded
 # the variant being traced: its patch (None | "pow2" | "nosub" | "int8"), the floor's grid factor c, the dtypes an
 # INT8 patch takes (None: all), the floor's mantissa bits (None: the dtype's), the smoothing's alpha (None: none),
 # whether the patch and the group width apply to the forward's GEMM only, whether the contraction axis is rotated
+# (True: in all three GEMMs; "fwd": in the forward's alone)
 MODE = {"patch": None, "c": 1.0, "int8_dtypes": None, "bits": None, "smooth": None, "fwd_only": False,
         "rotate": False}
 INT8_MAX = 127.0
@@ -141,7 +144,11 @@ def smoothed_matmul_fn(x_dtype, w_dtype, out_dtype, recipe, form, gather=None):
             return f((x.astype(jnp.float32) @ h).astype(x.dtype), (h.T @ kernel.astype(jnp.float32)).astype(
                 kernel.dtype), state, kernel_amax, hoisted)
 
-        return rotated
+        def rotated_forward(*args):  # the rotated product's value, the plain matmul's gradient (``rotate="fwd"``)
+            plain = f(*args)
+            return plain + jax.lax.stop_gradient(rotated(*args) - plain)
+
+        return rotated_forward if MODE["rotate"] == "fwd" else rotated
     if alpha is None or gather is not None:
         return f
 
@@ -261,6 +268,8 @@ def main() -> None:
     variants |= {f"int8_{f}_hadamard": (two_linears(f), mode("int8", rotate=True), WIDTH)
                  for f in ("block", "block_head_bf16")}
     variants |= {f"int8_{f}_two_linears": (two_linears(f), mode("int8"), WIDTH) for f in ("block", "block_head_bf16")}
+    variants |= {f"int8_fwd_{f}_hadamard": (two_linears(f), mode("int8", fwd_only=True, rotate="fwd"), WIDTH)
+                 for f in ("block", "block_head_bf16")}
     floor_variants = list(variants)
     variants |= {f: (precision, mode(), WIDTH) for f, (_, precision) in table.items() if f not in variants}
     names = floor_variants if args.variants == "all" else args.variants.split(",")

@@ -96,6 +96,36 @@ def test_smoothing_and_rotation_change_no_product_before_rounding(floor, change)
     floor.MODE.update(bits=None, **plain_mode)
 
 
+def test_forward_rotation_has_the_rotated_value_and_the_plain_gradient(floor):
+    """``rotate="fwd"`` (``int8_fwd_*_hadamard``): with the floor's rounding on (3 mantissa bits), the matmul's value
+    is the rotated one's (to f32 rounding) and both its gradients are the plain matmul's."""
+    from fp8rl_jax.fp8.recipe import Fp8Recipe, init_linear_state
+
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(16, 256)).astype(np.float32)
+    w = (rng.normal(size=(256, 64)) * 0.05).astype(np.float32)
+    cot = rng.normal(size=(16, 64)).astype(np.float32)
+    recipe = Fp8Recipe(scaling="mantissa", fp8_format="e4m3")
+    state = init_linear_state(recipe)
+
+    def run(rotate):
+        floor.MODE.update(patch=None, c=1.0, bits=3, smooth=None, rotate=rotate)
+
+        def loss(a, b):
+            y = xla.fp8_matmul(a, b, state, recipe, jnp.float32)
+            return jnp.sum(y * cot), y
+        (_, y), grads = jax.jit(jax.value_and_grad(loss, (0, 1), has_aux=True))(x, w)
+        return [np.asarray(v) for v in (y, *grads)]
+
+    plain, rotated, forward = run(False), run(True), run("fwd")
+    floor.MODE.update(bits=None, rotate=False)
+    np.testing.assert_allclose(forward[0], rotated[0], rtol=1e-6, atol=1e-6 * float(np.abs(rotated[0]).max()))
+    assert not np.allclose(rotated[0], plain[0])  # the rotation moves the rounded value: the test can tell
+    for a, b, c in zip(forward[1:], plain[1:], rotated[1:], strict=True):
+        np.testing.assert_array_equal(a, b)
+        assert not np.allclose(b, c)
+
+
 def test_hadamard_is_block_diagonal_and_orthonormal(floor):
     """``hadamard(k)``: orthonormal, symmetric, in blocks of the largest power of 2 up to 128 dividing k (64 for
     SmolLM2's 576, 128 for 1536), each block +-1 / sqrt(block)."""
