@@ -321,11 +321,16 @@ def fail_writes_into(monkeypatch, step: int, code: int = errno.ENOSPC) -> None:
 
 
 def _wait_until_still(folder, quiet_s: float = 1.0, limit_s: float = 60.0) -> None:
-    """Until the files under ``folder`` (names and sizes) stop changing for ``quiet_s``."""
+    """Until the files under ``folder`` (names and sizes) stop changing for ``quiet_s``. A file or folder removed
+    while it is walked (tensorstore's lock files come and go) is a change."""
     import time
 
     def listing():
-        return sorted((str(p), p.stat().st_size) for p in folder.rglob("*") if p.is_file()) if folder.exists() else []
+        try:
+            return sorted((str(p), p.stat().st_size) for p in folder.rglob("*") if p.is_file()) if folder.exists() \
+                else []
+        except FileNotFoundError:  # removed between the walk and its stat
+            return None
 
     last, since, start = listing(), time.monotonic(), time.monotonic()
     while time.monotonic() - since < quiet_s and time.monotonic() - start < limit_s:
