@@ -131,38 +131,42 @@ def hadamard(k: int) -> np.ndarray:
     return np.kron(np.eye(k // b), h / np.sqrt(b)).astype(np.float32)
 
 
-def smoothed_matmul_fn(x_dtype, w_dtype, out_dtype, recipe, form, gather=None):
-    """``xla._general_matmul_fn``'s matmul, its operands smoothed or rotated first where MODE says (the ``_smooth``
-    and ``_hadamard`` variants)."""
-    f = _general_matmul_fn(x_dtype, w_dtype, out_dtype, recipe, form, gather)
+def smoothing(x, kernel):
+    """SmoothQuant's x / s and s * w (f32) for alpha = MODE["smooth"]: ``s_k = amax_x[k] ** alpha / amax_w[k] **
+    (1 - alpha)``, 1 where either amax is 0, a constant to the gradients."""
     alpha = MODE["smooth"]
-    if MODE["rotate"] and gather is None:
-        def rotated(x, kernel, state, kernel_amax, hoisted):  # x [M, K], kernel [K, N]
-            if hoisted is not None:
-                raise ValueError("the rotation variants take whole kernels, not block_kernel_for_update's")
-            h = jnp.asarray(hadamard(x.shape[-1]))  # a constant: the gradients flow back through it exactly
-            return f((x.astype(jnp.float32) @ h).astype(x.dtype), (h.T @ kernel.astype(jnp.float32)).astype(
-                kernel.dtype), state, kernel_amax, hoisted)
+    ax = jnp.max(jnp.abs(x), axis=0)  # [K]
+    aw = jnp.max(jnp.abs(kernel), axis=1)  # [K]
+    ok = (ax > 0) & (aw > 0)  # else s = 1: 1 ** alpha / 1 ** (1 - alpha)
+    s = jax.lax.stop_gradient(jnp.where(ok, ax, 1.0) ** alpha / jnp.where(ok, aw, 1.0) ** (1 - alpha))
+    return x / s, kernel * s[:, None]
 
-        def rotated_forward(*args):  # the rotated product's value, the plain matmul's gradient (``rotate="fwd"``)
-            plain = f(*args)
-            return plain + jax.lax.stop_gradient(rotated(*args) - plain)
 
-        return rotated_forward if MODE["rotate"] == "fwd" else rotated
-    if alpha is None or gather is not None:
+def rotation(x, kernel):
+    """x H and H^T w (f32), H = ``hadamard(K)``: a constant, the gradients flow back through it exactly."""
+    h = jnp.asarray(hadamard(x.shape[-1]))
+    return x @ h, h.T @ kernel
+
+
+def transformed_matmul_fn(x_dtype, w_dtype, out_dtype, recipe, form, gather=None):
+    """``xla._general_matmul_fn``'s matmul, its operands smoothed or rotated first where MODE says (the ``_smooth``
+    and ``_hadamard`` variants): x [M, K] and kernel [K, N] transformed in f32, then rounded back to their dtypes."""
+    f = _general_matmul_fn(x_dtype, w_dtype, out_dtype, recipe, form, gather)
+    transform = rotation if MODE["rotate"] else smoothing if MODE["smooth"] is not None else None
+    if transform is None or gather is not None:
         return f
 
-    def smoothed(x, kernel, state, kernel_amax, hoisted):  # x [M, K], kernel [K, N]
+    def transformed(x, kernel, state, kernel_amax, hoisted):
         if hoisted is not None:
-            raise ValueError("the smoothing variants take whole kernels, not block_kernel_for_update's")
-        ax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=0)  # [K]
-        aw = jnp.max(jnp.abs(kernel.astype(jnp.float32)), axis=1)  # [K]
-        ok = (ax > 0) & (aw > 0)  # else s = 1: 1 ** alpha / 1 ** (1 - alpha)
-        s = jax.lax.stop_gradient(jnp.where(ok, ax, 1.0) ** alpha / jnp.where(ok, aw, 1.0) ** (1 - alpha))
-        return f((x.astype(jnp.float32) / s).astype(x.dtype), (kernel.astype(jnp.float32) * s[:, None]).astype(
-            kernel.dtype), state, kernel_amax, hoisted)
+            raise ValueError("the smoothing and rotation variants take whole kernels, not block_kernel_for_update's")
+        tx, tk = transform(x.astype(jnp.float32), kernel.astype(jnp.float32))
+        return f(tx.astype(x.dtype), tk.astype(kernel.dtype), state, kernel_amax, hoisted)
 
-    return smoothed
+    def rotated_forward(*args):  # the rotated product's value, the plain matmul's gradient (``rotate="fwd"``)
+        plain = f(*args)
+        return plain + jax.lax.stop_gradient(transformed(*args) - plain)
+
+    return rotated_forward if MODE["rotate"] == "fwd" else transformed
 
 
 def as_shipped_in_backward(fn, in_backward=lambda *args, **kwargs: True):
@@ -181,7 +185,7 @@ def as_shipped_in_backward(fn, in_backward=lambda *args, **kwargs: True):
     return wrapped
 
 
-xla._general_matmul_fn = smoothed_matmul_fn
+xla._general_matmul_fn = transformed_matmul_fn
 xla.dgrad, xla.wgrad = as_shipped_in_backward(xla.dgrad), as_shipped_in_backward(xla.wgrad)
 # the forward quantizes its input with cols=False; the backward's gradient tiles keep cols
 block.tile_quantize_both = as_shipped_in_backward(block.tile_quantize_both, lambda *a, cols=True, **k: cols)

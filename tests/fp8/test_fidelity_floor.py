@@ -59,27 +59,32 @@ def test_fp8_casts_finds_conversions_in_nested_programs(floor):
     assert floor.fp8_casts(jax.jit(lambda a: jnp.sum(a ** 2)), x) == {}
 
 
+def matmul_and_grads(x, w, cot):
+    """``xla.fp8_matmul(x, w)`` under the floor's recipe (the script's MODE decides its rounding) and the gradients
+    of ``sum(y * cot)``: [y, dx, dw] as numpy."""
+    from fp8rl_jax.fp8.recipe import Fp8Recipe, init_linear_state
+
+    recipe = Fp8Recipe(scaling="mantissa", fp8_format="e4m3")
+    state = init_linear_state(recipe)
+
+    def loss(a, b):
+        y = xla.fp8_matmul(a, b, state, recipe, jnp.float32)
+        return jnp.sum(y * cot), y
+    (_, y), grads = jax.jit(jax.value_and_grad(loss, (0, 1), has_aux=True))(x, w)
+    return [np.asarray(v) for v in (y, *grads)]
+
+
 @pytest.mark.parametrize("change", [{"smooth": 0.5}, {"rotate": True}], ids=["smooth", "hadamard"])
 def test_smoothing_and_rotation_change_no_product_before_rounding(floor, change):
     """The ``_smooth`` variants' x / s and s * w, and the ``_hadamard`` variants' x H and H^T w: with the probe's floor
     at f32's 23 mantissa bits (no rounding), the matmul and both its gradients equal the plain ones to f32 rounding,
     for a massive input channel too."""
-    from fp8rl_jax.fp8.recipe import Fp8Recipe, init_linear_state
-
     rng = np.random.default_rng(1)
     x = rng.normal(size=(16, 256)).astype(np.float32)
     x[:, 7] *= 3000.0  # a massive channel: s_7 large
     w = (rng.normal(size=(256, 64)) * 0.05).astype(np.float32)
     cot = rng.normal(size=(16, 64)).astype(np.float32)
-    recipe = Fp8Recipe(scaling="mantissa", fp8_format="e4m3")
-    state = init_linear_state(recipe)
-
-    def run():
-        def loss(a, b):
-            y = xla.fp8_matmul(a, b, state, recipe, jnp.float32)
-            return jnp.sum(y * cot), y
-        (_, y), grads = jax.jit(jax.value_and_grad(loss, (0, 1), has_aux=True))(x, w)
-        return y, *grads
+    run = lambda: matmul_and_grads(x, w, cot)  # noqa: E731
 
     plain_mode = dict(smooth=None, rotate=False)
     floor.MODE.update(patch=None, c=1.0, bits=23, **plain_mode)
@@ -88,34 +93,25 @@ def test_smoothing_and_rotation_change_no_product_before_rounding(floor, change)
     changed = run()
     floor.MODE.update(bits=None, **plain_mode)
     for a, b in zip(plain, changed, strict=True):
-        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=2e-5, atol=2e-5 * float(np.abs(a).max()))
+        np.testing.assert_allclose(b, a, rtol=2e-5, atol=2e-5 * float(np.abs(a).max()))
     floor.MODE.update(bits=3, **plain_mode)  # with rounding the change moves the result: the test can tell
     rounded = run()
     floor.MODE.update(change)
-    assert not np.allclose(np.asarray(run()[0]), np.asarray(rounded[0]))
+    assert not np.allclose(run()[0], rounded[0])
     floor.MODE.update(bits=None, **plain_mode)
 
 
 def test_forward_rotation_has_the_rotated_value_and_the_plain_gradient(floor):
     """``rotate="fwd"`` (``int8_fwd_*_hadamard``): with the floor's rounding on (3 mantissa bits), the matmul's value
     is the rotated one's (to f32 rounding) and both its gradients are the plain matmul's."""
-    from fp8rl_jax.fp8.recipe import Fp8Recipe, init_linear_state
-
     rng = np.random.default_rng(3)
     x = rng.normal(size=(16, 256)).astype(np.float32)
     w = (rng.normal(size=(256, 64)) * 0.05).astype(np.float32)
     cot = rng.normal(size=(16, 64)).astype(np.float32)
-    recipe = Fp8Recipe(scaling="mantissa", fp8_format="e4m3")
-    state = init_linear_state(recipe)
 
     def run(rotate):
         floor.MODE.update(patch=None, c=1.0, bits=3, smooth=None, rotate=rotate)
-
-        def loss(a, b):
-            y = xla.fp8_matmul(a, b, state, recipe, jnp.float32)
-            return jnp.sum(y * cot), y
-        (_, y), grads = jax.jit(jax.value_and_grad(loss, (0, 1), has_aux=True))(x, w)
-        return [np.asarray(v) for v in (y, *grads)]
+        return matmul_and_grads(x, w, cot)
 
     plain, rotated, forward = run(False), run(True), run("fwd")
     floor.MODE.update(bits=None, rotate=False)
